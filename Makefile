@@ -1,0 +1,41 @@
+# `make demo` and `make test` build .venv/ on first use with a Python >= 3.12 interpreter:
+# the first one on PATH, else pyenv's (its python3.12 shim needs PYENV_VERSION set).
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+define find_python
+for c in python3.12 python3 python3.13; do \
+  p=$$(command -v $$c 2>/dev/null) || continue; \
+  $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$p; exit 0; }; \
+done; \
+if command -v pyenv >/dev/null 2>&1; then \
+  for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -V); do \
+    p="$$(pyenv root)/versions/$$v/bin/python3"; \
+    [ -x "$$p" ] && { echo $$p; exit 0; }; \
+  done; \
+fi; \
+exit 1
+endef
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py
+	@py=$$($(find_python)) || { echo "error: no Python >= 3.12 found on PATH or in pyenv; install one and retry" >&2; exit 1; }; \
+	echo "using $$py"; \
+	[ -x $(PY) ] || $$py -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m megatron_hetero.layout check examples/layouts/demo_colocated.yaml --world-size 4
+	$(VENV)/bin/torchrun --nproc-per-node 4 examples/pretrain_vlm.py @examples/demo_args.txt
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

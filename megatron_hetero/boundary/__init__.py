@@ -1,0 +1,6 @@
+"""Boundary communicators: a pure routing plan (plan.py) and its execution (exchange.py)."""
+
+from megatron_hetero.boundary.exchange import boundary_exchange, slot_mask
+from megatron_hetero.boundary.plan import BoundaryBatch, BoundaryError, RankPlan, plan_edge
+
+__all__ = ["BoundaryBatch", "BoundaryError", "RankPlan", "boundary_exchange", "plan_edge", "slot_mask"]

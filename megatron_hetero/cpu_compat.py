@@ -1,0 +1,47 @@
+"""The one place where megatron-core is adapted to run without CUDA (gloo on CPU).
+
+megatron-core places buffers on `torch.cuda.current_device()` and keeps its RNG tracker on the CUDA
+generator. Without CUDA both are redirected to the CPU; with CUDA this module does nothing.
+"""
+
+import torch
+
+_applied = False
+
+
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+class _HostStream:
+    """CPU work is ordered already: stream waits are no-ops."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+def apply_cpu_compat() -> None:
+    """Redirect megatron-core's CUDA assumptions to the CPU when no GPU is present (idempotent)."""
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # Buffers (DDP grad buffers, the global memory buffer, ...) are created on current_device().
+    torch.cuda.current_device = lambda: "cpu"
+    # DDP's gradient sync orders itself after the current stream.
+    torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
+    # The RNG tracker saves, seeds and restores "the CUDA generator": make that the CPU one.
+    torch.cuda.get_rng_state = _cpu_rng_state
+    torch.cuda.set_rng_state = _set_cpu_rng_state
+    torch.cuda.manual_seed = torch.manual_seed
+    mcore_random._get_cuda_rng_state = _cpu_rng_state
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    _applied = True

@@ -1,0 +1,73 @@
+"""Global batches of fused image-caption sequences, and each module's slice of them.
+
+A sample's fused sequence is `<bos> <image>*P caption <eos> <pad>...`: the image placeholder expands
+to the image's P patch tokens, whose input embeddings are the encoder rows delivered by the boundary.
+Every rank builds the batch metadata (token ids, image token positions) for the whole global batch,
+so every rank computes the same boundary plan; images are built only where they are encoded.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_hetero.boundary import BoundaryBatch
+from megatron_hetero.data.shapes import ShapesDataset, ShapesSample
+from megatron_hetero.data.tokenizer import CaptionTokenizer
+
+
+@dataclass
+class GlobalBatch:
+    """input_ids, labels, loss_mask: [B, S]; loss tokens are the caption words and <eos>."""
+
+    indices: list[int]
+    samples: list[ShapesSample]
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    boundary: BoundaryBatch
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def images(self, samples: slice) -> torch.Tensor:
+        """[n, 3, H, W]: the images of samples[samples], in sample order (one per sample here)."""
+        return torch.stack([s.image for s in self.samples[samples]])
+
+
+def module_slice(num_samples: int, dp: int, dp_rank: int) -> slice:
+    """A module's DP rank holds a contiguous slice of the batch."""
+    per_rank = num_samples // dp
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+
+def caption_batch(
+    dataset: ShapesDataset,
+    indices: list[int],
+    tokenizer: CaptionTokenizer,
+    patches_per_image: int,
+    seq_len: int,
+    with_captions: bool = True,
+) -> GlobalBatch:
+    """Fused sequences for dataset[indices]; without captions, the prompt only (for generation)."""
+    samples = [dataset[i] for i in indices]
+    input_ids = torch.full((len(samples), seq_len), tokenizer.pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(samples), seq_len)
+    prompt = [tokenizer.bos_id] + [tokenizer.image_id] * patches_per_image
+    for b, sample in enumerate(samples):
+        caption = tokenizer.encode(sample.caption) + [tokenizer.eos_id] if with_captions else []
+        tokens = prompt + caption
+        if len(tokens) > seq_len:
+            raise ValueError(
+                f"a fused sequence needs {len(tokens)} tokens but --seq-length is {seq_len}; "
+                f"set --seq-length {len(tokens)} or more"
+            )
+        input_ids[b, : len(tokens)] = torch.tensor(tokens)
+        # Position t predicts token t+1: the last image token predicts the first caption word.
+        loss_mask[b, len(prompt) - 1 : len(tokens) - 1] = 1.0
+    labels = torch.roll(input_ids, -1, dims=1)
+    labels[:, -1] = tokenizer.pad_id
+    image_positions = np.tile(np.arange(1, 1 + patches_per_image), len(samples))
+    boundary = BoundaryBatch(np.full(len(samples), patches_per_image), image_positions, seq_len)
+    return GlobalBatch(list(indices), samples, input_ids, labels, loss_mask, boundary)

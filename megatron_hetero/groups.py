@@ -1,0 +1,77 @@
+"""Process groups per module, from its layout: megatron-core HyperCommGrid + ProcessGroupCollection.
+
+Group creation is collective over the whole world: every rank builds every module's groups, in the
+layout's module order, also for modules it does not hold (it then gets None groups for them).
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_hetero.layout import HeteroLayout, ModuleLayout
+
+# tp fastest: Megatron's tp-cp-dp-pp order. "ep" has size 1 (dense modules) so that the expert
+# groups megatron-core asks for come from the grid, collectively, like the others.
+GRID_AXES = ["tp", "cp", "ep", "dp", "pp"]
+
+
+@dataclass
+class ModuleGroups:
+    """One module's groups on this rank; `pgs` is None where this rank does not hold the module."""
+
+    layout: ModuleLayout
+    grid: HyperCommGrid
+    pgs: ProcessGroupCollection | None
+
+
+def _first_and_last_stage_groups(grid: HyperCommGrid, rank: int):
+    """Embedding groups as megatron-core builds them: (first, last) pp stage, and first stage alone."""
+    embd = pos_embd = None
+    for pp_ranks in grid.get_rank_enum("pp"):
+        embd_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
+        group = dist.new_group(ranks=embd_ranks)
+        if rank in embd_ranks:
+            embd = group
+        group = dist.new_group(ranks=[pp_ranks[0]])
+        if rank == pp_ranks[0]:
+            pos_embd = group
+    return embd, pos_embd
+
+
+def build_module_groups(module: ModuleLayout, backend: str | None = None) -> ModuleGroups:
+    """Collective: create `module`'s process groups on every rank of the world."""
+    shape = [module.tp, module.cp, 1, module.dp, module.pp]
+    grid = HyperCommGrid(shape, GRID_AXES, rank_offset=module.first_rank, backend=backend)
+    rank = dist.get_rank()
+    groups = dict(
+        tp=grid.create_pg("tp"),
+        cp=grid.create_pg("cp"),
+        dp=grid.create_pg("dp"),
+        pp=grid.create_pg("pp"),
+        ep=grid.create_pg("ep"),
+        mp=grid.create_pg(["tp", "pp"]),
+        tp_cp=grid.create_pg(["tp", "cp"]),
+        dp_cp=grid.create_pg(["cp", "dp"]),
+        tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]),
+    )
+    embd, pos_embd = _first_and_last_stage_groups(grid, rank)
+    if not grid.is_current_rank_in_grid():
+        return ModuleGroups(module, grid, None)
+    # Dense modules: the expert groups are the dense ones (ep=1, expert tp = tp, expert dp = dp).
+    pgs = ProcessGroupCollection(
+        **groups,
+        embd=embd,
+        pos_embd=pos_embd,
+        expt_tp=groups["tp"],
+        expt_dp=groups["dp"],
+        tp_ep=groups["tp"],
+        tp_ep_pp=groups["mp"],
+    )
+    return ModuleGroups(module, grid, pgs)
+
+
+def build_groups(layout: HeteroLayout, backend: str | None = None) -> dict[str, ModuleGroups]:
+    """Collective: every module's groups, keyed by module name, in layout order."""
+    return {m.name: build_module_groups(m, backend) for m in layout.modules}

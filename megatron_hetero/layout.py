@@ -1,0 +1,432 @@
+"""Per-module parallel layouts: dataclasses, YAML parsing, validation, rank coordinates.
+
+Pure Python (no torch): the layout is checked, and every rank's place in every module is known,
+before any process group exists. `python -m megatron_hetero.layout check FILE --world-size N`
+prints the rank map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+
+import yaml
+
+__all__ = [
+    "AXES",
+    "Edge",
+    "HeteroLayout",
+    "LayoutError",
+    "ModuleLayout",
+    "load_layout",
+    "parse_layout",
+]
+
+# Megatron order inside a module: tp fastest, then cp, then dp, then pp.
+AXES = ("tp", "cp", "dp", "pp")
+ROLES = ("encoder", "llm")
+PLACEMENTS = ("colocated", "non_colocated")
+TOP_KEYS = ("placement", "modules", "edges")
+MODULE_KEYS = ("role", *AXES, "sp", "freeze", "ranks", "ep", "etp")
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_RANKS = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
+
+
+class LayoutError(ValueError):
+    """A user mistake in a layout; the message is one line naming the module, field and fix."""
+
+
+def _is_int(value) -> bool:
+    # YAML `true` is a bool, and bool is an int subclass: refuse it as a size.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _span(r: range) -> str:
+    return f"{r.start}-{r.stop - 1}"
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    name: str
+    role: str
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    sp: bool = False
+    freeze: bool = False
+    first_rank: int = 0  # global rank of the module's coordinate (0, 0, 0, 0)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise LayoutError(
+                f"module name {self.name!r} is not valid; use letters, digits and _ (e.g. vision)"
+            )
+        where = f"module {self.name}"
+        if self.role not in ROLES:
+            raise LayoutError(f"{where}: role {self.role!r} is not valid; use role: encoder or role: llm")
+        for axis in AXES:
+            value = getattr(self, axis)
+            if not _is_int(value) or value < 1:
+                raise LayoutError(f"{where}: {axis} must be a positive integer, got {value!r}; set {axis}: 1 or more")
+        for flag in ("sp", "freeze"):
+            if not isinstance(getattr(self, flag), bool):
+                raise LayoutError(f"{where}: {flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.sp and self.role != "llm":
+            # The boundary assumes encoder TP ranks hold full replicas of their output rows.
+            raise LayoutError(f"{where}: sp is only supported on the llm; set sp: false")
+        if self.sp and self.tp == 1:
+            raise LayoutError(f"{where}: sp needs tensor parallelism; set tp > 1 or sp: false")
+        if not _is_int(self.first_rank) or self.first_rank < 0:
+            raise LayoutError(f"{where}: first rank must be a non-negative integer, got {self.first_rank!r}")
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.size)
+
+    def grid_shape(self) -> list[int]:
+        """Shape for megatron-core HyperCommGrid(shape, list(AXES), rank_offset=first_rank)."""
+        return [getattr(self, axis) for axis in AXES]
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        coords = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        offset = 0
+        for axis in reversed(AXES):  # Horner's rule, slowest axis first
+            extent = getattr(self, axis)
+            if not 0 <= coords[axis] < extent:
+                raise ValueError(f"module {self.name}: {axis} coordinate {coords[axis]} is outside 0..{extent - 1}")
+            offset = offset * extent + coords[axis]
+        return self.first_rank + offset
+
+    def coords(self, rank: int) -> dict[str, int] | None:
+        if rank not in self.ranks:
+            return None
+        offset = rank - self.first_rank
+        result = {}
+        for axis in AXES:
+            offset, result[axis] = divmod(offset, getattr(self, axis))
+        return result
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str
+
+    def __post_init__(self):
+        for end in (self.src, self.dst):
+            if not isinstance(end, str) or not _NAME.match(end):
+                raise LayoutError(f"edges: {end!r} is not a module name; write 'ENCODER -> LLM' with module names")
+
+    def __str__(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+
+@dataclass(frozen=True)
+class HeteroLayout:
+    placement: str
+    world_size: int
+    modules: tuple[ModuleLayout, ...]  # in file order
+    edges: tuple[Edge, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        if self.placement not in PLACEMENTS:
+            raise LayoutError(
+                f"placement {self.placement!r} is not valid; use placement: colocated or placement: non_colocated"
+            )
+        if not _is_int(self.world_size) or self.world_size < 1:
+            raise LayoutError(f"world size must be a positive integer, got {self.world_size!r}; use 1 or more")
+        if not self.modules:
+            raise LayoutError("modules: none given; list at least one module with role: llm")
+        names = [m.name for m in self.modules]
+        for name in names:
+            if names.count(name) > 1:
+                raise LayoutError(f"module {name}: defined twice in modules; give each module its own name")
+        llms = [m.name for m in self.modules if m.role == "llm"]
+        if not llms:
+            raise LayoutError("modules: no module has role: llm; set role: llm on exactly one module")
+        if len(llms) > 1:
+            raise LayoutError(
+                f"modules {', '.join(llms)} all have role: llm; keep one and set role: encoder on the others"
+            )
+        if self.placement == "colocated":
+            self._check_colocated()
+        else:
+            self._check_non_colocated()
+        self._check_edges()
+
+    def _check_colocated(self):
+        for m in self.modules:
+            if m.first_rank != 0:
+                raise LayoutError(
+                    f"module {m.name} is not colocated with the others: its ranks start at {m.first_rank}, "
+                    f"not 0; drop ranks or set placement: non_colocated"
+                )
+            if m.size != self.world_size:
+                raise LayoutError(
+                    f"module {m.name}: tp*cp*dp*pp = {m.size} but the world size is {self.world_size}; "
+                    f"make the product {self.world_size}"
+                )
+
+    def _check_non_colocated(self):
+        last = self.world_size - 1
+        for m in self.modules:
+            if m.ranks.stop > self.world_size:
+                raise LayoutError(
+                    f"module {m.name}: ranks {_span(m.ranks)} go beyond the world of {self.world_size} ranks; "
+                    f"keep ranks within 0-{last}"
+                )
+        # Walk the modules in rank order: each must start where the previous one stopped.
+        next_free, prev = 0, None
+        for m in sorted(self.modules, key=lambda m: m.first_rank):
+            if m.first_rank < next_free:
+                raise LayoutError(
+                    f"module {m.name}: ranks {_span(m.ranks)} overlap module {prev.name}'s ranks "
+                    f"{_span(prev.ranks)}; make the ranges disjoint"
+                )
+            if m.first_rank > next_free:
+                raise LayoutError(
+                    f"ranks {_span(range(next_free, m.first_rank))} belong to no module; extend a module's "
+                    f"ranks (e.g. {m.name}) to cover them"
+                )
+            next_free, prev = m.ranks.stop, m
+        if next_free < self.world_size:
+            raise LayoutError(
+                f"ranks {next_free}-{last} belong to no module; extend a module's ranks to cover them "
+                f"or use world size {next_free}"
+            )
+
+    def _check_edges(self):
+        known = {m.name: m for m in self.modules}
+        llm = self.llm.name
+        for edge in self.edges:
+            for end in (edge.src, edge.dst):
+                if end not in known:
+                    raise LayoutError(
+                        f"edges: '{edge}' names unknown module {end!r}; known modules: {', '.join(known)}"
+                    )
+            if known[edge.src].role != "encoder":
+                raise LayoutError(
+                    f"edges: '{edge}' must start at an encoder; {edge.src} has role {known[edge.src].role}"
+                )
+            if edge.dst != llm:
+                raise LayoutError(f"edges: '{edge}' must end at the llm; write '{edge.src} -> {llm}'")
+            if self.edges.count(edge) > 1:
+                raise LayoutError(f"edges: '{edge}' is listed twice; remove one")
+        linked = {edge.src for edge in self.edges}
+        for m in self.encoders:
+            if m.name not in linked:
+                raise LayoutError(f"module {m.name}: no edge in edges; add '{m.name} -> {llm}' to edges")
+
+    @property
+    def llm(self) -> ModuleLayout:
+        return next(m for m in self.modules if m.role == "llm")
+
+    @property
+    def encoders(self) -> tuple[ModuleLayout, ...]:
+        return tuple(m for m in self.modules if m.role == "encoder")
+
+    def module(self, name: str) -> ModuleLayout:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise LayoutError(f"no module named {name!r}; known modules: {', '.join(m.name for m in self.modules)}")
+
+    def modules_on(self, rank: int) -> tuple[ModuleLayout, ...]:
+        return tuple(m for m in self.modules if rank in m.ranks)
+
+    def rank_map(self) -> str:
+        lines = [f"{self.placement} layout, world size {self.world_size}"]
+        for m in self.modules:
+            sizes = " ".join(f"{axis}{getattr(m, axis)}" for axis in AXES)
+            flags = "".join([", sp" if m.sp else "", ", frozen" if m.freeze else ""])
+            lines.append(f"{m.name} ({m.role}): {sizes}, ranks {_span(m.ranks)}{flags}")
+        if self.edges:
+            lines.append("edges: " + ", ".join(str(edge) for edge in self.edges))
+        for rank in range(self.world_size):
+            held = []
+            for m in self.modules_on(rank):
+                coords = m.coords(rank)
+                held.append(f"{m.name}[" + " ".join(f"{axis}{coords[axis]}" for axis in AXES) + "]")
+            lines.append(f"rank {rank}: " + " ".join(held))
+        return "\n".join(lines)
+
+
+def _parse_ranks(name: str, value) -> range:
+    if _is_int(value):
+        start = stop = value
+    else:
+        match = _RANKS.match(value) if isinstance(value, str) else None
+        if not match:
+            raise LayoutError(
+                f"module {name}: ranks {value!r} is not a range; write ranks: START-END (e.g. 1-3) or ranks: N"
+            )
+        start = int(match[1])
+        stop = int(match[2]) if match[2] is not None else start
+    if start < 0 or stop < start:
+        raise LayoutError(
+            f"module {name}: ranks {value!r} is empty or negative; write ranks: START-END with 0 <= START <= END"
+        )
+    return range(start, stop + 1)
+
+
+def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise LayoutError(f"module name {name!r} is not valid; use letters, digits and _ (e.g. vision)")
+    where = f"module {name}"
+    if not isinstance(spec, dict):
+        raise LayoutError(f"{where}: expected a mapping with role, tp, dp, ...; got {type(spec).__name__}")
+    for key in spec:
+        if key not in MODULE_KEYS:
+            raise LayoutError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(MODULE_KEYS)}")
+    if "role" not in spec:
+        raise LayoutError(f"{where}: role missing; add role: encoder or role: llm")
+    for key in ("ep", "etp"):
+        if key in spec and not (_is_int(spec[key]) and spec[key] == 1):
+            raise LayoutError(
+                f"{where}: {key} = {spec[key]!r}: expert parallelism is not supported yet; set {key}: 1 or remove it"
+            )
+    if placement == "non_colocated" and "ranks" not in spec:
+        raise LayoutError(f"{where}: ranks missing; a non_colocated layout needs ranks: START-END on every module")
+    ranks = _parse_ranks(name, spec["ranks"]) if "ranks" in spec else range(world_size)
+    if placement == "colocated" and ranks != range(world_size):
+        raise LayoutError(
+            f"module {name} is not colocated with the others: ranks {_span(ranks)} but a colocated layout "
+            f"spans ranks 0-{world_size - 1}; drop ranks or set placement: non_colocated"
+        )
+    module = ModuleLayout(
+        name=name,
+        first_rank=ranks.start,
+        **{key: spec[key] for key in ("role", *AXES, "sp", "freeze") if key in spec},
+    )
+    # Colocated sizes are checked against the world by HeteroLayout; here only the explicit range.
+    if placement == "non_colocated" and module.size != len(ranks):
+        raise LayoutError(
+            f"{where}: tp*cp*dp*pp = {module.size} but ranks {_span(ranks)} hold {len(ranks)}; "
+            f"make the product {len(ranks)} or change ranks"
+        )
+    return module
+
+
+def _parse_edge(index: int, item) -> Edge:
+    if isinstance(item, str) and item.count("->") == 1:
+        src, dst = (part.strip() for part in item.split("->"))
+        if src and dst:
+            return Edge(src, dst)
+    if isinstance(item, dict) and set(item) == {"src", "dst"}:
+        return Edge(item["src"], item["dst"])
+    raise LayoutError(f"edges[{index}]: {item!r} is not an edge; write 'ENCODER -> LLM' or {{src: ENCODER, dst: LLM}}")
+
+
+def parse_layout(data: dict, world_size: int) -> HeteroLayout:
+    """Build a validated layout from an already-loaded YAML document."""
+    if not isinstance(data, dict):
+        got = "an empty document" if data is None else type(data).__name__
+        raise LayoutError(f"layout must be a mapping with placement and modules, got {got}")
+    for key in data:
+        if key not in TOP_KEYS:
+            raise LayoutError(f"unknown top-level key {key!r}; allowed keys: {', '.join(TOP_KEYS)}")
+    # Checked before the modules so that their range checks know the world.
+    if not _is_int(world_size) or world_size < 1:
+        raise LayoutError(f"world size must be a positive integer, got {world_size!r}; use 1 or more")
+    if "placement" not in data:
+        raise LayoutError("placement missing; add placement: colocated or placement: non_colocated")
+    placement = data["placement"]
+    if placement not in PLACEMENTS:
+        raise LayoutError(f"placement {placement!r} is not valid; use placement: colocated or placement: non_colocated")
+    modules = data.get("modules")
+    if not isinstance(modules, dict) or not modules:
+        raise LayoutError("modules missing or empty; give a mapping of module names to settings, one with role: llm")
+    parsed = tuple(_parse_module(name, spec, placement, world_size) for name, spec in modules.items())
+
+    if "edges" in data:
+        if not isinstance(data["edges"], list):
+            raise LayoutError("edges must be a list such as [vision -> llm]")
+        edges = tuple(_parse_edge(i, item) for i, item in enumerate(data["edges"]))
+    else:
+        encoders = [m.name for m in parsed if m.role == "encoder"]
+        llms = [m.name for m in parsed if m.role == "llm"]
+        if len(encoders) > 1:
+            raise LayoutError(
+                f"edges missing with {len(encoders)} encoders ({', '.join(encoders)}); "
+                f"list one edge per encoder, e.g. edges: [{encoders[0]} -> LLM, ...]"
+            )
+        # One encoder: its edge to the llm is implied (the llm count is validated below).
+        edges = (Edge(encoders[0], llms[0]),) if encoders and len(llms) == 1 else ()
+    return HeteroLayout(placement=placement, world_size=world_size, modules=parsed, edges=edges)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: a repeated module name would silently drop one."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            # Only the mapping's own plain keys: merged (`<<: *anchor`) keys may be overridden.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    # PyYAML messages span several lines; keep the problem and where it is.
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return where + " ".join(problem.split())
+
+
+def load_layout(path: str, world_size: int) -> HeteroLayout:
+    """Read and validate a layout file; every failure is a one-line LayoutError starting with the path."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.load(f, Loader=_StrictLoader)
+    except OSError as exc:
+        raise LayoutError(f"{path}: cannot read layout file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise LayoutError(f"{path}: not UTF-8 text; save the layout file as UTF-8") from None
+    except yaml.YAMLError as exc:
+        raise LayoutError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
+    try:
+        return parse_layout(data, world_size)
+    except LayoutError as exc:
+        raise LayoutError(f"{path}: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_hetero.layout",
+        description="Check a heterogeneous parallel layout file and print its rank map.",
+        fromfile_prefix_chars="@",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="validate FILE and print which module coordinates each rank holds")
+    check.add_argument("file", metavar="FILE", help="layout YAML file")
+    check.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
+    args = parser.parse_args(argv)
+    try:
+        layout = load_layout(args.file, args.world_size)
+    except LayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(layout.rank_map())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

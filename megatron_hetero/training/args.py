@@ -1,0 +1,82 @@
+"""Command-line flags of the pretrain scripts (Megatron-style names; `@file` argument files work)."""
+
+import argparse
+from dataclasses import fields
+
+from megatron_hetero.models.vlm import ModelSizes
+
+
+class ArgsError(ValueError):
+    """A flag value that cannot work; one line naming the flag and the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def convert_arg_line_to_args(self, arg_line):
+        # Several flags per line, '#' comments: argument files read like shell scripts.
+        return arg_line.split("#", 1)[0].split()
+
+
+def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags megatron-hetero adds to a pretrain script."""
+    group = parser.add_argument_group("megatron-hetero")
+    group.add_argument("--hetero-layout", required=True, metavar="FILE",
+                       help="YAML file declaring each module's layout (see README)")
+    group.add_argument("--ablate-vision", action="store_true",
+                       help="zero the encoder rows at the boundary (control run)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(description="Train a vision encoder + LLM with per-module layouts",
+                     fromfile_prefix_chars="@")
+    add_hetero_args(parser)
+    train = parser.add_argument_group("training")
+    train.add_argument("--train-iters", type=int, default=100)
+    train.add_argument("--global-batch-size", type=int, default=32)
+    train.add_argument("--micro-batch-size", type=int, default=4)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--min-lr", type=float, default=None,
+                       help="cosine-decay the learning rate to this value (default: constant)")
+    train.add_argument("--lr-warmup-iters", type=int, default=0)
+    train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--bf16", action="store_true")
+    train.add_argument("--log-interval", type=int, default=1)
+    train.add_argument("--metrics-file", default=None)
+    train.add_argument("--eval-samples", type=int, default=0)
+    train.add_argument("--data-seed", type=int, default=1234)
+    model = parser.add_argument_group("model sizes")
+    for f in fields(ModelSizes):
+        if f.name != "vocab_size":
+            model.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+    return parser
+
+
+def model_sizes(args, vocab_size: int) -> ModelSizes:
+    return ModelSizes(vocab_size=vocab_size, **{
+        f.name: getattr(args, f.name) for f in fields(ModelSizes) if f.name != "vocab_size"})
+
+
+def check_args(args, llm_dp: int, encoder_dps: list[int]) -> None:
+    """Batch arithmetic the run needs; raises ArgsError with the flag to change."""
+    for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
+        if getattr(args, name) < 1:
+            raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
+    per_step = args.micro_batch_size * llm_dp
+    if args.global_batch_size % per_step:
+        raise ArgsError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size x llm dp = {per_step}; use a multiple of {per_step}"
+        )
+    for dp in encoder_dps:
+        if args.global_batch_size % dp:
+            raise ArgsError(
+                f"--global-batch-size {args.global_batch_size} is not divisible by the encoder's "
+                f"dp={dp}; use a multiple of {dp}"
+            )
+    if args.eval_samples:
+        for dp in (llm_dp, *encoder_dps):
+            if args.eval_samples % dp:
+                raise ArgsError(f"--eval-samples {args.eval_samples} is not divisible by dp={dp}; "
+                                f"use a multiple of {dp}")

@@ -1,0 +1,240 @@
+"""Colocated training of a vision encoder and an LLM, each in its own layout.
+
+One step: encoder forward on its DP slice of the global batch, boundary forward into the LLM layout,
+LLM forward/backward per microbatch (gradients accumulate on the boundary output), boundary backward,
+encoder backward, DP reduction per module, one optimizer step clipped by the global norm.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+from megatron_hetero.boundary import boundary_exchange, plan_edge, slot_mask
+from megatron_hetero.cpu_compat import apply_cpu_compat
+from megatron_hetero.data.batches import GlobalBatch, caption_batch, module_slice
+from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
+from megatron_hetero.data.tokenizer import CaptionTokenizer
+from megatron_hetero.groups import ModuleGroups, build_groups
+from megatron_hetero.layout import HeteroLayout
+from megatron_hetero.mcore_globals import init_mcore_globals
+from megatron_hetero.models.vlm import ModelSizes, build_llm, build_vision_encoder, llm_forward
+from megatron_hetero.training.args import model_sizes
+from megatron_hetero.training.optimizer import HeteroOptimizer, ModuleOptimizer, module_optimizer
+
+
+def init_distributed() -> torch.device:
+    """torchrun's environment -> default process group (nccl with GPUs, gloo without)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        return torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+@dataclass
+class Module:
+    """One module on this rank: its groups, DDP-wrapped model (None if not held here)."""
+
+    groups: ModuleGroups
+    model: DistributedDataParallel | None
+
+    @property
+    def layout(self):
+        return self.groups.layout
+
+    def coords(self):
+        return self.layout.coords(dist.get_rank())
+
+
+def _wrap(model, pgs, device):
+    """megatron-core DDP over the module's own DP group (summing: the loss is pre-divided)."""
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    return DistributedDataParallel(model.config, ddp_config, model.to(device), pg_collection=pgs)
+
+
+class Trainer:
+    def __init__(self, args, layout: HeteroLayout, device: torch.device):
+        apply_cpu_compat()
+        self.args, self.layout, self.device = args, layout, device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.tokenizer = CaptionTokenizer()
+        self.sizes: ModelSizes = model_sizes(args, self.tokenizer.vocab_size)
+        # fp32 parameters and optimizer; --bf16 computes under autocast.
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        self.train_data = ShapesDataset(args.data_seed, "train", self.sizes.image_size)
+        self.eval_data = ShapesDataset(args.data_seed, "heldout", self.sizes.image_size)
+
+        groups = build_groups(layout)
+        (self.encoder_layout,) = layout.encoders  # one edge in this trainer
+        llm_groups, enc_groups = groups[layout.llm.name], groups[self.encoder_layout.name]
+        llm_coords = layout.llm.coords(self.rank)
+        init_mcore_globals(args.seed, tp_rank=llm_coords["tp"] if llm_coords else 0)
+        optimizers = []
+        self.modules = {}
+        for index, g in enumerate(groups.values()):
+            model, opt = None, ModuleOptimizer(g.layout.name, [], None, None)
+            if g.pgs is not None:
+                # Each module from its own seed: the same weights whatever else the rank holds.
+                torch.manual_seed(args.seed + index)
+                build = build_llm if g.layout.role == "llm" else build_vision_encoder
+                model = _wrap(build(self.sizes, g.layout.tp, g.pgs), g.pgs, device)
+                opt = module_optimizer(g.layout.name, model, g.pgs, args.lr, args.weight_decay)
+            self.modules[g.layout.name] = Module(g, model)
+            optimizers.append(opt)
+        self.llm, self.encoder = self.modules[layout.llm.name], self.modules[self.encoder_layout.name]
+        self.optimizer = HeteroOptimizer(optimizers, args.clip_grad, device)
+        self.patches = self.encoder.model.module.patches_per_image if self.encoder.model else (
+            (self.sizes.image_size // self.sizes.patch_size) ** 2)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _encode_and_route(self, batch: GlobalBatch):
+        """Encoder forward on this rank's slice, boundary forward. Returns (slots [S, b, h], mask
+        [S, b], the boundary output to backprop into) for this rank's LLM samples."""
+        plan = plan_edge(batch.boundary, self.encoder_layout, self.layout.llm, self.rank, self.world_size)
+        enc = self.encoder.coords()
+        if enc is not None:
+            images = batch.images(module_slice(len(batch.indices), self.encoder_layout.dp, enc["dp"]))
+            with self.autocast:
+                rows = self.encoder.model(images.to(self.device))
+        else:
+            rows = torch.zeros(0, self.sizes.hidden_size, device=self.device)
+        if self.args.ablate_vision:
+            rows = rows * 0
+        slots = boundary_exchange(rows, plan)
+        b_local = len(batch.indices) // self.layout.llm.dp
+        mask = slot_mask(plan, self.device).view(batch.boundary.seq_len, b_local)
+        return slots, mask
+
+    def _llm_slice(self, batch: GlobalBatch, tensor: torch.Tensor) -> torch.Tensor:
+        coords = self.llm.coords()
+        return tensor[module_slice(len(batch.indices), self.layout.llm.dp, coords["dp"])].to(self.device)
+
+    def train_step(self, batch: GlobalBatch) -> float:
+        """Forward and backward of one global batch; returns the global mean token loss."""
+        slots, mask = self._encode_and_route(batch)
+        seq = batch.boundary.seq_len
+        slots_leaf = slots.detach().requires_grad_(slots.requires_grad)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.llm.coords() is not None:
+            ids, labels, loss_mask = (self._llm_slice(batch, t) for t in (batch.input_ids, batch.labels, batch.loss_mask))
+            view = slots_leaf.view(seq, ids.shape[0], -1)
+            m = self.args.micro_batch_size
+            for start in range(0, ids.shape[0], m):
+                mb = slice(start, start + m)
+                with self.autocast:
+                    losses = llm_forward(self.llm.model.module, ids[mb], view[:, mb], mask[:, mb], labels[mb])
+                local = (losses.float() * loss_mask[mb]).sum()
+                (local / batch.num_loss_tokens).backward()
+                loss_sum += local.detach().double()
+        if slots.requires_grad:
+            grad = slots_leaf.grad if slots_leaf.grad is not None else torch.zeros_like(slots_leaf)
+            slots.backward(grad)
+        for module in self.modules.values():
+            if module.model is not None:
+                module.model.finish_grad_sync()
+        # Every LLM TP rank holds the same loss: count one per (dp) replica.
+        llm_pgs = self.llm.groups.pgs
+        if llm_pgs is not None and llm_pgs.tp.rank() != 0:
+            loss_sum.zero_()
+        dist.all_reduce(loss_sum)
+        return loss_sum.item() / batch.num_loss_tokens
+
+    def lr(self, step: int) -> float:
+        a = self.args
+        if a.lr_warmup_iters and step < a.lr_warmup_iters:
+            return a.lr * (step + 1) / a.lr_warmup_iters
+        if a.min_lr is None:
+            return a.lr
+        progress = (step - a.lr_warmup_iters) / max(1, a.train_iters - a.lr_warmup_iters)
+        return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def batch(self, step: int) -> GlobalBatch:
+        g = self.args.global_batch_size
+        return caption_batch(self.train_data, list(range(step * g, (step + 1) * g)), self.tokenizer,
+                             self.patches, self.sizes.seq_length)
+
+    def zero_grad(self):
+        for module in self.modules.values():
+            if module.model is not None:
+                module.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate_captions(self, indices: list[int]) -> list[str]:
+        """Greedy captions of held-out images, in index order (on every rank)."""
+        batch = caption_batch(self.eval_data, indices, self.tokenizer, self.patches,
+                              self.sizes.seq_length, with_captions=False)
+        slots, mask = self._encode_and_route(batch)
+        mine = []
+        if self.llm.coords() is not None:
+            ids = self._llm_slice(batch, batch.input_ids)
+            view = slots.view(batch.boundary.seq_len, ids.shape[0], -1)
+            vocab = self.tokenizer.vocab_size
+            for t in range(1 + self.patches, ids.shape[1]):
+                with self.autocast:
+                    logits = llm_forward(self.llm.model.module, ids, view, mask)
+                ids[:, t] = logits[:, t - 1, :vocab].argmax(-1)
+            if self.llm.groups.pgs.tp.rank() == 0:
+                start = module_slice(len(indices), self.layout.llm.dp, self.llm.coords()["dp"]).start
+                mine = [(start + i, self.tokenizer.decode(row.tolist())) for i, row in enumerate(ids)]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return [caption for _, caption in sorted(sum(gathered, []))]
+
+    def evaluate(self, num_samples: int) -> float:
+        indices = list(range(num_samples))
+        captions = self.generate_captions(indices)
+        return caption_accuracy(captions, [self.eval_data[i] for i in indices])
+
+
+def log(rank: int, *parts):
+    if rank == 0:
+        print(*parts, flush=True)
+
+
+def train(args, layout: HeteroLayout, device: torch.device, on_step=None) -> Trainer:
+    """The training loop: logs Megatron-style lines and writes one JSON object per step."""
+    trainer = Trainer(args, layout, device)
+    rank = trainer.rank
+    metrics = open(args.metrics_file, "w") if (args.metrics_file and rank == 0) else None
+    start = time.perf_counter()
+    for step in range(args.train_iters):
+        t0 = time.perf_counter()
+        batch = trainer.batch(step)
+        trainer.zero_grad()
+        loss = trainer.train_step(batch)
+        if on_step is not None:
+            on_step(trainer, step, "grads")
+        lr = trainer.lr(step)
+        grad_norm = trainer.optimizer.step(lr)
+        if on_step is not None:
+            on_step(trainer, step, "params")
+        elapsed = time.perf_counter() - t0
+        tokens_per_s = batch.input_ids.numel() / elapsed
+        record = dict(step=step + 1, loss=loss, grad_norm=grad_norm, lr=lr,
+                      tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start)
+        if metrics:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        if (step + 1) % args.log_interval == 0:
+            log(rank, f" iteration {step + 1:6d}/{args.train_iters:6d} | elapsed time per iteration "
+                      f"(ms): {1000 * elapsed:8.1f} | learning rate: {lr:.3E} | lm loss: {loss:.6E} | "
+                      f"grad norm: {grad_norm:.3f} | tokens/s: {tokens_per_s:9.1f}")
+    if args.eval_samples:
+        accuracy = trainer.evaluate(args.eval_samples)
+        log(rank, f" caption accuracy on {args.eval_samples} held-out images: {accuracy:.3f}")
+        if metrics:
+            metrics.write(json.dumps(dict(caption_accuracy=accuracy, eval_samples=args.eval_samples)) + "\n")
+    if metrics:
+        metrics.close()
+    sys.stdout.flush()
+    return trainer

@@ -1,0 +1,28 @@
+"""megatron-hetero: per-module parallel layouts for multimodal training on Megatron."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-hetero",
+    version="0.1.0",
+    description="Heterogeneous per-module parallelism (encoders + LLM) as a Megatron-LM extension",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
+    package_data={"megatron_hetero.data": ["*.model"]},
+    install_requires=[
+        "torch",
+        "megatron-core>=0.19,<0.20",
+        "einops",
+        "sentencepiece",
+        "PyYAML",
+        "Pillow",
+        "numpy",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]"],
+        "flash": ["flash-attn"],
+        "test": ["pytest"],
+    },
+)

@@ -1,0 +1,33 @@
+"""Spawn helper: run a function in N gloo processes on a free port (one launch per group of cases,
+since process start-up is the expensive part on 2 cores)."""
+
+import os
+import socket
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Run fn(rank, world_size, *args) in world_size processes; a failure in any fails the call."""
+    mp.start_processes(
+        _worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn"
+    )
