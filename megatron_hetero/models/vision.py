@@ -32,11 +32,10 @@ class VisionEncoder(MegatronModule):
         self.patch_size = patch_size
         self.patches_per_image = (image_size // patch_size) ** 2
         hidden = config.hidden_size
-        # Replicated over the encoder's TP group: small, and its input is the raw image.
+        # Replicated over the encoder's TP group: small, and its input is the raw image. torch's
+        # default init (fan-in scaled) keeps the pixel signal above the position embedding's.
         self.patch_embedding = torch.nn.Linear(in_channels * patch_size**2, hidden)
         self.position_embedding = torch.nn.Parameter(torch.empty(self.patches_per_image, hidden))
-        config.init_method(self.patch_embedding.weight)
-        torch.nn.init.zeros_(self.patch_embedding.bias)
         config.init_method(self.position_embedding)
         self.decoder = TransformerBlock(
             config=config,
@@ -54,8 +53,9 @@ class VisionEncoder(MegatronModule):
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """images in [0, 1], normalized to [-1, 1] here."""
         patches = rearrange(
-            images, "n c (h p) (w q) -> (h w) n (c p q)", p=self.patch_size, q=self.patch_size
+            images * 2 - 1, "n c (h p) (w q) -> (h w) n (c p q)", p=self.patch_size, q=self.patch_size
         )
         x = self.patch_embedding(patches) + self.position_embedding.unsqueeze(1)
         x = self.decoder(x, attention_mask=None)  # [patches, n, hidden]

@@ -49,7 +49,9 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype) -> TransformerCo
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        add_bias_linear=True,
+        # No linear biases (Llama-style): the key bias is in the null space of softmax attention,
+        # where Adam would amplify rounding noise into layout-dependent updates.
+        add_bias_linear=False,
         normalization="LayerNorm",
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,

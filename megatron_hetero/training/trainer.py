@@ -205,7 +205,10 @@ def train(args, layout: HeteroLayout, device: torch.device, on_step=None) -> Tra
     """The training loop: logs Megatron-style lines and writes one JSON object per step."""
     trainer = Trainer(args, layout, device)
     rank = trainer.rank
-    metrics = open(args.metrics_file, "w") if (args.metrics_file and rank == 0) else None
+    metrics = None
+    if args.metrics_file and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+        metrics = open(args.metrics_file, "w")
     start = time.perf_counter()
     for step in range(args.train_iters):
         t0 = time.perf_counter()
