@@ -31,7 +31,6 @@ $(STAMP): setup.py
 	@touch $(STAMP)
 
 demo: setup
-	$(PY) -m megatron_hetero.layout check examples/layouts/demo_colocated.yaml --world-size 4
 	$(VENV)/bin/torchrun --nproc-per-node 4 examples/pretrain_vlm.py @examples/demo_args.txt
 
 test: setup

@@ -7,7 +7,7 @@
 import os
 import sys
 
-from megatron_hetero.boundary import BoundaryError
+from megatron_hetero.boundary import BoundaryError, check_edge_layouts
 from megatron_hetero.layout import LayoutError, load_layout
 from megatron_hetero.training.args import ArgsError, build_parser, check_args
 
@@ -23,7 +23,9 @@ def main(argv=None) -> int:
                               "use placement: colocated")
         if len(layout.encoders) != 1:
             raise LayoutError(f"{args.hetero_layout}: modules: this script trains exactly one encoder")
-        check_args(args, layout.llm.dp, [m.dp for m in layout.encoders])
+        check_edge_layouts(layout.encoders[0], layout.llm)
+        check_args(args, layout.llm.dp, [m.dp for m in layout.encoders],
+                   layout.llm.tp, [m.tp for m in layout.encoders])
     except (LayoutError, ArgsError, BoundaryError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)

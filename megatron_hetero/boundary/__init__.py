@@ -1,6 +1,20 @@
 """Boundary communicators: a pure routing plan (plan.py) and its execution (exchange.py)."""
 
 from megatron_hetero.boundary.exchange import boundary_exchange, slot_mask
-from megatron_hetero.boundary.plan import BoundaryBatch, BoundaryError, RankPlan, plan_edge
+from megatron_hetero.boundary.plan import (
+    BoundaryBatch,
+    BoundaryError,
+    RankPlan,
+    check_edge_layouts,
+    plan_edge,
+)
 
-__all__ = ["BoundaryBatch", "BoundaryError", "RankPlan", "boundary_exchange", "plan_edge", "slot_mask"]
+__all__ = [
+    "BoundaryBatch",
+    "BoundaryError",
+    "RankPlan",
+    "boundary_exchange",
+    "check_edge_layouts",
+    "plan_edge",
+    "slot_mask",
+]

@@ -86,13 +86,8 @@ class RankPlan:
     num_dest_slots: int  # seq * b_local slots of this rank's LLM input (0 if it consumes nothing)
 
 
-def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout) -> None:
-    for module in (encoder, llm):
-        if batch.num_samples % module.dp:
-            raise BoundaryError(
-                f"the global batch ({batch.num_samples} samples) is not divisible by module "
-                f"{module.name}'s dp={module.dp}; set --global-batch-size to a multiple of {module.dp}"
-            )
+def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
+    """The axes this boundary serves so far; raises BoundaryError naming the field to change."""
     for module in (encoder, llm):
         for axis in ("cp", "pp"):
             if getattr(module, axis) != 1:
@@ -102,6 +97,16 @@ def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout)
                 )
     if llm.sp:
         raise BoundaryError(f"module {llm.name}: sp is not supported at the boundary yet; set sp: false")
+
+
+def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout) -> None:
+    check_edge_layouts(encoder, llm)
+    for module in (encoder, llm):
+        if batch.num_samples % module.dp:
+            raise BoundaryError(
+                f"the global batch ({batch.num_samples} samples) is not divisible by module "
+                f"{module.name}'s dp={module.dp}; set --global-batch-size to a multiple of {module.dp}"
+            )
 
 
 def _encoder_sources(batch: BoundaryBatch, encoder: ModuleLayout):

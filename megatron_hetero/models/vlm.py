@@ -2,33 +2,14 @@
 TransformerConfig and ProcessGroupCollection. They meet only through the boundary: the LLM input
 embedding at image placeholder positions is the projected encoder row delivered there."""
 
-from dataclasses import dataclass
-
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.specs import llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """Model-size flags; the defaults make the CPU demo fast."""
-
-    image_size: int = 32
-    patch_size: int = 8
-    enc_hidden_size: int = 64
-    enc_num_layers: int = 2
-    enc_num_attention_heads: int = 4
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    seq_length: int = 32
-    vocab_size: int = 22
-    # Padded vocabulary: fixed, so that every TP size (dividing it) builds the same model.
-    vocab_multiple: int = 128
 
 
 def _config(hidden, layers, heads, tp: int, dtype: torch.dtype) -> TransformerConfig:

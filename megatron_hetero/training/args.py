@@ -3,7 +3,7 @@
 import argparse
 from dataclasses import fields
 
-from megatron_hetero.models.vlm import ModelSizes
+from megatron_hetero.models.sizes import ModelSizes
 
 
 class ArgsError(ValueError):
@@ -47,19 +47,37 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-samples", type=int, default=0)
     train.add_argument("--data-seed", type=int, default=1234)
     model = parser.add_argument_group("model sizes")
-    for f in fields(ModelSizes):
-        if f.name != "vocab_size":
-            model.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+    for f in _size_flags():
+        model.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
     return parser
 
 
+def _size_flags():
+    """ModelSizes fields set by flags; the vocabulary comes from the tokenizer."""
+    return [f for f in fields(ModelSizes) if f.name not in ("vocab_size", "vocab_multiple")]
+
+
 def model_sizes(args, vocab_size: int) -> ModelSizes:
-    return ModelSizes(vocab_size=vocab_size, **{
-        f.name: getattr(args, f.name) for f in fields(ModelSizes) if f.name != "vocab_size"})
+    return ModelSizes(vocab_size=vocab_size, **{f.name: getattr(args, f.name) for f in _size_flags()})
 
 
-def check_args(args, llm_dp: int, encoder_dps: list[int]) -> None:
-    """Batch arithmetic the run needs; raises ArgsError with the flag to change."""
+def _check_sizes(args, llm_tp: int, encoder_tps: list[int]) -> None:
+    pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, llm_tp)]
+    pairs += [("enc-hidden-size", "enc-num-attention-heads", args.enc_hidden_size,
+               args.enc_num_attention_heads, tp) for tp in encoder_tps]
+    for hidden_flag, heads_flag, hidden, heads, tp in pairs:
+        if heads < 1 or hidden % heads:
+            raise ArgsError(f"--{hidden_flag} {hidden} is not divisible by --{heads_flag} {heads}")
+        if heads % tp:
+            raise ArgsError(f"--{heads_flag} {heads} is not divisible by the module's tp={tp}; "
+                            f"use a multiple of {tp}")
+    if args.patch_size < 1 or args.image_size % args.patch_size:
+        raise ArgsError(f"--image-size {args.image_size} is not a multiple of --patch-size {args.patch_size}")
+
+
+def check_args(args, llm_dp: int, encoder_dps: list[int], llm_tp: int = 1, encoder_tps=()) -> None:
+    """Batch and size arithmetic the run needs; raises ArgsError with the flag to change."""
+    _check_sizes(args, llm_tp, list(encoder_tps))
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")

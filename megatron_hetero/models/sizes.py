@@ -1,0 +1,21 @@
+"""Model sizes, importable without megatron-core (flag parsing happens before any heavy import)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """Model-size flags; the defaults make the CPU demo fast."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    enc_hidden_size: int = 64
+    enc_num_layers: int = 2
+    enc_num_attention_heads: int = 4
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    seq_length: int = 32
+    vocab_size: int = 22
+    # Padded vocabulary: fixed, so that every TP size (dividing it) builds the same model.
+    vocab_multiple: int = 128
