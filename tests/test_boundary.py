@@ -1,114 +1,291 @@
-"""Boundary exactness: forward rows and routed gradients equal a single-process re-layout, bit for bit."""
+"""Boundary exactness over a matrix of layout pairs: forward rows and routed gradients equal a
+single-process re-layout bit for bit, colocated (all-to-all) and non-colocated (point-to-point)."""
 
 import numpy as np
 import pytest
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge, slot_mask
+from megatron_hetero.boundary.exchange import recv_backward, recv_forward, send_backward, send_forward
 from megatron_hetero.layout import ModuleLayout
 from tests.distributed import run_distributed
 
 HIDDEN = 8
+DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _batch(rows_per_sample, seq_len, seed):
-    """Rows of each sample at distinct random positions of its fused sequence."""
+def enc(tp=1, cp=1, dp=1, pp=1, first=0, name="vision"):
+    return ModuleLayout(name, "encoder", tp=tp, cp=cp, dp=dp, pp=pp, first_rank=first)
+
+
+def llm(tp=1, cp=1, dp=1, pp=1, sp=False, first=0):
+    return ModuleLayout("llm", "llm", tp=tp, cp=cp, dp=dp, pp=pp, sp=sp, first_rank=first)
+
+
+def edge_batches(counts_per_edge, seq_len, seed):
+    """One BoundaryBatch per edge; within a sample the edges' rows take disjoint random positions."""
     rng = np.random.default_rng(seed)
-    positions = [np.sort(rng.choice(seq_len, n, replace=False)) for n in rows_per_sample]
-    return BoundaryBatch(np.array(rows_per_sample), np.concatenate([[]] + positions), seq_len)
+    positions = [[] for _ in counts_per_edge]
+    for sample_counts in zip(*counts_per_edge):
+        taken = rng.permutation(seq_len)
+        for e, n in enumerate(sample_counts):
+            positions[e].append(np.sort(taken[:n]))
+            taken = taken[n:]
+    return [BoundaryBatch(np.array(c), np.concatenate([[]] + p), seq_len)
+            for c, p in zip(counts_per_edge, positions)]
 
 
-def _reference_forward(rows, batch):
-    """Single process: the whole batch's LLM input [seq, B, h] with every row at its address."""
+# ---- the single-process reference: dense whole-batch tensors, Megatron's slicing ----------------
+
+def reference_input(rows, batch):
+    """The whole batch's LLM input [seq, B, h] with every row at its address, zeros elsewhere."""
     full = torch.zeros(batch.seq_len, batch.num_samples, rows.shape[1], dtype=rows.dtype)
     samples = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
     full[torch.as_tensor(batch.positions), torch.as_tensor(samples)] = rows
     return full
 
 
-def _reference_backward(grad_full, batch):
-    """Single process: each row's gradient is the input gradient at its address."""
+def llm_share(full, layout, rank):
+    """What an LLM rank holds of a [seq, B, h] tensor: its DP samples, its CP chunks (r, 2cp-1-r),
+    its SP part; flattened to [seq_local * b_local, h]. Empty off the first PP stage."""
+    c = layout.coords(rank)
+    if c is None or c["pp"] != 0:
+        return full[:0, 0]
+    b = full.shape[1] // layout.dp
+    x = full[:, c["dp"] * b : (c["dp"] + 1) * b]
+    if layout.cp > 1:
+        chunks = x.chunk(2 * layout.cp)
+        x = torch.cat([chunks[c["cp"]], chunks[2 * layout.cp - 1 - c["cp"]]])
+    if layout.sp:
+        x = x.chunk(layout.tp)[c["tp"]]
+    return x.reshape(-1, full.shape[2])
+
+
+def encoder_share(rows, batch, layout, rank):
+    """The rows an encoder rank outputs: its DP samples, each sample's CP part; last PP stage."""
+    c = layout.coords(rank)
+    if c is None or c["pp"] != layout.pp - 1:
+        return rows[:0]
+    starts = np.concatenate([[0], np.cumsum(batch.rows_per_sample)])
+    b = batch.num_samples // layout.dp
+    parts = []
+    for s in range(c["dp"] * b, (c["dp"] + 1) * b):
+        n = batch.rows_per_sample[s]
+        lo, hi = c["cp"] * n // layout.cp, (c["cp"] + 1) * n // layout.cp
+        parts.append(rows[starts[s] + lo : starts[s] + hi])
+    return torch.cat(parts)
+
+
+def _patterns(batch, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(batch.num_rows, HIDDEN, generator=gen).to(dtype)
+    grad = torch.randn(batch.seq_len, batch.num_samples, HIDDEN, generator=gen).to(dtype)
+    return rows, grad
+
+
+def _addresses(grad, batch):
     samples = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
-    return grad_full[torch.as_tensor(batch.positions), torch.as_tensor(samples)]
+    return grad[torch.as_tensor(batch.positions), torch.as_tensor(samples)]
 
 
-def _module_slice(module, coords, batch, rows_per_dp_of=None):
-    per_dp = batch.num_samples // module.dp
-    return slice(coords["dp"] * per_dp, (coords["dp"] + 1) * per_dp)
+# ---- colocated: autograd all-to-all ------------------------------------------------------------
+
+def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype):
+    merged, expected = None, None
+    sources = []
+    for e, (encoder, batch) in enumerate(zip(encoders, batches)):
+        rows, grad = _patterns(batch, dtype, seed=e)
+        plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
+        local = encoder_share(rows, batch, encoder, rank).clone().requires_grad_(True)
+        slots = boundary_exchange(local, plan)
+        mine = llm_share(reference_input(rows, batch), llm_layout, rank)
+        assert torch.equal(slots, mine), f"rank {rank}: edge {encoder.name} forward rows differ"
+        mask = llm_share(reference_input(torch.ones(batch.num_rows, 1), batch), llm_layout, rank)
+        assert torch.equal(slot_mask(plan, "cpu"), mask.reshape(-1) > 0)
+        merged = slots if merged is None else merged + slots  # edges fill disjoint positions
+        sources.append((local, grad, encoder, batch))
+    # One backward through all edges, as the LLM's input gradient would drive it.
+    grad_full = sum(torch.where(reference_input(torch.ones(b.num_rows, 1), b) > 0, g, 0)
+                    for _, g, _, b in sources)
+    merged.backward(llm_share(grad_full, llm_layout, rank))
+    for local, grad, encoder, batch in sources:
+        want = encoder_share(_addresses(grad, batch), batch, encoder, rank)
+        assert torch.equal(local.grad, want), f"rank {rank}: edge {encoder.name} gradients differ"
 
 
-def _check_case(rank, world_size, encoder, llm, batch, dtype):
-    gen = torch.Generator().manual_seed(1)
-    rows_all = torch.randn(batch.num_rows, HIDDEN, generator=gen).to(dtype)
-    grad_full = torch.randn(batch.seq_len, batch.num_samples, HIDDEN, generator=gen).to(dtype)
-    plan = plan_edge(batch, encoder, llm, rank, world_size)
-
-    enc = encoder.coords(rank)
-    row_start = np.concatenate([[0], np.cumsum(batch.rows_per_sample)])
-    if enc:
-        samples = _module_slice(encoder, enc, batch)
-        local_rows = rows_all[row_start[samples.start] : row_start[samples.stop]].clone()
-    else:
-        local_rows = rows_all[:0].clone()
-    local_rows.requires_grad_(True)
-
-    out = boundary_exchange(local_rows, plan)
-    llm_coords = llm.coords(rank)
-    if llm_coords:
-        samples = _module_slice(llm, llm_coords, batch)
-        expected = _reference_forward(rows_all, batch)[:, samples].reshape(-1, HIDDEN)
-        assert torch.equal(out, expected), f"rank {rank}: forward rows differ"
-        mask_expected = _reference_forward(torch.ones(batch.num_rows, 1), batch)[:, samples]
-        assert torch.equal(slot_mask(plan, "cpu"), mask_expected.reshape(-1) > 0)
-        # Every LLM TP replica holds the same full input gradient, as Megatron's TP backward leaves it.
-        grad_out = grad_full[:, samples].reshape(-1, HIDDEN)
-    else:
-        assert out.shape == (0, HIDDEN)
-        grad_out = torch.zeros_like(out)
-    out.backward(grad_out)
-    if enc:
-        samples = _module_slice(encoder, enc, batch)
-        expected = _reference_backward(grad_full, batch)[row_start[samples.start] : row_start[samples.stop]]
-        assert torch.equal(local_rows.grad, expected), f"rank {rank}: routed gradients differ"
+def _colocated_cases(rank, world_size, cases, batch_specs):
+    for encoders, llm_layout in cases:
+        for seed, (counts, seq_len) in enumerate(batch_specs):
+            batches = edge_batches([counts] * len(encoders), seq_len, seed)
+            for dtype in DTYPES:
+                _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype)
 
 
-# (encoder tp, dp) -> (llm tp, dp), colocated on 4 ranks: DP fan-in, fan-out, equal, TP both sides.
-COLOCATED_4 = [((1, 4), (2, 2)), ((2, 2), (1, 4)), ((1, 4), (4, 1)), ((4, 1), (1, 4)),
-               ((2, 2), (2, 2)), ((1, 4), (1, 4)), ((4, 1), (2, 2)), ((2, 2), (4, 1))]
-BATCHES = [([1, 0, 2, 1, 3, 1, 0, 2], 16), ([0] * 8, 6), ([3, 3, 3, 3, 0, 0, 0, 0], 12)]
+# ---- non-colocated: point-to-point, several microbatches in flight -----------------------------
+
+def _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, dtype):
+    """microbatches: per microbatch, one BoundaryBatch per edge. All sends of all microbatches are
+    posted before any receive completes: the calls do not block."""
+    like = torch.empty(0, HIDDEN, dtype=dtype)
+    plans, patterns, works, pending = {}, {}, [], {}
+    for m, batches in enumerate(microbatches):
+        for e, (encoder, batch) in enumerate(zip(encoders, batches)):
+            plans[m, e] = plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
+            patterns[m, e] = _patterns(batch, dtype, seed=10 * m + e)
+            if plan.num_source_rows:
+                works += send_forward(encoder_share(patterns[m, e][0], batch, encoder, rank), plan)
+            if plan.num_dest_slots:
+                pending[m, e] = recv_forward(plan, like)
+    for (m, e), p in pending.items():
+        rows, _ = patterns[m, e]
+        want = llm_share(reference_input(rows, microbatches[m][e]), llm_layout, rank)
+        assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} forward differs"
+    for w in works:
+        w.wait()
+
+    works, pending = [], {}
+    for (m, e), plan in plans.items():
+        batch, (_, grad) = microbatches[m][e], patterns[m, e]
+        if plan.num_dest_slots:
+            works += send_backward(llm_share(grad, llm_layout, rank), plan)
+        if plan.num_source_rows:
+            pending[m, e] = recv_backward(plan, like)
+    for (m, e), p in pending.items():
+        batch, (_, grad) = microbatches[m][e], patterns[m, e]
+        want = encoder_share(_addresses(grad, batch), batch, encoders[e], rank)
+        assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
+    for w in works:
+        w.wait()
 
 
-def _colocated_cases(rank, world_size, pairs, batches):
-    for (etp, edp), (ltp, ldp) in pairs:
-        encoder = ModuleLayout("vision", "encoder", tp=etp, dp=edp)
-        llm = ModuleLayout("llm", "llm", tp=ltp, dp=ldp)
-        for seed, (rows, seq_len) in enumerate(batches):
-            for dtype in (torch.float32, torch.bfloat16):
-                _check_case(rank, world_size, encoder, llm, _batch(rows, seq_len, seed), dtype)
+def _non_colocated_cases(rank, world_size, cases, batch_specs):
+    for encoders, llm_layout in cases:
+        microbatches = [edge_batches([counts] * len(encoders), seq_len, seed)
+                        for seed, (counts, seq_len) in enumerate(batch_specs)]
+        for dtype in DTYPES:
+            _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, dtype)
 
 
-def test_colocated_tp_dp_exact_4_ranks():
-    run_distributed(_colocated_cases, 4, COLOCATED_4, BATCHES)
+# ---- the matrix --------------------------------------------------------------------------------
+
+SEQ = 48  # divisible by 2*cp*tp for every LLM layout below
+BATCHES_8 = [([1, 0, 2, 1, 3, 1, 0, 2], SEQ), ([0] * 8, SEQ), ([5, 5, 5, 5, 0, 0, 0, 0], SEQ)]
+BATCHES_6 = [([2, 0, 1, 1, 2, 0], SEQ), ([0] * 6, SEQ), ([3, 1, 4, 1, 5, 9], SEQ)]
+BATCHES_24 = [([i % 4 for i in range(24)], SEQ), ([0] * 24, SEQ)]
+
+COLOCATED_4 = [
+    ([enc(dp=4)], llm(tp=2, dp=2)),                    # DP fan-in, TP on the LLM
+    ([enc(tp=2, dp=2)], llm(dp=4)),                    # DP fan-out, TP on the encoder
+    ([enc(dp=4)], llm(tp=4)),
+    ([enc(tp=4)], llm(dp=4)),
+    ([enc(tp=2, dp=2)], llm(tp=2, dp=2)),              # same layout: nothing leaves a rank
+    ([enc(dp=4)], llm(tp=2, dp=2, sp=True)),           # SP
+    ([enc(dp=4)], llm(tp=2, cp=2, sp=True)),           # CP2 + SP
+    ([enc(dp=4)], llm(cp=4)),                          # CP4
+    ([enc(tp=2, dp=2)], llm(cp=2, dp=2)),
+    ([enc(dp=2, pp=2)], llm(tp=2, dp=2)),              # encoder PP
+    ([enc(dp=4)], llm(dp=2, pp=2)),                    # LLM PP
+    ([enc(cp=2, dp=2)], llm(tp=4, sp=True)),           # encoder CP
+    ([enc(cp=4)], llm(dp=4)),
+    ([enc(tp=4)], llm(cp=2, pp=2)),
+    ([enc(pp=4)], llm(tp=2, cp=2, sp=True)),
+    ([enc(tp=2, pp=2)], llm(dp=2, pp=2)),              # PP on both sides
+    ([enc(dp=4), enc(tp=2, dp=2, name="audio")], llm(tp=2, cp=2, sp=True)),  # two encoders
+]
+COLOCATED_3 = [([enc(dp=3)], llm(tp=3)), ([enc(tp=3)], llm(dp=3))]           # DP 3 -> 1, 1 -> 3
+COLOCATED_6 = [([enc(tp=3, dp=2)], llm(dp=6)), ([enc(dp=6)], llm(tp=3, dp=2, sp=True))]  # 2 -> 6, 6 -> 2
+COLOCATED_8 = [
+    ([enc(dp=8)], llm(tp=2, cp=4, sp=True)),           # CP4 + SP
+    ([enc(cp=2, dp=2, pp=2)], llm(tp=2, cp=2, pp=2)),  # CP and PP on both sides
+]
+NON_COLOCATED_4 = [
+    ([enc(dp=1)], llm(dp=3, first=1)),                            # 1 rank -> DP3
+    ([enc(dp=3)], llm(first=3)),                                  # DP3 -> 1 rank
+    ([enc(pp=2)], llm(pp=2, first=2)),                            # PP on both sides
+    ([enc(dp=2)], llm(tp=2, sp=True, first=2)),
+    ([enc(), enc(first=1, name="audio")], llm(cp=2, first=2)),    # two encoders
+]
+NON_COLOCATED_8 = [
+    ([enc(dp=2)], llm(dp=6, first=2)),                            # DP 2 -> 6
+    ([enc(cp=2, dp=2)], llm(cp=4, first=4)),                      # encoder CP -> LLM CP4
+    ([enc(dp=2, pp=2)], llm(tp=2, pp=2, sp=True, first=4)),
+    ([enc(tp=2)], llm(tp=3, dp=2, sp=True, first=2)),
+]
 
 
-def test_colocated_uneven_dp_exact_3_ranks():
-    pairs = [((1, 3), (3, 1)), ((3, 1), (1, 3)), ((1, 3), (1, 3))]
-    run_distributed(_colocated_cases, 3, pairs, [([2, 0, 1, 1, 2, 0], 9), ([0] * 6, 4)])
+def test_matrix_has_24_pairs():
+    pairs = COLOCATED_4 + COLOCATED_3 + COLOCATED_6 + COLOCATED_8 + NON_COLOCATED_4 + NON_COLOCATED_8
+    assert len(pairs) >= 24
 
 
-def test_plan_rejects_batch_not_divisible_by_dp():
-    batch = _batch([1, 1, 1], 4, 0)
-    with pytest.raises(BoundaryError, match="dp=2"):
-        plan_edge(batch, ModuleLayout("vision", "encoder", dp=2), ModuleLayout("llm", "llm", dp=2), 0, 2)
+def test_colocated_4_ranks():
+    run_distributed(_colocated_cases, 4, COLOCATED_4, BATCHES_8)
 
 
-def test_plan_forward_moves_each_row_once_per_consumer():
-    """Bytes: each row reaches each consuming LLM rank exactly once, and a colocated rank that
-    holds a row it consumes keeps it local."""
-    batch = _batch([2, 1, 0, 3], 8, 3)
-    encoder, llm = ModuleLayout("vision", "encoder", tp=2, dp=2), ModuleLayout("llm", "llm", tp=2, dp=2)
-    plans = [plan_edge(batch, encoder, llm, r, 4) for r in range(4)]
-    received = sum(int(p.forward.recv_counts.sum()) for p in plans)
-    assert received == batch.num_rows * llm.tp
-    # Same layouts on the same ranks: every row is already where it is consumed.
+def test_colocated_uneven_dp_3_and_6_ranks():
+    run_distributed(_colocated_cases, 3, COLOCATED_3, BATCHES_6)
+    run_distributed(_colocated_cases, 6, COLOCATED_6, BATCHES_6)
+
+
+def test_colocated_8_ranks():
+    run_distributed(_colocated_cases, 8, COLOCATED_8, BATCHES_8)
+
+
+def test_non_colocated_4_ranks():
+    run_distributed(_non_colocated_cases, 4, NON_COLOCATED_4, BATCHES_6)
+
+
+def test_non_colocated_8_ranks():
+    run_distributed(_non_colocated_cases, 8, NON_COLOCATED_8, BATCHES_24)
+
+
+# ---- plan-only properties (no processes) -------------------------------------------------------
+
+def _plans(batch, encoder, llm_layout, world_size):
+    return [plan_edge(batch, encoder, llm_layout, r, world_size) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("encoder, llm_layout", [(e[0], l) for e, l in COLOCATED_4 if len(e) == 1])
+def test_each_row_reaches_each_consumer_once(encoder, llm_layout):
+    """Byte-minimal: the rows received equal rows x consumers per row, and a rank that holds a
+    replica of a row it consumes receives it from itself (no bytes leave the rank)."""
+    (batch,) = edge_batches([BATCHES_8[0][0]], SEQ, 0)
+    plans = _plans(batch, encoder, llm_layout, 4)
+    consumers = 1 if llm_layout.sp else llm_layout.tp
+    assert sum(int(p.forward.recv_counts.sum()) for p in plans) == batch.num_rows * consumers
+    assert sum(int(p.backward.recv_counts.sum()) for p in plans) == batch.num_rows * encoder.tp
+    for p in plans:  # what is sent is received
+        assert p.forward.send_counts.sum() == sum(q.forward.recv_counts[p.rank] for q in plans)
+
+
+def test_same_layout_moves_nothing_off_rank():
+    (batch,) = edge_batches([BATCHES_8[0][0]], SEQ, 0)
+    plans = _plans(batch, enc(tp=2, dp=2), llm(tp=2, dp=2), 4)
     assert all(p.forward.bytes_sent_off_rank(p.rank, 1) == 0 for p in plans)
+    assert all(p.backward.bytes_sent_off_rank(p.rank, 1) == 0 for p in plans)
+
+
+@pytest.mark.parametrize("encoder, llm_layout, seq_len, field", [
+    (enc(dp=2), llm(dp=2), SEQ, None),
+    (enc(dp=3), llm(), SEQ, "dp=3"),
+    (enc(), llm(cp=2), 30, "2*cp = 4"),
+    (enc(), llm(tp=4, sp=True), 30, "tp=4"),
+])
+def test_plan_rejects_what_it_cannot_serve(encoder, llm_layout, seq_len, field):
+    (batch,) = edge_batches([[1, 1, 0, 2]], seq_len, 0)
+    world = max(encoder.size, llm_layout.size)
+    if field is None:
+        plan_edge(batch, encoder, llm_layout, 0, world)
+        return
+    with pytest.raises(BoundaryError, match=field.replace("*", r"\*")) as error:
+        plan_edge(batch, encoder, llm_layout, 0, world)
+    assert "\n" not in str(error.value)
+
+
+def test_sending_is_spread_over_encoder_replicas():
+    """Encoder TP replicas share the sending: per destination, their row counts differ by <= 1."""
+    (batch,) = edge_batches([[7, 3, 5, 1, 0, 6]], SEQ, 0)
+    plans = _plans(batch, enc(tp=2), llm(tp=3, dp=2, sp=True, first=2), 8)
+    for dst in range(2, 8):
+        counts = [plans[r].forward.send_counts[dst] for r in (0, 1)]
+        assert abs(counts[0] - counts[1]) <= 1 and sum(counts) == plans[dst].forward.recv_counts.sum()

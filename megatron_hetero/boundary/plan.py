@@ -1,19 +1,30 @@
 """Boundary routing plan: pure rank and token math, no torch.distributed.
 
 A batch of B samples crosses an edge. Every encoder output row (one image token, projected to the
-LLM hidden size) has a global address: (sample, position in the fused LLM sequence). The encoder's
-layout says which ranks hold the row; the LLM's input layout says which ranks consume it and where:
+LLM hidden size) has a global address: (sample, position in the fused LLM sequence).
 
-- encoder: sample -> encoder DP rank (contiguous slices); its rows sit in that rank's output in sample
-  order; every encoder TP rank of that DP rank holds a replica;
-- LLM: sample -> LLM DP rank (contiguous slices) and local sample j; the row lands at flat index
-  `position * b_local + j` of the rank's [seq, b_local, hidden] input (Megatron's sequence-first
-  layout); without sequence parallelism every LLM TP rank of that DP rank consumes it.
+Who holds a row (encoder layout):
+- sample -> encoder DP rank (contiguous slices of the batch);
+- encoder CP splits each sample's rows into cp contiguous parts (rows [c*n//cp, (c+1)*n//cp));
+- only the last encoder PP stage produces rows; every encoder TP rank holds a replica;
+- a rank's output lists its rows in sample order, then row order.
 
-Forward, each consumer receives the row once, from one encoder replica (itself if it holds one,
-else spread over replicas). Backward, each encoder replica receives the row's gradient once, from
-one LLM replica (Megatron's TP backward leaves the same full gradient on every TP rank, so summing
-replicas would multiply it by TP).
+Who consumes a row, and where (LLM input layout, Megatron's):
+- sample -> LLM DP rank (contiguous slices) and local sample j;
+- position -> CP rank with load balancing: the sequence is cut into 2*cp chunks and CP rank r holds
+  chunks r and 2*cp-1-r (megatron-core's get_batch_on_this_cp_rank);
+- with sequence parallelism the CP-local sequence is cut again into tp contiguous parts, one per TP
+  rank; without it every TP rank consumes the row;
+- only the first LLM PP stage consumes rows;
+- the row lands at flat index `local_position * b_local + j` of the rank's [seq_local, b_local, h]
+  input (Megatron's sequence-first layout).
+
+Forward, each consumer receives the row once, from one encoder replica (itself if it holds one, else
+spread over the replicas by row). Backward, each encoder replica receives the row's gradient once,
+from one consuming LLM rank (without SP every LLM TP rank holds the same full gradient after
+Megatron's TP backward, so summing replicas would multiply it by TP).
+
+Each rank computes only its own sends and receives, from metadata every rank has.
 """
 
 from dataclasses import dataclass
@@ -87,16 +98,14 @@ class RankPlan:
 
 
 def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
-    """The axes this boundary serves so far; raises BoundaryError naming the field to change."""
-    for module in (encoder, llm):
-        for axis in ("cp", "pp"):
-            if getattr(module, axis) != 1:
-                raise BoundaryError(
-                    f"module {module.name}: {axis}={getattr(module, axis)} is not supported at the "
-                    f"boundary yet; set {axis}: 1"
-                )
-    if llm.sp:
-        raise BoundaryError(f"module {llm.name}: sp is not supported at the boundary yet; set sp: false")
+    """Layout pairs the boundary cannot serve; raises BoundaryError naming the field to change."""
+    if encoder.role != "encoder" or llm.role != "llm":
+        raise BoundaryError(
+            f"edge {encoder.name} -> {llm.name}: an edge goes from an encoder into the llm; "
+            f"fix the edges list"
+        )
+    if encoder.sp:
+        raise BoundaryError(f"module {encoder.name}: sp on an encoder is not supported; set sp: false")
 
 
 def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout) -> None:
@@ -104,86 +113,126 @@ def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout)
     for module in (encoder, llm):
         if batch.num_samples % module.dp:
             raise BoundaryError(
-                f"the global batch ({batch.num_samples} samples) is not divisible by module "
-                f"{module.name}'s dp={module.dp}; set --global-batch-size to a multiple of {module.dp}"
+                f"the batch ({batch.num_samples} samples) is not divisible by module "
+                f"{module.name}'s dp={module.dp}; use a batch size that is a multiple of {module.dp}"
             )
+    if llm.cp > 1 and batch.seq_len % (2 * llm.cp):
+        raise BoundaryError(
+            f"the fused sequence length {batch.seq_len} is not divisible by 2*cp = {2 * llm.cp} "
+            f"(module {llm.name}: cp={llm.cp}); pad the sequence (--seq-length) to a multiple of "
+            f"{2 * llm.cp}"
+        )
+    if llm.sp and (batch.seq_len // llm.cp) % llm.tp:
+        multiple = (2 if llm.cp > 1 else 1) * llm.cp * llm.tp
+        raise BoundaryError(
+            f"the fused sequence length {batch.seq_len} does not split over cp={llm.cp} and tp={llm.tp} "
+            f"with sp (module {llm.name}); pad the sequence (--seq-length) to a multiple of {multiple}"
+        )
 
 
-def _encoder_sources(batch: BoundaryBatch, encoder: ModuleLayout):
-    """Per row: the ranks holding it ([R, replicas]) and its index in their output ([R])."""
-    samples_per_dp = batch.num_samples // encoder.dp
-    row_sample = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
-    dp = row_sample // samples_per_dp
-    # Rows are numbered per encoder DP rank: subtract the rows of the DP ranks before it.
-    rows_per_dp = batch.rows_per_sample.reshape(encoder.dp, samples_per_dp).sum(axis=1)
-    dp_start = np.concatenate([[0], np.cumsum(rows_per_dp)[:-1]])
-    index = np.arange(batch.num_rows) - dp_start[dp]
-    ranks = encoder.first_rank + np.arange(encoder.tp)[None, :] + encoder.tp * dp[:, None]
-    return ranks, index, rows_per_dp
+class _Rows:
+    """Addresses of every row of the batch (vectorized over rows, in row order)."""
+
+    def __init__(self, batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout):
+        n = batch.rows_per_sample
+        sample = np.repeat(np.arange(batch.num_samples), n)
+        first_row = np.concatenate([[0], np.cumsum(n)[:-1]])
+        k = np.arange(batch.num_rows) - first_row[sample]  # index of the row within its sample
+        self.id = np.arange(batch.num_rows)
+
+        # Encoder: DP by sample, CP by contiguous parts of the sample's rows, last PP stage.
+        e = encoder
+        enc_dp = sample // (batch.num_samples // e.dp)
+        enc_cp = ((k + 1) * e.cp - 1) // np.maximum(n[sample], 1)
+        self.enc_group = enc_dp * e.cp + enc_cp  # (dp, cp) holding the row
+        self.enc_base = e.first_rank + e.tp * (self.enc_group + e.cp * e.dp * (e.pp - 1))
+        self.enc_width = e.tp
+
+        # LLM: DP by sample, CP by load-balanced chunks, TP parts with SP, first PP stage.
+        b_local = batch.num_samples // llm.dp
+        llm_dp, local_sample = np.divmod(sample, b_local)
+        if llm.cp > 1:
+            chunk_len = batch.seq_len // (2 * llm.cp)
+            chunk, offset = np.divmod(batch.positions, chunk_len)
+            llm_cp = np.where(chunk < llm.cp, chunk, 2 * llm.cp - 1 - chunk)
+            local_pos = np.where(chunk < llm.cp, 0, chunk_len) + offset
+        else:
+            llm_cp, local_pos = np.zeros_like(batch.positions), batch.positions
+        if llm.sp:
+            llm_tp, local_pos = np.divmod(local_pos, batch.seq_len // llm.cp // llm.tp)
+            self.llm_base = llm.first_rank + llm_tp + llm.tp * (llm_cp + llm.cp * llm_dp)
+            self.llm_width = 1
+        else:
+            self.llm_base = llm.first_rank + llm.tp * (llm_cp + llm.cp * llm_dp)
+            self.llm_width = llm.tp
+        self.slot = local_pos * b_local + local_sample
 
 
-def _llm_consumers(batch: BoundaryBatch, llm: ModuleLayout):
-    """Per row: the LLM ranks consuming it ([R, replicas]) and its slot in their input ([R])."""
-    b_local = batch.num_samples // llm.dp
-    row_sample = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
-    dp, local_sample = np.divmod(row_sample, b_local)
-    slot = batch.positions * b_local + local_sample
-    ranks = llm.first_rank + np.arange(llm.tp)[None, :] + llm.tp * dp[:, None]
-    return ranks, slot
+def _pick(base: np.ndarray, width: int, row: np.ndarray, peer: np.ndarray) -> np.ndarray:
+    """The replica (of ranks base..base+width-1) that serves `peer`: the peer itself if it holds
+    one (no bytes move), else spread over the replicas by row and peer."""
+    holds = (peer >= base) & (peer < base + width)
+    return np.where(holds, peer, base + (row + peer) % width)
 
 
-def _pick_replica(replicas: np.ndarray, peer: np.ndarray) -> np.ndarray:
-    """Column of `replicas` that serves `peer`: the peer itself if it holds a replica (no bytes
-    move), else spread over the replicas by row and peer."""
-    rows, width = replicas.shape
-    is_peer = replicas == peer[:, None]
-    spread = (np.arange(rows) + peer) % width
-    return np.where(is_peer.any(axis=1), is_peer.argmax(axis=1), spread)
+def _holder_rows(base: np.ndarray, width: int, rank: int) -> np.ndarray:
+    """Rows of which `rank` is one of the replicas base..base+width-1, in row order."""
+    return np.flatnonzero((rank >= base) & (rank < base + width))
 
 
-def _routes_for(rank, world_size, src, src_index, dst, dst_index) -> Routes:
-    """Filter a transfer table (one entry per row delivery) to `rank`'s sends and receives.
+def _sends(rank, world_size, rows, src_base, src_width, dst_base, dst_width, src_index, dst_index):
+    """rank's deliveries as a source: every (held row, destination replica) it is picked to serve,
+    ordered by destination, then row (the receiver's order)."""
+    held = _holder_rows(src_base, src_width, rank)
+    row = np.repeat(held, dst_width)
+    dst = (dst_base[row] + np.tile(np.arange(dst_width), len(held))) if dst_width > 1 else dst_base[row]
+    mine = _pick(src_base[row], src_width, rows.id[row], dst) == rank
+    row, dst = row[mine], dst[mine]
+    order = np.argsort(dst, kind="stable")
+    return np.bincount(dst, minlength=world_size), src_index[row[order]]
 
-    Both ends order a peer's rows by transfer id, so the k-th row sent is the k-th row received.
-    """
-    sends = np.flatnonzero(src == rank)
-    sends = sends[np.argsort(dst[sends], kind="stable")]
-    recvs = np.flatnonzero(dst == rank)
-    recvs = recvs[np.argsort(src[recvs], kind="stable")]
-    return Routes(
-        send_counts=np.bincount(dst[sends], minlength=world_size),
-        send_index=src_index[sends],
-        recv_counts=np.bincount(src[recvs], minlength=world_size),
-        recv_index=dst_index[recvs],
-    )
+
+def _recvs(rank, world_size, rows, src_base, src_width, dst_base, dst_width, dst_index):
+    """rank's deliveries as a destination: one per row it holds a slot for, ordered by source."""
+    row = _holder_rows(dst_base, dst_width, rank)
+    src = _pick(src_base[row], src_width, rows.id[row], np.full(len(row), rank))
+    order = np.argsort(src, kind="stable")
+    return np.bincount(src, minlength=world_size), dst_index[row[order]]
+
+
+def _encoder_index(rows: _Rows, encoder: ModuleLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's index in its holders' output, and the row count of every (dp, cp) group."""
+    groups = encoder.dp * encoder.cp
+    counts = np.bincount(rows.enc_group, minlength=groups)
+    order = np.argsort(rows.enc_group, kind="stable")
+    index = np.empty_like(order)
+    index[order] = np.arange(len(order)) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return index, counts
 
 
 def plan_edge(
     batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout, rank: int, world_size: int
 ) -> RankPlan:
-    """`rank`'s forward and backward routes for one edge and one batch."""
+    """`rank`'s forward and backward routes for one edge and one batch (or microbatch)."""
     _check_batch(batch, encoder, llm)
-    enc_ranks, enc_index, rows_per_dp = _encoder_sources(batch, encoder)
-    llm_ranks, llm_slot = _llm_consumers(batch, llm)
-    rows = np.arange(batch.num_rows)
-
-    # Forward: one delivery per (row, consuming LLM rank), from one encoder replica.
-    fwd_row = np.repeat(rows, llm_ranks.shape[1])
-    fwd_dst = llm_ranks.reshape(-1)
-    fwd_src = enc_ranks[fwd_row, _pick_replica(enc_ranks[fwd_row], fwd_dst)]
-    forward = _routes_for(rank, world_size, fwd_src, enc_index[fwd_row], fwd_dst, llm_slot[fwd_row])
-
-    # Backward: one delivery per (row, encoder replica), from one LLM replica.
-    bwd_row = np.repeat(rows, enc_ranks.shape[1])
-    bwd_dst = enc_ranks.reshape(-1)
-    bwd_src = llm_ranks[bwd_row, _pick_replica(llm_ranks[bwd_row], bwd_dst)]
-    backward = _routes_for(rank, world_size, bwd_src, llm_slot[bwd_row], bwd_dst, enc_index[bwd_row])
-
-    enc_coords, llm_coords = encoder.coords(rank), llm.coords(rank)
-    return RankPlan(
-        rank=rank,
-        forward=forward,
-        backward=backward,
-        num_source_rows=int(rows_per_dp[enc_coords["dp"]]) if enc_coords else 0,
-        num_dest_slots=batch.seq_len * (batch.num_samples // llm.dp) if llm_coords else 0,
+    rows = _Rows(batch, encoder, llm)
+    enc_index, group_rows = _encoder_index(rows, encoder)
+    enc = (rows.enc_base, rows.enc_width)
+    dst = (rows.llm_base, rows.llm_width)
+    forward = Routes(
+        *_sends(rank, world_size, rows, *enc, *dst, enc_index, rows.slot),
+        *_recvs(rank, world_size, rows, *enc, *dst, rows.slot),
     )
+    backward = Routes(
+        *_sends(rank, world_size, rows, *dst, *enc, rows.slot, enc_index),
+        *_recvs(rank, world_size, rows, *dst, *enc, enc_index),
+    )
+    enc_coords, llm_coords = encoder.coords(rank), llm.coords(rank)
+    num_source_rows = 0
+    if enc_coords and enc_coords["pp"] == encoder.pp - 1:
+        num_source_rows = int(group_rows[enc_coords["dp"] * encoder.cp + enc_coords["cp"]])
+    num_dest_slots = 0
+    if llm_coords and llm_coords["pp"] == 0:
+        seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
+        num_dest_slots = seq_local * (batch.num_samples // llm.dp)
+    return RankPlan(rank, forward, backward, num_source_rows, num_dest_slots)
