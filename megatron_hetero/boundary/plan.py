@@ -138,7 +138,6 @@ class _Rows:
         sample = np.repeat(np.arange(batch.num_samples), n)
         first_row = np.concatenate([[0], np.cumsum(n)[:-1]])
         k = np.arange(batch.num_rows) - first_row[sample]  # index of the row within its sample
-        self.id = np.arange(batch.num_rows)
 
         # Encoder: DP by sample, CP by contiguous parts of the sample's rows, last PP stage.
         e = encoder
@@ -168,11 +167,21 @@ class _Rows:
         self.slot = local_pos * b_local + local_sample
 
 
-def _pick(base: np.ndarray, width: int, row: np.ndarray, peer: np.ndarray) -> np.ndarray:
-    """The replica (of ranks base..base+width-1) that serves `peer`: the peer itself if it holds
-    one (no bytes move), else spread over the replicas by row and peer."""
+def _index_within(keys: np.ndarray) -> np.ndarray:
+    """For each element, how many earlier elements share its key."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+    index = np.empty_like(order)
+    index[order] = np.arange(len(keys)) - np.repeat(starts, np.diff(np.r_[starts, len(keys)]))
+    return index
+
+
+def _pick(base, width: int, nth: np.ndarray, peer: np.ndarray) -> np.ndarray:
+    """The replica (of ranks base..base+width-1) that serves `peer` its nth row from this replica
+    set: the peer itself if it holds one (no bytes move), else the replicas in turn."""
     holds = (peer >= base) & (peer < base + width)
-    return np.where(holds, peer, base + (row + peer) % width)
+    return np.where(holds, peer, base + (nth + peer) % width)
 
 
 def _holder_rows(base: np.ndarray, width: int, rank: int) -> np.ndarray:
@@ -180,34 +189,31 @@ def _holder_rows(base: np.ndarray, width: int, rank: int) -> np.ndarray:
     return np.flatnonzero((rank >= base) & (rank < base + width))
 
 
-def _sends(rank, world_size, rows, src_base, src_width, dst_base, dst_width, src_index, dst_index):
-    """rank's deliveries as a source: every (held row, destination replica) it is picked to serve,
-    ordered by destination, then row (the receiver's order)."""
+def _sends(rank, world_size, src_base, src_width, dst_base, dst_width, src_index, dst_index):
+    """rank's deliveries as a source: every (held row, destination) it is picked to serve, ordered
+    by destination, then row (the receiver's order)."""
     held = _holder_rows(src_base, src_width, rank)
     row = np.repeat(held, dst_width)
-    dst = (dst_base[row] + np.tile(np.arange(dst_width), len(held))) if dst_width > 1 else dst_base[row]
-    mine = _pick(src_base[row], src_width, rows.id[row], dst) == rank
+    dst = dst_base[row] + np.tile(np.arange(dst_width), len(held))
+    # Held rows share one replica set: number each destination's rows from it in row order.
+    mine = _pick(src_base[row], src_width, _index_within(dst), dst) == rank
     row, dst = row[mine], dst[mine]
     order = np.argsort(dst, kind="stable")
     return np.bincount(dst, minlength=world_size), src_index[row[order]]
 
 
-def _recvs(rank, world_size, rows, src_base, src_width, dst_base, dst_width, dst_index):
+def _recvs(rank, world_size, src_base, src_width, dst_base, dst_width, dst_index):
     """rank's deliveries as a destination: one per row it holds a slot for, ordered by source."""
     row = _holder_rows(dst_base, dst_width, rank)
-    src = _pick(src_base[row], src_width, rows.id[row], np.full(len(row), rank))
+    # Number this rank's rows per source replica set, in row order: the senders' numbering.
+    src = _pick(src_base[row], src_width, _index_within(src_base[row]), rank)
     order = np.argsort(src, kind="stable")
     return np.bincount(src, minlength=world_size), dst_index[row[order]]
 
 
 def _encoder_index(rows: _Rows, encoder: ModuleLayout) -> tuple[np.ndarray, np.ndarray]:
     """Each row's index in its holders' output, and the row count of every (dp, cp) group."""
-    groups = encoder.dp * encoder.cp
-    counts = np.bincount(rows.enc_group, minlength=groups)
-    order = np.argsort(rows.enc_group, kind="stable")
-    index = np.empty_like(order)
-    index[order] = np.arange(len(order)) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-    return index, counts
+    return _index_within(rows.enc_group), np.bincount(rows.enc_group, minlength=encoder.dp * encoder.cp)
 
 
 def plan_edge(
@@ -220,12 +226,12 @@ def plan_edge(
     enc = (rows.enc_base, rows.enc_width)
     dst = (rows.llm_base, rows.llm_width)
     forward = Routes(
-        *_sends(rank, world_size, rows, *enc, *dst, enc_index, rows.slot),
-        *_recvs(rank, world_size, rows, *enc, *dst, rows.slot),
+        *_sends(rank, world_size, *enc, *dst, enc_index, rows.slot),
+        *_recvs(rank, world_size, *enc, *dst, rows.slot),
     )
     backward = Routes(
-        *_sends(rank, world_size, rows, *dst, *enc, rows.slot, enc_index),
-        *_recvs(rank, world_size, rows, *dst, *enc, enc_index),
+        *_sends(rank, world_size, *dst, *enc, rows.slot, enc_index),
+        *_recvs(rank, world_size, *dst, *enc, enc_index),
     )
     enc_coords, llm_coords = encoder.coords(rank), llm.coords(rank)
     num_source_rows = 0

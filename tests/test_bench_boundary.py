@@ -1,0 +1,72 @@
+"""tools/bench_boundary.py on 2 gloo processes: every method runs, upstream and ours deliver the
+same rows, upstream refuses LLM CP, and main writes one row per method."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_boundary.py"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("bench_boundary", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _sample_major(slots: torch.Tensor, seq: int, samples: int) -> torch.Tensor:
+    """Our [seq * b, h] LLM input (sequence-first) as upstream's (b * s, h) rows."""
+    return slots.view(seq, samples, -1).transpose(0, 1).reshape(seq * samples, -1)
+
+
+def _bench_cases(rank, world_size, json_path):
+    tool = _load_tool()
+    tool.apply_cpu_compat()
+    tool.pin_upstream_groups_to_default_backend()
+    env = tool.Env()
+    payload = tool.make_payload(0.25, 64, torch.bfloat16)  # 2 samples of 1024 rows per rank
+    assert (payload.samples, payload.rows_per_sample) == (2, 1024)
+    seq = payload.rows_per_sample
+    all_rows = torch.cat([payload.encoder_rows(r, env.device) for r in range(world_size)])
+
+    upstream = tool.Upstream(torch.bfloat16)
+    assert upstream.colocated[tool.LLM_CP2].startswith("refused: dest CP must be 1")
+
+    # Colocated fan-in: upstream's gathered rows are our LLM input, reordered.
+    gathered, _ = tool.upstream_colocated(env, payload, upstream, tool.LLM_TP2).step()
+    slots, _ = tool.ours_colocated(env, payload, tool.LLM_TP2).step()
+    assert torch.equal(gathered, all_rows)
+    assert torch.equal(_sample_major(slots, seq, 2 * payload.samples), all_rows)
+
+    # Round trips: the LLM rank receives rank 0's rows; rank 0 gets gradients of their shape.
+    rank0_rows = payload.encoder_rows(0, env.device)
+    for bench in (tool.upstream_round_trip(env, payload, upstream), tool.ours_round_trip(env, payload)):
+        received = bench.step()
+        assert received.shape == rank0_rows.shape, bench.method
+        if rank == 1:
+            as_rows = received if bench.method.startswith("upstream") else _sample_major(received, seq, payload.samples)
+            assert torch.equal(as_rows, rank0_rows), bench.method
+
+    tool.main(["--sizes-mb", "0.25", "--hidden", "64", "--iters", "1", "--warmup", "0", "--json", json_path])
+
+
+def test_bench_boundary_on_gloo(tmp_path):
+    json_path = str(tmp_path / "bench.json")
+    run_distributed(_bench_cases, 2, json_path)
+    rows = json.loads(Path(json_path).read_text())["rows"]
+    by_method = {(row["method"], row["layout"]): row for row in rows}
+    assert len(by_method) == len(rows) == 10
+    payload_bytes = 0.25 * 2**20
+    for (method, layout), row in by_method.items():
+        if row["status"] == "ok":
+            assert row["latency_ms"] > 0, (method, layout)
+            # Every pattern here moves the payload out of and into each rank once.
+            assert row["off_rank_mb"] * 1e6 == pytest.approx(2 * payload_bytes), (method, layout)
+    assert by_method[("upstream colocated", "enc dp2 -> llm cp2")]["status"].startswith("refused:")
+    assert by_method[("upstream colocated", "enc dp2 -> llm tp2+sp")]["status"].startswith("n/a:")
