@@ -68,5 +68,5 @@ def test_bench_boundary_on_gloo(tmp_path):
             assert row["latency_ms"] > 0, (method, layout)
             # Every pattern here moves the payload out of and into each rank once.
             assert row["off_rank_mb"] * 1e6 == pytest.approx(2 * payload_bytes), (method, layout)
-    assert by_method[("upstream colocated", "enc dp2 -> llm cp2")]["status"].startswith("refused:")
-    assert by_method[("upstream colocated", "enc dp2 -> llm tp2+sp")]["status"].startswith("n/a:")
+    assert by_method[("upstream colocated", "enc tp1 dp2 -> llm tp1 cp2 dp1")]["status"].startswith("refused:")
+    assert by_method[("upstream colocated", "enc tp1 dp2 -> llm tp2 dp1 sp")]["status"].startswith("n/a:")

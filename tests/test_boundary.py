@@ -7,6 +7,7 @@ import torch
 
 from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge, slot_mask
 from megatron_hetero.boundary.exchange import recv_backward, recv_forward, send_backward, send_forward
+from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
 from megatron_hetero.layout import ModuleLayout
 from tests.distributed import run_distributed
 
@@ -35,57 +36,11 @@ def edge_batches(counts_per_edge, seq_len, seed):
             for c, p in zip(counts_per_edge, positions)]
 
 
-# ---- the single-process reference: dense whole-batch tensors, Megatron's slicing ----------------
-
-def reference_input(rows, batch):
-    """The whole batch's LLM input [seq, B, h] with every row at its address, zeros elsewhere."""
-    full = torch.zeros(batch.seq_len, batch.num_samples, rows.shape[1], dtype=rows.dtype)
-    samples = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
-    full[torch.as_tensor(batch.positions), torch.as_tensor(samples)] = rows
-    return full
-
-
-def llm_share(full, layout, rank):
-    """What an LLM rank holds of a [seq, B, h] tensor: its DP samples, its CP chunks (r, 2cp-1-r),
-    its SP part; flattened to [seq_local * b_local, h]. Empty off the first PP stage."""
-    c = layout.coords(rank)
-    if c is None or c["pp"] != 0:
-        return full[:0, 0]
-    b = full.shape[1] // layout.dp
-    x = full[:, c["dp"] * b : (c["dp"] + 1) * b]
-    if layout.cp > 1:
-        chunks = x.chunk(2 * layout.cp)
-        x = torch.cat([chunks[c["cp"]], chunks[2 * layout.cp - 1 - c["cp"]]])
-    if layout.sp:
-        x = x.chunk(layout.tp)[c["tp"]]
-    return x.reshape(-1, full.shape[2])
-
-
-def encoder_share(rows, batch, layout, rank):
-    """The rows an encoder rank outputs: its DP samples, each sample's CP part; last PP stage."""
-    c = layout.coords(rank)
-    if c is None or c["pp"] != layout.pp - 1:
-        return rows[:0]
-    starts = np.concatenate([[0], np.cumsum(batch.rows_per_sample)])
-    b = batch.num_samples // layout.dp
-    parts = []
-    for s in range(c["dp"] * b, (c["dp"] + 1) * b):
-        n = batch.rows_per_sample[s]
-        lo, hi = c["cp"] * n // layout.cp, (c["cp"] + 1) * n // layout.cp
-        parts.append(rows[starts[s] + lo : starts[s] + hi])
-    return torch.cat(parts)
-
-
 def _patterns(batch, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(batch.num_rows, HIDDEN, generator=gen).to(dtype)
     grad = torch.randn(batch.seq_len, batch.num_samples, HIDDEN, generator=gen).to(dtype)
     return rows, grad
-
-
-def _addresses(grad, batch):
-    samples = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
-    return grad[torch.as_tensor(batch.positions), torch.as_tensor(samples)]
 
 
 # ---- colocated: autograd all-to-all ------------------------------------------------------------
@@ -109,7 +64,7 @@ def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype):
                     for _, g, _, b in sources)
     merged.backward(llm_share(grad_full, llm_layout, rank))
     for local, grad, encoder, batch in sources:
-        want = encoder_share(_addresses(grad, batch), batch, encoder, rank)
+        want = encoder_share(at_addresses(grad, batch), batch, encoder, rank)
         assert torch.equal(local.grad, want), f"rank {rank}: edge {encoder.name} gradients differ"
 
 
@@ -152,7 +107,7 @@ def _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, d
             pending[m, e] = recv_backward(plan, like)
     for (m, e), p in pending.items():
         batch, (_, grad) = microbatches[m][e], patterns[m, e]
-        want = encoder_share(_addresses(grad, batch), batch, encoders[e], rank)
+        want = encoder_share(at_addresses(grad, batch), batch, encoders[e], rank)
         assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
     for w in works:
         w.wait()

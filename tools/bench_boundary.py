@@ -73,8 +73,9 @@ COLOCATED_LLMS = (LLM_TP2, LLM_CP2, LLM_TP2_SP)
 
 
 def describe(layout: ModuleLayout) -> str:
-    sizes = " ".join(f"{axis}{getattr(layout, axis)}" for axis in AXES if getattr(layout, axis) > 1)
-    return (sizes or "1 rank") + ("+sp" if layout.sp else "")
+    """tp and dp always (the pair upstream serves), other axes where used."""
+    axes = [axis for axis in AXES if axis in ("tp", "dp") or getattr(layout, axis) > 1]
+    return " ".join(f"{axis}{getattr(layout, axis)}" for axis in axes) + (" sp" if layout.sp else "")
 
 
 COLOCATED_PAIR = {llm: f"enc {describe(ENCODER_DP2)} -> llm {describe(llm)}" for llm in COLOCATED_LLMS}
@@ -363,7 +364,7 @@ def measure(env: Env, bench: Bench, payload: Payload, iters: int, warmup: int) -
 
 # ---- report ------------------------------------------------------------------------------------
 
-COLUMNS = f"{'method':<19} {'layout':<27} {'MiB/rank':>8} {'off-rank MB':>11} {'ms':>8} {'GB/s':>7}  status"
+COLUMNS = f"{'method':<19} {'layout':<30} {'MiB/rank':>8} {'off-rank MB':>11} {'ms':>8} {'GB/s':>7}  status"
 
 
 def format_row(row: Row) -> str:
@@ -372,7 +373,7 @@ def format_row(row: Row) -> str:
         return format("-", f">{width}") if value is None else format(value, spec)
 
     return (
-        f"{row.method:<19} {row.layout:<27} {row.payload_mib:>8g} {number(row.off_rank_mb, '11.1f')} "
+        f"{row.method:<19} {row.layout:<30} {row.payload_mib:>8g} {number(row.off_rank_mb, '11.1f')} "
         f"{number(row.latency_ms, '8.3f')} {number(row.gb_per_s, '7.1f')}  {row.status}"
     )
 
@@ -394,7 +395,7 @@ def header(env: Env, args) -> dict:
         "nccl": nccl,
         "NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"],
         "command": command,
-        "row": f"hidden {args.hidden} {args.dtype}",
+        "rows": f"hidden {args.hidden} x {args.dtype} = {args.hidden * DTYPES[args.dtype].itemsize} bytes",
         "iters": args.iters,
         "warmup": args.warmup,
     }
