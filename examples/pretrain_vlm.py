@@ -9,7 +9,7 @@ import sys
 
 from megatron_hetero.boundary import BoundaryError, check_edge_layouts
 from megatron_hetero.layout import LayoutError, load_layout
-from megatron_hetero.training.args import ArgsError, build_parser, check_args
+from megatron_hetero.training.args import ArgsError, build_parser, check_args, check_trainable
 
 
 def main(argv=None) -> int:
@@ -18,11 +18,7 @@ def main(argv=None) -> int:
     try:
         # Everything a user can get wrong is checked before any process group exists.
         layout = load_layout(args.hetero_layout, world_size)
-        if layout.placement != "colocated":
-            raise LayoutError(f"{args.hetero_layout}: placement non_colocated is not trainable yet; "
-                              "use placement: colocated")
-        if len(layout.encoders) != 1:
-            raise LayoutError(f"{args.hetero_layout}: modules: this script trains exactly one encoder")
+        check_trainable(layout)
         check_edge_layouts(layout.encoders[0], layout.llm)
         check_args(args, layout.llm.dp, [m.dp for m in layout.encoders],
                    layout.llm.tp, [m.tp for m in layout.encoders])

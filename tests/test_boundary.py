@@ -88,29 +88,29 @@ def _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, d
             plans[m, e] = plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
             patterns[m, e] = _patterns(batch, dtype, seed=10 * m + e)
             if plan.num_source_rows:
-                works += send_forward(encoder_share(patterns[m, e][0], batch, encoder, rank), plan)
+                works.append(send_forward(encoder_share(patterns[m, e][0], batch, encoder, rank), plan))
             if plan.num_dest_slots:
                 pending[m, e] = recv_forward(plan, like)
     for (m, e), p in pending.items():
         rows, _ = patterns[m, e]
         want = llm_share(reference_input(rows, microbatches[m][e]), llm_layout, rank)
         assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} forward differs"
-    for w in works:
-        w.wait()
+    for sent in works:
+        sent.wait()
 
     works, pending = [], {}
     for (m, e), plan in plans.items():
         batch, (_, grad) = microbatches[m][e], patterns[m, e]
         if plan.num_dest_slots:
-            works += send_backward(llm_share(grad, llm_layout, rank), plan)
+            works.append(send_backward(llm_share(grad, llm_layout, rank), plan))
         if plan.num_source_rows:
             pending[m, e] = recv_backward(plan, like)
     for (m, e), p in pending.items():
         batch, (_, grad) = microbatches[m][e], patterns[m, e]
         want = encoder_share(at_addresses(grad, batch), batch, encoders[e], rank)
         assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
-    for w in works:
-        w.wait()
+    for sent in works:
+        sent.wait()
 
 
 def _non_colocated_cases(rank, world_size, cases, batch_specs):

@@ -22,13 +22,16 @@ def _run(args, tmp_path, layout_text=None):
 @pytest.mark.parametrize("args, layout_text, expected", [
     (["--hetero-layout", "layout.yaml"],
      "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n  llm: {role: llm, tp: 2, cp: 2}\n",
-     "module llm: cp=2 is not supported at the boundary yet; set cp: 1"),
+     "module llm: cp=2 is not trainable yet; set cp: 1"),
     (["--hetero-layout", "missing.yaml"], None, "missing.yaml"),
     (["--hetero-layout", DEMO, "--global-batch-size", "6"], None, "--global-batch-size 6"),
     (["--hetero-layout", DEMO, "--eval-samples", "3"], None, "--eval-samples 3"),
     (["--hetero-layout", DEMO, "--num-attention-heads", "3"], None, "--num-attention-heads 3"),
     (["--hetero-layout", DEMO, "--num-attention-heads", "1", "--hidden-size", "64"], None, "tp=2"),
     (["--hetero-layout", DEMO, "--patch-size", "5"], None, "--patch-size 5"),
+    (["--hetero-layout", "layout.yaml"],
+     "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n  llm: {role: llm, tp: 4, sp: true}\n",
+     "module llm: sp is not trainable yet"),
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_1_3.yaml")], None,
      "placement non_colocated is not trainable yet"),
 ])

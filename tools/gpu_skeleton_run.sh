@@ -15,6 +15,6 @@ for run in fp32 bf16 ablate; do
   extra=(); [ $run = bf16 ] && extra=(--bf16); [ $run = ablate ] && extra=(--ablate-vision)
   echo "== $run: torchrun --nproc-per-node 2 examples/pretrain_vlm.py ${common[*]} ${extra[*]}"
   torchrun --nproc-per-node 2 examples/pretrain_vlm.py "${common[@]}" "${extra[@]}" \
-    --metrics-file "$out/gpu2_$run.jsonl" 2>&1 | grep -v "Warning\|warn" | tee "$out/gpu2_$run.log" | grep -v "^ iteration" 
+    --metrics-file "/tmp/gpu2_$run.jsonl" 2>&1 | grep -v "Warning\|warn" | tee "$out/gpu2_$run.log" | grep -v "^ iteration" 
   grep "^ iteration" "$out/gpu2_$run.log" | sed -n '1p;$p'
 done

@@ -113,14 +113,14 @@ class EdgeRun:
             slots.backward(self.grad_slots)
             return slots.detach(), rows.grad
         plan, like = self.plan, self.rows
-        works = send_forward(self.rows, plan) if plan.num_source_rows else []
+        sent = send_forward(self.rows, plan) if plan.num_source_rows else None
         slots = recv_forward(plan, like).wait() if plan.num_dest_slots else like[:0]
-        for w in works:
-            w.wait()
-        works = send_backward(self.grad_slots, plan) if plan.num_dest_slots else []
+        if sent:
+            sent.wait()
+        sent = send_backward(self.grad_slots, plan) if plan.num_dest_slots else None
         grad = recv_backward(plan, like).wait() if plan.num_source_rows else like[:0]
-        for w in works:
-            w.wait()
+        if sent:
+            sent.wait()
         return slots, grad
 
 

@@ -4,6 +4,7 @@ from megatron_hetero.boundary.exchange import boundary_exchange, slot_mask
 from megatron_hetero.boundary.plan import (
     BoundaryBatch,
     BoundaryError,
+    PlanCache,
     RankPlan,
     check_edge_layouts,
     plan_edge,
@@ -12,6 +13,7 @@ from megatron_hetero.boundary.plan import (
 __all__ = [
     "BoundaryBatch",
     "BoundaryError",
+    "PlanCache",
     "RankPlan",
     "boundary_exchange",
     "check_edge_layouts",

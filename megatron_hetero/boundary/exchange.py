@@ -1,4 +1,16 @@
-"""Boundary execution: one all-to-all each way, driven by a RankPlan (see plan.py)."""
+"""Boundary execution, driven by a RankPlan (see plan.py).
+
+Rows a rank routes to itself are copied directly; the others move by point-to-point sends and
+receives with exactly the peers that have rows, grouped into one batch per direction (what NCCL's
+all-to-all does internally, without the self copy and without idle peers). Gloo and NCCL alike.
+
+- colocated: `boundary_exchange` is an autograd function: forward re-lays rows into the LLM input
+  slots, backward routes slot gradients back to the encoder rows;
+- non-colocated: `send_forward / recv_forward / send_backward / recv_backward` start the transfer
+  of one microbatch on one side and return handles, for a pipeline schedule to wait on.
+"""
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -7,26 +19,109 @@ import torch.distributed as dist
 from megatron_hetero.boundary.plan import RankPlan, Routes
 
 
-def _exchange(
-    source: torch.Tensor, routes: Routes, num_dest: int, group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Gather source rows at send_index, all-to-all them, write them at recv_index of a zeroed
-    [num_dest, hidden] tensor. Each destination slot receives at most once: writes, not sums."""
-    hidden = source.shape[-1]
-    send_index = torch.as_tensor(routes.send_index, device=source.device)
-    recv_index = torch.as_tensor(routes.recv_index, device=source.device)
-    send = source.index_select(0, send_index)
-    recv = source.new_empty(len(routes.recv_index), hidden)
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=routes.recv_counts.tolist(),
-        input_split_sizes=routes.send_counts.tolist(),
-        group=group,
+@dataclass
+class _Moves:
+    """One direction of one plan on one rank and device: index tensors, made once per plan."""
+
+    local_src: torch.Tensor  # rows this rank delivers to itself: from here ...
+    local_dst: torch.Tensor  # ... to here
+    send_index: torch.Tensor  # rows for other ranks, peers in rank order
+    send_peers: list  # (peer, start, count) into send_index
+    recv_index: torch.Tensor  # where rows from other ranks land, peers in rank order
+    recv_peers: list  # (peer, start, count) into recv_index
+    num_dest: int
+    # Zero-copy cases: remote rows to send / to receive form one contiguous range (start, stop);
+    # every destination slot is written (no zero fill).
+    send_range: tuple | None
+    recv_range: tuple | None
+    fills_dest: bool
+
+
+def _as_range(index: np.ndarray) -> tuple | None:
+    if len(index) and index[-1] - index[0] == len(index) - 1 and np.all(np.diff(index) == 1):
+        return int(index[0]), int(index[-1]) + 1
+    return None
+
+
+def _segments(counts: np.ndarray):
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return [(int(p), int(starts[p]), int(counts[p])) for p in np.flatnonzero(counts)]
+
+
+def _moves(routes: Routes, rank: int, num_dest: int, device) -> _Moves:
+    sends, recvs = _segments(routes.send_counts), _segments(routes.recv_counts)
+    send_self = [(s, n) for p, s, n in sends if p == rank]
+    recv_self = [(s, n) for p, s, n in recvs if p == rank]
+    assert len(send_self) == len(recv_self) and all(a[1] == b[1] for a, b in zip(send_self, recv_self))
+
+    def pick(index, segments):
+        return np.concatenate([np.empty(0, np.int64)] + [index[s : s + n] for s, n in segments])
+
+    def remote(index, segments):
+        others = [(p, s, n) for p, s, n in segments if p != rank]
+        starts = np.concatenate([[0], np.cumsum([n for _, _, n in others])[:-1]]).astype(int)
+        return pick(index, [(s, n) for _, s, n in others]), [
+            (p, int(start), n) for (p, _, n), start in zip(others, starts)]
+
+    send_index, send_peers = remote(routes.send_index, sends)
+    recv_index, recv_peers = remote(routes.recv_index, recvs)
+    local_dst = pick(routes.recv_index, recv_self)
+    on = lambda index: torch.as_tensor(index, device=device)  # noqa: E731
+    return _Moves(
+        on(pick(routes.send_index, send_self)), on(local_dst), on(send_index), send_peers,
+        on(recv_index), recv_peers, num_dest, _as_range(send_index), _as_range(recv_index),
+        fills_dest=len(recv_index) + len(local_dst) == num_dest,  # each slot is written once
     )
-    dest = source.new_zeros(num_dest, hidden)
-    dest.index_copy_(0, recv_index, recv)
-    return dest
+
+
+def _moves_for(plan: RankPlan, direction: str, device) -> _Moves:
+    """The plan's moves for `direction` ("forward"/"backward") on `device`, cached on the plan:
+    a plan reused over steps (fixed image sizes) pays its index uploads once."""
+    key = (direction, str(device))
+    if key not in plan.cache:
+        routes = plan.forward if direction == "forward" else plan.backward
+        num_dest = plan.num_dest_slots if direction == "forward" else plan.num_source_rows
+        plan.cache[key] = _moves(routes, plan.rank, num_dest, device)
+    return plan.cache[key]
+
+
+class Pending:
+    """A started transfer: wait() completes it and returns the [num_dest, hidden] destination
+    (or None on a rank that only sends)."""
+
+    def __init__(self, works, dest, recv_buffer, moves):
+        self._works, self._dest, self._recv, self._moves = works, dest, recv_buffer, moves
+
+    def wait(self) -> torch.Tensor | None:
+        for work in self._works:
+            work.wait()
+        if self._recv is not None:  # received into a buffer, not in place
+            self._dest.index_copy_(0, self._moves.recv_index, self._recv)
+        return self._dest
+
+
+def _start(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> Pending:
+    """Post this rank's sends of `source` (None: nothing to send) and, if `receive`, its receives
+    into a zeroed destination; local rows are copied at once."""
+    hidden = like.shape[-1]
+    ops, dest, recv = [], None, None
+    if source is not None and moves.send_peers:
+        if moves.send_range:
+            send = source[moves.send_range[0] : moves.send_range[1]]
+        else:
+            send = source.index_select(0, moves.send_index)
+        ops += [dist.P2POp(dist.isend, send[s : s + n], p, group) for p, s, n in moves.send_peers]
+    if receive:
+        dest = (like.new_empty if moves.fills_dest else like.new_zeros)(moves.num_dest, hidden)
+        if moves.recv_range:
+            target = dest[moves.recv_range[0] : moves.recv_range[1]]
+        else:
+            target = recv = like.new_empty(len(moves.recv_index), hidden)
+        ops += [dist.P2POp(dist.irecv, target[s : s + n], p, group) for p, s, n in moves.recv_peers]
+        if source is not None and len(moves.local_src):
+            dest.index_copy_(0, moves.local_dst, source.index_select(0, moves.local_src))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return Pending(works, dest, recv, moves)
 
 
 class BoundaryExchange(torch.autograd.Function):
@@ -36,91 +131,61 @@ class BoundaryExchange(torch.autograd.Function):
     once, from one LLM replica."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, plan: RankPlan, group: dist.ProcessGroup | None):
+    def forward(ctx, rows: torch.Tensor, plan: RankPlan, group):
         ctx.plan, ctx.group = plan, group
-        return _exchange(rows, plan.forward, plan.num_dest_slots, group)
+        moves = _moves_for(plan, "forward", rows.device)
+        return _start(rows.detach(), moves, rows, True, group).wait()
 
     @staticmethod
     def backward(ctx, grad_slots: torch.Tensor):
-        grad_rows = _exchange(
-            grad_slots.contiguous(), ctx.plan.backward, ctx.plan.num_source_rows, ctx.group
-        )
+        moves = _moves_for(ctx.plan, "backward", grad_slots.device)
+        grad_rows = _start(grad_slots.contiguous(), moves, grad_slots, True, ctx.group).wait()
         return grad_rows, None, None
 
 
-def boundary_exchange(
-    rows: torch.Tensor, plan: RankPlan, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """Differentiable re-layout of encoder rows into this rank's LLM input slots."""
+def boundary_exchange(rows: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
+    """Colocated: differentiable re-layout of encoder rows into this rank's LLM input slots.
+    `group` must span every rank of the edge's modules (peers are its ranks; None: the world)."""
     return BoundaryExchange.apply(rows, plan, group)
 
 
-def slot_mask(plan: RankPlan, device: torch.device | str) -> torch.Tensor:
-    """[num_dest_slots] bool: the slots that this rank's LLM input takes from the boundary."""
-    mask = torch.zeros(plan.num_dest_slots, dtype=torch.bool, device=device)
-    mask[torch.as_tensor(np.asarray(plan.forward.recv_index), device=device)] = True
-    return mask
+def slot_mask(plan: RankPlan, device) -> torch.Tensor:
+    """[num_dest_slots] bool: the slots that this rank's LLM input takes from the boundary
+    (cached on the plan; do not modify)."""
+    key = ("slot_mask", str(device))
+    if key not in plan.cache:
+        mask = torch.zeros(plan.num_dest_slots, dtype=torch.bool, device=device)
+        mask[torch.as_tensor(plan.forward.recv_index, device=device)] = True
+        plan.cache[key] = mask
+    return plan.cache[key]
 
 
-# ---- non-colocated: point-to-point, one call per side and microbatch --------------------------
+# ---- non-colocated: one call per side and microbatch -------------------------------------------
 
 
-class PendingRows:
-    """A started receive: wait() completes it and returns the [num_dest, hidden] tensor."""
-
-    def __init__(self, works, chunks, recv_index, num_dest, hidden, like):
-        self._works, self._chunks = works, chunks
-        self._recv_index, self._num_dest, self._hidden, self._like = recv_index, num_dest, hidden, like
-
-    def wait(self) -> torch.Tensor:
-        for work in self._works:
-            work.wait()
-        dest = self._like.new_zeros(self._num_dest, self._hidden)
-        if self._chunks:
-            dest.index_copy_(0, self._recv_index, torch.cat(self._chunks))
-        return dest
+def _disjoint_moves(plan: RankPlan, direction: str, device) -> _Moves:
+    moves = _moves_for(plan, direction, device)
+    assert not len(moves.local_src), "the point-to-point calls are for disjoint ranks; colocated " \
+        "modules use boundary_exchange"
+    return moves
 
 
-def _peers(counts: np.ndarray):
-    """(peer, start, count) for every peer with rows, in rank order (the plan's order)."""
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    return [(int(p), int(starts[p]), int(counts[p])) for p in np.flatnonzero(counts)]
-
-
-def start_send(source: torch.Tensor, routes: Routes, group=None) -> list:
-    """isend this rank's rows of `routes` (peers are global ranks); returns the works."""
-    send = source.index_select(0, torch.as_tensor(routes.send_index, device=source.device))
-    ops = [dist.P2POp(dist.isend, send[start : start + n], peer, group)
-           for peer, start, n in _peers(routes.send_counts)]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def start_recv(routes: Routes, num_dest: int, like: torch.Tensor, group=None) -> PendingRows:
-    """irecv this rank's rows of `routes` into a zeroed [num_dest, hidden] tensor like `like`."""
-    hidden = like.shape[-1]
-    chunks = [like.new_empty(n, hidden) for _, _, n in _peers(routes.recv_counts)]
-    ops = [dist.P2POp(dist.irecv, chunk, peer, group)
-           for (peer, _, _), chunk in zip(_peers(routes.recv_counts), chunks)]
-    works = dist.batch_isend_irecv(ops) if ops else []
-    recv_index = torch.as_tensor(routes.recv_index, device=like.device)
-    return PendingRows(works, chunks, recv_index, num_dest, hidden, like)
-
-
-def send_forward(rows: torch.Tensor, plan: RankPlan, group=None) -> list:
+def send_forward(rows: torch.Tensor, plan: RankPlan, group=None) -> Pending:
     """Encoder side: start sending this microbatch's rows to the LLM ranks that consume them."""
-    return start_send(rows.detach(), plan.forward, group)
+    return _start(rows.detach(), _disjoint_moves(plan, "forward", rows.device), rows, False, group)
 
 
-def recv_forward(plan: RankPlan, like: torch.Tensor, group=None) -> PendingRows:
-    """LLM side: start receiving this microbatch's rows into its input slots."""
-    return start_recv(plan.forward, plan.num_dest_slots, like, group)
+def recv_forward(plan: RankPlan, like: torch.Tensor, group=None) -> Pending:
+    """LLM side: start receiving this microbatch's rows; wait() gives its input slots."""
+    return _start(None, _disjoint_moves(plan, "forward", like.device), like, True, group)
 
 
-def send_backward(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> list:
-    """LLM side: start returning the slot gradients of this microbatch (one replica per row)."""
-    return start_send(grad_slots.detach(), plan.backward, group)
+def send_backward(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> Pending:
+    """LLM side: start returning this microbatch's slot gradients (one replica per row)."""
+    moves = _disjoint_moves(plan, "backward", grad_slots.device)
+    return _start(grad_slots.detach(), moves, grad_slots, False, group)
 
 
-def recv_backward(plan: RankPlan, like: torch.Tensor, group=None) -> PendingRows:
-    """Encoder side: start receiving every row's gradient for this microbatch."""
-    return start_recv(plan.backward, plan.num_source_rows, like, group)
+def recv_backward(plan: RankPlan, like: torch.Tensor, group=None) -> Pending:
+    """Encoder side: start receiving every row's gradient; wait() gives the row gradients."""
+    return _start(None, _disjoint_moves(plan, "backward", like.device), like, True, group)

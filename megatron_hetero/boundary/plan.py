@@ -27,7 +27,7 @@ Megatron's TP backward, so summing replicas would multiply it by TP).
 Each rank computes only its own sends and receives, from metadata every rank has.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -95,6 +95,8 @@ class RankPlan:
     backward: Routes
     num_source_rows: int  # rows of this rank's encoder output (0 if it holds no encoder output)
     num_dest_slots: int  # seq * b_local slots of this rank's LLM input (0 if it consumes nothing)
+    # Execution state derived from the routes (index tensors per device), filled by exchange.py.
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
@@ -191,23 +193,25 @@ def _holder_rows(base: np.ndarray, width: int, rank: int) -> np.ndarray:
 
 def _sends(rank, world_size, src_base, src_width, dst_base, dst_width, src_index, dst_index):
     """rank's deliveries as a source: every (held row, destination) it is picked to serve, ordered
-    by destination, then row (the receiver's order)."""
+    by destination, then destination index (the receiver's order)."""
     held = _holder_rows(src_base, src_width, rank)
     row = np.repeat(held, dst_width)
     dst = dst_base[row] + np.tile(np.arange(dst_width), len(held))
     # Held rows share one replica set: number each destination's rows from it in row order.
     mine = _pick(src_base[row], src_width, _index_within(dst), dst) == rank
     row, dst = row[mine], dst[mine]
-    order = np.argsort(dst, kind="stable")
+    # Destination-index order lets a receiver whose rows fill a slot range take them in place.
+    order = np.lexsort((dst_index[row], dst))
     return np.bincount(dst, minlength=world_size), src_index[row[order]]
 
 
 def _recvs(rank, world_size, src_base, src_width, dst_base, dst_width, dst_index):
-    """rank's deliveries as a destination: one per row it holds a slot for, ordered by source."""
+    """rank's deliveries as a destination: one per row it holds a slot for, ordered by source,
+    then destination index."""
     row = _holder_rows(dst_base, dst_width, rank)
     # Number this rank's rows per source replica set, in row order: the senders' numbering.
     src = _pick(src_base[row], src_width, _index_within(src_base[row]), rank)
-    order = np.argsort(src, kind="stable")
+    order = np.lexsort((dst_index[row], src))
     return np.bincount(src, minlength=world_size), dst_index[row[order]]
 
 
@@ -242,3 +246,22 @@ def plan_edge(
         seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
         num_dest_slots = seq_local * (batch.num_samples // llm.dp)
     return RankPlan(rank, forward, backward, num_source_rows, num_dest_slots)
+
+
+class PlanCache:
+    """Plans by batch metadata: with fixed image sizes every step reuses one plan, and with it the
+    index tensors its execution uploads once."""
+
+    def __init__(self, capacity: int = 16):
+        self.capacity = capacity
+        self._plans: dict = {}
+
+    def plan(self, batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout, rank: int,
+             world_size: int) -> RankPlan:
+        key = (batch.rows_per_sample.tobytes(), batch.positions.tobytes(), batch.seq_len,
+               encoder, llm, rank, world_size)
+        if key not in self._plans:
+            if len(self._plans) >= self.capacity:
+                self._plans.pop(next(iter(self._plans)))  # oldest first
+            self._plans[key] = plan_edge(batch, encoder, llm, rank, world_size)
+        return self._plans[key]

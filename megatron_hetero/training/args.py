@@ -61,6 +61,22 @@ def model_sizes(args, vocab_size: int) -> ModelSizes:
     return ModelSizes(vocab_size=vocab_size, **{f.name: getattr(args, f.name) for f in _size_flags()})
 
 
+def check_trainable(layout) -> None:
+    """What this trainer runs so far: colocated, one encoder, TP and DP. The boundary serves every
+    axis already; CP/SP/PP need their schedules and layers (see README)."""
+    if layout.placement != "colocated":
+        raise ArgsError("placement non_colocated is not trainable yet; use placement: colocated")
+    if len(layout.encoders) != 1:
+        raise ArgsError(f"modules: this trainer trains exactly one encoder, got {len(layout.encoders)}")
+    for module in layout.modules:
+        for axis in ("cp", "pp"):
+            if getattr(module, axis) != 1:
+                raise ArgsError(f"module {module.name}: {axis}={getattr(module, axis)} is not trainable "
+                                f"yet; set {axis}: 1")
+        if module.sp:
+            raise ArgsError(f"module {module.name}: sp is not trainable yet; set sp: false")
+
+
 def _check_sizes(args, llm_tp: int, encoder_tps: list[int]) -> None:
     pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, llm_tp)]
     pairs += [("enc-hidden-size", "enc-num-attention-heads", args.enc_hidden_size,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_hetero.boundary import boundary_exchange, plan_edge, slot_mask
+from megatron_hetero.boundary import PlanCache, boundary_exchange, slot_mask
 from megatron_hetero.cpu_compat import apply_cpu_compat
 from megatron_hetero.data.batches import GlobalBatch, caption_batch, module_slice
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
@@ -91,6 +91,7 @@ class Trainer:
             optimizers.append(opt)
         self.llm, self.encoder = self.modules[layout.llm.name], self.modules[self.encoder_layout.name]
         self.optimizer = HeteroOptimizer(optimizers, args.clip_grad, device)
+        self.plans = PlanCache()
         self.patches = self.encoder.model.module.patches_per_image if self.encoder.model else (
             (self.sizes.image_size // self.sizes.patch_size) ** 2)
 
@@ -98,7 +99,7 @@ class Trainer:
     def _encode_and_route(self, batch: GlobalBatch):
         """Encoder forward on this rank's slice, boundary forward. Returns (slots [S, b, h], mask
         [S, b], the boundary output to backprop into) for this rank's LLM samples."""
-        plan = plan_edge(batch.boundary, self.encoder_layout, self.layout.llm, self.rank, self.world_size)
+        plan = self.plans.plan(batch.boundary, self.encoder_layout, self.layout.llm, self.rank, self.world_size)
         enc = self.encoder.coords()
         if enc is not None:
             images = batch.images(module_slice(len(batch.indices), self.encoder_layout.dp, enc["dp"]))
