@@ -1,6 +1,7 @@
 """Spawn helper: run a function in N gloo processes on a free port (one launch per group of cases,
 since process start-up is the expensive part on 2 cores)."""
 
+import datetime
 import os
 import socket
 
@@ -18,7 +19,9 @@ def _worker(rank, world_size, port, fn, args):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A collective that never matches fails after the timeout instead of hanging the suite.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         fn(rank, world_size, *args)
         dist.barrier()

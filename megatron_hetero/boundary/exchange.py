@@ -34,6 +34,8 @@ class _Moves:
     # every destination slot is written (no zero fill).
     send_range: tuple | None
     recv_range: tuple | None
+    local_src_range: tuple | None
+    local_dst_range: tuple | None
     fills_dest: bool
 
 
@@ -65,11 +67,12 @@ def _moves(routes: Routes, rank: int, num_dest: int, device) -> _Moves:
 
     send_index, send_peers = remote(routes.send_index, sends)
     recv_index, recv_peers = remote(routes.recv_index, recvs)
-    local_dst = pick(routes.recv_index, recv_self)
+    local_src, local_dst = pick(routes.send_index, send_self), pick(routes.recv_index, recv_self)
     on = lambda index: torch.as_tensor(index, device=device)  # noqa: E731
     return _Moves(
-        on(pick(routes.send_index, send_self)), on(local_dst), on(send_index), send_peers,
-        on(recv_index), recv_peers, num_dest, _as_range(send_index), _as_range(recv_index),
+        on(local_src), on(local_dst), on(send_index), send_peers, on(recv_index), recv_peers,
+        num_dest, _as_range(send_index), _as_range(recv_index), _as_range(local_src),
+        _as_range(local_dst),
         fills_dest=len(recv_index) + len(local_dst) == num_dest,  # each slot is written once
     )
 
@@ -100,27 +103,37 @@ class Pending:
         return self._dest
 
 
+def _rows(source: torch.Tensor, index: torch.Tensor, span: tuple | None) -> torch.Tensor:
+    """source[index], as a view when the index is one contiguous range."""
+    return source[span[0] : span[1]] if span else source.index_select(0, index)
+
+
 def _start(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> Pending:
     """Post this rank's sends of `source` (None: nothing to send) and, if `receive`, its receives
-    into a zeroed destination; local rows are copied at once."""
+    into a destination; then copy the local rows while the transfers run."""
     hidden = like.shape[-1]
     ops, dest, recv = [], None, None
     if source is not None and moves.send_peers:
-        if moves.send_range:
-            send = source[moves.send_range[0] : moves.send_range[1]]
-        else:
-            send = source.index_select(0, moves.send_index)
+        send = _rows(source, moves.send_index, moves.send_range)
         ops += [dist.P2POp(dist.isend, send[s : s + n], p, group) for p, s, n in moves.send_peers]
-    if receive:
+    local = source is not None and receive and len(moves.local_src) > 0
+    whole = local and moves.local_dst_range == (0, moves.num_dest)
+    if receive and not whole:
         dest = (like.new_empty if moves.fills_dest else like.new_zeros)(moves.num_dest, hidden)
         if moves.recv_range:
             target = dest[moves.recv_range[0] : moves.recv_range[1]]
         else:
             target = recv = like.new_empty(len(moves.recv_index), hidden)
         ops += [dist.P2POp(dist.irecv, target[s : s + n], p, group) for p, s, n in moves.recv_peers]
-        if source is not None and len(moves.local_src):
-            dest.index_copy_(0, moves.local_dst, source.index_select(0, moves.local_src))
     works = dist.batch_isend_irecv(ops) if ops else []
+    if local:
+        rows = _rows(source, moves.local_src, moves.local_src_range)
+        if whole:  # every slot comes from this rank: the gathered rows are the destination
+            dest = rows.clone() if moves.local_src_range else rows
+        elif moves.local_dst_range:
+            dest[moves.local_dst_range[0] : moves.local_dst_range[1]] = rows
+        else:
+            dest.index_copy_(0, moves.local_dst, rows)
     return Pending(works, dest, recv, moves)
 
 
