@@ -401,3 +401,15 @@ def test_cli_invalid(file, world, fragment):
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_layout_is_valid_for_one_world_size(path):
+    valid = []
+    for world_size in range(1, 9):
+        try:
+            load_layout(str(path), world_size)
+            valid.append(world_size)
+        except LayoutError:
+            pass
+    assert len(valid) == 1, (path.name, valid)
