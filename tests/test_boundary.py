@@ -46,7 +46,7 @@ def _patterns(batch, dtype, seed):
 # ---- colocated: autograd all-to-all ------------------------------------------------------------
 
 def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype):
-    merged, expected = None, None
+    merged = None
     sources = []
     for e, (encoder, batch) in enumerate(zip(encoders, batches)):
         rows, grad = _patterns(batch, dtype, seed=e)

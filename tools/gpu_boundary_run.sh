@@ -2,13 +2,7 @@
 # Boundary figures on 2 GPUs (NCCL): bench_boundary against upstream and raw NCCL, then
 # verify_layout on the 2-GPU example layouts. Run from the repo root; megatron-core from .whl/.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-out=${OUT:-out}; mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/hardware.txt"
+source "$(dirname "$0")/gpu_env.sh"
 torchrun --nproc-per-node 2 tools/bench_boundary.py --sizes-mb 1 4 16 64 256 --iters 20 --warmup 5 \
   --dtype bf16 --json "$out/bench_boundary.json" 2>&1 | grep -v "^W11\|\*\*\*\*" | tee "$out/bench_boundary.log"
 for layout in gpu2_colocated gpu2_colocated_cp2 gpu2_non_colocated; do

@@ -30,7 +30,7 @@ from megatron_hetero.boundary.exchange import (  # noqa: E402
     send_backward,
     send_forward,
 )
-from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share  # noqa: E402
+from megatron_hetero.boundary.reference import encoder_share, llm_share  # noqa: E402
 from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout  # noqa: E402
 
 

@@ -19,3 +19,7 @@ class ModelSizes:
     vocab_size: int = 22
     # Padded vocabulary: fixed, so that every TP size (dividing it) builds the same model.
     vocab_multiple: int = 128
+
+    @property
+    def patches_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2

@@ -74,7 +74,6 @@ class Trainer:
 
         groups = build_groups(layout)
         (self.encoder_layout,) = layout.encoders  # one edge in this trainer
-        llm_groups, enc_groups = groups[layout.llm.name], groups[self.encoder_layout.name]
         llm_coords = layout.llm.coords(self.rank)
         init_mcore_globals(args.seed, tp_rank=llm_coords["tp"] if llm_coords else 0)
         optimizers = []
@@ -92,13 +91,12 @@ class Trainer:
         self.llm, self.encoder = self.modules[layout.llm.name], self.modules[self.encoder_layout.name]
         self.optimizer = HeteroOptimizer(optimizers, args.clip_grad, device)
         self.plans = PlanCache()
-        self.patches = self.encoder.model.module.patches_per_image if self.encoder.model else (
-            (self.sizes.image_size // self.sizes.patch_size) ** 2)
+        self.patches = self.sizes.patches_per_image
 
     # ---- one step ------------------------------------------------------------------------------
     def _encode_and_route(self, batch: GlobalBatch):
-        """Encoder forward on this rank's slice, boundary forward. Returns (slots [S, b, h], mask
-        [S, b], the boundary output to backprop into) for this rank's LLM samples."""
+        """Encoder forward on this rank's slice, boundary forward. Returns this rank's LLM input
+        slots [S * b_local, h] (differentiable back into the encoder) and their mask [S, b_local]."""
         plan = self.plans.plan(batch.boundary, self.encoder_layout, self.layout.llm, self.rank, self.world_size)
         enc = self.encoder.coords()
         if enc is not None:
