@@ -27,23 +27,30 @@ def _train_and_capture(rank, world_size, layout_file, out_dir):
     layout = load_layout(args.hetero_layout, world_size)
 
     def capture(trainer, step, phase):
-        # Gradients after the first backward; parameters after the last step.
-        if (phase, step) not in (("grads", 0), ("params", STEPS - 1)):
+        # Parameters and gradients after the first backward; parameters after the last step.
+        if (phase, step) == ("grads", 0):
+            kinds = [("init", False), ("grads", True)]
+        elif (phase, step) == ("params", STEPS - 1):
+            kinds = [("params", False)]
+        else:
             return
         for name, module in trainer.modules.items():
-            coords = module.coords()
-            tensors = full_tensors(module.model.module, module.groups.pgs.tp, grads=phase == "grads")
-            if coords["tp"] == 0 and coords["dp"] == 0:
-                torch.save(tensors, out / f"{name}_{phase}.pt")
+            for kind, grads in kinds:
+                if grads and module.ddp is None:
+                    continue  # frozen: no gradients
+                tensors = full_tensors(module.net, module.groups.pgs.tp, grads=grads)
+                coords = module.coords()
+                if coords["tp"] == 0 and coords["dp"] == 0:
+                    torch.save(tensors, out / f"{name}_{kind}.pt")
 
     train(args, layout, torch.device("cpu"), on_step=capture)
     dist.barrier()
 
 
-def _run(tmp_path, layout_name, world_size):
+def _run(tmp_path, layout_name, world_size, layout_file=None):
     out = tmp_path / layout_name
     out.mkdir()
-    run_distributed(_train_and_capture, world_size, LAYOUTS / f"{layout_name}.yaml", str(out))
+    run_distributed(_train_and_capture, world_size, layout_file or LAYOUTS / f"{layout_name}.yaml", str(out))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tensors = {f.stem: torch.load(f) for f in out.glob("*.pt")}
     return metrics, tensors
@@ -54,21 +61,45 @@ def reference(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("ref"), "single", 1)
 
 
-@pytest.mark.parametrize("layout_name", ["demo_colocated", "colocated_vtp2dp2_ltp1dp4"])
-def test_layout_reproduces_one_rank(reference, tmp_path, layout_name):
-    ref_metrics, ref_tensors = reference
-    metrics, tensors = _run(tmp_path, layout_name, 4)
+@pytest.fixture(scope="module")
+def frozen_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("frozen_ref")
+    layout = tmp / "single_frozen.yaml"
+    layout.write_text((LAYOUTS / "single.yaml").read_text().replace("role: encoder", "role: encoder\n    freeze: true"))
+    return _run(tmp, "single_frozen", 1, layout)
+
+
+def _assert_reproduces(run, reference):
+    (metrics, tensors), (ref_metrics, ref_tensors) = run, reference
     assert len(metrics) == len(ref_metrics) == STEPS
     for got, want in zip(metrics, ref_metrics):
         for key in ("loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
-    assert tensors.keys() == ref_tensors.keys() == {"vision_grads", "llm_grads", "vision_params", "llm_params"}
-    for kind, tol in (("grads", 1e-5), ("params", 1e-4)):
-        for module in ("vision", "llm"):
-            got, want = tensors[f"{module}_{kind}"], ref_tensors[f"{module}_{kind}"]
-            assert got.keys() == want.keys()
-            for name in want:
-                # Relative to the tensor's scale: a constant factor (e.g. TP replicas summed) fails.
-                scale = want[name].abs().max().item()
-                torch.testing.assert_close(got[name], want[name], rtol=tol, atol=tol * scale,
-                                           msg=f"{module} {kind} {name}")
+    assert tensors.keys() == ref_tensors.keys()
+    for key, want_tensors in ref_tensors.items():
+        tol = 1e-5 if key.endswith(("grads", "init")) else 1e-4
+        got_tensors = tensors[key]
+        assert got_tensors.keys() == want_tensors.keys()
+        for name, want in want_tensors.items():
+            # Relative to the tensor's scale: a constant factor (e.g. TP replicas summed) fails.
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got_tensors[name], want, rtol=tol, atol=tol * scale,
+                                       msg=f"{key} {name}")
+
+
+@pytest.mark.parametrize("layout_name", ["demo_colocated", "colocated_vtp2dp2_ltp1dp4"])
+def test_layout_reproduces_one_rank(reference, tmp_path, layout_name):
+    run = _run(tmp_path, layout_name, 4)
+    assert run[1].keys() == {f"{m}_{k}" for m in ("vision", "llm") for k in ("init", "grads", "params")}
+    _assert_reproduces(run, reference)
+
+
+def test_frozen_encoder(frozen_reference, reference, tmp_path):
+    """A frozen encoder keeps its weights bit for bit, gets no gradients, and the LLM still
+    reproduces the 1-rank run (which differs from the unfrozen one: vision no longer learns)."""
+    run = _run(tmp_path, "demo_colocated_frozen", 4)
+    assert "vision_grads" not in run[1]
+    for name, init in run[1]["vision_init"].items():
+        assert torch.equal(run[1]["vision_params"][name], init), name
+    _assert_reproduces(run, frozen_reference)
+    assert run[0][-1]["loss"] != reference[0][-1]["loss"]

@@ -41,10 +41,12 @@ def init_distributed() -> torch.device:
 
 @dataclass
 class Module:
-    """One module on this rank: its groups, DDP-wrapped model (None if not held here)."""
+    """One module on this rank: its groups, its model (None if not held here) and the DDP wrapper
+    that reduces its gradients (None if not held here or frozen)."""
 
     groups: ModuleGroups
-    model: DistributedDataParallel | None
+    net: torch.nn.Module | None
+    ddp: DistributedDataParallel | None
 
     @property
     def layout(self):
@@ -54,10 +56,11 @@ class Module:
         return self.layout.coords(dist.get_rank())
 
 
-def _wrap(model, pgs, device):
-    """megatron-core DDP over the module's own DP group (summing: the loss is pre-divided)."""
+def _wrap(model, pgs):
+    """megatron-core DDP over the module's own DP group (summing: the loss is pre-divided). Its
+    gradient hooks sit on the parameters, so the bare model is what the steps call."""
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
-    return DistributedDataParallel(model.config, ddp_config, model.to(device), pg_collection=pgs)
+    return DistributedDataParallel(model.config, ddp_config, model, pg_collection=pgs)
 
 
 class Trainer:
@@ -79,14 +82,19 @@ class Trainer:
         optimizers = []
         self.modules = {}
         for index, g in enumerate(groups.values()):
-            model, opt = None, ModuleOptimizer(g.layout.name, [], None, None)
+            net = ddp = None
+            opt = ModuleOptimizer(g.layout.name, [], None, None)
             if g.pgs is not None:
                 # Each module from its own seed: the same weights whatever else the rank holds.
                 torch.manual_seed(args.seed + index)
                 build = build_llm if g.layout.role == "llm" else build_vision_encoder
-                model = _wrap(build(self.sizes, g.layout.tp, g.pgs), g.pgs, device)
-                opt = module_optimizer(g.layout.name, model, g.pgs, args.lr, args.weight_decay)
-            self.modules[g.layout.name] = Module(g, model)
+                net = build(self.sizes, g.layout.tp, g.pgs).to(device)
+                if g.layout.freeze:  # no gradients, no reduction, no optimizer state
+                    net.requires_grad_(False)
+                else:
+                    ddp = _wrap(net, g.pgs)
+                    opt = module_optimizer(g.layout.name, net, g.pgs, args.lr, args.weight_decay)
+            self.modules[g.layout.name] = Module(g, net, ddp)
             optimizers.append(opt)
         self.llm, self.encoder = self.modules[layout.llm.name], self.modules[self.encoder_layout.name]
         self.optimizer = HeteroOptimizer(optimizers, args.clip_grad, device)
@@ -101,8 +109,9 @@ class Trainer:
         enc = self.encoder.coords()
         if enc is not None:
             images = batch.images(module_slice(len(batch.indices), self.encoder_layout.dp, enc["dp"]))
-            with self.autocast:
-                rows = self.encoder.model(images.to(self.device))
+            # A frozen encoder runs without a graph: nothing is routed back across its boundary.
+            with self.autocast, torch.set_grad_enabled(self.encoder.ddp is not None and torch.is_grad_enabled()):
+                rows = self.encoder.net(images.to(self.device))
         else:
             rows = torch.zeros(0, self.sizes.hidden_size, device=self.device)
         if self.args.ablate_vision:
@@ -129,7 +138,7 @@ class Trainer:
             for start in range(0, ids.shape[0], m):
                 mb = slice(start, start + m)
                 with self.autocast:
-                    losses = llm_forward(self.llm.model.module, ids[mb], view[:, mb], mask[:, mb], labels[mb])
+                    losses = llm_forward(self.llm.net, ids[mb], view[:, mb], mask[:, mb], labels[mb])
                 local = (losses.float() * loss_mask[mb]).sum()
                 (local / batch.num_loss_tokens).backward()
                 loss_sum += local.detach().double()
@@ -137,8 +146,8 @@ class Trainer:
             grad = slots_leaf.grad if slots_leaf.grad is not None else torch.zeros_like(slots_leaf)
             slots.backward(grad)
         for module in self.modules.values():
-            if module.model is not None:
-                module.model.finish_grad_sync()
+            if module.ddp is not None:
+                module.ddp.finish_grad_sync()
         # Every LLM TP rank holds the same loss: count one per (dp) replica.
         llm_pgs = self.llm.groups.pgs
         if llm_pgs is not None and llm_pgs.tp.rank() != 0:
@@ -162,8 +171,8 @@ class Trainer:
 
     def zero_grad(self):
         for module in self.modules.values():
-            if module.model is not None:
-                module.model.zero_grad_buffer()
+            if module.ddp is not None:
+                module.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     # ---- evaluation ----------------------------------------------------------------------------
@@ -180,7 +189,7 @@ class Trainer:
             vocab = self.tokenizer.vocab_size
             for t in range(1 + self.patches, ids.shape[1]):
                 with self.autocast:
-                    logits = llm_forward(self.llm.model.module, ids, view, mask)
+                    logits = llm_forward(self.llm.net, ids, view, mask)
                 ids[:, t] = logits[:, t - 1, :vocab].argmax(-1)
             if self.llm.groups.pgs.tp.rank() == 0:
                 start = module_slice(len(indices), self.layout.llm.dp, self.llm.coords()["dp"]).start
