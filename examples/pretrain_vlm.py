@@ -20,8 +20,7 @@ def main(argv=None) -> int:
         layout = load_layout(args.hetero_layout, world_size)
         check_trainable(layout)
         check_edge_layouts(layout.encoders[0], layout.llm)
-        check_args(args, layout.llm.dp, [m.dp for m in layout.encoders],
-                   layout.llm.tp, [m.tp for m in layout.encoders])
+        check_args(args, layout)
     except (LayoutError, ArgsError, BoundaryError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)

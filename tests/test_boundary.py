@@ -158,6 +158,7 @@ NON_COLOCATED_4 = [
     ([enc(dp=3)], llm(first=3)),                                  # DP3 -> 1 rank
     ([enc(pp=2)], llm(pp=2, first=2)),                            # PP on both sides
     ([enc(dp=2)], llm(tp=2, sp=True, first=2)),
+    ([enc(dp=2)], llm(tp=2, first=2)),                            # TP replicas, one returns
     ([enc(), enc(first=1, name="audio")], llm(cp=2, first=2)),    # two encoders
 ]
 NON_COLOCATED_8 = [

@@ -32,8 +32,14 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", "layout.yaml"],
      "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n  llm: {role: llm, tp: 4, sp: true}\n",
      "module llm: sp is not trainable yet"),
-    (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_1_3.yaml")], None,
-     "placement non_colocated is not trainable yet"),
+    (["--hetero-layout", "layout.yaml"],
+     "placement: non_colocated\nmodules:\n  vision: {role: encoder, pp: 2, ranks: 0-1}\n"
+     "  llm: {role: llm, dp: 2, ranks: 2-3}\n",
+     "module vision: pp=2 is not trainable yet; set pp: 1"),
+    (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_1_3.yaml"),
+      "--global-batch-size", "10", "--micro-batch-size", "1"], None, "use a multiple of 3"),
+    (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_2_2.yaml"),
+      "--global-batch-size", "9", "--micro-batch-size", "1"], None, "--micro-batch-size x llm dp = 1"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, layout_text, expected):
     result = _run(args, tmp_path, layout_text)

@@ -31,6 +31,12 @@ class GlobalBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def select(self, samples: list[int]) -> "GlobalBatch":
+        """The batch of `samples` (indices into this one), in that order."""
+        return GlobalBatch([self.indices[s] for s in samples], [self.samples[s] for s in samples],
+                           self.input_ids[samples], self.labels[samples], self.loss_mask[samples],
+                           self.boundary.select(samples))
+
     def images(self, samples: slice) -> torch.Tensor:
         """[n, 3, H, W]: the images of samples[samples], in sample order (one per sample here)."""
         return torch.stack([s.image for s in self.samples[samples]])

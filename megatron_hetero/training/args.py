@@ -62,10 +62,8 @@ def model_sizes(args, vocab_size: int) -> ModelSizes:
 
 
 def check_trainable(layout) -> None:
-    """What this trainer runs so far: colocated, one encoder, TP and DP. The boundary serves every
-    axis already; CP/SP/PP need their schedules and layers (see README)."""
-    if layout.placement != "colocated":
-        raise ArgsError("placement non_colocated is not trainable yet; use placement: colocated")
+    """What this trainer runs so far: one encoder, TP and DP per module, colocated or not. The
+    boundary serves every axis already; CP/SP/PP need their schedules and layers (see README)."""
     if len(layout.encoders) != 1:
         raise ArgsError(f"modules: this trainer trains exactly one encoder, got {len(layout.encoders)}")
     for module in layout.modules:
@@ -91,9 +89,10 @@ def _check_sizes(args, llm_tp: int, encoder_tps: list[int]) -> None:
         raise ArgsError(f"--image-size {args.image_size} is not a multiple of --patch-size {args.patch_size}")
 
 
-def check_args(args, llm_dp: int, encoder_dps: list[int], llm_tp: int = 1, encoder_tps=()) -> None:
+def check_args(args, layout) -> None:
     """Batch and size arithmetic the run needs; raises ArgsError with the flag to change."""
-    _check_sizes(args, llm_tp, list(encoder_tps))
+    llm_dp, encoder_dps = layout.llm.dp, [m.dp for m in layout.encoders]
+    _check_sizes(args, layout.llm.tp, [m.tp for m in layout.encoders])
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
@@ -103,6 +102,14 @@ def check_args(args, llm_dp: int, encoder_dps: list[int], llm_tp: int = 1, encod
             f"--global-batch-size {args.global_batch_size} is not a multiple of "
             f"--micro-batch-size x llm dp = {per_step}; use a multiple of {per_step}"
         )
+    if layout.placement == "non_colocated":
+        # Each microbatch (micro batch size x llm dp samples) is split over the encoder's DP ranks.
+        for dp in encoder_dps:
+            if per_step % dp:
+                raise ArgsError(
+                    f"--micro-batch-size x llm dp = {per_step} is not divisible by the encoder's "
+                    f"dp={dp}; make it a multiple of {dp}"
+                )
     for dp in encoder_dps:
         if args.global_batch_size % dp:
             raise ArgsError(

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_hetero.boundary import PlanCache, boundary_exchange, slot_mask
+from megatron_hetero.boundary import PlanCache, RankPlan, slot_mask
 from megatron_hetero.cpu_compat import apply_cpu_compat
 from megatron_hetero.data.batches import GlobalBatch, caption_batch, module_slice
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
@@ -26,6 +26,7 @@ from megatron_hetero.layout import HeteroLayout
 from megatron_hetero.mcore_globals import init_mcore_globals
 from megatron_hetero.models.vlm import ModelSizes, build_llm, build_vision_encoder, llm_forward
 from megatron_hetero.training.args import model_sizes
+from megatron_hetero.schedules import colocated_step, non_colocated_step, route_rows
 from megatron_hetero.training.optimizer import HeteroOptimizer, ModuleOptimizer, module_optimizer
 
 
@@ -70,15 +71,17 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.tokenizer = CaptionTokenizer()
         self.sizes: ModelSizes = model_sizes(args, self.tokenizer.vocab_size)
-        # fp32 parameters and optimizer; --bf16 computes under autocast.
+        # fp32 parameters and optimizer; --bf16 computes under autocast and sends bf16 rows.
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+        self.boundary_dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.train_data = ShapesDataset(args.data_seed, "train", self.sizes.image_size)
         self.eval_data = ShapesDataset(args.data_seed, "heldout", self.sizes.image_size)
 
         groups = build_groups(layout)
         (self.encoder_layout,) = layout.encoders  # one edge in this trainer
-        llm_coords = layout.llm.coords(self.rank)
-        init_mcore_globals(args.seed, tp_rank=llm_coords["tp"] if llm_coords else 0)
+        # The RNG tracker wants one TP rank: the LLM's where the rank holds it.
+        here = next(m for m in (layout.llm, self.encoder_layout) if m.coords(self.rank))
+        init_mcore_globals(args.seed, tp_rank=here.coords(self.rank)["tp"])
         optimizers = []
         self.modules = {}
         for index, g in enumerate(groups.values()):
@@ -101,59 +104,61 @@ class Trainer:
         self.plans = PlanCache()
         self.patches = self.sizes.patches_per_image
 
-    # ---- one step ------------------------------------------------------------------------------
-    def _encode_and_route(self, batch: GlobalBatch):
-        """Encoder forward on this rank's slice, boundary forward. Returns this rank's LLM input
-        slots [S * b_local, h] (differentiable back into the encoder) and their mask [S, b_local]."""
-        plan = self.plans.plan(batch.boundary, self.encoder_layout, self.layout.llm, self.rank, self.world_size)
+    # ---- pieces the schedules combine ----------------------------------------------------------
+    def plan(self, batch: GlobalBatch) -> RankPlan:
+        return self.plans.plan(batch.boundary, self.encoder_layout, self.layout.llm, self.rank,
+                               self.world_size)
+
+    def encode(self, batch: GlobalBatch) -> torch.Tensor:
+        """This rank's encoder rows for its DP slice of `batch`, in the boundary dtype (empty off the
+        encoder). A frozen encoder runs without a graph: nothing is routed back across its boundary."""
         enc = self.encoder.coords()
-        if enc is not None:
-            images = batch.images(module_slice(len(batch.indices), self.encoder_layout.dp, enc["dp"]))
-            # A frozen encoder runs without a graph: nothing is routed back across its boundary.
-            with self.autocast, torch.set_grad_enabled(self.encoder.ddp is not None and torch.is_grad_enabled()):
-                rows = self.encoder.net(images.to(self.device))
-        else:
-            rows = torch.zeros(0, self.sizes.hidden_size, device=self.device)
-        if self.args.ablate_vision:
-            rows = rows * 0
-        slots = boundary_exchange(rows, plan)
-        b_local = len(batch.indices) // self.layout.llm.dp
-        mask = slot_mask(plan, self.device).view(batch.boundary.seq_len, b_local)
-        return slots, mask
+        if enc is None:
+            return torch.zeros(0, self.sizes.hidden_size, device=self.device, dtype=self.boundary_dtype)
+        images = batch.images(module_slice(len(batch.indices), self.encoder_layout.dp, enc["dp"]))
+        with self.autocast, torch.set_grad_enabled(self.encoder.ddp is not None and torch.is_grad_enabled()):
+            rows = self.encoder.net(images.to(self.device)).to(self.boundary_dtype)
+        return rows * 0 if self.args.ablate_vision else rows
 
     def _llm_slice(self, batch: GlobalBatch, tensor: torch.Tensor) -> torch.Tensor:
         coords = self.llm.coords()
         return tensor[module_slice(len(batch.indices), self.layout.llm.dp, coords["dp"])].to(self.device)
 
-    def train_step(self, batch: GlobalBatch) -> float:
-        """Forward and backward of one global batch; returns the global mean token loss."""
-        slots, mask = self._encode_and_route(batch)
+    def llm_forward_backward(self, batch: GlobalBatch, slots: torch.Tensor, plan: RankPlan,
+                             num_loss_tokens: int) -> torch.Tensor:
+        """LLM forward and backward over this rank's share of `batch`, microbatch by microbatch,
+        with `slots` [S * b_local, h] from the boundary (gradients accumulate on it). Returns the
+        summed token loss; the loss backpropagated is divided by the global batch's token count."""
+        ids, labels, loss_mask = (self._llm_slice(batch, t) for t in (batch.input_ids, batch.labels, batch.loss_mask))
         seq = batch.boundary.seq_len
-        slots_leaf = slots.detach().requires_grad_(slots.requires_grad)
+        view, mask = slots.view(seq, ids.shape[0], -1), slot_mask(plan, self.device).view(seq, ids.shape[0])
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.llm.coords() is not None:
-            ids, labels, loss_mask = (self._llm_slice(batch, t) for t in (batch.input_ids, batch.labels, batch.loss_mask))
-            view = slots_leaf.view(seq, ids.shape[0], -1)
-            m = self.args.micro_batch_size
-            for start in range(0, ids.shape[0], m):
-                mb = slice(start, start + m)
-                with self.autocast:
-                    losses = llm_forward(self.llm.net, ids[mb], view[:, mb], mask[:, mb], labels[mb])
-                local = (losses.float() * loss_mask[mb]).sum()
-                (local / batch.num_loss_tokens).backward()
-                loss_sum += local.detach().double()
-        if slots.requires_grad:
-            grad = slots_leaf.grad if slots_leaf.grad is not None else torch.zeros_like(slots_leaf)
-            slots.backward(grad)
+        m = self.args.micro_batch_size
+        for start in range(0, ids.shape[0], m):
+            mb = slice(start, start + m)
+            with self.autocast:
+                losses = llm_forward(self.llm.net, ids[mb], view[:, mb], mask[:, mb], labels[mb])
+            local = (losses.float() * loss_mask[mb]).sum()
+            (local / num_loss_tokens).backward()
+            loss_sum += local.detach().double()
+        return loss_sum
+
+    def finish_step(self, loss_sum: torch.Tensor, num_loss_tokens: int) -> float:
+        """Reduce every module's gradients over its own DP group; the global mean token loss."""
         for module in self.modules.values():
             if module.ddp is not None:
                 module.ddp.finish_grad_sync()
         # Every LLM TP rank holds the same loss: count one per (dp) replica.
         llm_pgs = self.llm.groups.pgs
         if llm_pgs is not None and llm_pgs.tp.rank() != 0:
-            loss_sum.zero_()
+            loss_sum = torch.zeros_like(loss_sum)
         dist.all_reduce(loss_sum)
-        return loss_sum.item() / batch.num_loss_tokens
+        return loss_sum.item() / num_loss_tokens
+
+    def train_step(self, batch: GlobalBatch) -> float:
+        """Forward and backward of one global batch; returns the global mean token loss."""
+        step = colocated_step if self.layout.placement == "colocated" else non_colocated_step
+        return step(self, batch)
 
     def lr(self, step: int) -> float:
         a = self.args
@@ -181,11 +186,13 @@ class Trainer:
         """Greedy captions of held-out images, in index order (on every rank)."""
         batch = caption_batch(self.eval_data, indices, self.tokenizer, self.patches,
                               self.sizes.seq_length, with_captions=False)
-        slots, mask = self._encode_and_route(batch)
+        plan = self.plan(batch)
+        slots = route_rows(self, self.encode(batch), plan)
         mine = []
         if self.llm.coords() is not None:
             ids = self._llm_slice(batch, batch.input_ids)
-            view = slots.view(batch.boundary.seq_len, ids.shape[0], -1)
+            seq = batch.boundary.seq_len
+            view, mask = slots.view(seq, ids.shape[0], -1), slot_mask(plan, self.device).view(seq, -1)
             vocab = self.tokenizer.vocab_size
             for t in range(1 + self.patches, ids.shape[1]):
                 with self.autocast:
