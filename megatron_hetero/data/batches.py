@@ -3,7 +3,8 @@
 A sample's fused sequence is `<bos> <image>*P caption <eos> <pad>...`: the image placeholder expands
 to the image's P patch tokens, whose input embeddings are the encoder rows delivered by the boundary.
 Every rank builds the batch metadata (token ids, image token positions) for the whole global batch,
-so every rank computes the same boundary plan; images are built only where they are encoded.
+so every rank computes the same boundary plan. The synthetic samples are cheap, so every rank builds
+them whole (images included); a loader of real data would read only the images its rank encodes.
 """
 
 from dataclasses import dataclass
