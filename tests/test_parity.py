@@ -14,16 +14,17 @@ from tests.distributed import run_distributed
 
 STEPS = 5
 LAYOUTS = Path(__file__).parent.parent / "examples" / "layouts"
-FLAGS = ["--train-iters", str(STEPS), "--global-batch-size", "8", "--micro-batch-size", "2",
-         "--lr", "1e-3", "--seed", "7", "--log-interval", "100"]
+FLAGS = ["--train-iters", str(STEPS), "--micro-batch-size", "2", "--lr", "1e-3", "--seed", "7",
+         "--log-interval", "100"]
 
 
-def _train_and_capture(rank, world_size, layout_file, out_dir):
+def _train_and_capture(rank, world_size, layout_file, out_dir, global_batch):
     from megatron_hetero.training.trainer import train
 
     out = Path(out_dir)
     args = build_parser().parse_args(
-        ["--hetero-layout", str(layout_file), "--metrics-file", str(out / "metrics.jsonl"), *FLAGS])
+        ["--hetero-layout", str(layout_file), "--metrics-file", str(out / "metrics.jsonl"),
+         "--global-batch-size", str(global_batch), *FLAGS])
     layout = load_layout(args.hetero_layout, world_size)
 
     def capture(trainer, step, phase):
@@ -49,10 +50,11 @@ def _train_and_capture(rank, world_size, layout_file, out_dir):
     dist.barrier()
 
 
-def _run(tmp_path, layout_name, world_size, layout_file=None):
+def _run(tmp_path, layout_name, world_size, layout_file=None, global_batch=8):
     out = tmp_path / layout_name
     out.mkdir()
-    run_distributed(_train_and_capture, world_size, layout_file or LAYOUTS / f"{layout_name}.yaml", str(out))
+    run_distributed(_train_and_capture, world_size, layout_file or LAYOUTS / f"{layout_name}.yaml",
+                    str(out), global_batch)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tensors = {f.stem: torch.load(f) for f in out.glob("*.pt")}
     return metrics, tensors
@@ -106,3 +108,9 @@ def test_frozen_encoder(frozen_reference, reference, tmp_path, layout_name):
         assert torch.equal(run[1]["vision_params"][name], init), name
     _assert_reproduces(run, frozen_reference)
     assert run[0][-1]["loss"] != reference[0][-1]["loss"]
+
+
+def test_one_encoder_rank_feeds_three_llm_dp_ranks(tmp_path):
+    """Non-colocated, DP 1 -> 3: vision on rank 0, LLM TP1/DP3 on ranks 1-3 (global batch 6)."""
+    reference = _run(tmp_path, "single", 1, global_batch=6)
+    _assert_reproduces(_run(tmp_path, "non_colocated_1_3", 4, global_batch=6), reference)
