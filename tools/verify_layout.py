@@ -30,7 +30,7 @@ from megatron_hetero.boundary.exchange import (  # noqa: E402
     send_backward,
     send_forward,
 )
-from megatron_hetero.boundary.reference import encoder_share, llm_share  # noqa: E402
+from megatron_hetero.boundary.reference import encoder_share, llm_share, row_samples  # noqa: E402
 from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout  # noqa: E402
 
 
@@ -83,10 +83,9 @@ def slot_addresses(batch: BoundaryBatch, layout, rank, device) -> torch.Tensor:
     return llm_share(full, layout, rank).view(-1)
 
 
-def row_addresses(batch: BoundaryBatch, layout, rank, device) -> torch.Tensor:
-    samples = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
-    all_rows = torch.as_tensor(batch.positions * batch.num_samples + samples, device=device)
-    return encoder_share(all_rows[:, None], batch, layout, rank).view(-1)
+def all_row_addresses(batch: BoundaryBatch, device) -> torch.Tensor:
+    """Every row's address (position * B + sample), in row order."""
+    return torch.as_tensor(batch.positions, device=device) * batch.num_samples + row_samples(batch).to(device)
 
 
 class EdgeRun:
@@ -95,11 +94,11 @@ class EdgeRun:
     def __init__(self, layout, encoder, batch, rank, world_size, hidden, dtype, device):
         self.colocated = layout.placement == "colocated"
         self.plan = plan_edge(batch, encoder, layout.llm, rank, world_size)
-        rows = row_addresses(batch, encoder, rank, device)
+        addresses = all_row_addresses(batch, device)
+        rows = encoder_share(addresses[:, None], batch, encoder, rank).view(-1)
         slots = slot_addresses(batch, layout.llm, rank, device)
         image = torch.zeros(batch.seq_len * batch.num_samples, dtype=torch.bool, device=device)
-        image[torch.as_tensor(batch.positions * batch.num_samples, device=device)
-              + torch.as_tensor(np.repeat(np.arange(batch.num_samples), batch.rows_per_sample), device=device)] = True
+        image[addresses] = True
         self.rows = pattern(rows, hidden, 0, dtype)
         self.want_slots = torch.where(image[slots, None], pattern(slots, hidden, 0, dtype), 0).to(dtype)
         self.grad_slots = pattern(slots, hidden, 1, dtype)
@@ -130,8 +129,7 @@ def planned_minimum(batch, encoder, llm, world_size) -> int:
     holds it without consuming it."""
     ids = torch.arange(batch.num_rows)
     full = torch.full((batch.seq_len, batch.num_samples, 1), -1)
-    full[torch.as_tensor(batch.positions), torch.as_tensor(
-        np.repeat(np.arange(batch.num_samples), batch.rows_per_sample))] = ids[:, None]
+    full[torch.as_tensor(batch.positions), row_samples(batch)] = ids[:, None]
     rows = 0
     for r in range(world_size):
         held = encoder_share(ids[:, None], batch, encoder, r).view(-1)

@@ -124,14 +124,18 @@ class Trainer:
         coords = self.llm.coords()
         return tensor[module_slice(len(batch.indices), self.layout.llm.dp, coords["dp"])].to(self.device)
 
+    def _slot_views(self, batch: GlobalBatch, slots: torch.Tensor, plan: RankPlan):
+        """Boundary slots and their mask as [S, b_local, h] and [S, b_local] (Megatron's layout)."""
+        seq, b_local = batch.boundary.seq_len, len(batch.indices) // self.layout.llm.dp
+        return slots.view(seq, b_local, -1), slot_mask(plan, self.device).view(seq, b_local)
+
     def llm_forward_backward(self, batch: GlobalBatch, slots: torch.Tensor, plan: RankPlan,
                              num_loss_tokens: int) -> torch.Tensor:
         """LLM forward and backward over this rank's share of `batch`, microbatch by microbatch,
         with `slots` [S * b_local, h] from the boundary (gradients accumulate on it). Returns the
         summed token loss; the loss backpropagated is divided by the global batch's token count."""
         ids, labels, loss_mask = (self._llm_slice(batch, t) for t in (batch.input_ids, batch.labels, batch.loss_mask))
-        seq = batch.boundary.seq_len
-        view, mask = slots.view(seq, ids.shape[0], -1), slot_mask(plan, self.device).view(seq, ids.shape[0])
+        view, mask = self._slot_views(batch, slots, plan)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         m = self.args.micro_batch_size
         for start in range(0, ids.shape[0], m):
@@ -187,12 +191,11 @@ class Trainer:
         batch = caption_batch(self.eval_data, indices, self.tokenizer, self.patches,
                               self.sizes.seq_length, with_captions=False)
         plan = self.plan(batch)
-        slots = route_rows(self, self.encode(batch), plan)
+        slots = route_rows(self.encode(batch), plan, self.layout.placement == "colocated")
         mine = []
         if self.llm.coords() is not None:
             ids = self._llm_slice(batch, batch.input_ids)
-            seq = batch.boundary.seq_len
-            view, mask = slots.view(seq, ids.shape[0], -1), slot_mask(plan, self.device).view(seq, -1)
+            view, mask = self._slot_views(batch, slots, plan)
             vocab = self.tokenizer.vocab_size
             for t in range(1 + self.patches, ids.shape[1]):
                 with self.autocast:
