@@ -7,18 +7,23 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.layout import ModuleLayout
 from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.specs import llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
 
-def _config(hidden, layers, heads, tp: int, dtype: torch.dtype) -> TransformerConfig:
+def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, cp: int = 1, pp: int = 1,
+            sp: bool = False) -> TransformerConfig:
     return TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         ffn_hidden_size=4 * hidden,
         tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sp,
         # Full-size master weights from the default generator, then sliced: every layout gets the
         # same model as one process does (parity), at any TP size.
         use_cpu_initialization=True,
@@ -57,10 +62,15 @@ def build_vision_encoder(
 
 
 def build_llm(
-    sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32
+    sizes: ModelSizes, layout: ModuleLayout, pgs: ProcessGroupCollection, pp_rank: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> GPTModel:
-    config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype)
+    """The LLM's pipeline stage `pp_rank` (the whole model with pp=1)."""
+    config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, layout.tp, dtype,
+                     cp=layout.cp, pp=layout.pp, sp=layout.sp)
     return GPTModel(
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == layout.pp - 1,
         config=config,
         transformer_layer_spec=llm_layer_spec(),
         vocab_size=padded_vocab_size(sizes),
@@ -79,22 +89,30 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 def llm_forward(
     llm: GPTModel,
     input_ids: torch.Tensor,
-    image_slots: torch.Tensor,
-    image_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    media: list[tuple[torch.Tensor, torch.Tensor]],
     labels: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """input_ids [b, s]; image_slots [s, b, h] and image_mask [s, b] from the boundary.
+    """One pipeline stage of the LLM. input_ids [b, s] and position_ids [b, s] are this rank's
+    (CP-local) sequence; on the first stage `media` holds, per encoder, the boundary's slots
+    [s', b, h] and their mask [s', b] (s' the SP-local length), merged into the text embedding;
+    later stages take the previous stage's `hidden` instead.
 
-    Returns per-token losses [b, s] with labels, else full-vocabulary logits [b, s, V]."""
-    s = input_ids.shape[1]
-    position_ids = torch.arange(s, device=input_ids.device)[None].expand_as(input_ids)
-    text = llm.embedding(input_ids=input_ids, position_ids=position_ids)
-    merged = torch.where(image_mask[..., None], image_slots.to(text.dtype), text)
+    Returns the next stage's input [s', b, h], or on the last stage per-token losses [b, s] with
+    labels, else full-vocabulary logits [b, s, V]."""
+    decoder_input = None
+    if llm.pre_process:
+        decoder_input = llm.embedding(input_ids=input_ids, position_ids=position_ids)
+        for slots, mask in media:
+            decoder_input = torch.where(mask[..., None], slots.to(decoder_input.dtype), decoder_input)
+    else:
+        llm.set_input_tensor(hidden)
     return llm(
         input_ids=None,
         position_ids=position_ids,
-        attention_mask=causal_mask(s, input_ids.device),
-        decoder_input=merged,
+        attention_mask=causal_mask(input_ids.shape[1], input_ids.device),
+        decoder_input=decoder_input,
         labels=labels,
         runtime_gather_output=labels is None,
     )
