@@ -18,7 +18,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from megatron_hetero.boundary import PlanCache, RankPlan, slot_mask
 from megatron_hetero.cpu_compat import apply_cpu_compat
-from megatron_hetero.data.batches import GlobalBatch, caption_batch, module_slice
+from megatron_hetero.data.batches import VISION, GlobalBatch, caption_batch, module_slice
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.groups import ModuleGroups, build_groups
@@ -89,8 +89,8 @@ class Trainer:
             opt = ModuleOptimizer(g.layout.name, [], None, None)
             if g.pgs is not None:
                 # Each module from its own seed: the same weights whatever else the rank holds.
-                torch.manual_seed(args.seed + index)
                 build = build_llm if g.layout.role == "llm" else build_vision_encoder
+                torch.manual_seed(args.seed + index)
                 net = build(self.sizes, g.layout.tp, g.pgs).to(device)
                 if g.layout.freeze:  # no gradients, no reduction, no optimizer state
                     net.requires_grad_(False)
@@ -106,7 +106,7 @@ class Trainer:
 
     # ---- pieces the schedules combine ----------------------------------------------------------
     def plan(self, batch: GlobalBatch) -> RankPlan:
-        return self.plans.plan(batch.boundary, self.encoder_layout, self.layout.llm, self.rank,
+        return self.plans.plan(batch.boundaries[VISION], self.encoder_layout, self.layout.llm, self.rank,
                                self.world_size)
 
     def encode(self, batch: GlobalBatch) -> torch.Tensor:
@@ -126,7 +126,7 @@ class Trainer:
 
     def _slot_views(self, batch: GlobalBatch, slots: torch.Tensor, plan: RankPlan):
         """Boundary slots and their mask as [S, b_local, h] and [S, b_local] (Megatron's layout)."""
-        seq, b_local = batch.boundary.seq_len, len(batch.indices) // self.layout.llm.dp
+        seq, b_local = batch.seq_len, len(batch.indices) // self.layout.llm.dp
         return slots.view(seq, b_local, -1), slot_mask(plan, self.device).view(seq, b_local)
 
     def llm_forward_backward(self, batch: GlobalBatch, slots: torch.Tensor, plan: RankPlan,
