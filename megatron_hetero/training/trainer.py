@@ -24,6 +24,7 @@ from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.groups import ModuleGroups, build_groups
 from megatron_hetero.layout import HeteroLayout
 from megatron_hetero.mcore_globals import init_mcore_globals
+from megatron_hetero.models.init import build_stage
 from megatron_hetero.models.vlm import ModelSizes, build_llm, build_vision_encoder, llm_forward
 from megatron_hetero.training.args import model_sizes
 from megatron_hetero.schedules import colocated_step, non_colocated_step, route_rows
@@ -90,8 +91,8 @@ class Trainer:
             if g.pgs is not None:
                 # Each module from its own seed: the same weights whatever else the rank holds.
                 build = build_llm if g.layout.role == "llm" else build_vision_encoder
-                torch.manual_seed(args.seed + index)
-                net = build(self.sizes, g.layout.tp, g.pgs).to(device)
+                net = build_stage(lambda whole: build(self.sizes, g.layout.tp, g.pgs, whole=whole),
+                                  args.seed + index, g.layout.pp).to(device)
                 if g.layout.freeze:  # no gradients, no reduction, no optimizer state
                     net.requires_grad_(False)
                 else:
