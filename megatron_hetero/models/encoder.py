@@ -26,8 +26,8 @@ from megatron_hetero.models.specs import encoder_layer_spec
 class StageEncoder(MegatronModule):
     """One pipeline stage of an encoder whose items (images, clips) have `tokens_per_item` tokens.
 
-    forward(x): on the first stage (`pre_process`) x is the raw input of n items, which
-    `input_embedding()` maps to [tokens, n, hidden]; on a later stage x is the previous stage's
+    forward(x): on the first stage (`pre_process`) x is the raw input of n items, which the module
+    built by `input_embedding()` maps to [tokens, n, hidden]; on a later stage x is the previous stage's
     output, passed as the argument (no set_input_tensor state). A non-last stage returns hidden
     states [tokens, n, hidden]; the last (`post_process`) returns projected rows
     [n * tokens, llm_hidden], item by item (row i*tokens + t is token t of item i).
