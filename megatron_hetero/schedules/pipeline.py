@@ -28,7 +28,7 @@ def warmup_microbatches(stages_downstream: int, num_microbatches: int) -> int:
 
 
 def one_f_one_b(stages_downstream: int, num_microbatches: int, backward: bool = True) -> list[tuple[str, int]]:
-    """The stage's compute order: ("F", i) / ("B", i), i the microbatch (pure: for tests and docs)."""
+    """The stage's compute order: ("F", i) / ("B", i), i the microbatch."""
     if not backward:
         return [("F", i) for i in range(num_microbatches)]
     warmup = warmup_microbatches(stages_downstream, num_microbatches)
@@ -111,26 +111,28 @@ class _Link:
 
 
 def run_stage(stage: Stage, num_microbatches: int, clock: Clock) -> None:
-    """Run the stage's forwards and backwards of one step in 1F1B order (see the module doc)."""
+    """Run the stage's forwards and backwards of one step in 1F1B order. Communication pairs like
+    Megatron's: an op's sends go in one batch with the next op's receives when the two ops differ
+    (F then B: send forward + receive backward; B then F: send backward + receive forward), and in a
+    batch of their own before them when the ops are alike (warm-up, cool-down)."""
     link = _Link(clock)
-    m = num_microbatches
-    warmup = m if not stage.runs_backward else warmup_microbatches(stage.stages_downstream, m)
+    order = one_f_one_b(stage.stages_downstream, num_microbatches, stage.runs_backward)
 
-    def forward(i, received):
-        outputs = stage.forward(i, received)
-        return stage.send_forward(i, outputs)
+    def receives(op):
+        kind, i = op
+        return stage.recv_forward(i) if kind == "F" else stage.recv_backward(i)
 
-    for i in range(warmup):
-        sends = forward(i, link.exchange([], stage.recv_forward(i)))
-        link.exchange(sends, [])
-    received = link.exchange([], stage.recv_forward(warmup)) if warmup < m else None
-    for k in range(m - warmup):
-        i, j = warmup + k, k  # forward of microbatch i, then backward of microbatch j
-        grads_in = link.exchange(forward(i, received), stage.recv_backward(j))
-        sends = stage.send_backward(j, stage.backward(j, grads_in))
-        received = link.exchange(sends, stage.recv_forward(i + 1) if i + 1 < m else [])
-    if stage.runs_backward:
-        for j in range(m - warmup, m):
-            grads_in = link.exchange([], stage.recv_backward(j))
-            link.exchange(stage.send_backward(j, stage.backward(j, grads_in)), [])
+    received = link.exchange([], receives(order[0])) if order else []
+    for k, (kind, i) in enumerate(order):
+        if kind == "F":
+            sends = stage.send_forward(i, stage.forward(i, received))
+        else:
+            sends = stage.send_backward(i, stage.backward(i, received))
+        following = order[k + 1] if k + 1 < len(order) else None
+        if following is not None and following[0] != kind:
+            received = link.exchange(sends, receives(following))
+        else:
+            link.exchange(sends, [])
+            if following is not None:
+                received = link.exchange([], receives(following))
     link.finish()

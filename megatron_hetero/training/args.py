@@ -61,7 +61,7 @@ def model_sizes(args, vocab_size: int) -> ModelSizes:
     return ModelSizes(vocab_size=vocab_size, **{f.name: getattr(args, f.name) for f in _size_flags()})
 
 
-ENCODER_KINDS = ("vision",)
+ENCODER_KINDS = ("vision", "audio")
 
 
 def check_trainable(layout) -> None:
@@ -82,10 +82,17 @@ def check_trainable(layout) -> None:
         raise ArgsError(f"module {layout.llm.name}: freeze is for encoders here; remove it from the llm")
 
 
+def _encoder_flags(args, name: str) -> list[tuple[str, int]]:
+    """Encoder `name`'s (flag, value) for its layers, hidden size and attention heads."""
+    prefix = "enc" if name == "vision" else "audio"
+    return [(f"{prefix}-{flag}", getattr(args, f"{prefix}_{flag.replace('-', '_')}"))
+            for flag in ("num-layers", "hidden-size", "num-attention-heads")]
+
+
 def _check_stages(args, layout) -> None:
     """Layers split evenly over pipeline stages; sequences split evenly over CP chunks and SP parts."""
     layers = {layout.llm.name: ("num-layers", args.num_layers)}
-    layers.update({m.name: ("enc-num-layers", args.enc_num_layers) for m in layout.encoders})
+    layers.update({m.name: _encoder_flags(args, m.name)[0] for m in layout.encoders})
     for module in layout.modules:
         flag, n = layers[module.name]
         if n < module.pp:
@@ -103,16 +110,20 @@ def _check_stages(args, layout) -> None:
                         f"(sequence parallelism); use a multiple of {llm.cp * llm.tp}")
 
 
-def _check_sizes(args, llm_tp: int, encoder_tps: list[int]) -> None:
-    pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, llm_tp)]
-    pairs += [("enc-hidden-size", "enc-num-attention-heads", args.enc_hidden_size,
-               args.enc_num_attention_heads, tp) for tp in encoder_tps]
+def _check_sizes(args, layout) -> None:
+    pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, layout.llm.tp)]
+    for module in layout.encoders:
+        _, (hidden_flag, hidden), (heads_flag, heads) = _encoder_flags(args, module.name)
+        pairs.append((hidden_flag, heads_flag, hidden, heads, module.tp))
     for hidden_flag, heads_flag, hidden, heads, tp in pairs:
         if heads < 1 or hidden % heads:
             raise ArgsError(f"--{hidden_flag} {hidden} is not divisible by --{heads_flag} {heads}")
         if heads % tp:
             raise ArgsError(f"--{heads_flag} {heads} is not divisible by the module's tp={tp}; "
                             f"use a multiple of {tp}")
+    if args.audio_frames < 4 or args.audio_frames % 4:
+        raise ArgsError(f"--audio-frames {args.audio_frames} is not a positive multiple of 4 (the "
+                        f"audio front end halves the frames twice)")
     if args.patch_size < 1 or args.image_size % args.patch_size:
         raise ArgsError(f"--image-size {args.image_size} is not a multiple of --patch-size {args.patch_size}")
 
@@ -120,7 +131,7 @@ def _check_sizes(args, llm_tp: int, encoder_tps: list[int]) -> None:
 def check_args(args, layout) -> None:
     """Batch and size arithmetic the run needs; raises ArgsError with the flag to change."""
     llm_dp, encoder_dps = layout.llm.dp, [m.dp for m in layout.encoders]
-    _check_sizes(args, layout.llm.tp, [m.tp for m in layout.encoders])
+    _check_sizes(args, layout)
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")

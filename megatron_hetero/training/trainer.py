@@ -18,14 +18,15 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from megatron_hetero.boundary import PlanCache, RankPlan, slot_mask
 from megatron_hetero.cpu_compat import apply_cpu_compat
-from megatron_hetero.data.batches import GlobalBatch, caption_batch, module_slice
+from megatron_hetero.data.batches import VISION, GlobalBatch, caption_batch, module_slice
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.groups import ModuleGroups, build_groups
 from megatron_hetero.layout import HeteroLayout
 from megatron_hetero.mcore_globals import init_mcore_globals
 from megatron_hetero.models.context_parallel import cp_positions
-from megatron_hetero.models.vlm import ModelSizes, build_llm, build_vision_encoder, llm_forward
+from megatron_hetero.models.init import build_stage
+from megatron_hetero.models.vlm import ModelSizes, build_audio_encoder, build_llm, build_vision_encoder, llm_forward
 from megatron_hetero.schedules import colocated_step, non_colocated_step, route_media
 from megatron_hetero.schedules.pipeline import Clock, run_stage
 from megatron_hetero.schedules.stages import LLMStage
@@ -88,8 +89,9 @@ class Trainer:
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
         self.boundary_dtype = self.pipeline_dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.clock = Clock(device)
-        self.train_data = ShapesDataset(args.data_seed, "train", self.sizes.image_size)
-        self.eval_data = ShapesDataset(args.data_seed, "heldout", self.sizes.image_size)
+        clips = (self.sizes.audio_mel_bins, self.sizes.audio_frames)
+        self.train_data = ShapesDataset(args.data_seed, "train", self.sizes.image_size, *clips)
+        self.eval_data = ShapesDataset(args.data_seed, "heldout", self.sizes.image_size, *clips)
         self.layout_encoders = {m.name: m for m in layout.encoders}
 
         groups = build_groups(layout)
@@ -103,8 +105,7 @@ class Trainer:
             opt = ModuleOptimizer(g.layout.name, [], None, None)
             if g.pgs is not None:
                 # Each module from its own seed: the same weights whatever else the rank holds.
-                torch.manual_seed(args.seed + index)
-                net = self._build(g).to(device)
+                net = build_stage(lambda whole: self._build(g, whole), args.seed + index, g.layout.pp).to(device)
                 if g.layout.freeze:  # no gradients, no reduction, no optimizer state
                     net.requires_grad_(False)
                 else:
@@ -117,11 +118,12 @@ class Trainer:
         self.optimizer = HeteroOptimizer(optimizers, args.clip_grad, device)
         self.plans = {name: PlanCache() for name in self.encoders}
 
-    def _build(self, g: ModuleGroups) -> torch.nn.Module:
-        pp_rank = g.layout.coords(self.rank)["pp"]
+    def _build(self, g: ModuleGroups, whole: bool) -> torch.nn.Module:
+        """This rank's stage of module `g` (or, with `whole`, the module with pp=1)."""
         if g.layout.role == "llm":
-            return build_llm(self.sizes, g.layout, g.pgs, pp_rank)
-        return build_vision_encoder(self.sizes, g.layout.tp, g.pgs)
+            return build_llm(self.sizes, g.layout.tp, g.pgs, whole=whole, sp=g.layout.sp)
+        build = build_vision_encoder if g.layout.name == VISION else build_audio_encoder
+        return build(self.sizes, g.layout.tp, g.pgs, whole=whole)
 
     # ---- pieces the schedules combine ----------------------------------------------------------
     def microbatches(self, batch: GlobalBatch) -> list[GlobalBatch]:
@@ -133,21 +135,35 @@ class Trainer:
                 for i in range(0, per_rank, m)]
 
     def plan(self, name: str, batch: GlobalBatch) -> RankPlan:
-        return self.plans[name].plan(batch.boundary, self.layout_encoders[name], self.layout.llm,
+        return self.plans[name].plan(batch.boundaries[name], self.layout_encoders[name], self.layout.llm,
                                      self.rank, self.world_size)
+
+    def _media_tokens(self, name: str) -> int:
+        """Rows (tokens) one sample's item of encoder `name` puts into the sequence."""
+        return self.sizes.patches_per_image if name == VISION else self.sizes.tokens_per_clip
 
     def encoder_forward(self, name: str, batch: GlobalBatch, hidden: torch.Tensor | None = None):
         """This rank's stage of encoder `name` on its DP slice of `batch`: the first stage reads the
-        inputs, later ones take `hidden`; the last returns boundary rows in the boundary dtype. A
-        frozen encoder runs without a graph."""
+        images or clips, later ones take `hidden`; the last returns boundary rows in the boundary
+        dtype. A frozen encoder runs without a graph."""
         module = self.encoders[name]
-        share = module_slice(len(batch.indices), module.layout.dp, module.coords()["dp"])
+        if hidden is None:
+            share = module_slice(len(batch.indices), module.layout.dp, module.coords()["dp"])
+            hidden = (batch.images if name == VISION else batch.audio)(share).to(self.device)
         with self.autocast, torch.set_grad_enabled(module.ddp is not None and torch.is_grad_enabled()):
-            rows = module.net(batch.images(share).to(self.device)).to(self.boundary_dtype)
-        return rows * 0 if self.args.ablate_vision else rows
+            out = module.net(hidden)
+        if not module.net.post_process:
+            return out
+        rows = out.to(self.boundary_dtype)
+        return rows * 0 if self.args.ablate_vision and name == VISION else rows
 
     def encoder_hidden_like(self, name: str, batch: GlobalBatch) -> torch.Tensor:
-        raise NotImplementedError
+        """What encoder `name`'s stages pass each other: [tokens, n_local, encoder hidden]."""
+        module = self.encoders[name]
+        hidden = self.sizes.enc_hidden_size if name == VISION else self.sizes.audio_hidden_size
+        n_local = len(batch.indices) // module.layout.dp
+        return torch.empty(self._media_tokens(name), n_local, hidden, device=self.device,
+                           dtype=self.pipeline_dtype)
 
     def boundary_like(self) -> torch.Tensor:
         """An empty [0, hidden] tensor of the boundary's dtype and device."""
@@ -210,10 +226,14 @@ class Trainer:
         progress = (step - a.lr_warmup_iters) / max(1, a.train_iters - a.lr_warmup_iters)
         return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * progress))
 
+    def _caption_batch(self, data, indices: list[int], with_captions: bool = True) -> GlobalBatch:
+        clip = self.sizes.tokens_per_clip if AUDIO in self.encoders else 0
+        return caption_batch(data, indices, self.tokenizer, self.sizes.patches_per_image,
+                             self.sizes.seq_length, with_captions, tokens_per_clip=clip)
+
     def batch(self, step: int) -> GlobalBatch:
         g = self.args.global_batch_size
-        return caption_batch(self.train_data, list(range(step * g, (step + 1) * g)), self.tokenizer,
-                             self.sizes.patches_per_image, self.sizes.seq_length)
+        return self._caption_batch(self.train_data, list(range(step * g, (step + 1) * g)))
 
     def zero_grad(self):
         for module in self.modules.values():
@@ -242,14 +262,13 @@ class Trainer:
     @torch.no_grad()
     def generate_captions(self, indices: list[int]) -> list[str]:
         """Greedy captions of held-out images, in index order (on every rank)."""
-        batch = caption_batch(self.eval_data, indices, self.tokenizer, self.sizes.patches_per_image,
-                              self.sizes.seq_length, with_captions=False)
+        batch = self._caption_batch(self.eval_data, indices, with_captions=False)
         media = route_media(self, batch)
         mine = []
         coords = self.llm.coords()
         if coords is not None:
             share = module_slice(len(indices), self.layout.llm.dp, coords["dp"])
-            prompt = 1 + self.sizes.patches_per_image
+            prompt = 1 + sum(self._media_tokens(name) for name in self.encoders)
             for t in range(prompt, self.sizes.seq_length):
                 stage = LLMStage(self, [batch], None, media={n: [s] for n, s in media.items()})
                 run_stage(stage, 1, self.clock)
