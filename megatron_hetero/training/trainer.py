@@ -18,7 +18,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from megatron_hetero.boundary import PlanCache, RankPlan, slot_mask
 from megatron_hetero.cpu_compat import apply_cpu_compat
-from megatron_hetero.data.batches import VISION, GlobalBatch, caption_batch, module_slice
+from megatron_hetero.data.batches import AUDIO, VISION, GlobalBatch, caption_batch, module_slice
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.groups import ModuleGroups, build_groups
