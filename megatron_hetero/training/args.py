@@ -3,6 +3,8 @@
 import argparse
 from dataclasses import fields
 
+from megatron_hetero.data.shapes import all_captions
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.sizes import ModelSizes
 
 
@@ -102,6 +104,12 @@ def _check_stages(args, layout) -> None:
             raise ArgsError(f"--{flag} {n} is not divisible by module {module.name}'s pp={module.pp}; "
                             f"use a multiple of {module.pp}")
     llm, seq = layout.llm, args.seq_length
+    sizes = model_sizes(args, vocab_size=0)
+    media = sizes.patches_per_image + (sizes.tokens_per_clip if "audio" in {m.name for m in layout.encoders} else 0)
+    needed = 1 + media + max(len(CaptionTokenizer().encode(c)) for c in all_captions()) + 1
+    if seq < needed:
+        raise ArgsError(f"--seq-length {seq} cannot hold <bos>, {media} image/audio tokens, the longest "
+                        f"caption and <eos>; use --seq-length {needed} or more")
     if seq % (2 * llm.cp):
         raise ArgsError(f"--seq-length {seq} is not divisible by 2 x the llm's cp = {2 * llm.cp} "
                         f"(load-balanced CP chunks); use a multiple of {2 * llm.cp}")
