@@ -2,6 +2,9 @@
 
 megatron-core places buffers on `torch.cuda.current_device()` and keeps its RNG tracker on the CUDA
 generator. Without CUDA both are redirected to the CPU; with CUDA this module does nothing.
+The distributed optimizer's collectives (coalesced reduce_scatter_tensor and all_gather_into_tensor
+on flat buffers, output aliasing the input's shard) run on gloo as they are: nothing to redirect
+(seen with torch 2.14; gloo has had them since about torch 2.3).
 """
 
 import torch

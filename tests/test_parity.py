@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_hetero.layout import load_layout
 from megatron_hetero.training.args import build_parser
-from megatron_hetero.training.full_state import full_tensors
+from megatron_hetero.training.full_state import full_tensors, gather_grad_shards
 from tests.distributed import run_distributed
 
 STEPS = 10
@@ -51,11 +51,13 @@ def _train_and_capture(rank, world_size, layout_file, out_dir, flags):
     layout = load_layout(args.hetero_layout, world_size)
 
     def capture(trainer, step, phase):
-        # Parameters and gradients after the first backward; parameters after the last step.
+        # Parameters and gradients after the first backward; parameters and the size of this rank's
+        # optimizer state after the last step.
         if (phase, step) == ("grads", 0):
             kinds = [("init", False), ("grads", True)]
         elif (phase, step) == ("params", STEPS - 1):
             kinds = [("params", False)]
+            _save_state_sizes(trainer, out / f"state_rank{rank}.json")
         else:
             return
         for name, module in trainer.modules.items():
@@ -65,12 +67,30 @@ def _train_and_capture(rank, world_size, layout_file, out_dir, flags):
             for kind, grads in kinds:
                 if grads and module.ddp is None:
                     continue  # frozen: no gradients
+                if grads:  # distributed optimizer: each DP rank reduced its own shard only
+                    gather_grad_shards(module.ddp)
                 tensors = full_tensors(module.net, module.groups.pgs.tp, grads=grads)
                 if coords["tp"] == coords["cp"] == coords["dp"] == 0:  # one copy per stage
                     torch.save(tensors, out / f"{name}_{kind}_pp{coords['pp']}.pt")
 
     train(args, layout, torch.device("cpu"), on_step=capture)
     dist.barrier()
+
+
+def _save_state_sizes(trainer, path):
+    """Per module held here: AdamW state elements (exp_avg, exp_avg_sq) on this rank, the replicated
+    state's size (two per parameter of this rank's stage), and the DP replica it belongs to."""
+    sizes = {}
+    for m in trainer.optimizer.modules:
+        if m.optimizer is None:
+            continue
+        module = trainer.modules[m.name]
+        coords = module.coords()
+        sizes[m.name] = dict(
+            state=sum(t.numel() for s in m.optimizer.state.values() for k, t in s.items() if k != "step"),
+            replicated=2 * sum(p.numel() for p in module.net.parameters() if p.requires_grad),
+            dp=module.layout.dp * module.layout.cp, replica=[coords["tp"], coords["pp"]])
+    path.write_text(json.dumps(sizes))
 
 
 def _run(out: Path, layout_file: Path, world_size: int, flags: list[str]):
@@ -137,3 +157,27 @@ def test_layout_reproduces_one_process(references, tmp_path, layout_name):
                 assert torch.equal(run[1][f"{module.name}_params"][name], init), name
     if reference_name == "single_frozen":  # the frozen reference really differs from training vision
         assert reference[0][-1]["loss"] != references("single", flags)[0][-1]["loss"]
+
+
+@pytest.mark.parametrize("layout_name", ["demo_colocated", "non_colocated_vdp2_ltp2pp2"])
+def test_distributed_optimizer(references, tmp_path, layout_name):
+    """--use-distributed-optimizer reproduces the 1-process run. Gradients after the first backward
+    are compared once each DP rank's reduce-scattered shard is all-gathered (gather_grad_shards).
+    Each rank's AdamW state is its 1/dp share: the DP ranks' shares add up to the replicated state
+    exactly, none exceeds 1/dp of it by more than DDP's padding."""
+    world_size, reference_name, flags = CASES[layout_name]
+    flags = [*flags, "--use-distributed-optimizer"]
+    out = tmp_path / layout_name
+    run = _run(out, LAYOUTS / f"{layout_name}.yaml", world_size, flags)
+    _assert_reproduces(run, references(reference_name, CASES[layout_name][2]))
+    shares = {}  # (module, tp, pp) -> [(state, replicated, dp) per DP rank]
+    for f in out.glob("state_rank*.json"):
+        for name, s in json.loads(f.read_text()).items():
+            shares.setdefault((name, *s["replica"]), []).append((s["state"], s["replicated"], s["dp"]))
+    assert {key[0] for key in shares} == {"vision", "llm"}
+    for key, ranks in shares.items():
+        replicated, dp = ranks[0][1], ranks[0][2]
+        assert len(ranks) == dp, key
+        assert sum(state for state, _, _ in ranks) == replicated, key
+        for state, _, _ in ranks:
+            assert state <= replicated / dp * 1.01, (key, state, replicated)

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--weight-decay", type=float, default=0.0)
     train.add_argument("--clip-grad", type=float, default=1.0)
     train.add_argument("--bf16", action="store_true")
+    train.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="shard each module's optimizer state over its DP (x CP) group (ZeRO-1): "
+                            "gradients reduce-scattered, parameters all-gathered after the step")
     train.add_argument("--log-interval", type=int, default=1)
     train.add_argument("--metrics-file", default=None)
     train.add_argument("--eval-samples", type=int, default=0)

@@ -19,3 +19,17 @@ def full_tensors(model: torch.nn.Module, tp_group, grads: bool = False) -> dict[
             local = torch.cat(parts, dim=param.partition_dim)
         result[names[name]] = local.float().cpu().clone()
     return result
+
+
+def gather_grad_shards(ddp) -> None:
+    """Make every main_grad whole again under the distributed optimizer, where a DP rank holds the
+    reduced gradient of its own shard of each bucket only: all-gather the shards over the DP (x CP)
+    group, in place (the rest of the buffer held unreduced local sums that nothing reads). A no-op
+    without it. Collective over that group."""
+    if not ddp.ddp_config.use_distributed_optimizer:
+        return
+    for buffer in ddp.buffers:
+        group = buffer.data_parallel_group
+        for bucket in buffer.buckets:
+            shard = bucket.grad_data.chunk(group.size())[group.rank()].clone()
+            dist.all_gather_into_tensor(bucket.grad_data, shard, group=group)

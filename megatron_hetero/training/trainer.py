@@ -71,10 +71,12 @@ class LLMInputs:
     loss_mask: torch.Tensor
 
 
-def _wrap(model, pgs):
+def _wrap(model, pgs, distributed_optimizer: bool):
     """megatron-core DDP over the module's own DP (x CP) group (summing: the loss is pre-divided).
-    Its gradient hooks sit on the parameters, so the bare model is what the steps call."""
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    Its gradient hooks sit on the parameters, so the bare model is what the steps call. With the
+    distributed optimizer it reduce-scatters the gradients and keeps the parameters in one buffer."""
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=distributed_optimizer)
     return DistributedDataParallel(model.config, ddp_config, model, pg_collection=pgs)
 
 
@@ -109,8 +111,8 @@ class Trainer:
                 if g.layout.freeze:  # no gradients, no reduction, no optimizer state
                     net.requires_grad_(False)
                 else:
-                    ddp = _wrap(net, g.pgs)
-                    opt = module_optimizer(g.layout.name, net, g.pgs, args.lr, args.weight_decay)
+                    ddp = _wrap(net, g.pgs, args.use_distributed_optimizer)
+                    opt = module_optimizer(g.layout.name, net, g.pgs, args.lr, args.weight_decay, ddp)
             self.modules[g.layout.name] = Module(g, net, ddp)
             optimizers.append(opt)
         self.llm = self.modules[layout.llm.name]
