@@ -11,7 +11,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.models.specs import encoder_layer_spec
+from megatron_hetero.models.specs import block_spec, encoder_layer_spec
 
 
 class VisionEncoder(MegatronModule):
@@ -39,7 +39,7 @@ class VisionEncoder(MegatronModule):
         config.init_method(self.position_embedding)
         self.decoder = TransformerBlock(
             config=config,
-            spec=encoder_layer_spec(),
+            spec=block_spec(encoder_layer_spec(pg_collection), config, pg_collection),
             pre_process=True,
             post_process=True,
             pg_collection=pg_collection,

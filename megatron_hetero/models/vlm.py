@@ -8,11 +8,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.models.specs import llm_layer_spec
+from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
 
-def _config(hidden, layers, heads, tp: int, dtype: torch.dtype) -> TransformerConfig:
+def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, **overrides) -> TransformerConfig:
+    """overrides: further TransformerConfig fields (context_parallel_size, sequence_parallel, ...)."""
     return TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
@@ -40,6 +41,7 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype) -> TransformerCo
         persist_layer_norm=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
+        **overrides,
     )
 
 
@@ -57,12 +59,20 @@ def build_vision_encoder(
 
 
 def build_llm(
-    sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32
+    sizes: ModelSizes,
+    tp: int,
+    pgs: ProcessGroupCollection,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides,
 ) -> GPTModel:
-    config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype)
+    """config_overrides: further TransformerConfig fields, e.g. context_parallel_size=2,
+    sequence_parallel=True (they must match pgs), num_query_groups."""
+    config = _config(
+        sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, **config_overrides
+    )
     return GPTModel(
         config=config,
-        transformer_layer_spec=llm_layer_spec(),
+        transformer_layer_spec=block_spec(llm_layer_spec(pgs), config, pgs),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
         position_embedding_type="rope",
