@@ -28,7 +28,7 @@ _MASK_OPTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.arbit
 
 
 def _causal_attention(q, k, v, **sdpa_kwargs):
-    """q [b, h, sq, d] are the last sq positions of the sequence k, v [b, h, sk, d] start with."""
+    """Causal attention of queries q [b, h, sq, d] at the last sq of the sk positions of k, v."""
     sq, sk = q.shape[-2], k.shape[-2]
     if sq == sk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
@@ -54,7 +54,7 @@ class SDPAttention(MegatronModule):
     ):
         super().__init__(config=config)
         if pg_collection is None:
-            raise ValueError("SDPAttention needs pg_collection (its tp and cp groups)")
+            raise ValueError("SDPAttention needs pg_collection (for its cp group)")
         if config.window_size is not None or config.softmax_type != "vanilla":
             raise ValueError("SDPAttention supports neither window_size nor softmax_type other than vanilla")
         self.layer_number = max(1, layer_number)
@@ -65,8 +65,7 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"context parallelism needs causal attention, not {attn_mask_type.name}")
         # apply_query_key_layer_scaling divides the scale and multiplies the scores back in
         # megatron's softmax: no change to the result, so the plain scale is used.
-        head_dim = config.kv_channels
-        self.softmax_scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+        self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(
