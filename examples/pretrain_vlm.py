@@ -19,7 +19,8 @@ def main(argv=None) -> int:
         # Everything a user can get wrong is checked before any process group exists.
         layout = load_layout(args.hetero_layout, world_size)
         check_trainable(layout)
-        check_edge_layouts(layout.encoders[0], layout.llm)
+        for encoder in layout.encoders:
+            check_edge_layouts(encoder, layout.llm)
         check_args(args, layout)
     except (LayoutError, ArgsError, BoundaryError) as error:
         if rank == 0:

@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
 
+from megatron_hetero.data.batches import AUDIO, VISION, caption_batch
 from megatron_hetero.data.shapes import (
     CHANCE_ACCURACY,
     COLOURS,
@@ -22,7 +24,9 @@ from megatron_hetero.data.shapes import (
     ShapesDataset,
     ShapesSample,
     all_captions,
+    beats,
     caption_accuracy,
+    fundamental_bin,
 )
 from megatron_hetero.data.tokenizer import DEFAULT_MODEL_PATH, CaptionTokenizer
 
@@ -56,6 +60,7 @@ def tokenizer() -> CaptionTokenizer:
 def sample(colour: str, shape: str, position: str) -> ShapesSample:
     return ShapesSample(
         image=torch.zeros(3, 32, 32),
+        audio=torch.zeros(16, 32),
         caption=f"a {colour} {shape} in the {position}",
         colour=colour,
         shape=shape,
@@ -195,6 +200,81 @@ def test_constant_prediction_scores_chance():
     truth = [heldout[i] for i in range(2000)]
     constant = ["a red circle in the top left"] * len(truth)
     assert caption_accuracy(constant, truth) == pytest.approx(CHANCE_ACCURACY, abs=0.03)
+
+
+# --- audio ---------------------------------------------------------------------------------
+
+
+def test_spectrogram_is_deterministic():
+    dataset = ShapesDataset(seed=7)
+    for i in (0, 1, 4095):
+        assert torch.equal(dataset[i].audio, ShapesDataset(seed=7)[i].audio)
+        assert not torch.equal(dataset[i].audio, ShapesDataset(seed=8)[i].audio)
+        assert not torch.equal(dataset[i].audio, ShapesDataset(seed=7, split="heldout")[i].audio)
+
+
+@pytest.mark.parametrize("mel_bins, frames", [(16, 32), (8, 12)])
+def test_spectrogram_format(mel_bins, frames):
+    audio = ShapesDataset(mel_bins=mel_bins, frames=frames)[0].audio
+    assert audio.shape == (mel_bins, frames)
+    assert audio.dtype == torch.float32
+    assert 0.0 <= audio.min() and audio.max() <= 1.0
+
+
+def test_spectrogram_sizes_refused():
+    with pytest.raises(ValueError, match="mel_bins"):
+        ShapesDataset(mel_bins=7)
+    with pytest.raises(ValueError, match="frames"):
+        ShapesDataset(frames=6)
+
+
+def test_pitch_says_colour_and_beats_say_shape(train_samples):
+    assert len({fundamental_bin(c, 16) for c in COLOURS}) == len(COLOURS)
+    for s in train_samples:
+        # The fundamental is the loudest bin; the tone is on where that bin stands above the noise.
+        assert int(s.audio.mean(dim=1).argmax()) == fundamental_bin(s.colour, 16), s.caption
+        on = s.audio[fundamental_bin(s.colour, 16)] > 0.5
+        onsets = int(on[0]) + int((on[1:] & ~on[:-1]).sum())
+        assert onsets == beats(s.shape), s.caption
+
+
+# --- fused batches -------------------------------------------------------------------------
+
+
+def test_vision_only_batch_unchanged(tokenizer):
+    """Ids, masks, images and boundary metadata of a vision-only batch, as before audio existed."""
+    batch = caption_batch(ShapesDataset(seed=5), list(range(6)), tokenizer, 16, 32)
+    assert batch.boundaries.keys() == {VISION}
+    digest = hashlib.sha256()
+    for t in (batch.input_ids, batch.labels, batch.loss_mask, batch.images(slice(None))):
+        digest.update(t.numpy().tobytes())
+    digest.update(batch.boundaries[VISION].rows_per_sample.tobytes())
+    digest.update(batch.boundaries[VISION].positions.tobytes())
+    assert digest.hexdigest() == "1c0ef38ad2941b073075058f93190bc3ac24c2678181fcd2aa329ba7a4d6e616"
+
+
+def test_audio_follows_the_image(tokenizer):
+    patches, clip, seq = 16, 8, 40
+    dataset = ShapesDataset(seed=5)
+    batch = caption_batch(dataset, [3, 4, 5], tokenizer, patches, seq, tokens_per_clip=clip)
+    vision_only = caption_batch(dataset, [3, 4, 5], tokenizer, patches, seq)
+    assert batch.boundaries.keys() == {VISION, AUDIO}
+    vision, audio = batch.boundaries[VISION], batch.boundaries[AUDIO]
+    assert vision.rows_per_sample.tolist() == [patches] * 3 and audio.rows_per_sample.tolist() == [clip] * 3
+    assert np.array_equal(vision.positions, np.tile(np.arange(1, 1 + patches), 3))
+    assert np.array_equal(audio.positions, np.tile(np.arange(1 + patches, 1 + patches + clip), 3))
+    prompt = 1 + patches + clip
+    assert (batch.input_ids[:, 1:prompt] == tokenizer.image_id).all()
+    # The caption moves by the clip's length; the last audio token predicts its first word.
+    assert torch.equal(batch.input_ids[:, prompt:], vision_only.input_ids[:, 1 + patches : seq - clip])
+    assert torch.equal(batch.loss_mask[:, prompt - 1 :], vision_only.loss_mask[:, patches : seq - clip])
+    assert batch.num_loss_tokens == vision_only.num_loss_tokens
+    assert torch.equal(batch.audio(slice(1, 3)), torch.stack([dataset[4].audio, dataset[5].audio]))
+    selected = batch.select([2, 0])
+    assert selected.indices == [5, 3]
+    assert np.array_equal(selected.boundaries[AUDIO].positions, audio.positions[:2 * clip])
+    with pytest.raises(ValueError, match="--seq-length"):
+        caption_batch(dataset, [3], tokenizer, patches, 32, tokens_per_clip=clip)
 
 
 # --- tokenizer -----------------------------------------------------------------------------

@@ -81,16 +81,16 @@ def _run_llm(pgs, tp, cp, sp, num_query_groups):
     sizes = _sizes()
     init_mcore_globals(SEED, tp_rank=pgs.tp.rank())
     torch.manual_seed(SEED)
-    overrides = dict(context_parallel_size=cp, sequence_parallel=sp, num_query_groups=num_query_groups)
-    llm = build_llm(sizes, tp, pgs, **overrides)
+    llm = build_llm(sizes, tp, pgs, sp=sp, num_query_groups=num_query_groups)
     ids, labels, slots, mask = _inputs(sizes.hidden_size)
     slots = _sequence_part(slots, 0, tp, cp, sp, pgs).clone().requires_grad_()
+    positions = cp_positions(SEQ, cp, pgs.cp.rank())
     losses = llm_forward(
         llm,
-        cp_slice(ids, 1, cp, pgs.cp.rank()),
-        slots,
-        _sequence_part(mask, 0, tp, cp, sp, pgs),
-        cp_slice(labels, 1, cp, pgs.cp.rank()),
+        ids[:, positions],
+        positions[None].expand(BATCH, -1),
+        [(slots, _sequence_part(mask, 0, tp, cp, sp, pgs))],
+        labels[:, positions],
     )
     losses.sum().backward()
     for param in llm.parameters():

@@ -1,4 +1,7 @@
-"""End-to-end parity: multi-rank layouts reproduce a 1-rank run with the same seed and global batch."""
+"""End-to-end parity, the acceptance matrix: every layout reproduces a 1-process run with the same
+seed and global batch over 10 steps (per-step loss and gradient norm within 1e-4 relative, every
+gradient after the first backward within 1e-4 of its scale, parameters after the 10 steps within
+1e-3), whatever its placement, TP/CP/SP/DP/PP per module, frozen encoders or number of encoders."""
 
 import json
 from pathlib import Path
@@ -12,19 +15,39 @@ from megatron_hetero.training.args import build_parser
 from megatron_hetero.training.full_state import full_tensors
 from tests.distributed import run_distributed
 
-STEPS = 5
+STEPS = 10
 LAYOUTS = Path(__file__).parent.parent / "examples" / "layouts"
-FLAGS = ["--train-iters", str(STEPS), "--micro-batch-size", "2", "--lr", "1e-3", "--seed", "7",
-         "--log-interval", "100"]
+FLAGS = ["--train-iters", str(STEPS), "--lr", "1e-3", "--seed", "7", "--log-interval", "100"]
+TWO_ENCODERS = ["--seq-length", "40"]  # image and clip tokens before the caption
+
+# layout: (world size, the 1-process reference layout, flags of both runs)
+CASES = {
+    # colocated
+    "demo_colocated": (4, "single", []),  # vision TP1/DP4 -> LLM TP2/DP2
+    "colocated_vtp2dp2_ltp1dp4": (4, "single", []),
+    "colocated_vdp4_ltp2cp2sp": (4, "single", ["--micro-batch-size", "4"]),
+    "colocated_vdp2_lpp2": (2, "single", []),
+    "colocated_vtp2dp2_lcp2dp2": (4, "single", []),
+    "colocated_vdp4_lcp2pp2": (4, "single", ["--micro-batch-size", "4"]),
+    "demo_colocated_frozen": (4, "single_frozen", []),
+    "colocated_two_encoders": (4, "single_two_encoders", TWO_ENCODERS),
+    # non-colocated
+    "non_colocated_1_3": (4, "single", ["--global-batch-size", "6"]),
+    "non_colocated_2_2": (4, "single", []),
+    "non_colocated_vpp2_lpp2": (4, "single", []),
+    "non_colocated_vdp2_ltp2pp2": (6, "single", []),
+    "non_colocated_2_2_frozen": (4, "single_frozen", []),
+    "non_colocated_two_encoders": (4, "single_two_encoders", TWO_ENCODERS),
+}
 
 
-def _train_and_capture(rank, world_size, layout_file, out_dir, global_batch):
+def _train_and_capture(rank, world_size, layout_file, out_dir, flags):
     from megatron_hetero.training.trainer import train
 
     out = Path(out_dir)
     args = build_parser().parse_args(
         ["--hetero-layout", str(layout_file), "--metrics-file", str(out / "metrics.jsonl"),
-         "--global-batch-size", str(global_batch), *FLAGS])
+         "--global-batch-size", "8", "--micro-batch-size", "2", *FLAGS, *flags])
     layout = load_layout(args.hetero_layout, world_size)
 
     def capture(trainer, step, phase):
@@ -38,39 +61,46 @@ def _train_and_capture(rank, world_size, layout_file, out_dir, global_batch):
         for name, module in trainer.modules.items():
             if module.net is None:
                 continue  # non-colocated: held elsewhere
+            coords = module.coords()
             for kind, grads in kinds:
                 if grads and module.ddp is None:
                     continue  # frozen: no gradients
                 tensors = full_tensors(module.net, module.groups.pgs.tp, grads=grads)
-                coords = module.coords()
-                if coords["tp"] == 0 and coords["dp"] == 0:
-                    torch.save(tensors, out / f"{name}_{kind}.pt")
+                if coords["tp"] == coords["cp"] == coords["dp"] == 0:  # one copy per stage
+                    torch.save(tensors, out / f"{name}_{kind}_pp{coords['pp']}.pt")
 
     train(args, layout, torch.device("cpu"), on_step=capture)
     dist.barrier()
 
 
-def _run(tmp_path, layout_name, world_size, layout_file=None, global_batch=8):
-    out = tmp_path / layout_name
+def _run(out: Path, layout_file: Path, world_size: int, flags: list[str]):
     out.mkdir()
-    run_distributed(_train_and_capture, world_size, layout_file or LAYOUTS / f"{layout_name}.yaml",
-                    str(out), global_batch)
+    run_distributed(_train_and_capture, world_size, layout_file, str(out), flags)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    tensors = {f.stem: torch.load(f) for f in out.glob("*.pt")}
+    tensors = {}
+    for f in sorted(out.glob("*.pt")):  # merge the pipeline stages of each module
+        tensors.setdefault(f.stem.rsplit("_pp", 1)[0], {}).update(torch.load(f))
     return metrics, tensors
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ref"), "single", 1)
+def references(tmp_path_factory):
+    """1-process runs, made once per (reference layout, flags)."""
+    cache = {}
 
+    def reference(name: str, flags: list[str]):
+        key = (name, tuple(flags))
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp(name)
+            layout = LAYOUTS / f"{name}.yaml"
+            if name == "single_frozen":
+                layout = tmp / "single_frozen.yaml"
+                layout.write_text((LAYOUTS / "single.yaml").read_text()
+                                  .replace("role: encoder", "role: encoder\n    freeze: true"))
+            cache[key] = _run(tmp / "run", layout, 1, flags)
+        return cache[key]
 
-@pytest.fixture(scope="module")
-def frozen_reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("frozen_ref")
-    layout = tmp / "single_frozen.yaml"
-    layout.write_text((LAYOUTS / "single.yaml").read_text().replace("role: encoder", "role: encoder\n    freeze: true"))
-    return _run(tmp, "single_frozen", 1, layout)
+    return reference
 
 
 def _assert_reproduces(run, reference):
@@ -78,12 +108,12 @@ def _assert_reproduces(run, reference):
     assert len(metrics) == len(ref_metrics) == STEPS
     for got, want in zip(metrics, ref_metrics):
         for key in ("loss", "grad_norm"):
-            assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
+            assert got[key] == pytest.approx(want[key], rel=1e-4), (got["step"], key)
     assert tensors.keys() == ref_tensors.keys()
     for key, want_tensors in ref_tensors.items():
-        tol = 1e-5 if key.endswith(("grads", "init")) else 1e-4
+        tol = 1e-3 if key.endswith("params") else 1e-4
         got_tensors = tensors[key]
-        assert got_tensors.keys() == want_tensors.keys()
+        assert got_tensors.keys() == want_tensors.keys(), key
         for name, want in want_tensors.items():
             # Relative to the tensor's scale: a constant factor (e.g. TP replicas summed) fails.
             scale = want.abs().max().item()
@@ -91,26 +121,19 @@ def _assert_reproduces(run, reference):
                                        msg=f"{key} {name}")
 
 
-@pytest.mark.parametrize("layout_name", ["demo_colocated", "colocated_vtp2dp2_ltp1dp4", "non_colocated_2_2"])
-def test_layout_reproduces_one_rank(reference, tmp_path, layout_name):
-    run = _run(tmp_path, layout_name, 4)
-    assert run[1].keys() == {f"{m}_{k}" for m in ("vision", "llm") for k in ("init", "grads", "params")}
+@pytest.mark.parametrize("layout_name", list(CASES))
+def test_layout_reproduces_one_process(references, tmp_path, layout_name):
+    world_size, reference_name, flags = CASES[layout_name]
+    run = _run(tmp_path / layout_name, LAYOUTS / f"{layout_name}.yaml", world_size, flags)
+    reference = references(reference_name, flags)
     _assert_reproduces(run, reference)
-
-
-@pytest.mark.parametrize("layout_name", ["demo_colocated_frozen", "non_colocated_2_2_frozen"])
-def test_frozen_encoder(frozen_reference, reference, tmp_path, layout_name):
-    """A frozen encoder keeps its weights bit for bit, gets no gradients, and the LLM still
-    reproduces the 1-rank run (which differs from the unfrozen one: vision no longer learns)."""
-    run = _run(tmp_path, layout_name, 4)
-    assert "vision_grads" not in run[1]
-    for name, init in run[1]["vision_init"].items():
-        assert torch.equal(run[1]["vision_params"][name], init), name
-    _assert_reproduces(run, frozen_reference)
-    assert run[0][-1]["loss"] != reference[0][-1]["loss"]
-
-
-def test_one_encoder_rank_feeds_three_llm_dp_ranks(tmp_path):
-    """Non-colocated, DP 1 -> 3: vision on rank 0, LLM TP1/DP3 on ranks 1-3 (global batch 6)."""
-    reference = _run(tmp_path, "single", 1, global_batch=6)
-    _assert_reproduces(_run(tmp_path, "non_colocated_1_3", 4, global_batch=6), reference)
+    layout = load_layout(LAYOUTS / f"{layout_name}.yaml", world_size)
+    for module in layout.modules:
+        kinds = ("init", "params") if module.freeze else ("init", "grads", "params")
+        assert {f"{module.name}_{k}" for k in kinds} <= run[1].keys()
+        if module.freeze:  # bit for bit unchanged, no gradients
+            assert f"{module.name}_grads" not in run[1]
+            for name, init in run[1][f"{module.name}_init"].items():
+                assert torch.equal(run[1][f"{module.name}_params"][name], init), name
+    if reference_name == "single_frozen":  # the frozen reference really differs from training vision
+        assert reference[0][-1]["loss"] != references("single", flags)[0][-1]["loss"]

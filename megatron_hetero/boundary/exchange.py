@@ -88,19 +88,51 @@ def _moves_for(plan: RankPlan, direction: str, device) -> _Moves:
     return plan.cache[key]
 
 
+class Transfer:
+    """One side of one transfer, not yet posted: its point-to-point ops, the self-copy to run once
+    they are posted, and where the received rows land. Schedules post several transfers in one
+    batch (`post`), so that both ends of a link see their sends and receives grouped alike."""
+
+    def __init__(self, ops, dest=None, scatter=None, local=None):
+        self.ops = ops
+        self.dest = dest  # the destination, complete once the ops have completed
+        self._scatter = scatter  # (index, buffer): rows received out of place, to land at dest[index]
+        self._local = local  # dest -> dest, copying the rows this rank delivers to itself
+
+    def copy_local(self) -> None:
+        if self._local is not None:
+            self.dest = self._local(self.dest)
+
+    def result(self) -> torch.Tensor | None:
+        """The destination (None on a side that only sends); call once the ops have completed."""
+        if self._scatter is not None:
+            index, buffer = self._scatter
+            self.dest.index_copy_(0, index, buffer)
+            self._scatter = None
+        return self.dest
+
+
+def post(transfers) -> list:
+    """Post every op of `transfers` in one batch, then their self-copies; returns the works."""
+    ops = [op for t in transfers for op in t.ops]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    for t in transfers:
+        t.copy_local()
+    return works
+
+
 class Pending:
-    """A started transfer: wait() completes it and returns the [num_dest, hidden] destination
+    """A posted transfer: wait() completes it and returns the [num_dest, hidden] destination
     (or None on a rank that only sends)."""
 
-    def __init__(self, works, dest, recv_buffer, moves):
-        self._works, self._dest, self._recv, self._moves = works, dest, recv_buffer, moves
+    def __init__(self, transfer: Transfer):
+        self._transfer = transfer
+        self._works = post([transfer])
 
     def wait(self) -> torch.Tensor | None:
         for work in self._works:
             work.wait()
-        if self._recv is not None:  # received into a buffer, not in place
-            self._dest.index_copy_(0, self._moves.recv_index, self._recv)
-        return self._dest
+        return self._transfer.result()
 
 
 def _rows(source: torch.Tensor, index: torch.Tensor, span: tuple | None) -> torch.Tensor:
@@ -108,11 +140,11 @@ def _rows(source: torch.Tensor, index: torch.Tensor, span: tuple | None) -> torc
     return source[span[0] : span[1]] if span else source.index_select(0, index)
 
 
-def _start(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> Pending:
-    """Post this rank's sends of `source` (None: nothing to send) and, if `receive`, its receives
-    into a destination; then copy the local rows while the transfers run."""
+def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> Transfer:
+    """This rank's sends of `source` (None: nothing to send) and, if `receive`, its receives into a
+    destination; the local rows are copied once the transfers are posted, while they run."""
     hidden = like.shape[-1]
-    ops, dest, recv = [], None, None
+    ops, dest, scatter = [], None, None
     if source is not None and moves.send_peers:
         send = _rows(source, moves.send_index, moves.send_range)
         ops += [dist.P2POp(dist.isend, send[s : s + n], p, group) for p, s, n in moves.send_peers]
@@ -123,18 +155,25 @@ def _start(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> P
         if moves.recv_range:
             target = dest[moves.recv_range[0] : moves.recv_range[1]]
         else:
-            target = recv = like.new_empty(len(moves.recv_index), hidden)
+            target = like.new_empty(len(moves.recv_index), hidden)
+            scatter = (moves.recv_index, target)
         ops += [dist.P2POp(dist.irecv, target[s : s + n], p, group) for p, s, n in moves.recv_peers]
-    works = dist.batch_isend_irecv(ops) if ops else []
-    if local:
+
+    def copy_local(dest):
         rows = _rows(source, moves.local_src, moves.local_src_range)
         if whole:  # every slot comes from this rank: the gathered rows are the destination
-            dest = rows.clone() if moves.local_src_range else rows
-        elif moves.local_dst_range:
+            return rows.clone() if moves.local_src_range else rows
+        if moves.local_dst_range:
             dest[moves.local_dst_range[0] : moves.local_dst_range[1]] = rows
         else:
             dest.index_copy_(0, moves.local_dst, rows)
-    return Pending(works, dest, recv, moves)
+        return dest
+
+    return Transfer(ops, dest, scatter, copy_local if local else None)
+
+
+def _start(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> Pending:
+    return Pending(_transfer(source, moves, like, receive, group))
 
 
 class BoundaryExchange(torch.autograd.Function):
@@ -151,15 +190,21 @@ class BoundaryExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_slots: torch.Tensor):
-        moves = _moves_for(ctx.plan, "backward", grad_slots.device)
-        grad_rows = _start(grad_slots.contiguous(), moves, grad_slots, True, ctx.group).wait()
-        return grad_rows, None, None
+        return exchange_gradients(grad_slots, ctx.plan, ctx.group), None, None
 
 
 def boundary_exchange(rows: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
     """Colocated: differentiable re-layout of encoder rows into this rank's LLM input slots.
     `group` must span every rank of the edge's modules (peers are its ranks; None: the world)."""
     return BoundaryExchange.apply(rows, plan, group)
+
+
+def exchange_gradients(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
+    """Colocated, outside autograd: slot gradients [num_dest_slots, h] -> row gradients
+    [num_source_rows, h] (boundary_exchange's backward; schedules that recompute the encoder
+    call it once the LLM is done)."""
+    moves = _moves_for(plan, "backward", grad_slots.device)
+    return _start(grad_slots.detach().contiguous(), moves, grad_slots, True, group).wait()
 
 
 def slot_mask(plan: RankPlan, device) -> torch.Tensor:
@@ -183,22 +228,42 @@ def _disjoint_moves(plan: RankPlan, direction: str, device) -> _Moves:
     return moves
 
 
+def forward_sends(rows: torch.Tensor, plan: RankPlan, group=None) -> Transfer:
+    """Encoder side: this microbatch's rows for the LLM ranks that consume them."""
+    return _transfer(rows.detach(), _disjoint_moves(plan, "forward", rows.device), rows, False, group)
+
+
+def forward_recvs(plan: RankPlan, like: torch.Tensor, group=None) -> Transfer:
+    """LLM side: this microbatch's rows; the result is its input slots."""
+    return _transfer(None, _disjoint_moves(plan, "forward", like.device), like, True, group)
+
+
+def backward_sends(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> Transfer:
+    """LLM side: this microbatch's slot gradients (one replica per row)."""
+    moves = _disjoint_moves(plan, "backward", grad_slots.device)
+    return _transfer(grad_slots.detach(), moves, grad_slots, False, group)
+
+
+def backward_recvs(plan: RankPlan, like: torch.Tensor, group=None) -> Transfer:
+    """Encoder side: every row's gradient; the result is the row gradients."""
+    return _transfer(None, _disjoint_moves(plan, "backward", like.device), like, True, group)
+
+
 def send_forward(rows: torch.Tensor, plan: RankPlan, group=None) -> Pending:
     """Encoder side: start sending this microbatch's rows to the LLM ranks that consume them."""
-    return _start(rows.detach(), _disjoint_moves(plan, "forward", rows.device), rows, False, group)
+    return Pending(forward_sends(rows, plan, group))
 
 
 def recv_forward(plan: RankPlan, like: torch.Tensor, group=None) -> Pending:
     """LLM side: start receiving this microbatch's rows; wait() gives its input slots."""
-    return _start(None, _disjoint_moves(plan, "forward", like.device), like, True, group)
+    return Pending(forward_recvs(plan, like, group))
 
 
 def send_backward(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> Pending:
     """LLM side: start returning this microbatch's slot gradients (one replica per row)."""
-    moves = _disjoint_moves(plan, "backward", grad_slots.device)
-    return _start(grad_slots.detach(), moves, grad_slots, False, group)
+    return Pending(backward_sends(grad_slots, plan, group))
 
 
 def recv_backward(plan: RankPlan, like: torch.Tensor, group=None) -> Pending:
     """Encoder side: start receiving every row's gradient; wait() gives the row gradients."""
-    return _start(None, _disjoint_moves(plan, "backward", like.device), like, True, group)
+    return Pending(backward_recvs(plan, like, group))

@@ -2,6 +2,10 @@
 
 A sample's fused sequence is `<bos> <image>*P caption <eos> <pad>...`: the image placeholder expands
 to the image's P patch tokens, whose input embeddings are the encoder rows delivered by the boundary.
+With audio it is `<bos> <image>*P <audio>*A caption <eos> <pad>...`, the clip's A tokens at
+positions P+1..P+A. Audio positions hold the image placeholder id too: a placeholder's text
+embedding is replaced by the boundary row delivered there, so which encoder fills a position is said
+by the batch's per-medium boundary metadata, not by the token id (the shipped tokenizer stays as is).
 Every rank builds the batch metadata (token ids, image token positions) for the whole global batch,
 so every rank computes the same boundary plan. The synthetic samples are cheap, so every rank builds
 them whole (images included); a loader of real data would read only the images its rank encodes.
@@ -17,30 +21,44 @@ from megatron_hetero.data.shapes import ShapesDataset, ShapesSample
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 
+# The media of a fused sequence, keys of GlobalBatch.boundaries: the rows of each come from its encoder.
+VISION, AUDIO = "vision", "audio"
+
+
 @dataclass
 class GlobalBatch:
-    """input_ids, labels, loss_mask: [B, S]; loss tokens are the caption words and <eos>."""
+    """input_ids, labels, loss_mask: [B, S]; loss tokens are the caption words and <eos>.
+    boundaries: the rows each medium's encoder sends into the sequence (VISION, and AUDIO when the
+    batch has audio)."""
 
     indices: list[int]
     samples: list[ShapesSample]
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
-    boundary: BoundaryBatch
+    boundaries: dict[str, BoundaryBatch]
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
     def select(self, samples: list[int]) -> "GlobalBatch":
         """The batch of `samples` (indices into this one), in that order."""
         return GlobalBatch([self.indices[s] for s in samples], [self.samples[s] for s in samples],
                            self.input_ids[samples], self.labels[samples], self.loss_mask[samples],
-                           self.boundary.select(samples))
+                           {medium: b.select(samples) for medium, b in self.boundaries.items()})
 
     def images(self, samples: slice) -> torch.Tensor:
         """[n, 3, H, W]: the images of samples[samples], in sample order (one per sample here)."""
         return torch.stack([s.image for s in self.samples[samples]])
+
+    def audio(self, samples: slice) -> torch.Tensor:
+        """[n, mel_bins, frames]: the clips of samples[samples], in sample order (one per sample)."""
+        return torch.stack([s.audio for s in self.samples[samples]])
 
 
 def module_slice(num_samples: int, dp: int, dp_rank: int) -> slice:
@@ -56,12 +74,14 @@ def caption_batch(
     patches_per_image: int,
     seq_len: int,
     with_captions: bool = True,
+    tokens_per_clip: int = 0,
 ) -> GlobalBatch:
-    """Fused sequences for dataset[indices]; without captions, the prompt only (for generation)."""
+    """Fused sequences for dataset[indices]; without captions, the prompt only (for generation).
+    With tokens_per_clip > 0 each sample's audio clip follows its image (0: vision only)."""
     samples = [dataset[i] for i in indices]
     input_ids = torch.full((len(samples), seq_len), tokenizer.pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), seq_len)
-    prompt = [tokenizer.bos_id] + [tokenizer.image_id] * patches_per_image
+    prompt = [tokenizer.bos_id] + [tokenizer.image_id] * (patches_per_image + tokens_per_clip)
     for b, sample in enumerate(samples):
         caption = tokenizer.encode(sample.caption) + [tokenizer.eos_id] if with_captions else []
         tokens = prompt + caption
@@ -71,10 +91,14 @@ def caption_batch(
                 f"set --seq-length {len(tokens)} or more"
             )
         input_ids[b, : len(tokens)] = torch.tensor(tokens)
-        # Position t predicts token t+1: the last image token predicts the first caption word.
+        # Position t predicts token t+1: the last media token predicts the first caption word.
         loss_mask[b, len(prompt) - 1 : len(tokens) - 1] = 1.0
     labels = torch.roll(input_ids, -1, dims=1)
     labels[:, -1] = tokenizer.pad_id
-    image_positions = np.tile(np.arange(1, 1 + patches_per_image), len(samples))
-    boundary = BoundaryBatch(np.full(len(samples), patches_per_image), image_positions, seq_len)
-    return GlobalBatch(list(indices), samples, input_ids, labels, loss_mask, boundary)
+    spans = {VISION: (1, patches_per_image)}
+    if tokens_per_clip:
+        spans[AUDIO] = (1 + patches_per_image, tokens_per_clip)
+    boundaries = {medium: BoundaryBatch(np.full(len(samples), count),
+                                        np.tile(np.arange(start, start + count), len(samples)), seq_len)
+                  for medium, (start, count) in spans.items()}
+    return GlobalBatch(list(indices), samples, input_ids, labels, loss_mask, boundaries)

@@ -1,4 +1,6 @@
-"""Deterministic synthetic image-caption data: one coloured shape on a dark background.
+"""Deterministic synthetic image-caption data: one coloured shape on a dark background, and a
+spectrogram-like clip of the same sample: a harmonic tone whose pitch says the colour and whose
+number of beats says the shape.
 
 Every sample is a pure function of ``(seed, split, index)``, so any rank or worker can build
 any sample without coordination and reruns see bit-identical data. The caption is fully
@@ -39,6 +41,8 @@ SPLIT_LENGTHS: dict[str, int] = {"train": 2**20, "heldout": 4096}
 BACKGROUND_NOISE = 0.1  # max noise amplitude; stays well below every colour's brightest channel
 SHAPE_NOISE = 0.05
 SIZE_RANGE = (0.5, 0.8)  # shape extent as a fraction of the quadrant side
+AUDIO_NOISE = 0.1  # max noise amplitude of a spectrogram bin
+LOUDNESS_RANGE = (0.6, 0.9)  # the fundamental's level; harmonic k has 1/k of it
 
 
 def make_caption(colour: str, shape: str, position: str) -> str:
@@ -53,6 +57,7 @@ def all_captions() -> list[str]:
 @dataclass(frozen=True)
 class ShapesSample:
     image: torch.Tensor  # float32 [3, H, W] in [0, 1]
+    audio: torch.Tensor  # float32 [mel_bins, frames] in [0, 1]
     caption: str
     colour: str
     shape: str
@@ -74,17 +79,44 @@ def _shape_mask(shape: str, ys: np.ndarray, xs: np.ndarray, cy: float, cx: float
     raise ValueError(f"unknown shape {shape!r}")
 
 
+def fundamental_bin(colour: str, mel_bins: int) -> int:
+    """The mel bin of the tone's fundamental: distinct per colour, low colours first."""
+    return 1 + COLOUR_NAMES.index(colour) * ((mel_bins - 2) // len(COLOUR_NAMES))
+
+
+def beats(shape: str) -> int:
+    """How often the tone sounds in a clip: 1 for a circle up to 4 for a cross."""
+    return SHAPES.index(shape) + 1
+
+
+def _spectrogram(rng: np.random.Generator, colour: str, shape: str, mel_bins: int, frames: int) -> np.ndarray:
+    f0 = fundamental_bin(colour, mel_bins)
+    level = rng.uniform(*LOUDNESS_RANGE)
+    # The clip is cut into 2 * beats equal spans, the tone on in every other one, starting on.
+    on = (np.arange(frames) * 2 * beats(shape) // frames) % 2 == 0
+    audio = rng.random((mel_bins, frames), dtype=np.float32) * AUDIO_NOISE
+    for k in range(1, (mel_bins - 1) // f0 + 1):
+        audio[k * f0, on] += level / k
+    return np.clip(audio, 0.0, 1.0, out=audio)
+
+
 class ShapesDataset:
     """Map-style dataset of :class:`ShapesSample`; sample ``i`` depends only on (seed, split, i)."""
 
-    def __init__(self, seed: int = 1234, split: str = "train", image_size: int = 32):
+    def __init__(self, seed: int = 1234, split: str = "train", image_size: int = 32, mel_bins: int = 16,
+                 frames: int = 32):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if image_size < 16 or image_size % 8:
             raise ValueError(f"image_size must be a multiple of 8 and >= 16, got {image_size}")
+        if mel_bins < len(COLOURS) + 2:
+            raise ValueError(f"mel_bins must be >= {len(COLOURS) + 2} (one pitch per colour), got {mel_bins}")
+        if frames < 2 * len(SHAPES):
+            raise ValueError(f"frames must be >= {2 * len(SHAPES)} (on/off spans per shape), got {frames}")
         self.seed = seed
         self.split = split
         self.image_size = image_size
+        self.mel_bins, self.frames = mel_bins, frames
         self._split_id = SPLITS.index(split)
         # Pixel-centre coordinates: a pixel belongs to a shape when its centre does.
         coords = np.arange(image_size, dtype=np.float32) + 0.5
@@ -127,8 +159,11 @@ class ShapesDataset:
         ) * (2 * SHAPE_NOISE)
         image[:, mask] = shape_pixels
         np.clip(image, 0.0, 1.0, out=image)
+        # Drawn after the image, so images are those of the image-only dataset.
+        audio = _spectrogram(rng, colour, shape, self.mel_bins, self.frames)
         return ShapesSample(
             image=torch.from_numpy(image),
+            audio=torch.from_numpy(audio),
             caption=make_caption(colour, shape, position),
             colour=colour,
             shape=shape,

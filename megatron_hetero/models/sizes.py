@@ -2,6 +2,9 @@
 
 from dataclasses import dataclass
 
+# The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
+AUDIO_FRAMES_PER_TOKEN = 4
+
 
 @dataclass(frozen=True)
 class ModelSizes:
@@ -12,6 +15,11 @@ class ModelSizes:
     enc_hidden_size: int = 64
     enc_num_layers: int = 2
     enc_num_attention_heads: int = 4
+    audio_mel_bins: int = 16
+    audio_frames: int = 32
+    audio_hidden_size: int = 32
+    audio_num_layers: int = 2
+    audio_num_attention_heads: int = 4
     hidden_size: int = 64
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -23,3 +31,7 @@ class ModelSizes:
     @property
     def patches_per_image(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_clip(self) -> int:
+        return self.audio_frames // AUDIO_FRAMES_PER_TOKEN

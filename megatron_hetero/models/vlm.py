@@ -1,25 +1,38 @@
-"""Reference vision-language model: a VisionEncoder and a megatron-core GPTModel, each with its own
+"""Reference multimodal model: encoders (vision, audio) and a megatron-core GPTModel, each with its own
 TransformerConfig and ProcessGroupCollection. They meet only through the boundary: the LLM input
-embedding at image placeholder positions is the projected encoder row delivered there."""
+embedding at placeholder positions is the projected encoder row delivered there.
+
+Every builder builds this rank's pipeline stage of its module, read from `pgs.pp` (its layers, the
+input embedding on the first stage, the projector or output layer on the last); `whole=True`
+builds the pp=1 module instead, on the same TP slice: the reference init.build_stage copies from.
+"""
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
 
-def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, **overrides) -> TransformerConfig:
-    """overrides: further TransformerConfig fields (context_parallel_size, sequence_parallel, ...)."""
+def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp: int = 1,
+            sp: bool = False, **overrides) -> TransformerConfig:
+    """overrides: further TransformerConfig fields (e.g. num_query_groups)."""
+    if layers % pp:
+        raise ValueError(f"{layers} layers do not split into pp={pp} equal stages; use a multiple of {pp}")
     return TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         ffn_hidden_size=4 * hidden,
         tensor_model_parallel_size=tp,
+        # megatron-core sizes a stage's TransformerBlock from this and pg_collection.pp's rank.
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
         # Full-size master weights from the default generator, then sliced: every layout gets the
         # same model as one process does (parity), at any TP size.
         use_cpu_initialization=True,
@@ -49,32 +62,58 @@ def padded_vocab_size(sizes: ModelSizes) -> int:
     return -(-sizes.vocab_size // sizes.vocab_multiple) * sizes.vocab_multiple
 
 
-def build_vision_encoder(
-    sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32
-) -> VisionEncoder:
-    enc = _config(sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads, tp, dtype)
+def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
+    """(pp size, pre_process, post_process) of the module this rank builds."""
+    if whole:
+        return 1, True, True
+    pp, rank = pgs.pp.size(), pgs.pp.rank()
+    return pp, rank == 0, rank == pp - 1
+
+
+def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole):
+    """cls(encoder config, projector config, *inputs, pgs) as this rank's stage (the whole module
+    with `whole`); dims: the encoder's (hidden size, layers, attention heads)."""
+    pp, first, last = _stage(pgs, whole)
+    enc = _config(*dims, tp, dtype, pp)
     # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
     proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype)
-    return VisionEncoder(enc, proj, sizes.image_size, sizes.patch_size, pgs)
+    return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last)
+
+
+def build_vision_encoder(
+    sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
+    whole: bool = False,
+) -> VisionEncoder:
+    dims = (sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads)
+    return _build_encoder(VisionEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype, whole)
+
+
+def build_audio_encoder(
+    sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
+    whole: bool = False,
+) -> AudioEncoder:
+    dims = (sizes.audio_hidden_size, sizes.audio_num_layers, sizes.audio_num_attention_heads)
+    return _build_encoder(AudioEncoder, dims, (sizes.audio_mel_bins, sizes.audio_frames), sizes, tp, pgs, dtype,
+                          whole)
 
 
 def build_llm(
-    sizes: ModelSizes,
-    tp: int,
-    pgs: ProcessGroupCollection,
-    dtype: torch.dtype = torch.float32,
-    **config_overrides,
+    sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
+    whole: bool = False, sp: bool = False, **config_overrides,
 ) -> GPTModel:
-    """config_overrides: further TransformerConfig fields, e.g. context_parallel_size=2,
-    sequence_parallel=True (they must match pgs), num_query_groups."""
-    config = _config(
-        sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, **config_overrides
-    )
+    """This rank's LLM stage; its CP size is `pgs.cp`'s (the sequence layout does not change the
+    weights), `sp` turns on sequence parallelism; config_overrides: further TransformerConfig
+    fields (e.g. num_query_groups)."""
+    pp, first, last = _stage(pgs, whole)
+    config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
+                     cp=pgs.cp.size(), sp=sp, **config_overrides)
     return GPTModel(
         config=config,
         transformer_layer_spec=block_spec(llm_layer_spec(pgs), config, pgs),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
+        pre_process=first,
+        post_process=last,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
         pg_collection=pgs,
@@ -89,22 +128,30 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 def llm_forward(
     llm: GPTModel,
     input_ids: torch.Tensor,
-    image_slots: torch.Tensor,
-    image_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    media: list[tuple[torch.Tensor, torch.Tensor]],
     labels: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """input_ids [b, s]; image_slots [s, b, h] and image_mask [s, b] from the boundary.
+    """One pipeline stage of the LLM. input_ids [b, s] and position_ids [b, s] are this rank's
+    (CP-local) sequence; on the first stage `media` holds, per encoder, the boundary's slots
+    [s', b, h] and their mask [s', b] (s' the SP-local length), merged into the text embedding;
+    later stages take the previous stage's `hidden` instead.
 
-    Returns per-token losses [b, s] with labels, else full-vocabulary logits [b, s, V]."""
-    s = input_ids.shape[1]
-    position_ids = torch.arange(s, device=input_ids.device)[None].expand_as(input_ids)
-    text = llm.embedding(input_ids=input_ids, position_ids=position_ids)
-    merged = torch.where(image_mask[..., None], image_slots.to(text.dtype), text)
+    Returns the next stage's input [s', b, h], or on the last stage per-token losses [b, s] with
+    labels, else full-vocabulary logits [b, s, V]."""
+    decoder_input = None
+    if llm.pre_process:
+        decoder_input = llm.embedding(input_ids=input_ids, position_ids=position_ids)
+        for slots, mask in media:
+            decoder_input = torch.where(mask[..., None], slots.to(decoder_input.dtype), decoder_input)
+    else:
+        llm.set_input_tensor(hidden)
     return llm(
         input_ids=None,
         position_ids=position_ids,
-        attention_mask=causal_mask(s, input_ids.device),
-        decoder_input=merged,
+        attention_mask=causal_mask(input_ids.shape[1], input_ids.device),
+        decoder_input=decoder_input,
         labels=labels,
         runtime_gather_output=labels is None,
     )

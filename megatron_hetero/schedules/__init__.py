@@ -2,6 +2,6 @@
 
 from megatron_hetero.schedules.colocated import colocated_step
 from megatron_hetero.schedules.non_colocated import non_colocated_step
-from megatron_hetero.schedules.routing import route_rows
+from megatron_hetero.schedules.routing import route_media
 
-__all__ = ["colocated_step", "non_colocated_step", "route_rows"]
+__all__ = ["colocated_step", "non_colocated_step", "route_media"]

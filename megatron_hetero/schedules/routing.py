@@ -1,17 +1,24 @@
 """Rows across the boundary without a backward (evaluation), for either placement."""
 
-import torch
+from megatron_hetero.boundary import boundary_exchange
+from megatron_hetero.boundary.exchange import forward_recvs, post
+from megatron_hetero.schedules.pipeline import run_stage
+from megatron_hetero.schedules.stages import EncoderStage
 
-from megatron_hetero.boundary import RankPlan, boundary_exchange
-from megatron_hetero.boundary.exchange import recv_forward, send_forward
 
-
-def route_rows(rows: torch.Tensor, plan: RankPlan, colocated: bool) -> torch.Tensor | None:
-    """This rank's LLM input slots (None off the LLM)."""
-    if colocated:
-        return boundary_exchange(rows, plan)
-    sent = send_forward(rows, plan) if plan.num_source_rows else None
-    slots = recv_forward(plan, rows).wait() if plan.num_dest_slots else None
-    if sent is not None:
-        sent.wait()
-    return slots
+def route_media(trainer, batch) -> dict:
+    """Every encoder's slots for `batch` on the LLM's first-stage ranks (encoder name -> slots);
+    run every encoder stage this rank holds, forward only. Empty off the LLM's first stage (or
+    [0, h] slots there, colocated)."""
+    plans = {n: trainer.plan(n, batch) for n in trainer.encoders}
+    if trainer.layout.placement == "colocated":
+        return {n: boundary_exchange(trainer.encoder_forward(n, batch), p) for n, p in plans.items()}
+    for name, module in trainer.encoders.items():
+        if module.coords() is not None:
+            run_stage(EncoderStage(trainer, name, [batch], [plans[name]], forward_only=True), 1, trainer.clock)
+    coords = trainer.llm.coords()
+    if coords is None or coords["pp"] != 0:
+        return {}
+    transfers = [forward_recvs(p, trainer.boundary_like()) for p in plans.values()]
+    trainer.clock.wait(post(transfers))
+    return {n: t.result() for n, t in zip(plans, transfers)}

@@ -61,30 +61,69 @@ def model_sizes(args, vocab_size: int) -> ModelSizes:
     return ModelSizes(vocab_size=vocab_size, **{f.name: getattr(args, f.name) for f in _size_flags()})
 
 
+ENCODER_KINDS = ("vision", "audio")
+
+
 def check_trainable(layout) -> None:
-    """What this trainer runs so far: one encoder, TP and DP per module, colocated or not. The
-    boundary serves every axis already; CP/SP/PP need their schedules and layers (see README)."""
-    if len(layout.encoders) != 1:
-        raise ArgsError(f"modules: this trainer trains exactly one encoder, got {len(layout.encoders)}")
+    """Layouts the schedules and models here run (everything else the layout allows is served by the
+    boundary, see verify_layout): encoders named by kind, encoders without CP, colocated encoders
+    without PP, a trainable LLM."""
+    for module in layout.encoders:
+        if module.name not in ENCODER_KINDS:
+            raise ArgsError(f"module {module.name}: this trainer builds encoders named "
+                            f"{' or '.join(ENCODER_KINDS)}; rename the module")
+        if module.cp != 1:
+            raise ArgsError(f"module {module.name}: encoders train with cp=1 (a sequence is one image "
+                            f"or clip); set cp: 1 and use dp for its ranks")
+        if layout.placement == "colocated" and module.pp != 1:
+            raise ArgsError(f"module {module.name}: a colocated encoder runs unpipelined beside every "
+                            f"LLM stage; set pp: 1 and use dp or tp for its ranks")
+    if layout.llm.freeze:
+        raise ArgsError(f"module {layout.llm.name}: freeze is for encoders here; remove it from the llm")
+
+
+def _encoder_flags(args, name: str) -> list[tuple[str, int]]:
+    """Encoder `name`'s (flag, value) for its layers, hidden size and attention heads."""
+    prefix = "enc" if name == "vision" else "audio"
+    return [(f"{prefix}-{flag}", getattr(args, f"{prefix}_{flag.replace('-', '_')}"))
+            for flag in ("num-layers", "hidden-size", "num-attention-heads")]
+
+
+def _check_stages(args, layout) -> None:
+    """Layers split evenly over pipeline stages; sequences split evenly over CP chunks and SP parts."""
+    layers = {layout.llm.name: ("num-layers", args.num_layers)}
+    layers.update({m.name: _encoder_flags(args, m.name)[0] for m in layout.encoders})
     for module in layout.modules:
-        for axis in ("cp", "pp"):
-            if getattr(module, axis) != 1:
-                raise ArgsError(f"module {module.name}: {axis}={getattr(module, axis)} is not trainable "
-                                f"yet; set {axis}: 1")
-        if module.sp:
-            raise ArgsError(f"module {module.name}: sp is not trainable yet; set sp: false")
+        flag, n = layers[module.name]
+        if n < module.pp:
+            raise ArgsError(f"module {module.name}: pp={module.pp} is more pipeline stages than "
+                            f"--{flag} {n}; use pp <= {n}")
+        if n % module.pp:
+            raise ArgsError(f"--{flag} {n} is not divisible by module {module.name}'s pp={module.pp}; "
+                            f"use a multiple of {module.pp}")
+    llm, seq = layout.llm, args.seq_length
+    if seq % (2 * llm.cp):
+        raise ArgsError(f"--seq-length {seq} is not divisible by 2 x the llm's cp = {2 * llm.cp} "
+                        f"(load-balanced CP chunks); use a multiple of {2 * llm.cp}")
+    if llm.sp and (seq // llm.cp) % llm.tp:
+        raise ArgsError(f"--seq-length {seq} / cp={llm.cp} is not divisible by the llm's tp={llm.tp} "
+                        f"(sequence parallelism); use a multiple of {llm.cp * llm.tp}")
 
 
-def _check_sizes(args, llm_tp: int, encoder_tps: list[int]) -> None:
-    pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, llm_tp)]
-    pairs += [("enc-hidden-size", "enc-num-attention-heads", args.enc_hidden_size,
-               args.enc_num_attention_heads, tp) for tp in encoder_tps]
+def _check_sizes(args, layout) -> None:
+    pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, layout.llm.tp)]
+    for module in layout.encoders:
+        _, (hidden_flag, hidden), (heads_flag, heads) = _encoder_flags(args, module.name)
+        pairs.append((hidden_flag, heads_flag, hidden, heads, module.tp))
     for hidden_flag, heads_flag, hidden, heads, tp in pairs:
         if heads < 1 or hidden % heads:
             raise ArgsError(f"--{hidden_flag} {hidden} is not divisible by --{heads_flag} {heads}")
         if heads % tp:
             raise ArgsError(f"--{heads_flag} {heads} is not divisible by the module's tp={tp}; "
                             f"use a multiple of {tp}")
+    if args.audio_frames < 4 or args.audio_frames % 4:
+        raise ArgsError(f"--audio-frames {args.audio_frames} is not a positive multiple of 4 (the "
+                        f"audio front end halves the frames twice)")
     if args.patch_size < 1 or args.image_size % args.patch_size:
         raise ArgsError(f"--image-size {args.image_size} is not a multiple of --patch-size {args.patch_size}")
 
@@ -92,7 +131,7 @@ def _check_sizes(args, llm_tp: int, encoder_tps: list[int]) -> None:
 def check_args(args, layout) -> None:
     """Batch and size arithmetic the run needs; raises ArgsError with the flag to change."""
     llm_dp, encoder_dps = layout.llm.dp, [m.dp for m in layout.encoders]
-    _check_sizes(args, layout.llm.tp, [m.tp for m in layout.encoders])
+    _check_sizes(args, layout)
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
@@ -102,14 +141,14 @@ def check_args(args, layout) -> None:
             f"--global-batch-size {args.global_batch_size} is not a multiple of "
             f"--micro-batch-size x llm dp = {per_step}; use a multiple of {per_step}"
         )
-    if layout.placement == "non_colocated":
-        # Each microbatch (micro batch size x llm dp samples) is split over the encoder's DP ranks.
-        for dp in encoder_dps:
-            if per_step % dp:
-                raise ArgsError(
-                    f"--micro-batch-size x llm dp = {per_step} is not divisible by the encoder's "
-                    f"dp={dp}; make it a multiple of {dp}"
-                )
+    _check_stages(args, layout)
+    # Each microbatch (micro batch size x llm dp samples) is split over the encoder's DP ranks.
+    for dp in encoder_dps:
+        if per_step % dp:
+            raise ArgsError(
+                f"--micro-batch-size x llm dp = {per_step} is not divisible by the encoder's "
+                f"dp={dp}; make it a multiple of {dp}"
+            )
     for dp in encoder_dps:
         if args.global_batch_size % dp:
             raise ArgsError(

@@ -2,8 +2,8 @@
 
 Each module's gradients live in its megatron-core DDP buffer (`param.main_grad`, fp32, already
 reduced over the module's own DP group). The global norm: each module's squared norm summed over its
-TP group with TP duplicates counted once, shared over the world with MAX so that ranks without the
-module agree, then summed over modules. (megatron-core's optimizers and clip_grads allocate on CUDA,
+TP and PP groups (every stage's parameters, TP duplicates counted once), shared over the world with
+MAX so that ranks without the module agree, then summed over modules. (megatron-core's optimizers and clip_grads allocate on CUDA,
 so the optimizer here is torch's AdamW over fp32 parameters.)
 """
 
@@ -51,7 +51,7 @@ class HeteroOptimizer:
             local = torch.zeros(1, dtype=torch.float64, device=self.device)
             for p in unique:
                 local += p.main_grad.double().square().sum()
-            dist.all_reduce(local, group=m.pgs.tp)
+            dist.all_reduce(local, group=m.pgs.mp)  # tp x pp
             squares[i] = local[0]
         dist.all_reduce(squares, op=dist.ReduceOp.MAX)
         return math.sqrt(squares.sum().item())

@@ -1,0 +1,79 @@
+"""Encoders as pipeline stages: an input embedding with learned positions (first stage), a
+bidirectional TransformerBlock of this stage's layers, and an MLP projector to the LLM hidden size
+(last stage), all megatron-core modules in the encoder's own TP group. Encoders differ only in their
+input embedding (vision.py, audio.py).
+
+Which layers a stage holds is megatron-core's rule: TransformerBlock builds
+`config.num_layers / config.pipeline_model_parallel_size` layers at the offset of
+`pg_collection.pp`'s rank, each layer knowing its global 1-based `layer_number`.
+"""
+
+from collections.abc import Callable
+
+import torch
+from einops import rearrange
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hetero.models.specs import block_spec, encoder_layer_spec
+
+
+class StageEncoder(MegatronModule):
+    """One pipeline stage of an encoder whose items (images, clips) have `tokens_per_item` tokens.
+
+    forward(x): on the first stage (`pre_process`) x is the raw input of n items, which the module
+    built by `input_embedding()` maps to [tokens, n, hidden]; on a later stage x is the previous stage's
+    output, passed as the argument (no set_input_tensor state). A non-last stage returns hidden
+    states [tokens, n, hidden]; the last (`post_process`) returns projected rows
+    [n * tokens, llm_hidden], item by item (row i*tokens + t is token t of item i).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        projector_config: TransformerConfig,
+        tokens_per_item: int,
+        pg_collection: ProcessGroupCollection,
+        input_embedding: Callable[[], torch.nn.Module],
+        pre_process: bool = True,
+        post_process: bool = True,
+    ):
+        super().__init__(config=config)
+        self.tokens_per_item = tokens_per_item
+        self.pre_process, self.post_process = pre_process, post_process
+        hidden = config.hidden_size
+        if pre_process:
+            # Replicated over the encoder's TP group: small, and its input is the raw item.
+            self.input_embedding = input_embedding()
+            self.position_embedding = torch.nn.Parameter(torch.empty(tokens_per_item, hidden))
+            config.init_method(self.position_embedding)
+        self.decoder = TransformerBlock(
+            config=config,
+            spec=block_spec(encoder_layer_spec(pg_collection), config, pg_collection),
+            # The block reads forward's argument only when pre_process is set: every stage's input
+            # arrives as forward's argument here, so the block never needs set_input_tensor.
+            pre_process=True,
+            post_process=post_process,  # the final layernorm lives on the last stage
+            pg_collection=pg_collection,
+        )
+        if post_process:
+            self.projector = MultimodalProjector(
+                projector_config,
+                MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                projector_type="mlp",
+                input_size=hidden,
+                pg_collection=pg_collection,
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_process:
+            x = self.input_embedding(x) + self.position_embedding.unsqueeze(1)
+        x = self.decoder(x, attention_mask=None)  # [tokens, n, hidden]
+        if not self.post_process:
+            return x
+        return rearrange(self.projector(x), "s n h -> (n s) h")

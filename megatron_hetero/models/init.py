@@ -1,0 +1,60 @@
+"""Layout-independent weights for pipeline stages.
+
+Modules are initialized full-size from a per-module seed (use_cpu_initialization), so every TP size
+starts from the same model. A pipeline stage builds only some layers, which shifts the random stream:
+`build_stage` instead builds the whole (pp=1) module from the same seed on this rank's TP slice and
+copies the stage's part out of it. The whole module is built from the same pg_collection with a
+config whose pipeline size is 1 (megatron-core then builds every layer at offset 0 whatever
+`pg_collection.pp` says), so no extra process group is needed and TP ranks keep their own slice.
+"""
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def whole_names(stage: torch.nn.Module) -> dict[str, str]:
+    """Each parameter and buffer name of `stage` -> its name in the whole (pp=1) module. A stage's
+    local layer i is global layer `layer_number` (1-based): on the second of two 2-layer stages,
+    decoder.layers.0.* -> decoder.layers.2.*; names outside layers stay."""
+    layers = {name + ".": f"{name.rsplit('.', 1)[0]}.{module.layer_number - 1}."
+              for name, module in stage.named_modules() if isinstance(module, BaseTransformerLayer)}
+
+    def rename(name: str) -> str:
+        prefix = next((p for p in layers if name.startswith(p)), None)
+        return name if prefix is None else layers[prefix] + name[len(prefix):]
+
+    return {name: rename(name) for name in _tensors(stage)}
+
+
+@torch.no_grad()
+def copy_from_whole(stage: torch.nn.Module, whole: torch.nn.Module) -> None:
+    """Set every parameter and buffer of `stage` to its counterpart in `whole` (the same module
+    built with pp=1 on the same TP slice)."""
+    source, names = _tensors(whole), whole_names(stage)
+    for name, tensor in _tensors(stage).items():
+        tensor.copy_(source[names[name]])
+
+
+def build_stage(build: Callable[[bool], M], seed: int, pp: int, layout_independent: bool = True) -> M:
+    """This rank's pipeline stage of a module, its weights drawn from `seed`.
+
+    build(whole) builds the module: this rank's stage for whole=False, the pp=1 module for
+    whole=True (e.g. `lambda whole: build_llm(sizes, tp, pgs, whole=whole)`). With
+    `layout_independent` and pp > 1 the stage's weights are those of the whole module built from
+    `seed`, at the cost of building it once per rank (turn it off for large models: the stage is then
+    initialized from `seed` directly, and differs from the pp=1 module)."""
+    torch.manual_seed(seed)
+    stage = build(False)
+    if layout_independent and pp > 1:
+        torch.manual_seed(seed)
+        copy_from_whole(stage, build(True))
+    return stage
