@@ -1,13 +1,15 @@
 """The one place where megatron-core is adapted to run without CUDA (gloo on CPU).
 
-megatron-core places buffers on `torch.cuda.current_device()` and keeps its RNG tracker on the CUDA
-generator. Without CUDA both are redirected to the CPU; with CUDA this module does nothing.
-The distributed optimizer's collectives (coalesced reduce_scatter_tensor and all_gather_into_tensor
-on flat buffers, output aliasing the input's shard) run on gloo as they are: nothing to redirect
-(seen with torch 2.14; gloo has had them since about torch 2.3).
+megatron-core places buffers on `torch.cuda.current_device()`, keeps its RNG tracker on the CUDA
+generator and slices RoPE tables for context parallelism with CUDA index tensors. Without CUDA these
+are redirected to the CPU; with CUDA this module does nothing.
+The distributed optimizer\'s collectives (coalesced reduce_scatter_tensor and all_gather_into_tensor
+on flat buffers) run on gloo as they are (gloo has had them since about torch 2.3).
 """
 
 import torch
+
+from megatron_hetero.models.context_parallel import cp_slice
 
 _applied = False
 
@@ -18,6 +20,11 @@ def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
 
 def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
     torch.set_rng_state(new_state)
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron-core's version pins host memory and copies indices to CUDA."""
+    return cp_slice(pos_emb, seq_dim, cp_group.size(), cp_group.rank())
 
 
 class _HostStream:
@@ -35,6 +42,7 @@ def apply_cpu_compat() -> None:
     global _applied
     if _applied or torch.cuda.is_available():
         return
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.tensor_parallel import random as mcore_random
 
     # Buffers (DDP grad buffers, the global memory buffer, ...) are created on current_device().
@@ -47,4 +55,6 @@ def apply_cpu_compat() -> None:
     torch.cuda.manual_seed = torch.manual_seed
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    # RoPE with CP slices the rotary table to the rank's load-balanced chunks.
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     _applied = True

@@ -20,7 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.models.specs import encoder_layer_spec
+from megatron_hetero.models.specs import block_spec, encoder_layer_spec
 
 
 class StageEncoder(MegatronModule):
@@ -54,7 +54,7 @@ class StageEncoder(MegatronModule):
             config.init_method(self.position_embedding)
         self.decoder = TransformerBlock(
             config=config,
-            spec=encoder_layer_spec(),
+            spec=block_spec(encoder_layer_spec(pg_collection), config, pg_collection),
             # The block reads forward's argument only when pre_process is set: every stage's input
             # arrives as forward's argument here, so the block never needs set_input_tensor.
             pre_process=True,

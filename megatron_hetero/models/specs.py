@@ -1,4 +1,5 @@
-"""Layer specs: Transformer Engine's when it is importable, megatron-core's local layers otherwise."""
+"""Layer specs: Transformer Engine's when it is importable; otherwise megatron-core's local layers
+with our core attention (SDPA, context parallelism) and norm (sequence parallelism) substituted."""
 
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -8,7 +9,17 @@ from megatron.core.models.vision.vit_layer_specs import (
     get_vit_layer_with_local_spec,
     get_vit_layer_with_transformer_engine_spec,
 )
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
+
+from megatron_hetero.models.attention import SDPAttention
+from megatron_hetero.models.norm import SequenceParallelNorm
 
 try:
     import transformer_engine  # noqa: F401  (only whether it imports matters)
@@ -18,11 +29,45 @@ except ImportError:
     HAVE_TE = False
 
 
-def llm_layer_spec() -> ModuleSpec:
-    """Causal decoder layer for the LLM."""
-    return get_gpt_layer_with_transformer_engine_spec() if HAVE_TE else get_gpt_layer_local_spec()
+def _with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+    """megatron's local layer spec with our attention and norms; its other submodules kept."""
+    norm = _norm_spec(pg_collection)
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
+    layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    return layer
 
 
-def encoder_layer_spec() -> ModuleSpec:
+def _norm_spec(pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+    # megatron builds norms from (config, hidden_size, eps): the TP group comes bound.
+    tp_group = None if pg_collection is None else pg_collection.tp
+    return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group})
+
+
+def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
+    """Causal decoder layer for the LLM. pg_collection: the LLM's groups, needed (for the norms'
+    TP group) with sequence parallelism and without Transformer Engine."""
+    if HAVE_TE:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return _with_our_layers(get_gpt_layer_local_spec(), pg_collection)
+
+
+def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
     """Bidirectional (no mask) layer for encoders."""
-    return get_vit_layer_with_transformer_engine_spec() if HAVE_TE else get_vit_layer_with_local_spec()
+    if HAVE_TE:
+        return get_vit_layer_with_transformer_engine_spec()
+    return _with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
+
+
+def block_spec(
+    layer: ModuleSpec, config: TransformerConfig, pg_collection: ProcessGroupCollection
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """The `spec` for TransformerBlock (GPTModel's `transformer_layer_spec`) from a layer spec.
+
+    With Transformer Engine the layer spec itself (the block's final norm is TE's). Without, the
+    block's final norm would be megatron's torch norm, which refuses sequence parallelism: the
+    layers of this pipeline stage are listed with our norm as the final one."""
+    if HAVE_TE:
+        return layer
+    num_layers = get_num_layers_to_build(config, pp_rank=get_pg_rank(pg_collection.pp))
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm_spec(pg_collection))

@@ -14,12 +14,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.models.specs import llm_layer_spec
+from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
 
 def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp: int = 1,
-            sp: bool = False) -> TransformerConfig:
+            sp: bool = False, **overrides) -> TransformerConfig:
+    """overrides: further TransformerConfig fields (e.g. num_query_groups)."""
     if layers % pp:
         raise ValueError(f"{layers} layers do not split into pp={pp} equal stages; use a multiple of {pp}")
     return TransformerConfig(
@@ -53,6 +54,7 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp:
         persist_layer_norm=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
+        **overrides,
     )
 
 
@@ -97,16 +99,17 @@ def build_audio_encoder(
 
 def build_llm(
     sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
-    whole: bool = False, sp: bool = False,
+    whole: bool = False, sp: bool = False, **config_overrides,
 ) -> GPTModel:
     """This rank's LLM stage; its CP size is `pgs.cp`'s (the sequence layout does not change the
-    weights), `sp` turns on sequence parallelism."""
+    weights), `sp` turns on sequence parallelism; config_overrides: further TransformerConfig
+    fields (e.g. num_query_groups)."""
     pp, first, last = _stage(pgs, whole)
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
-                     cp=pgs.cp.size(), sp=sp)
+                     cp=pgs.cp.size(), sp=sp, **config_overrides)
     return GPTModel(
         config=config,
-        transformer_layer_spec=llm_layer_spec(),
+        transformer_layer_spec=block_spec(llm_layer_spec(pgs), config, pgs),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
         pre_process=first,

@@ -1,0 +1,64 @@
+"""LayerNorm / RMSNorm for megatron-core layer specs without Transformer Engine, correct under
+sequence parallelism on its own.
+
+With sequence parallelism each TP rank normalizes its own part of the sequence, so each rank's
+weight (and bias) gradient covers only its tokens. Megatron leaves the TP sum of those partial
+gradients to `finalize_model_grads` (params marked `sequence_parallel=True`); our trainer does not
+call it. Here the sum happens in the backward pass itself: the parameters enter the norm through
+megatron's `copy_to_tensor_model_parallel_region` (forward: identity, backward: all-reduce over TP),
+one all-reduce of 2*hidden (LayerNorm) or hidden (RMSNorm) values per norm and microbatch.
+After backward the gradients are whole and equal on every TP rank; DDP then sums them over DP/CP.
+
+The parameters are deliberately NOT marked `sequence_parallel=True`: that attribute only tells
+`finalize_model_grads` to all-reduce them over TP, which would count them TP times here. So
+`finalize_model_grads` (e.g. megatron.training's train_step) stays correct with this norm too.
+"""
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class SequenceParallelNorm(torch.nn.Module):
+    """`config.normalization` ("LayerNorm" or "RMSNorm") over the last dimension; parameters named
+    like torch's (weight, and bias for LayerNorm) so checkpoints match megatron's WrappedTorchNorm.
+
+    tp_group is needed when config.sequence_parallel and TP > 1: bind it in the spec
+    (functools.partial), since megatron builds norms from (config, hidden_size, eps) alone."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization {config.normalization!r} is not LayerNorm or RMSNorm")
+        sums_over_tp = config.sequence_parallel and config.tensor_model_parallel_size > 1
+        if sums_over_tp and tp_group is None:
+            raise ValueError("sequence_parallel with TP > 1 needs the norm's tp_group (bind it in the spec)")
+        self.grad_sum_group = tp_group if sums_over_tp else None
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        # Zero-centered gamma stores weight - 1 (weight decay pulls the scale towards 1, not 0).
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        self.bias = None
+        if not self.rms:
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = [self.weight] if self.rms else [self.weight, self.bias]
+        if self.grad_sum_group is not None:
+            # One all-reduce for weight and bias together, in the backward pass.
+            stacked = copy_to_tensor_model_parallel_region(torch.stack(params), self.grad_sum_group)
+            params = list(stacked.unbind(0))
+        if self.zero_centered_gamma:
+            params[0] = params[0] + 1
+        if self.rms:
+            return F.rms_norm(x, x.shape[-1:], params[0], self.eps)
+        return F.layer_norm(x, x.shape[-1:], params[0], params[1], self.eps)

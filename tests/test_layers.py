@@ -1,0 +1,221 @@
+"""Layers without Transformer Engine: the CP sequence layout (pure), our SDPA attention and norm
+against megatron-core's local layers (1 process), and a GPTModel on our spec under TP/CP/SP
+reproducing the 1-process model (4 gloo processes, one launch for every case)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions, cp_slice
+from tests.distributed import run_distributed
+
+SEED = 11
+SEQ, BATCH = 16, 2
+# name -> (tp, cp, dp, sp, num_query_groups); dp replicas all run the same batch.
+CASES = {
+    "tp2_cp2_sp": (2, 2, 1, True, None),
+    "tp2_cp2_sp_gqa": (2, 2, 1, True, 2),
+    "cp2": (1, 2, 2, False, None),
+    "cp4_gqa": (1, 4, 1, False, 2),
+    "tp2_sp": (2, 1, 2, True, None),
+}
+
+
+# ---- pure: the CP layout ------------------------------------------------------------------------
+def test_cp_positions_are_megatrons_load_balanced_chunks():
+    assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cp_positions(12, 3, 1).tolist() == [2, 3, 8, 9]
+    assert cp_positions(5, 1, 0).tolist() == [0, 1, 2, 3, 4]
+    for cp in (1, 2, 4):  # every position held exactly once
+        held = torch.cat([cp_positions(16, cp, r) for r in range(cp)])
+        assert sorted(held.tolist()) == list(range(16))
+
+
+def test_cp_slice_and_gather_order_invert_each_other():
+    full = torch.arange(2 * 24).view(2, 24)
+    parts = [cp_slice(full, 1, 3, r) for r in range(3)]
+    assert torch.equal(parts[2], full[:, cp_positions(24, 3, 2)])
+    gathered = torch.cat([p.T for p in parts])  # rank order, sequence first
+    assert torch.equal(cp_gathered_to_sequence_order(gathered, 3), full.T)
+    assert cp_slice(full, 1, 1, 0) is full
+
+
+@pytest.mark.parametrize("seq_len, cp, cp_rank", [(10, 2, 0), (8, 2, 2), (8, 0, 0)])
+def test_cp_positions_rejects_bad_layouts(seq_len, cp, cp_rank):
+    with pytest.raises(ValueError):
+        cp_positions(seq_len, cp, cp_rank)
+
+
+# ---- distributed: one launch computes (got, want) pairs for every test below ----------------------
+def _sizes():
+    from megatron_hetero.models.sizes import ModelSizes
+
+    return ModelSizes(hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ)
+
+
+def _inputs(hidden: int):
+    """Full-sequence ids, labels, boundary slots [s, b, h] and their mask [s, b]."""
+    gen = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, 22, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, 22, (BATCH, SEQ), generator=gen)
+    slots = torch.randn(SEQ, BATCH, hidden, generator=gen)
+    mask = torch.rand(SEQ, BATCH, generator=gen) < 0.3
+    return ids, labels, slots, mask
+
+
+def _sequence_part(full: torch.Tensor, seq_dim: int, tp, cp, sp, pgs):
+    """This rank's part of a full-sequence tensor: its CP chunks, then its SP part."""
+    local = cp_slice(full, seq_dim, cp, pgs.cp.rank())
+    return local.chunk(tp, seq_dim)[pgs.tp.rank()] if sp else local
+
+
+def _run_llm(pgs, tp, cp, sp, num_query_groups):
+    """Per-token losses, input-slot gradients and whole parameter gradients of this rank's part."""
+    from megatron_hetero.mcore_globals import init_mcore_globals
+    from megatron_hetero.models.vlm import build_llm, llm_forward
+    from megatron_hetero.training.full_state import full_tensors
+
+    sizes = _sizes()
+    init_mcore_globals(SEED, tp_rank=pgs.tp.rank())
+    torch.manual_seed(SEED)
+    llm = build_llm(sizes, tp, pgs, sp=sp, num_query_groups=num_query_groups)
+    ids, labels, slots, mask = _inputs(sizes.hidden_size)
+    slots = _sequence_part(slots, 0, tp, cp, sp, pgs).clone().requires_grad_()
+    positions = cp_positions(SEQ, cp, pgs.cp.rank())
+    losses = llm_forward(
+        llm,
+        ids[:, positions],
+        positions[None].expand(BATCH, -1),
+        [(slots, _sequence_part(mask, 0, tp, cp, sp, pgs))],
+        labels[:, positions],
+    )
+    losses.sum().backward()
+    for param in llm.parameters():
+        dist.all_reduce(param.grad, group=pgs.cp)  # each CP rank's grads cover its positions only
+        param.main_grad = param.grad
+    return losses.detach(), slots.grad, full_tensors(llm, pgs.tp, grads=True)
+
+
+def _parallel_llm_pairs(case, ref_pgs):
+    from megatron_hetero.groups import build_module_groups
+    from megatron_hetero.layout import ModuleLayout
+
+    tp, cp, dp, sp, groups = CASES[case]
+    pgs = build_module_groups(ModuleLayout(case, "llm", tp=tp, cp=cp, dp=dp, sp=sp)).pgs
+    losses, slot_grad, grads = _run_llm(pgs, tp, cp, sp, groups)
+    ref_losses, ref_slot_grad, ref_grads = _run_llm(ref_pgs, 1, 1, False, groups)
+    pairs = {
+        "losses": (losses, cp_slice(ref_losses, 1, cp, pgs.cp.rank())),
+        "slot_grad": (slot_grad, _sequence_part(ref_slot_grad, 0, tp, cp, sp, pgs)),
+    }
+    pairs.update({f"grad {name}": (grads[name], want) for name, want in ref_grads.items()})
+    return pairs
+
+
+def _module_pairs(ours, theirs, *inputs, **kwargs):
+    """Outputs, input gradients and parameter gradients of two modules with the same weights."""
+    theirs.load_state_dict(ours.state_dict())  # strict: the parameter names match too
+    pairs = {}
+    for key, module in (("got", ours), ("want", theirs)):
+        leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        out = module(*leaves, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        tensors = {"output": out.detach()}
+        tensors.update({f"input grad {i}": x.grad for i, x in enumerate(leaves) if x.requires_grad})
+        tensors.update({f"grad {n}": p.grad for n, p in module.named_parameters()})
+        for name, tensor in tensors.items():
+            pairs.setdefault(name, [None, None])[key == "want"] = tensor
+    return pairs
+
+
+def _megatron_local_pairs(ref_pgs):
+    """Our spec vs megatron-core's local spec (DotProductAttention, torch norms), one process."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_hetero.mcore_globals import init_mcore_globals
+    from megatron_hetero.models.attention import SDPAttention
+    from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
+    from megatron_hetero.models.vlm import _config, causal_mask
+
+    init_mcore_globals(SEED, tp_rank=0)
+    torch.manual_seed(SEED)
+    results = {}
+
+    config = _config(32, 2, 4, 1, torch.float32)
+    x = torch.randn(SEQ, BATCH, 32)
+    blocks = [
+        TransformerBlock(config, spec, pre_process=True, post_process=True, pg_collection=ref_pgs)
+        for spec in (block_spec(encoder_layer_spec(ref_pgs), config, ref_pgs), get_vit_layer_with_local_spec())
+    ]
+    results["encoder_block"] = _module_pairs(*blocks, x, attention_mask=None)
+    blocks = [
+        TransformerBlock(config, spec, pre_process=True, post_process=True, pg_collection=ref_pgs)
+        for spec in (block_spec(llm_layer_spec(ref_pgs), config, ref_pgs), get_gpt_layer_local_spec())
+    ]
+    results["llm_block"] = _module_pairs(*blocks, x, attention_mask=causal_mask(SEQ, "cpu"))
+
+    # Core attention alone: GQA (4 heads, 2 groups), and an explicit padding mask honoured.
+    gqa = _config(32, 1, 4, 1, torch.float32, num_query_groups=2)
+    q, kv = torch.randn(SEQ, BATCH, 4, 8), torch.randn(SEQ, BATCH, 2, 8)
+    padding = torch.rand(BATCH, 1, SEQ, SEQ) < 0.3
+    padding[..., 0] = False  # every query keeps a key
+    for name, mask_type, mask in (
+        ("gqa_causal", AttnMaskType.causal, causal_mask(SEQ, "cpu")),
+        ("gqa_padding", AttnMaskType.padding, padding),
+    ):
+        core = [cls(gqa, 1, mask_type, "self", pg_collection=ref_pgs) for cls in (SDPAttention, DotProductAttention)]
+        results[name] = _module_pairs(*core, q, kv, kv, mask)
+    return results
+
+
+def _worker(rank, world_size, out_dir):
+    from megatron_hetero.cpu_compat import apply_cpu_compat
+    from megatron_hetero.groups import build_module_groups
+    from megatron_hetero.layout import ModuleLayout
+
+    apply_cpu_compat()
+    # Every rank its own 1-process reference (tp = cp = 1).
+    ref_pgs = build_module_groups(ModuleLayout("reference", "llm", dp=world_size)).pgs
+    results = {case: _parallel_llm_pairs(case, ref_pgs) for case in CASES}
+    if rank == 0:
+        results.update(_megatron_local_pairs(ref_pgs))
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layers")
+    run_distributed(_worker, 4, str(out))
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
+
+
+def _assert_pairs(pairs, rtol, grad_rtol):
+    """Tolerances relative to each tensor's scale: a constant factor (e.g. TP replicas summed) fails."""
+    assert pairs
+    for name, (got, want) in pairs.items():
+        tol = grad_rtol if "grad" in name else rtol
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parallel_llm_reproduces_one_process(runs, case):
+    """Per-token losses at the rank's positions, gradients of its boundary slots, and every
+    parameter's whole gradient (TP-gathered, summed over CP) match the 1-process model."""
+    for rank_results in runs:
+        _assert_pairs(rank_results[case], rtol=1e-5, grad_rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["encoder_block", "llm_block", "gqa_causal", "gqa_padding"])
+def test_matches_megatron_local_layers(runs, case):
+    """Same weights, same inputs: outputs within 1e-6; gradients within 1e-5 (SDPA's kernels
+    round differently from megatron's baddbmm + softmax)."""
+    _assert_pairs(runs[0][case], rtol=1e-6, grad_rtol=1e-5)
