@@ -3,7 +3,7 @@
 megatron-core places buffers on `torch.cuda.current_device()`, keeps its RNG tracker on the CUDA
 generator and slices RoPE tables for context parallelism with CUDA index tensors. Without CUDA these
 are redirected to the CPU; with CUDA this module does nothing.
-The distributed optimizer\'s collectives (coalesced reduce_scatter_tensor and all_gather_into_tensor
+The distributed optimizer's collectives (coalesced reduce_scatter_tensor and all_gather_into_tensor
 on flat buffers) run on gloo as they are (gloo has had them since about torch 2.3).
 """
 
