@@ -2,14 +2,16 @@
 # The demo model on 2 GPUs (NCCL) under the schedules: non-colocated (vision on GPU 0, LLM on GPU 1,
 # 1F1B over 4 microbatches a step), colocated with LLM CP2, colocated with LLM PP2, and two encoders
 # colocated; per run the last log lines: tokens/s, the waiting share per rank, the caption accuracy.
+# Usage: [ONLY="non_colocated colocated_cp2"] [EXTRA="--train-iters 300"] tools/gpu_schedules_run.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 run() {  # name, layout, extra flags
   local name=$1 layout=$2; shift 2
-  echo "== $name: torchrun --nproc-per-node 2 examples/pretrain_vlm.py @examples/demo_args.txt --hetero-layout examples/layouts/$layout.yaml --log-interval 100 $*"
+  [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return
+  echo "== $name: torchrun --nproc-per-node 2 examples/pretrain_vlm.py @examples/demo_args.txt --hetero-layout examples/layouts/$layout.yaml --log-interval 100 $* ${EXTRA:-}"
   torchrun --nproc-per-node 2 examples/pretrain_vlm.py @examples/demo_args.txt --log-interval 100 \
-    --hetero-layout examples/layouts/$layout.yaml --metrics-file "/tmp/$name.jsonl" "$@" 2>&1 \
-    | grep -v "Warning\|warn\|DEPRECATED" | tee "$out/train_$name.log" | grep -v "^ iteration\|^rank\|^vision\|^llm\|^audio\|^edges"
+    --hetero-layout examples/layouts/$layout.yaml --metrics-file "/tmp/$name.jsonl" "$@" ${EXTRA:-} 2>&1 \
+    | grep -v "Warning\|warn\|DEPRECATED\|^W1\|OMP_NUM" | tee "$out/train_$name.log" | grep -v "^ iteration\|^rank\|^vision\|^llm\|^audio\|^edges"
   grep "^ iteration" "$out/train_$name.log" | tail -1
   python3 - "/tmp/$name.jsonl" <<'PY'
 import json, statistics, sys

@@ -201,17 +201,19 @@ class Trainer:
                                inputs.labels if with_loss else None, hidden)
 
     def finish_step(self, loss_sum: torch.Tensor | None, num_loss_tokens: int) -> float:
-        """Reduce every module's gradients over its own DP group; the global mean token loss."""
-        for module in self.modules.values():
-            if module.ddp is not None:
-                module.ddp.finish_grad_sync()
+        """The global mean token loss; then every module's gradients reduced over its own DP group.
+        The loss's reduction over the world is where a rank waits for the slowest one to finish its
+        schedule (a pipeline's fill and drain): the clock counts it as waiting."""
         # Every LLM TP rank of the last stage holds the same losses: count one per (dp, cp).
         coords = self.llm.coords()
         counts = coords is not None and coords["tp"] == 0 and coords["pp"] == self.layout.llm.pp - 1
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if counts:
             total += loss_sum
-        dist.all_reduce(total)
+        self.clock.wait([dist.all_reduce(total, async_op=True)])
+        for module in self.modules.values():
+            if module.ddp is not None:
+                module.ddp.finish_grad_sync()
         return total.item() / num_loss_tokens
 
     def train_step(self, batch: GlobalBatch) -> float:
