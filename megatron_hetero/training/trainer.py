@@ -171,10 +171,10 @@ class Trainer:
         """An empty [0, hidden] tensor of the boundary's dtype and device."""
         return torch.zeros(0, self.sizes.hidden_size, device=self.device, dtype=self.boundary_dtype)
 
-    def _llm_seq_len(self, sp: bool) -> int:
+    def _llm_seq_len(self) -> int:
         """Sequence length of this LLM rank's activations (CP-local, and TP-local with SP)."""
         llm = self.layout.llm
-        return self.sizes.seq_length // llm.cp // (llm.tp if sp and llm.sp else 1)
+        return self.sizes.seq_length // llm.cp // (llm.tp if llm.sp else 1)
 
     def llm_local(self, batch: GlobalBatch) -> LLMInputs:
         coords, llm = self.llm.coords(), self.layout.llm
@@ -186,14 +186,14 @@ class Trainer:
 
     def llm_hidden_like(self, batch: GlobalBatch) -> torch.Tensor:
         b_local = len(batch.indices) // self.layout.llm.dp
-        return torch.empty(self._llm_seq_len(sp=True), b_local, self.sizes.hidden_size,
+        return torch.empty(self._llm_seq_len(), b_local, self.sizes.hidden_size,
                            device=self.device, dtype=self.pipeline_dtype)
 
     def llm_stage_forward(self, batch: GlobalBatch, media: dict, hidden, with_loss: bool):
         """This rank's LLM stage on its share of `batch`; `media`: encoder name -> boundary slots
         [S' * b_local, h] (first stage). See llm_forward for what it returns."""
         inputs = self.llm_local(batch)
-        seq, b_local = self._llm_seq_len(sp=True), inputs.input_ids.shape[0]
+        seq, b_local = self._llm_seq_len(), inputs.input_ids.shape[0]
         views = [(slots.view(seq, b_local, -1), slot_mask(self.plan(name, batch), self.device).view(seq, b_local))
                  for name, slots in media.items()]
         with self.autocast:
