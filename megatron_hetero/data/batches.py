@@ -53,8 +53,9 @@ class GlobalBatch:
                            {medium: b.select(samples) for medium, b in self.boundaries.items()})
 
     def images(self, samples: slice) -> torch.Tensor:
-        """[n, 3, H, W]: the images of samples[samples], in sample order (one per sample here)."""
-        return torch.stack([s.image for s in self.samples[samples]])
+        """[n, 3, H, W]: the images of samples[samples], in sample order (a sample's `image` is one
+        [3, H, W] image, or [k, 3, H, W] for k images in order)."""
+        return torch.stack([s.image for s in self.samples[samples]]).flatten(0, -4)
 
     def audio(self, samples: slice) -> torch.Tensor:
         """[n, mel_bins, frames]: the clips of samples[samples], in sample order (one per sample)."""

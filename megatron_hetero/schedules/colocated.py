@@ -25,7 +25,9 @@ def colocated_step(trainer, batch) -> float:
     trainable = [n for n in names if not trainer.layout_encoders[n].freeze]
 
     def slots(name, i):
-        return boundary_exchange(trainer.encoder_forward(name, micro[i]), plans[name][i])
+        rows = trainer.encoder_forward(name, micro[i])
+        with trainer.timers("boundary"):
+            return boundary_exchange(rows, plans[name][i])
 
     if trainer.layout.llm.pp == 1:
         media = {n: {} for n in names}
@@ -37,8 +39,9 @@ def colocated_step(trainer, batch) -> float:
             stage.backward(i, [])
             for n in names:
                 routed = media[n].pop(i)
-                if n in trainable:
-                    routed.backward(stage.media_grads[n].pop(i))
+                if n in trainable:  # boundary backward, then the encoder's
+                    with trainer.timers("encoder-backward"):
+                        routed.backward(stage.media_grads[n].pop(i))
     else:
         with torch.no_grad():
             media = {n: [slots(n, i) for i in range(len(micro))] for n in names}
@@ -52,5 +55,8 @@ def colocated_step(trainer, batch) -> float:
                 if grad_slots is None:
                     grad_slots = trainer.boundary_like()
                 rows = trainer.encoder_forward(n, micro[i])  # recomputed, with its graph
-                rows.backward(exchange_gradients(grad_slots, plans[n][i]))
+                with trainer.timers("boundary"):
+                    grad_rows = exchange_gradients(grad_slots, plans[n][i])
+                with trainer.timers("encoder-backward"):
+                    rows.backward(grad_rows)
     return trainer.finish_step(stage.loss_sum, batch.num_loss_tokens)

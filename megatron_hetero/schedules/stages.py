@@ -68,7 +68,8 @@ class EncoderStage:
 
     def backward(self, i, received):
         x, y = self.saved.pop(i)
-        return _backward(y, received[0], [] if x is None else [x])
+        with self.trainer.timers("encoder-backward"):
+            return _backward(y, received[0], [] if x is None else [x])
 
     def send_backward(self, i, grads):
         return [] if self.first else [stage_send(grads[0], self.prev)]
@@ -137,7 +138,8 @@ class LLMStage:
 
     def backward(self, i, received):
         inputs, out = self.saved.pop(i)
-        grads = _backward(out, None if self.last else received[0], inputs)
+        with self.trainer.timers("llm-backward"):
+            grads = _backward(out, None if self.last else received[0], inputs)
         if self.first and not self.plans:  # colocated: the schedule routes them back itself
             for name, g in zip([n for n in self.trainable if n in self.media], grads):
                 self.media_grads[name][i] = g

@@ -32,6 +32,7 @@ from megatron_hetero.schedules.pipeline import Clock, run_stage
 from megatron_hetero.schedules.stages import LLMStage
 from megatron_hetero.training.args import model_sizes
 from megatron_hetero.training.optimizer import HeteroOptimizer, ModuleOptimizer, module_optimizer
+from megatron_hetero.training.timers import PhaseTimers
 
 
 def init_distributed() -> torch.device:
@@ -91,6 +92,7 @@ class Trainer:
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
         self.boundary_dtype = self.pipeline_dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.clock = Clock(device)
+        self.timers = PhaseTimers(device)  # step-time breakdowns (tools/bench_e2e.py turns them on)
         clips = (self.sizes.audio_mel_bins, self.sizes.audio_frames)
         self.train_data = ShapesDataset(args.data_seed, "train", self.sizes.image_size, *clips)
         self.eval_data = ShapesDataset(args.data_seed, "heldout", self.sizes.image_size, *clips)
@@ -152,7 +154,8 @@ class Trainer:
         if hidden is None:
             share = module_slice(len(batch.indices), module.layout.dp, module.coords()["dp"])
             hidden = (batch.images if name == VISION else batch.audio)(share).to(self.device)
-        with self.autocast, torch.set_grad_enabled(module.ddp is not None and torch.is_grad_enabled()):
+        with self.timers("encoder-forward"), self.autocast, \
+                torch.set_grad_enabled(module.ddp is not None and torch.is_grad_enabled()):
             out = module.net(hidden)
         if not module.net.post_process:
             return out
@@ -196,7 +199,7 @@ class Trainer:
         seq, b_local = self._llm_seq_len(), inputs.input_ids.shape[0]
         views = [(slots.view(seq, b_local, -1), slot_mask(self.plan(name, batch), self.device).view(seq, b_local))
                  for name, slots in media.items()]
-        with self.autocast:
+        with self.timers("llm-forward"), self.autocast:
             return llm_forward(self.llm.net, inputs.input_ids, inputs.position_ids, views,
                                inputs.labels if with_loss else None, hidden)
 

@@ -1,0 +1,251 @@
+"""End-to-end training speed of one workload under one layout; table, JSON and chart of several.
+
+    torchrun --nproc-per-node 2 tools/bench_e2e.py --workload W1 --hetero-layout L.yaml --out r.jsonl
+    python tools/bench_e2e.py --report r.jsonl [--png chart.png]
+
+A run trains the workload's synthetic global batch (fixed, so data costs nothing) for --warmup +
+--steps steps with the real trainer, and appends one JSON line: tokens/s, model TFLOPS per GPU
+(FLOPs counted per module: encoder and projector, LLM with attention and logits; x3 for a trained
+module's forward and backward, x1 for a frozen one), a step-time breakdown from phase timers in a
+separate pass (encoder forward/backward, boundary, LLM forward/backward, optimizer, waiting: each
+phase synchronized, so the breakdown sums to more than the free-running step; each phase's
+slowest rank is reported), and peak memory per GPU.
+
+Workloads (bf16; images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27
+layers, 16 heads; the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth):
+- W1: 16 images per sample into a 16K context; W2: the same at 32K; W3: W1 with the encoder frozen
+  (`freeze: true` in the layout); tiny: a CPU-sized check of the tool.
+The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
+stated so that FLOPs can be compared with other counts.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    image_size: int
+    patch_size: int
+    images_per_sample: int
+    enc_hidden: int
+    enc_layers: int
+    enc_heads: int
+    hidden: int
+    heads: int
+    layers: int
+    seq_length: int
+    global_batch: int
+    micro_batch: int
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+WORKLOADS = {
+    "W1": Workload("W1", 378, 14, 16, 1152, 27, 16, 4096, 32, 32, 16384, 4, 2),
+    "W2": Workload("W2", 378, 14, 16, 1152, 27, 16, 4096, 32, 32, 32768, 4, 2),
+    "W3": Workload("W3", 378, 14, 16, 1152, 27, 16, 4096, 32, 32, 16384, 4, 2),
+    "tiny": Workload("tiny", 32, 8, 2, 64, 2, 4, 64, 4, 2, 64, 8, 2),
+}
+
+
+def transformer_forward_flops(tokens: int, seq: int, hidden: int, layers: int, causal: bool) -> float:
+    """Matmul FLOPs of a forward: per token and layer QKV+projection 4h^2 and MLP 8h^2 (4x hidden)
+    multiply-adds, plus attention scores and values 2*seq*h (half of it under a causal mask)."""
+    dense = 2 * tokens * 12 * hidden**2
+    attention = 2 * 2 * tokens * seq * hidden * (0.5 if causal else 1.0)
+    return layers * (dense + attention)
+
+
+def model_flops(w: Workload, vocab: int, frozen_encoder: bool) -> dict[str, float]:
+    """Model FLOPs of one global batch per module (forward x3 when trained, x1 when frozen)."""
+    images = w.global_batch * w.images_per_sample
+    enc_tokens, llm_tokens = images * w.tokens_per_image, w.global_batch * w.seq_length
+    encoder = transformer_forward_flops(enc_tokens, w.tokens_per_image, w.enc_hidden, w.enc_layers, False)
+    encoder += 2 * enc_tokens * (w.enc_hidden * 4 * w.hidden + 4 * w.hidden * w.hidden)  # projector MLP
+    llm = transformer_forward_flops(llm_tokens, w.seq_length, w.hidden, w.layers, True)
+    llm += 2 * llm_tokens * w.hidden * vocab  # logits
+    return {"encoder": encoder * (1 if frozen_encoder else 3), "llm": llm * 3}
+
+
+def synthetic_batch(w: Workload, tokenizer, seed: int = 0):
+    """A global batch of the workload's shapes: images first in each sequence, then random text, the
+    text positions carrying the loss."""
+    from megatron_hetero.boundary import BoundaryBatch
+    from megatron_hetero.data.batches import VISION, GlobalBatch
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, rows = w.global_batch, w.seq_length, w.images_per_sample * w.tokens_per_image
+    if 1 + rows >= s:
+        raise ValueError(f"{w.name}: {rows} image tokens do not fit a {s}-token sequence")
+    ids = torch.randint(tokenizer.image_id + 1, tokenizer.vocab_size, (b, s), generator=g)
+    ids[:, 0], ids[:, 1 : 1 + rows] = tokenizer.bos_id, tokenizer.image_id
+    labels = torch.roll(ids, -1, dims=1)
+    loss_mask = torch.zeros(b, s)
+    loss_mask[:, rows : s - 1] = 1.0
+    images = torch.rand(b, w.images_per_sample, 3, w.image_size, w.image_size, generator=g)
+    samples = [SimpleNamespace(image=images[i]) for i in range(b)]
+    boundary = BoundaryBatch(np.full(b, rows), np.tile(np.arange(1, 1 + rows), b), s)
+    return GlobalBatch(list(range(b)), samples, ids, labels, loss_mask, {VISION: boundary})
+
+
+def _args(w: Workload, layout_file: str, bf16: bool):
+    from megatron_hetero.training.args import build_parser
+
+    flags = ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch),
+             "--micro-batch-size", str(w.micro_batch), "--image-size", str(w.image_size),
+             "--patch-size", str(w.patch_size), "--enc-hidden-size", str(w.enc_hidden),
+             "--enc-num-layers", str(w.enc_layers), "--enc-num-attention-heads", str(w.enc_heads),
+             "--hidden-size", str(w.hidden), "--num-layers", str(w.layers),
+             "--num-attention-heads", str(w.heads), "--seq-length", str(w.seq_length)]
+    return build_parser().parse_args(flags + (["--bf16"] if bf16 else []))
+
+
+def _steps(trainer, batch, n: int) -> float:
+    """Seconds per step over n steps (forward, backward, optimizer)."""
+    start = time.perf_counter()
+    for _ in range(n):
+        trainer.zero_grad()
+        trainer.train_step(batch)
+        with trainer.timers("optimizer"):
+            trainer.optimizer.step(1e-5)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / max(n, 1)
+
+
+def run(opts) -> dict:
+    import torch.distributed as dist
+
+    from megatron_hetero.layout import load_layout
+    from megatron_hetero.models.vlm import padded_vocab_size
+    from megatron_hetero.training.args import check_args, check_trainable
+    from megatron_hetero.training.trainer import Trainer, init_distributed
+
+    w = WORKLOADS[opts.workload]
+    if opts.llm_layers:
+        w = Workload(**{**asdict(w), "layers": opts.llm_layers})
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    layout = load_layout(opts.hetero_layout, world)
+    args = _args(w, opts.hetero_layout, not opts.fp32)
+    check_trainable(layout)
+    check_args(args, layout)
+    device = init_distributed()
+    trainer = Trainer(args, layout, device)
+    batch = synthetic_batch(w, trainer.tokenizer)
+    _steps(trainer, batch, opts.warmup)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    waited = trainer.clock.waiting_s
+    step_s = _steps(trainer, batch, opts.steps)
+    waiting_s = (trainer.clock.waiting_s - waited) / opts.steps
+    trainer.timers.enabled = True  # the breakdown pass: phases synchronized
+    _steps(trainer, batch, opts.steps)
+    phases = {k: v / opts.steps for k, v in trainer.timers.seconds.items()}
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    frozen = any(m.freeze for m in layout.encoders)
+    flops = model_flops(w, padded_vocab_size(trainer.sizes), frozen)
+    mine = dict(rank=trainer.rank, stage=trainer.stage_name(), peak_gb=peak_gb, waiting_s=waiting_s,
+                phases=phases)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    record = dict(
+        workload=w.name, layout=Path(opts.hetero_layout).stem, gpus=world, llm_layers=w.layers,
+        step_s=step_s, tokens_per_s=w.global_batch * w.seq_length / step_s,
+        tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
+        encoder_flops_share=flops["encoder"] / sum(flops.values()),
+        peak_gb_max=max(r["peak_gb"] for r in gathered),
+        waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
+        phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
+        date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        torch=torch.__version__, bf16=not opts.fp32,
+    )
+    if trainer.rank == 0:
+        with open(opts.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
+    dist.destroy_process_group()
+    return record
+
+
+PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
+
+
+def report(path: str, png: str | None) -> None:
+    records = [json.loads(line) for line in open(path)]
+    head = ["workload", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "step s", "enc FLOPs", "peak GB",
+            "waiting", *(f"{p} s" for p in PHASES)]
+    print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    for r in records:
+        cells = [r["workload"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
+                 f"{r['step_s']:.3f}", f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
+                 f"{100 * r['waiting_share_max']:.1f}%",
+                 *(f"{r['phases'][p]:.3f}" for p in PHASES)]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    if png:
+        _bar_chart(records, png)
+
+
+def _bar_chart(records, png: str) -> None:
+    """TFLOPS/GPU per run as horizontal bars (Pillow: no plotting library needed)."""
+    from PIL import Image, ImageDraw
+
+    width, bar, left = 900, 28, 360
+    top = max(r["tflops_per_gpu"] for r in records) or 1.0
+    image = Image.new("RGB", (width, 40 + bar * len(records)), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 10), "model TFLOPS per GPU", fill="black")
+    for i, r in enumerate(records):
+        y = 35 + i * bar
+        draw.text((10, y + 6), f"{r['workload']} {r['layout']} ({r['gpus']} GPU)", fill="black")
+        length = int((width - left - 80) * r["tflops_per_gpu"] / top)
+        draw.rectangle([left, y + 4, left + length, y + bar - 4], fill=(70, 110, 180))
+        draw.text((left + length + 6, y + 6), f"{r['tflops_per_gpu']:.1f}", fill="black")
+    image.save(png)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny")
+    parser.add_argument("--hetero-layout")
+    parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 autocast)")
+    parser.add_argument("--out", default="bench_e2e.jsonl")
+    parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
+    parser.add_argument("--png", help="with --report: write a bar chart")
+    opts = parser.parse_args()
+    if opts.report:
+        report(opts.report, opts.png)
+        return 0
+    if not opts.hetero_layout:
+        parser.error("--hetero-layout is required to run (or --report to print results)")
+    from megatron_hetero.layout import LayoutError
+    from megatron_hetero.training.args import ArgsError
+
+    try:
+        run(opts)
+    except (LayoutError, ArgsError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
