@@ -46,6 +46,7 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", DEMO, "--num-attention-heads", "1", "--hidden-size", "64"], None, "tp=2"),
     (["--hetero-layout", DEMO, "--patch-size", "5"], None, "--patch-size 5"),
     (["--hetero-layout", DEMO, "--seq-length", "20"], None, "use --seq-length"),
+    (["--hetero-layout", DEMO, "--bf16"], None, "--bf16 needs GPUs"),
     (["--hetero-layout", "layout.yaml"],
      "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 2, ranks: 0-1}\n"
      "  llm: {role: llm, dp: 2, ranks: 2-3}\n",

@@ -142,7 +142,7 @@ def run(opts) -> dict:
         w = Workload(**{**asdict(w), "layers": opts.llm_layers})
     world = int(os.environ.get("WORLD_SIZE", 1))
     layout = load_layout(opts.hetero_layout, world)
-    args = _args(w, opts.hetero_layout, not opts.fp32)
+    args = _args(w, opts.hetero_layout, not opts.fp32 and torch.cuda.is_available())
     check_trainable(layout)
     check_args(args, layout)
     device = init_distributed()
@@ -173,7 +173,7 @@ def run(opts) -> dict:
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        torch=torch.__version__, bf16=not opts.fp32,
+        torch=torch.__version__, bf16=args.bf16,
     )
     if trainer.rank == 0:
         with open(opts.out, "a") as f:
@@ -226,7 +226,7 @@ def main() -> int:
     parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 autocast)")
+    parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 autocast on GPUs)")
     parser.add_argument("--out", default="bench_e2e.jsonl")
     parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
     parser.add_argument("--png", help="with --report: write a bar chart")

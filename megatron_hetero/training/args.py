@@ -141,6 +141,12 @@ def _check_sizes(args, layout) -> None:
 
 def check_args(args, layout) -> None:
     """Batch and size arithmetic the run needs; raises ArgsError with the flag to change."""
+    import torch
+
+    if args.bf16 and not torch.cuda.is_available():
+        # megatron-core's linear layers re-enter autocast in backward for CUDA only.
+        raise ArgsError("--bf16 needs GPUs (megatron-core's layers run bf16 autocast on CUDA only); "
+                        "drop --bf16 on CPU")
     llm_dp, encoder_dps = layout.llm.dp, [m.dp for m in layout.encoders]
     _check_sizes(args, layout)
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
