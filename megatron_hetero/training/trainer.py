@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -93,9 +94,6 @@ class Trainer:
         self.boundary_dtype = self.pipeline_dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.clock = Clock(device)
         self.timers = PhaseTimers(device)  # step-time breakdowns (tools/bench_e2e.py turns them on)
-        clips = (self.sizes.audio_mel_bins, self.sizes.audio_frames)
-        self.train_data = ShapesDataset(args.data_seed, "train", self.sizes.image_size, *clips)
-        self.eval_data = ShapesDataset(args.data_seed, "heldout", self.sizes.image_size, *clips)
         self.layout_encoders = {m.name: m for m in layout.encoders}
 
         groups = build_groups(layout)
@@ -121,6 +119,19 @@ class Trainer:
         self.encoders = {name: self.modules[name] for name in self.layout_encoders}
         self.optimizer = HeteroOptimizer(optimizers, args.clip_grad, device)
         self.plans = {name: PlanCache() for name in self.encoders}
+
+    def _dataset(self, split: str) -> ShapesDataset:
+        """The demo data (built on first use: a benchmark feeding its own batches never needs it)."""
+        return ShapesDataset(self.args.data_seed, split, self.sizes.image_size, self.sizes.audio_mel_bins,
+                             self.sizes.audio_frames)
+
+    @cached_property
+    def train_data(self) -> ShapesDataset:
+        return self._dataset("train")
+
+    @cached_property
+    def eval_data(self) -> ShapesDataset:
+        return self._dataset("heldout")
 
     def _build(self, g: ModuleGroups, whole: bool) -> torch.nn.Module:
         """This rank's stage of module `g` (or, with `whole`, the module with pp=1)."""
