@@ -1,0 +1,262 @@
+"""The layout planner's cost model (pure, no processes): FLOP and parameter counts by hand,
+enumeration against the layout rules, memory exclusion, the written layout file, monotonic sanity,
+the default calibration against its one measurement, and the CLI."""
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_hetero import layout as layout_cli
+from megatron_hetero.layout import AXES, ModuleLayout, load_layout, parse_layout
+from megatron_hetero.planner import (
+    PRESETS,
+    Calibration,
+    Candidate,
+    Cluster,
+    CostModel,
+    ModuleShape,
+    Workload,
+    best_micro_batch,
+    enumerate_candidates,
+    layout_problem,
+    layout_yaml,
+    model_flops_per_step,
+    module_forward_flops_per_sample,
+    plan,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "plan_layout.py"
+W1 = PRESETS["W1"].workload
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("plan_layout", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def tiny_workload(frozen=False):
+    llm = ModuleShape("llm", "llm", hidden=4, layers=1, heads=2, ffn=8, seq_length=6, vocab=10)
+    vision = ModuleShape("vision", "encoder", hidden=4, layers=2, heads=1, ffn=8, tokens_per_item=4,
+                         items_per_sample=1, output_tokens_per_item=2, projector_ffn=6, frozen=frozen)
+    return Workload((vision,), llm, global_batch=3)
+
+
+def test_flops_match_a_hand_count():
+    workload = tiny_workload(frozen=True)
+    vision, llm = workload.encoders[0], workload.llm
+    # One LLM layer: Q and O 4x4 each, K and V 4x4 each (MHA), MLP 2 x 4x8 = 32 + 32 + 64 = 128 weights.
+    # Per token: 2 x 128 + attention 4 x (6 / 2 causal keys) x 4 = 256 + 48 = 304; per sample 6 tokens,
+    # plus the output layer 2 x 4 x 10 per token.
+    assert module_forward_flops_per_sample(llm, llm_hidden=4) == 6 * 304 + 6 * 2 * 4 * 10
+    # Vision: 2 layers of 128 weights; per token 256 + 4 x 4 (whole item) x 4 = 320; 4 tokens per sample.
+    # Projector: pixel shuffle merges 2 tokens, so its input is 8 wide: 8x6 + 6x4 = 72 weights,
+    # 2 x 72 FLOPs on each of 2 rows.
+    assert module_forward_flops_per_sample(vision, llm_hidden=4) == 2 * 320 * 4 + 2 * 72 * 2
+    # A step: the LLM forward + backward (3x), the frozen encoder forward only, for 3 samples.
+    assert model_flops_per_step(workload) == 3 * (3 * 2304 + 1 * 2848)
+
+
+def test_grouped_query_attention_and_gated_mlp_weights():
+    from megatron_hetero.planner import layer_params
+
+    shape = ModuleShape("llm", "llm", hidden=8, layers=1, heads=4, kv_heads=2, ffn=16, gated_mlp=True,
+                        seq_length=8, vocab=1)
+    # Q, O: 8x8 each; K, V: 8 x (2 heads x 2 wide) each; MLP 3 x 8x16.
+    assert shape.kv_dim == 4
+    assert layer_params(shape) == 2 * 64 + 2 * 8 * 4 + 3 * 8 * 16
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_enumeration_yields_only_valid_layouts_and_the_homogeneous_baseline(gpus):
+    cluster = Cluster(gpus, 150)
+    shapes = {s.name: s for s in W1.modules}
+    placements = set()
+    for group in enumerate_candidates(W1, cluster):
+        for candidate in group:
+            placements.add(candidate.placement)
+            llm_dp = candidate.llm.dp
+            # The trainer's batch rules: micro batch x llm dp divides the global batch and splits
+            # evenly over every encoder's DP ranks.
+            assert W1.global_batch % (candidate.micro_batch * llm_dp) == 0
+            for layout in candidate.layouts:
+                assert layout_problem(shapes[layout.name], layout, candidate.placement, cluster) is None
+                assert (candidate.micro_batch * llm_dp) % layout.dp == 0 or layout.role == "llm"
+            if candidate.placement == "homogeneous":
+                encoder, llm = candidate.layouts
+                assert (encoder.tp, encoder.cp, encoder.dp, encoder.pp) == (llm.tp, llm.cp, llm.dp, 1)
+            else:
+                # Every other candidate is a layout megatron_hetero.layout accepts.
+                assert candidate.hetero_layout(gpus).world_size == gpus
+                if candidate.placement == "colocated":
+                    assert all(m.size == gpus for m in candidate.layouts)
+                else:
+                    assert sum(m.size for m in candidate.layouts) == gpus
+    assert placements == {"homogeneous", "colocated", "non_colocated"}
+
+
+def test_layout_rules_refuse_what_the_trainer_refuses():
+    cluster = Cluster(16, 150)
+    vision, llm = W1.encoders[0], W1.llm
+    assert "heads" in layout_problem(vision, ModuleLayout("vision", "encoder", tp=3), "colocated", cluster)
+    assert "layers" in layout_problem(llm, ModuleLayout("llm", "llm", pp=3), "colocated", cluster)
+    assert "cp 1" in layout_problem(vision, ModuleLayout("vision", "encoder", cp=2), "colocated", cluster)
+    assert "pp 1" in layout_problem(vision, ModuleLayout("vision", "encoder", pp=3), "colocated", cluster)
+    assert layout_problem(vision, ModuleLayout("vision", "encoder", pp=3), "non_colocated", cluster) is None
+    assert "node" in layout_problem(llm, ModuleLayout("llm", "llm", tp=16), "colocated", cluster)
+    odd = replace(llm, seq_length=16386)
+    assert "chunks" in layout_problem(odd, ModuleLayout("llm", "llm", cp=2), "colocated", cluster)
+
+
+def test_layouts_over_memory_are_excluded():
+    roomy = plan(W1, Cluster(8, 1000), Calibration())
+    tight = plan(W1, Cluster(8, 150), Calibration())
+    capacity = 150 * Calibration().usable_memory_fraction
+    assert all(p.memory_gb <= capacity and p.fits for p in tight.ranked)
+    assert all(p.memory_gb > capacity and not p.fits for p in tight.over_memory)
+    assert tight.over_memory and len(tight.ranked) < len(roomy.ranked)
+    assert not plan(W1, Cluster(8, 1), Calibration()).ranked
+
+
+def test_best_layout_file_parses_and_matches(tmp_path, capsys):
+    for name, gpus in (("W1", 8), ("W3", 8)):
+        workload = PRESETS[name].workload
+        cluster = Cluster(gpus, 150)
+        result = plan(workload, cluster, Calibration())
+        for best in (result.best("colocated"), result.best("non_colocated")):
+            path = tmp_path / f"{name}_{best.candidate.placement}.yaml"
+            path.write_text(layout_yaml(best, workload, cluster))
+            loaded = load_layout(str(path), gpus)
+            assert loaded.placement == best.candidate.placement
+            for module, planned in zip(loaded.modules, best.candidate.layouts):
+                assert module.name == planned.name
+                assert [getattr(module, a) for a in (*AXES, "sp", "freeze")] == \
+                       [getattr(planned, a) for a in (*AXES, "sp", "freeze")]
+                assert module.ranks == planned.ranks or best.candidate.placement == "colocated"
+            assert parse_layout(yaml.safe_load(path.read_text()), gpus) == loaded
+            assert layout_cli.main(["check", str(path), "--world-size", str(gpus)]) == 0
+    capsys.readouterr()
+
+
+def _faster(calibration: Calibration, **changes) -> Calibration:
+    return replace(calibration, **{k: getattr(calibration, k) * v for k, v in changes.items()})
+
+
+def test_more_bandwidth_or_compute_never_predicts_slower():
+    base = Calibration()
+    faster = {
+        "links": _faster(base, nvlink_gbps=2, p2p_gbps=2, network_gbps=2, boundary_gbps=2),
+        "network": _faster(base, network_gbps=4),
+        "compute": _faster(base, matmul_tflops=1.5),
+    }
+    for workload, gpus in ((W1, 8), (PRESETS["W2"].workload, 4), (PRESETS["W3"].workload, 16)):
+        cluster = Cluster(gpus, 150, gpus_per_node=4)
+        slow = CostModel(workload, cluster, base)
+        quick = {k: CostModel(workload, cluster, c) for k, c in faster.items()}
+        for group in enumerate_candidates(workload, cluster):
+            for candidate in group:
+                before = slow.predict(candidate).step_s
+                for model in quick.values():
+                    assert model.predict(candidate).step_s <= before * (1 + 1e-12)
+
+
+def test_pipeline_bubble_and_imbalance():
+    model = CostModel(W1, Cluster(8, 1000), Calibration())
+    llm = ModuleLayout("llm", "llm", tp=2, pp=4, sp=True)
+    # Colocated LLM pp4, 1F1B with m microbatches: the LLM GPUs wait (pp - 1) stages.
+    colocated = model.predict(Candidate("colocated", (ModuleLayout("vision", "encoder", dp=8), llm), 8))
+    stage = colocated.stage_s["llm"]
+    assert colocated.idle_s == pytest.approx(3 * stage)
+    # Homogeneous: the encoder on the first stage slows every microbatch's pace.
+    homogeneous = model.predict(Candidate("homogeneous", (ModuleLayout("vision", "encoder", tp=2), llm), 8))
+    assert homogeneous.stage_s["first stage"] > homogeneous.stage_s["llm"]
+    m = W1.global_batch // 8
+    first, rest = homogeneous.stage_s["first stage"], homogeneous.stage_s["llm"]
+    assert homogeneous.idle_s == pytest.approx(first + 3 * rest + (m - 1) * first - m * first)
+
+
+def test_recompute_trades_time_for_memory():
+    workload = replace(W1, allow_recompute=True)
+    model = CostModel(workload, Cluster(2, 150), Calibration())
+    layouts = (ModuleLayout("vision", "encoder", dp=2), ModuleLayout("llm", "llm", tp=2, sp=True))
+    plain, recomputed = (model.predict(Candidate("colocated", layouts, 2, r)) for r in (False, True))
+    assert recomputed.step_s > plain.step_s and recomputed.memory_gb < plain.memory_gb
+    chosen = best_micro_batch(model, [Candidate("colocated", layouts, 2, r) for r in (False, True)])
+    assert chosen.fits and chosen.candidate.recompute == (not plain.fits)
+
+
+def test_default_calibration_reproduces_its_measured_anchor():
+    """megatron-core GPTModel TP2 (local spec), 8 layers, hidden 4096, seq 4096, batch 1, on
+    2x H200: 113 ms per forward + backward (ANCHORS.md). The shipped max_efficiency is fitted to it."""
+    calibration = Calibration.load(str(ROOT / "tools" / "calibration_h200.json"))
+    llm = ModuleShape("llm", "llm", hidden=4096, layers=8, heads=32, ffn=16384, seq_length=4096, vocab=32000)
+    model = CostModel(Workload((), llm, global_batch=1), Cluster(2, 150), calibration)
+    prediction = model.predict(Candidate("colocated", (ModuleLayout("llm", "llm", tp=2),), 1))
+    assert prediction.step_s == pytest.approx(0.113, rel=0.05)
+
+
+def test_measured_layer_time_replaces_the_flop_model():
+    workload = tiny_workload()
+    calibration = Calibration(layer_forward_us_per_token={"vision": {"1": 2.0}})
+    model = CostModel(workload, Cluster(1, 10), calibration)
+    forward, _ = model.microbatch_pass(workload.encoders[0], ModuleLayout("vision", "encoder"), 1, False)
+    head = forward.compute - 2 * 2.0e-6 * 4  # 2 layers x 2 us x 4 tokens, plus the projector
+    assert 0 < head < 1e-9 and forward.tp_comm == 0
+
+
+def test_calibration_and_workload_files_refuse_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="unknown key 'nvlink'"):
+        Calibration.from_dict({"nvlink": 300})
+    with pytest.raises(ValueError, match="max_efficiency"):
+        Calibration.from_dict({"max_efficiency": 1.5})
+    with pytest.raises(ValueError, match="layer_forward_us_per_token.llm"):
+        Calibration.from_dict({"layer_forward_us_per_token": {"llm": {"two": 3}}})
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Calibration.load(str(bad_json))
+    with pytest.raises(ValueError, match="heads, ffn missing"):
+        Workload.from_dict({"encoders": [], "llm": {"name": "llm", "hidden": 8, "layers": 1}, "global_batch": 1})
+    with pytest.raises(ValueError, match="do not fit the llm's seq_length"):
+        replace(W1, llm=replace(W1.llm, seq_length=8192))
+
+
+def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path, capsys):
+    tool = _load_tool()
+    out = tmp_path / "best.yaml"
+    workload_file = tmp_path / "w.json"
+    vision, llm = W1.encoders[0], W1.llm
+    workload_file.write_text(json.dumps({
+        "encoders": [{k: getattr(vision, k) for k in ("name", "hidden", "layers", "heads", "ffn",
+                                                      "tokens_per_item", "items_per_sample", "projector_ffn")}],
+        "llm": {k: getattr(llm, k) for k in ("name", "hidden", "layers", "heads", "ffn", "seq_length", "vocab")},
+        "global_batch": 16,
+    }))
+    assert tool.main(["--workload-file", str(workload_file), "--gpus", "4", "--write-yaml", str(out),
+                      "--layouts", str(ROOT / "examples" / "layouts" / "demo_colocated.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert "best 5:" in printed and "best homogeneous:" in printed and "given layouts" in printed
+    assert "PREDICTIONS" in printed
+    assert load_layout(str(out), 4).world_size == 4
+    assert tool.main(["--workload", "paper", "--top", "1"]) == 0
+    assert "published: +49.3% TFLOPS/GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "W1", "--gpus", "0"], "error: gpus must be a positive integer"),
+    (["--workload", "W1", "--calibration", "/nonexistent.json"], "error: /nonexistent.json: cannot read calibration"),
+    (["--workload", "W1", "--global-batch", "-1"], "error: global batch must be a positive integer"),
+    (["--workload", "W1", "--gpus", "4", "--layouts", "examples/layouts/gpu2_colocated.yaml"],
+     "error: examples/layouts/gpu2_colocated.yaml: module vision: tp*cp*dp*pp = 2"),
+])
+def test_cli_bad_input_is_one_error_line(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert _load_tool().main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
