@@ -121,9 +121,8 @@ class LLMStage:
         with torch.set_grad_enabled(self.runs_backward):
             out = trainer.llm_stage_forward(mb, media, hidden, with_loss=self.runs_backward)
         if self.last and self.runs_backward:
-            local = (out.float() * trainer.llm_local(mb).loss_mask).sum()
-            self.loss_sum += local.detach().double()
-            out = local / self.num_loss_tokens
+            self.loss_sum += out.detach().double()
+            out = out / self.num_loss_tokens
         elif self.last:
             self.logits[i] = out
         if self.runs_backward:

@@ -190,7 +190,7 @@ class Trainer:
         llm = self.layout.llm
         return self.sizes.seq_length // llm.cp // (llm.tp if llm.sp else 1)
 
-    def llm_local(self, batch: GlobalBatch) -> LLMInputs:
+    def _llm_local(self, batch: GlobalBatch) -> LLMInputs:
         coords, llm = self.llm.coords(), self.layout.llm
         share = module_slice(len(batch.indices), llm.dp, coords["dp"])
         positions = cp_positions(self.sizes.seq_length, llm.cp, coords["cp"])
@@ -205,14 +205,18 @@ class Trainer:
 
     def llm_stage_forward(self, batch: GlobalBatch, media: dict, hidden, with_loss: bool):
         """This rank's LLM stage on its share of `batch`; `media`: encoder name -> boundary slots
-        [S' * b_local, h] (first stage). See llm_forward for what it returns."""
-        inputs = self.llm_local(batch)
+        [S' * b_local, h] (first stage). Returns the next stage's input, or on the last stage the sum
+        of this rank's token losses (`with_loss`) or the logits."""
+        inputs = self._llm_local(batch)
         seq, b_local = self._llm_seq_len(), inputs.input_ids.shape[0]
         views = [(slots.view(seq, b_local, -1), slot_mask(self.plan(name, batch), self.device).view(seq, b_local))
                  for name, slots in media.items()]
         with self.timers("llm-forward"), self.autocast:
-            return llm_forward(self.llm.net, inputs.input_ids, inputs.position_ids, views,
-                               inputs.labels if with_loss else None, hidden)
+            out = llm_forward(self.llm.net, inputs.input_ids, inputs.position_ids, views,
+                              inputs.labels if with_loss else None, hidden)
+        if with_loss and self.llm.net.post_process:
+            return (out.float() * inputs.loss_mask).sum()
+        return out
 
     def finish_step(self, loss_sum: torch.Tensor | None, num_loss_tokens: int) -> float:
         """The global mean token loss; then every module's gradients reduced over its own DP group.
