@@ -13,7 +13,7 @@ from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, fo
 from megatron_hetero.schedules.pipeline import stage_recv, stage_send
 
 
-def _stage_neighbours(trainer, module):
+def _stage_neighbours(module):
     """Global ranks of the stage before and after this rank's stage of `module` (None at the ends)."""
     layout, coords = module.layout, module.coords()
     at = dict(tp=coords["tp"], cp=coords["cp"], dp=coords["dp"])
@@ -37,7 +37,7 @@ class EncoderStage:
         self.module = trainer.encoders[name]
         layout, coords = self.module.layout, self.module.coords()
         self.first, self.last = coords["pp"] == 0, coords["pp"] == layout.pp - 1
-        self.prev, self.next = _stage_neighbours(trainer, self.module)
+        self.prev, self.next = _stage_neighbours(self.module)
         self.runs_backward = not (layout.freeze or forward_only)
         self.stages_downstream = layout.pp - 1 - coords["pp"] + trainer.layout.llm.pp
         self.saved = {}  # microbatch -> (its input leaf or None, its output)
@@ -61,9 +61,8 @@ class EncoderStage:
         return [stage_send(outputs[0].to(self.trainer.pipeline_dtype), self.next)]
 
     def recv_backward(self, i):
-        x, y = self.saved[i]
-        if self.last:
-            return [backward_recvs(self.plans[i], y)]
+        if self.last:  # row gradients, shaped like the rows sent
+            return [backward_recvs(self.plans[i], self.saved[i][1])]
         return [stage_recv(self._hidden_like(i), self.next)]
 
     def backward(self, i, received):
@@ -91,7 +90,7 @@ class LLMStage:
         self.module = trainer.llm
         layout, coords = self.module.layout, self.module.coords()
         self.first, self.last = coords["pp"] == 0, coords["pp"] == layout.pp - 1
-        self.prev, self.next = _stage_neighbours(trainer, self.module)
+        self.prev, self.next = _stage_neighbours(self.module)
         # Which encoders' rows need gradients: trainable ones (a frozen one gets nothing back).
         self.trainable = [n for n, m in trainer.layout_encoders.items() if not m.freeze]
         self.runs_backward = num_loss_tokens is not None
