@@ -64,23 +64,18 @@ WORKLOADS = {
 }
 
 
-def transformer_forward_flops(tokens: int, seq: int, hidden: int, layers: int, causal: bool) -> float:
-    """Matmul FLOPs of a forward: per token and layer QKV+projection 4h^2 and MLP 8h^2 (4x hidden)
-    multiply-adds, plus attention scores and values 2*seq*h (half of it under a causal mask)."""
-    dense = 2 * tokens * 12 * hidden**2
-    attention = 2 * 2 * tokens * seq * hidden * (0.5 if causal else 1.0)
-    return layers * (dense + attention)
-
-
 def model_flops(w: Workload, vocab: int, frozen_encoder: bool) -> dict[str, float]:
-    """Model FLOPs of one global batch per module (forward x3 when trained, x1 when frozen)."""
-    images = w.global_batch * w.images_per_sample
-    enc_tokens, llm_tokens = images * w.tokens_per_image, w.global_batch * w.seq_length
-    encoder = transformer_forward_flops(enc_tokens, w.tokens_per_image, w.enc_hidden, w.enc_layers, False)
-    encoder += 2 * enc_tokens * (w.enc_hidden * 4 * w.hidden + 4 * w.hidden * w.hidden)  # projector MLP
-    llm = transformer_forward_flops(llm_tokens, w.seq_length, w.hidden, w.layers, True)
-    llm += 2 * llm_tokens * w.hidden * vocab  # logits
-    return {"encoder": encoder * (1 if frozen_encoder else 3), "llm": llm * 3}
+    """Model FLOPs of one global batch per module, counted by the planner's formulas (forward x3
+    when trained, x1 when frozen; projector and logits included)."""
+    from megatron_hetero.planner import ModuleShape, module_forward_flops_per_sample
+
+    encoder = ModuleShape("vision", "encoder", w.enc_hidden, w.enc_layers, w.enc_heads, 4 * w.enc_hidden,
+                          tokens_per_item=w.tokens_per_image, items_per_sample=w.images_per_sample,
+                          projector_ffn=4 * w.hidden, frozen=frozen_encoder)
+    llm = ModuleShape("llm", "llm", w.hidden, w.layers, w.heads, 4 * w.hidden, seq_length=w.seq_length,
+                      vocab=vocab)
+    return {key: (1 if shape.frozen else 3) * w.global_batch * module_forward_flops_per_sample(shape, w.hidden)
+            for key, shape in (("encoder", encoder), ("llm", llm))}
 
 
 def synthetic_batch(w: Workload, tokenizer, seed: int = 0):
