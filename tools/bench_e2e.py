@@ -129,7 +129,7 @@ def run(opts) -> dict:
 
     from megatron_hetero.layout import load_layout
     from megatron_hetero.models.vlm import padded_vocab_size
-    from megatron_hetero.training.args import check_args, check_trainable
+    from megatron_hetero.training.args import ArgsError, check_args, check_trainable
     from megatron_hetero.training.trainer import Trainer, init_distributed
 
     w = WORKLOADS[opts.workload]
@@ -139,6 +139,9 @@ def run(opts) -> dict:
     layout = load_layout(opts.hetero_layout, world)
     args = _args(w, opts.hetero_layout, not opts.fp32 and torch.cuda.is_available())
     check_trainable(layout)
+    if w.name == "W3" and not all(m.freeze for m in layout.encoders):
+        raise ArgsError("workload W3 freezes the encoder: use a layout with freeze: true on it "
+                        "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
     check_args(args, layout)
     device = init_distributed()
     trainer = Trainer(args, layout, device)

@@ -6,9 +6,9 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 layouts=${*:-gpu2_homogeneous_tp2 gpu2_colocated gpu2_colocated_cp2 gpu2_non_colocated}
 for layout in $layouts; do
-  echo "== torchrun --nproc-per-node 2 tools/bench_e2e.py --workload ${WORKLOAD:-W1} --llm-layers ${LLM_LAYERS:-0} --hetero-layout examples/layouts/$layout.yaml"
+  echo "== $(date +%T) torchrun --nproc-per-node 2 tools/bench_e2e.py --workload ${WORKLOAD:-W1} --llm-layers ${LLM_LAYERS:-0} --hetero-layout examples/layouts/$layout.yaml"
   torchrun --nproc-per-node 2 tools/bench_e2e.py --workload "${WORKLOAD:-W1}" --llm-layers "${LLM_LAYERS:-0}" ${EXTRA:-} \
-    --hetero-layout "examples/layouts/$layout.yaml" --out "$out/bench_e2e.jsonl" 2>&1 \
-    | grep -v "Warning\|warn\|DEPRECATED\|^W1\|OMP_NUM\|^\*\*\*" | tail -3
+    --hetero-layout "examples/layouts/$layout.yaml" --out "$out/bench_e2e.jsonl" >>"$out/bench_e2e.log" 2>&1 \
+    || { echo "failed:"; grep -E "Error|error" "$out/bench_e2e.log" | tail -3; }
 done
 python3 tools/bench_e2e.py --report "$out/bench_e2e.jsonl"

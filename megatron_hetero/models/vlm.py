@@ -20,10 +20,10 @@ from megatron_hetero.models.vision import VisionEncoder
 
 def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp: int = 1,
             sp: bool = False, **overrides) -> TransformerConfig:
-    """overrides: further TransformerConfig fields (e.g. num_query_groups)."""
+    """overrides: further TransformerConfig fields (e.g. num_query_groups), or replacements of these."""
     if layers % pp:
         raise ValueError(f"{layers} layers do not split into pp={pp} equal stages; use a multiple of {pp}")
-    return TransformerConfig(
+    fields = dict(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -54,8 +54,8 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp:
         persist_layer_norm=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
-        **overrides,
     )
+    return TransformerConfig(**{**fields, **overrides})
 
 
 def padded_vocab_size(sizes: ModelSizes) -> int:
@@ -99,17 +99,18 @@ def build_audio_encoder(
 
 def build_llm(
     sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
-    whole: bool = False, sp: bool = False, **config_overrides,
+    whole: bool = False, sp: bool = False, transformer_layer_spec=None, **config_overrides,
 ) -> GPTModel:
     """This rank's LLM stage; its CP size is `pgs.cp`'s (the sequence layout does not change the
-    weights), `sp` turns on sequence parallelism; config_overrides: further TransformerConfig
-    fields (e.g. num_query_groups)."""
+    weights), `sp` turns on sequence parallelism; transformer_layer_spec replaces our layers (e.g.
+    megatron-core's local spec, to compare); config_overrides: further TransformerConfig fields
+    (e.g. num_query_groups)."""
     pp, first, last = _stage(pgs, whole)
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
                      cp=pgs.cp.size(), sp=sp, **config_overrides)
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(llm_layer_spec(pgs), config, pgs),
+        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs), config, pgs),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
         pre_process=first,
