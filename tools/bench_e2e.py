@@ -128,7 +128,6 @@ def run(opts) -> dict:
     import torch.distributed as dist
 
     from megatron_hetero.layout import load_layout
-    from megatron_hetero.models.vlm import padded_vocab_size
     from megatron_hetero.training.args import ArgsError, check_args, check_trainable
     from megatron_hetero.training.trainer import Trainer, init_distributed
 
@@ -145,6 +144,19 @@ def run(opts) -> dict:
     check_args(args, layout)
     device = init_distributed()
     trainer = Trainer(args, layout, device)
+    record = measure(trainer, w, Path(opts.hetero_layout).stem, any(m.freeze for m in layout.encoders), opts)
+    dist.destroy_process_group()
+    return record
+
+
+def measure(trainer, w: Workload, layout_name: str, frozen: bool, opts) -> dict:
+    """Train the workload's synthetic batch: opts.warmup steps, opts.steps timed free-running, then
+    opts.steps with the phase timers; returns the record (rank 0 also appends it to opts.out)."""
+    import torch.distributed as dist
+
+    from megatron_hetero.models.vlm import padded_vocab_size
+
+    device, world = trainer.device, dist.get_world_size()
     batch = synthetic_batch(w, trainer.tokenizer)
     _steps(trainer, batch, opts.warmup)
     if device.type == "cuda":
@@ -156,14 +168,13 @@ def run(opts) -> dict:
     _steps(trainer, batch, opts.steps)
     phases = {k: v / opts.steps for k, v in trainer.timers.seconds.items()}
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    frozen = any(m.freeze for m in layout.encoders)
     flops = model_flops(w, padded_vocab_size(trainer.sizes), frozen)
     mine = dict(rank=trainer.rank, stage=trainer.stage_name(), peak_gb=peak_gb, waiting_s=waiting_s,
                 phases=phases)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     record = dict(
-        workload=w.name, layout=Path(opts.hetero_layout).stem, gpus=world, llm_layers=w.layers,
+        workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers,
         step_s=step_s, tokens_per_s=w.global_batch * w.seq_length / step_s,
         tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
         encoder_flops_share=flops["encoder"] / sum(flops.values()),
@@ -171,13 +182,12 @@ def run(opts) -> dict:
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        torch=torch.__version__, bf16=args.bf16,
+        torch=torch.__version__, bf16=trainer.args.bf16,
     )
     if trainer.rank == 0:
         with open(opts.out, "a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
-    dist.destroy_process_group()
     return record
 
 
@@ -186,11 +196,11 @@ PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm
 
 def report(path: str, png: str | None) -> None:
     records = [json.loads(line) for line in open(path)]
-    head = ["workload", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "step s", "enc FLOPs", "peak GB",
+    head = ["workload", "LLM layers", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "step s", "enc FLOPs", "peak GB",
             "waiting", *(f"{p} s" for p in PHASES)]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in records:
-        cells = [r["workload"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
+        cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
                  f"{r['step_s']:.3f}", f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
                  f"{100 * r['waiting_share_max']:.1f}%",
                  *(f"{r['phases'][p]:.3f}" for p in PHASES)]
@@ -210,7 +220,7 @@ def _bar_chart(records, png: str) -> None:
     draw.text((10, 10), "model TFLOPS per GPU", fill="black")
     for i, r in enumerate(records):
         y = 35 + i * bar
-        draw.text((10, y + 6), f"{r['workload']} {r['layout']} ({r['gpus']} GPU)", fill="black")
+        draw.text((10, y + 6), f"{r['workload']} L{r['llm_layers']} {r['layout']} ({r['gpus']} GPU)", fill="black")
         length = int((width - left - 80) * r["tflops_per_gpu"] / top)
         draw.rectangle([left, y + 4, left + length, y + bar - 4], fill=(70, 110, 180))
         draw.text((left + length + 6, y + 6), f"{r['tflops_per_gpu']:.1f}", fill="black")

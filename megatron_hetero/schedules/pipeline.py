@@ -67,14 +67,16 @@ class Stage(Protocol):
 @dataclass
 class Clock:
     """Time this rank spends blocked on data from other ranks (on GPUs, after draining its own
-    queued work, so that its compute is not counted as waiting)."""
+    queued compute, so that its compute is not counted as waiting)."""
 
     device: torch.device
     waiting_s: float = 0.0
 
     def _sync(self):
+        # The compute stream only: a device-wide synchronize would also wait for the posted
+        # receives (NCCL runs them on its own streams) before the clock starts, hiding the wait.
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def wait(self, works) -> None:
         if not works:
