@@ -34,9 +34,11 @@ of `Calibration`, an assumption):
                                          wide GEMMs (hidden / tp >> half_efficiency_width)
       "half_efficiency_width": 256,      per-GPU GEMM width (hidden / tp) at which that halves
       "layer_forward_us_per_token": {    measured: microseconds one GPU of a TP group spends per
-        "vision": {"1": 0.9, "2": 0.6},  token on one layer's forward, TP communication included,
-        "llm": {"2": 5.1}                keyed by module name then TP size; replaces the FLOP model
-      },                                 for that module and TP size (backward = 2 x forward)
+        "vision": {"1": 0.9, "2": 0.6},  token on one layer's forward, TP (and CP) communication
+        "llm": {"2": 5.1, "tp1cp2": 3.0} included, keyed by module name then TP size ("2") or TP
+      },                                 and CP sizes ("tp1cp2"); replaces the FLOP model of the
+                                         layers for that module and layout (backward = 2 x
+                                         forward); tools/check_planner.py fits it to bench_e2e runs
       "nvlink_gbps": 350,                collective bus bandwidth inside a node (GB/s)
       "p2p_gbps": 265,                   point-to-point bandwidth inside a node, per direction
       "network_gbps": 40,                per-GPU bandwidth between nodes (collectives and sends)
@@ -44,6 +46,8 @@ of `Calibration`, an assumption):
       "boundary_gbps": 200,              colocated boundary re-layout throughput per GPU
       "boundary_call_ms": 0.4,           fixed cost of one boundary exchange (one direction)
       "usable_memory_fraction": 0.9,     share of GPU memory the model may fill
+      "activation_memory_factor": 1.0,   measured activation bytes / the formula's (what it leaves
+                                         out: autocast's bf16 weight copies, allocator rounding)
       "notes": {"key": "measured / assumed, and from what"}
     }
 """
@@ -294,7 +298,7 @@ class Calibration:
     matmul_tflops: float = 790.0
     max_efficiency: float = 0.30
     half_efficiency_width: float = 256.0
-    layer_forward_us_per_token: dict = field(default_factory=dict)  # {module name: {tp: us}}
+    layer_forward_us_per_token: dict = field(default_factory=dict)  # {module name: {(tp, cp): us}}
     nvlink_gbps: float = 350.0
     p2p_gbps: float = 265.0
     network_gbps: float = 40.0
@@ -302,6 +306,7 @@ class Calibration:
     boundary_gbps: float = 200.0
     boundary_call_ms: float = 0.4
     usable_memory_fraction: float = 0.9
+    activation_memory_factor: float = 1.0
     source: str = "assumed defaults"
 
     def __post_init__(self):
@@ -314,7 +319,7 @@ class Calibration:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"calibration: {f.name} must be a non-negative number, got {value!r}")
         for key in ("matmul_tflops", "max_efficiency", "nvlink_gbps", "p2p_gbps", "network_gbps",
-                    "boundary_gbps", "usable_memory_fraction"):
+                    "boundary_gbps", "usable_memory_fraction", "activation_memory_factor"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"calibration: {key} must be positive, got {getattr(self, key)!r}")
         if self.max_efficiency > 1 or self.usable_memory_fraction > 1:
@@ -326,12 +331,22 @@ class Calibration:
             if not isinstance(by_tp, dict):
                 raise ValueError(f"calibration: layer_forward_us_per_token.{name} must map TP sizes to microseconds")
             measured[name] = {}
-            for tp, us in by_tp.items():
-                if not (str(tp).isdigit() and int(tp) > 0 and isinstance(us, (int, float)) and us > 0):
-                    raise ValueError(f"calibration: layer_forward_us_per_token.{name}: {tp!r}: {us!r} is not "
-                                     f"a TP size and a positive time in microseconds")
-                measured[name][int(tp)] = float(us)
+            for key, us in by_tp.items():
+                axes = _tp_cp(key)
+                if axes is None or not (isinstance(us, (int, float)) and us > 0):
+                    raise ValueError(f"calibration: layer_forward_us_per_token.{name}: {key!r}: {us!r} is not "
+                                     f"a TP size (\"2\") or TP and CP sizes (\"tp1cp2\") and a positive time "
+                                     f"in microseconds")
+                measured[name][axes] = float(us)
         object.__setattr__(self, "layer_forward_us_per_token", measured)
+
+    def to_dict(self) -> dict:
+        """The JSON form that from_dict reads."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["layer_forward_us_per_token"] = {
+            name: {str(tp) if cp == 1 else f"tp{tp}cp{cp}": us for (tp, cp), us in by_axes.items()}
+            for name, by_axes in self.layer_forward_us_per_token.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Calibration:
@@ -350,6 +365,20 @@ class Calibration:
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs and parameters (standard dense-transformer counts)
+
+
+def _tp_cp(key) -> tuple[int, int] | None:
+    """A measured layer time's layout key: "2" (TP 2) or "tp1cp2" as (tp, cp); None if neither."""
+    if isinstance(key, tuple):  # already parsed (a Calibration copied with dataclasses.replace)
+        return key if len(key) == 2 and all(_positive_int(n) for n in key) else None
+    text = str(key)
+    if text.isdigit() and int(text) > 0:
+        return int(text), 1
+    if text.startswith("tp") and "cp" in text:
+        tp, cp = text[2:].split("cp", 1)
+        if tp.isdigit() and cp.isdigit() and int(tp) > 0 and int(cp) > 0:
+            return int(tp), int(cp)
+    return None
 
 
 def layer_params(shape: ModuleShape) -> int:
@@ -573,11 +602,14 @@ class CostModel:
         cal = self.calibration
         return cal.max_efficiency * width / (width + cal.half_efficiency_width)
 
+    def measured_layer_us(self, shape: ModuleShape, tp: int, cp: int = 1) -> float | None:
+        return self.calibration.layer_forward_us_per_token.get(shape.name, {}).get((tp, cp))
+
     def layer_forward(self, shape: ModuleShape, tp: int, tokens: float) -> Seconds:
         """One layer's forward over `tokens` tokens on one GPU of a TP group: compute and the two TP
         collectives (all-reduces; with sequence parallelism an all-gather and a reduce-scatter, the
         same bytes). A measured time per token, where the calibration has one, replaces both."""
-        measured = self.calibration.layer_forward_us_per_token.get(shape.name, {}).get(tp)
+        measured = self.measured_layer_us(shape, tp)
         if measured is not None:
             return Seconds(compute=measured * 1e-6 * tokens)
         flops = tokens * layer_forward_flops_per_token(shape) / tp
@@ -598,9 +630,13 @@ class CostModel:
             splits_sequence = shape.role == "llm"
             cp = layout.cp if splits_sequence else 1
             tokens = samples * shape.tokens_per_sample / cp
-            layer = self.layer_forward(shape, layout.tp, tokens)
-            kv_bytes = cp * tokens * 2 * shape.kv_dim / layout.tp * self.workload.dtype_bytes
-            cp_comm = self.all_gather_s(kv_bytes, cp, layout.tp)
+            measured = self.measured_layer_us(shape, layout.tp, cp) if cp > 1 else None
+            if measured is not None:  # CP's K/V exchange included
+                layer, cp_comm = Seconds(compute=measured * 1e-6 * tokens), 0.0
+            else:
+                layer = self.layer_forward(shape, layout.tp, tokens)
+                kv_bytes = cp * tokens * 2 * shape.kv_dim / layout.tp * self.workload.dtype_bytes
+                cp_comm = self.all_gather_s(kv_bytes, cp, layout.tp)
             head_flops = samples * head_forward_flops_per_sample(shape, self.workload.llm.hidden) / (layout.tp * cp)
             head = head_flops / (self.calibration.matmul_tflops * 1e12 * self.efficiency(shape, layout.tp))
             forward = shape.layers * (layer + Seconds(cp_comm=cp_comm)) + Seconds(compute=head)
@@ -669,7 +705,7 @@ class CostModel:
             total = tokens * per_token * layers
         if shape.role == "llm":
             total += tokens * shape.vocab / layout.tp * LOGIT_BYTES
-        return total
+        return total * self.calibration.activation_memory_factor
 
     def rows_bytes(self, samples: float) -> float:
         """Boundary rows of `samples` samples: every encoder's rows at the LLM hidden size."""

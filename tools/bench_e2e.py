@@ -64,18 +64,27 @@ WORKLOADS = {
 }
 
 
+def planner_workload(w: Workload, vocab: int, frozen_encoder: bool):
+    """The workload in the planner's terms (megatron_hetero.planner.Workload: the shapes whose
+    FLOPs, time and memory it models), at the workload's micro batch size."""
+    from megatron_hetero import planner
+
+    encoder = planner.ModuleShape("vision", "encoder", w.enc_hidden, w.enc_layers, w.enc_heads, 4 * w.enc_hidden,
+                                  tokens_per_item=w.tokens_per_image, items_per_sample=w.images_per_sample,
+                                  projector_ffn=4 * w.hidden, frozen=frozen_encoder)
+    llm = planner.ModuleShape("llm", "llm", w.hidden, w.layers, w.heads, 4 * w.hidden, seq_length=w.seq_length,
+                              vocab=vocab)
+    return planner.Workload((encoder,), llm, global_batch=w.global_batch, micro_batch=w.micro_batch)
+
+
 def model_flops(w: Workload, vocab: int, frozen_encoder: bool) -> dict[str, float]:
     """Model FLOPs of one global batch per module, counted by the planner's formulas (forward x3
     when trained, x1 when frozen; projector and logits included)."""
-    from megatron_hetero.planner import ModuleShape, module_forward_flops_per_sample
+    from megatron_hetero.planner import module_forward_flops_per_sample
 
-    encoder = ModuleShape("vision", "encoder", w.enc_hidden, w.enc_layers, w.enc_heads, 4 * w.enc_hidden,
-                          tokens_per_item=w.tokens_per_image, items_per_sample=w.images_per_sample,
-                          projector_ffn=4 * w.hidden, frozen=frozen_encoder)
-    llm = ModuleShape("llm", "llm", w.hidden, w.layers, w.heads, 4 * w.hidden, seq_length=w.seq_length,
-                      vocab=vocab)
+    shapes = planner_workload(w, vocab, frozen_encoder)
     return {key: (1 if shape.frozen else 3) * w.global_batch * module_forward_flops_per_sample(shape, w.hidden)
-            for key, shape in (("encoder", encoder), ("llm", llm))}
+            for key, shape in (("encoder", shapes.encoders[0]), ("llm", shapes.llm))}
 
 
 def synthetic_batch(w: Workload, tokenizer, seed: int = 0):
