@@ -63,7 +63,7 @@ def test_measured_runs_rank_as_the_planner_predicts(capsys):
     code = check.main([str(RESULTS), "--oom", "W2:8:gpu2_homogeneous_dp2", "W1:16:gpu2_homogeneous_dp2"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.count("rankings agree") == 4
+    assert "DISAGREE" not in out and out.count("rankings agree") >= 4
 
 
 def test_bad_oom_item_is_one_line(capsys):

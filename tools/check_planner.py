@@ -127,7 +127,8 @@ def fit(runs: list[Run], workload, gpus: int, base: Calibration) -> Calibration:
             activations = twice - once
             factors.append((run.peak_gb * GIB - (once - activations)) / activations)
     return replace(fitted, activation_memory_factor=max(factors, default=base.activation_memory_factor),
-                   source=f"{base.source}; efficiency, layer times and activation memory fitted to bench_e2e runs")
+                   source="max_efficiency, layer_forward_us_per_token and activation_memory_factor fitted by "
+                          f"tools/check_planner.py to bench_e2e runs; the other keys: {base.source}")
 
 
 def predict(run: Run, workload, gpus: int, calibration: Calibration):
