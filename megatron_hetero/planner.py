@@ -290,6 +290,20 @@ class Cluster:
             raise ValueError(f"GPU memory must be a positive number of GB, got {self.gpu_memory_gb!r}")
 
 
+def _tp_cp(key) -> tuple[int, int] | None:
+    """A measured layer time's layout key: "2" (TP 2) or "tp1cp2" as (tp, cp); None if neither."""
+    if isinstance(key, tuple):  # already parsed (a Calibration copied with dataclasses.replace)
+        return key if len(key) == 2 and all(_positive_int(n) for n in key) else None
+    text = str(key)
+    if text.isdigit() and int(text) > 0:
+        return int(text), 1
+    if text.startswith("tp") and "cp" in text:
+        tp, cp = text[2:].split("cp", 1)
+        if tp.isdigit() and cp.isdigit() and int(tp) > 0 and int(cp) > 0:
+            return int(tp), int(cp)
+    return None
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Hardware figures; the defaults are assumptions for one H200 node (see
@@ -365,20 +379,6 @@ class Calibration:
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs and parameters (standard dense-transformer counts)
-
-
-def _tp_cp(key) -> tuple[int, int] | None:
-    """A measured layer time's layout key: "2" (TP 2) or "tp1cp2" as (tp, cp); None if neither."""
-    if isinstance(key, tuple):  # already parsed (a Calibration copied with dataclasses.replace)
-        return key if len(key) == 2 and all(_positive_int(n) for n in key) else None
-    text = str(key)
-    if text.isdigit() and int(text) > 0:
-        return int(text), 1
-    if text.startswith("tp") and "cp" in text:
-        tp, cp = text[2:].split("cp", 1)
-        if tp.isdigit() and cp.isdigit() and int(tp) > 0 and int(cp) > 0:
-            return int(tp), int(cp)
-    return None
 
 
 def layer_params(shape: ModuleShape) -> int:

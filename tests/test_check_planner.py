@@ -43,7 +43,7 @@ def test_fit_recovers_the_calibration_that_made_the_phases():
         for module in layout.modules:
             forward, backward = model.microbatch_pass(shapes[module.role], module, w.global_batch / module.dp, False)
             phases[f"{module.role}-forward"], phases[f"{module.role}-backward"] = forward.total, backward.total
-        run = check.Run(name, 1.0, None, phases)
+        run = check.Run(name, w.micro_batch, 1.0, None, phases)
         peak = check.predict(run, workload, 2, replace(truth, activation_memory_factor=1.3)).memory_gb / check.GIB
         runs.append(replace(run, peak_gb=peak))
 

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,6 +62,24 @@ WORKLOADS = {
     "W3": Workload("W3", 378, 14, 16, 1152, 27, 16, 4096, 32, 32, 16384, 4, 2),
     "tiny": Workload("tiny", 32, 8, 2, 64, 2, 4, 64, 4, 2, 64, 8, 2),
 }
+
+
+def sized_workload(w: Workload, layout, llm_layers: int = 0, global_batch: int = 0,
+                   micro_batch: int | None = None) -> Workload:
+    """The workload with the LLM depth and global batch overridden (0: the workload's) and micro
+    batch `micro_batch` (None: the workload's; 0: the smallest the layout accepts: micro batch x
+    LLM DP divides the global batch and splits evenly over every encoder's DP ranks)."""
+    from megatron_hetero.planner import micro_batches
+    from megatron_hetero.training.args import ArgsError
+
+    w = replace(w, layers=llm_layers or w.layers, global_batch=global_batch or w.global_batch)
+    if micro_batch == 0:
+        sizes = micro_batches(replace(planner_workload(w, 1, False), micro_batch=0), (*layout.encoders, layout.llm))
+        if not sizes:
+            raise ArgsError(f"--global-batch {w.global_batch}: no micro batch size splits it over the LLM's DP "
+                            f"{layout.llm.dp} and every encoder's DP; use a multiple of both")
+        micro_batch = sizes[0]
+    return replace(w, micro_batch=micro_batch or w.micro_batch)
 
 
 def planner_workload(w: Workload, vocab: int, frozen_encoder: bool):
@@ -140,11 +158,9 @@ def run(opts) -> dict:
     from megatron_hetero.training.args import ArgsError, check_args, check_trainable
     from megatron_hetero.training.trainer import Trainer, init_distributed
 
-    w = WORKLOADS[opts.workload]
-    if opts.llm_layers:
-        w = Workload(**{**asdict(w), "layers": opts.llm_layers})
     world = int(os.environ.get("WORLD_SIZE", 1))
     layout = load_layout(opts.hetero_layout, world)
+    w = sized_workload(WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
     args = _args(w, opts.hetero_layout, not opts.fp32 and torch.cuda.is_available())
     check_trainable(layout)
     if w.name == "W3" and not all(m.freeze for m in layout.encoders):
@@ -183,7 +199,8 @@ def measure(trainer, w: Workload, layout_name: str, frozen: bool, opts) -> dict:
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     record = dict(
-        workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers,
+        workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
+        micro_batch=w.micro_batch,
         step_s=step_s, tokens_per_s=w.global_batch * w.seq_length / step_s,
         tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
         encoder_flops_share=flops["encoder"] / sum(flops.values()),
@@ -241,6 +258,10 @@ def main() -> int:
     parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny")
     parser.add_argument("--hetero-layout")
     parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
+    parser.add_argument("--global-batch", type=int, default=0, help="samples per step (default: the workload's)")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="samples per LLM DP rank and microbatch (default: the workload's; 0: the "
+                             "smallest the layout accepts)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 autocast on GPUs)")
@@ -253,11 +274,16 @@ def main() -> int:
         return 0
     if not opts.hetero_layout:
         parser.error("--hetero-layout is required to run (or --report to print results)")
+    return run_reporting_errors(run, opts)
+
+
+def run_reporting_errors(run_fn, opts) -> int:
+    """run_fn(opts), a layout or argument mistake reported as one `error:` line (exit status 2)."""
     from megatron_hetero.layout import LayoutError
     from megatron_hetero.training.args import ArgsError
 
     try:
-        run(opts)
+        run_fn(opts)
     except (LayoutError, ArgsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

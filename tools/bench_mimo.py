@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -287,8 +287,7 @@ def run(opts) -> dict:
     from megatron_hetero.training.trainer import init_distributed
 
     w = bench_e2e.WORKLOADS[opts.workload]
-    if opts.llm_layers:
-        w = bench_e2e.Workload(**{**asdict(w), "layers": opts.llm_layers})
+    w = replace(w, layers=opts.llm_layers or w.layers)
     frozen = w.name == "W3"
     layout_file = str(bench_e2e.ROOT / "examples" / "layouts" / LAYOUTS[opts.placement, frozen])
     owns_process_group = not dist.is_initialized()  # tests start their gloo processes themselves
@@ -319,20 +318,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from megatron_hetero.layout import LayoutError
-    from megatron_hetero.training.args import ArgsError
-
     opts = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", 1)) != 2:
         print("error: run on 2 ranks (torchrun --nproc-per-node 2): the layouts compared are 2-GPU ones",
               file=sys.stderr)
         return 2
-    try:
-        run(opts)
-    except (LayoutError, ArgsError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return bench_e2e.run_reporting_errors(run, opts)
 
 
 if __name__ == "__main__":

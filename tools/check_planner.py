@@ -56,6 +56,7 @@ class Run:
     """One measured (or out-of-memory) run of a group: its layout file and what bench_e2e recorded."""
 
     layout: str
+    micro_batch: int
     tokens_per_s: float | None  # None: ran out of memory
     peak_gb: float | None
     phases: dict
@@ -136,7 +137,7 @@ def predict(run: Run, workload, gpus: int, calibration: Calibration):
     whose encoders take the LLM's TP and DP (PP 1, CP 1) is Megatron's homogeneous one."""
     layout = load_layout(str(LAYOUTS / f"{run.layout}.yaml"), gpus)
     cluster = Cluster(gpus, H200_MEMORY_GB)
-    (candidate,) = candidate_from_layout(layout, workload, cluster)
+    (candidate,) = candidate_from_layout(layout, replace(workload, micro_batch=run.micro_batch), cluster)
     llm = candidate.llm
     if llm.pp == 1 and llm.cp == 1 and layout.placement == "colocated" and all(
             e.tp == llm.tp and e.dp == llm.dp for e in candidate.encoders):
@@ -173,12 +174,15 @@ def check_group(name: str, runs: list[Run], workload, gpus: int, base: Calibrati
 
 
 def groups(records: list[dict], oom: list[str]) -> dict:
-    """{(workload, llm layers, gpus): [Run]} of our layouts' runs and the named out-of-memory ones."""
+    """{(workload, llm layers, gpus, global batch): [Run]} of our layouts' runs and the named
+    out-of-memory ones (at the group's first micro batch size)."""
     found = defaultdict(list)
     for r in records:
         if (LAYOUTS / f"{r['layout']}.yaml").exists():
-            found[r["workload"], r["llm_layers"], r["gpus"]].append(
-                Run(r["layout"], r["tokens_per_s"], r["peak_gb_max"], r["phases"]))
+            w = bench_e2e.WORKLOADS[r["workload"]]  # runs recorded before batch sizes were: the workload's
+            key = r["workload"], r["llm_layers"], r["gpus"], r.get("global_batch", w.global_batch)
+            found[key].append(Run(r["layout"], r.get("micro_batch", w.micro_batch), r["tokens_per_s"],
+                                  r["peak_gb_max"], r["phases"]))
     for item in oom:
         parts = item.split(":")
         if len(parts) != 3 or not parts[1].isdigit():
@@ -187,7 +191,7 @@ def groups(records: list[dict], oom: list[str]) -> dict:
         key = next((k for k in found if k[:2] == (workload, int(layers))), None)
         if key is None:
             raise ValueError(f"--oom {item}: no measured run of {workload} with {layers} LLM layers to compare with")
-        found[key].append(Run(layout, None, None, {}))
+        found[key].append(Run(layout, found[key][0].micro_batch, None, None, {}))
     return found
 
 
@@ -203,12 +207,12 @@ def main(argv=None) -> int:
         base = Calibration.load(opts.calibration)
         records = [json.loads(line) for line in open(opts.results) if line.strip()]
         all_agree, first = True, None
-        for (name, layers, gpus), runs in groups(records, opts.oom).items():
+        for (name, layers, gpus, global_batch), runs in groups(records, opts.oom).items():
             frozen = name == "W3"
-            w = replace(bench_e2e.WORKLOADS[name], layers=layers)
+            w = replace(bench_e2e.WORKLOADS[name], layers=layers, global_batch=global_batch)
             workload = bench_e2e.planner_workload(w, vocab_size(w), frozen)
-            agree, fitted = check_group(f"{name}, LLM {layers} layers, {gpus} GPUs", runs, workload, gpus, base,
-                                        opts.leave_one_out)
+            agree, fitted = check_group(f"{name}, LLM {layers} layers, {gpus} GPUs, global batch {global_batch}",
+                                        runs, workload, gpus, base, opts.leave_one_out)
             all_agree &= agree
             first = first or fitted
     except (OSError, ValueError, LayoutError) as error:

@@ -1,0 +1,49 @@
+"""tools/bench_e2e.py's workload sizing (pure): overrides, and the smallest micro batch a layout
+accepts (the trainer's rule, which check_args enforces)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hetero.layout import load_layout
+from megatron_hetero.training.args import ArgsError, check_args
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = ROOT / "examples" / "layouts"
+sys.path.insert(0, str(ROOT / "tools"))
+spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "tools" / "bench_e2e.py")
+bench_e2e = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_e2e)
+
+
+@pytest.mark.parametrize("name, micro_batch", [
+    ("gpu8_homogeneous_tp2dp4", 1),  # LLM DP4, vision DP4
+    ("gpu8_colocated_vdp4_ltp2cp2dp2", 2),  # vision DP4 over LLM DP2
+    ("gpu8_colocated_vdp8_ltp4dp2", 4),  # vision DP8 over LLM DP2
+    ("gpu8_colocated_vdp8_ltp4pp2", 8),  # vision DP8 over LLM DP1
+    ("gpu8_non_colocated_v2_l6", 2),  # vision DP2 over LLM DP3
+])
+def test_smallest_micro_batch_is_the_smallest_the_trainer_accepts(name, micro_batch):
+    layout = load_layout(str(LAYOUTS / f"{name}.yaml"), 8)
+    w = bench_e2e.sized_workload(bench_e2e.WORKLOADS["W1"], layout, 32, 24, 0)
+    assert (w.layers, w.global_batch, w.micro_batch) == (32, 24, micro_batch)
+    file = str(LAYOUTS / f"{name}.yaml")
+    for b, accepted in ((micro_batch, True), (micro_batch - 1, False)):
+        if b == 0:
+            continue
+        args = bench_e2e._args(bench_e2e.replace(w, micro_batch=b), file, bf16=False)
+        if accepted:
+            check_args(args, layout)
+        else:
+            with pytest.raises(ArgsError):
+                check_args(args, layout)
+
+
+def test_defaults_and_a_batch_no_micro_batch_splits():
+    layout = load_layout(str(LAYOUTS / "gpu2_colocated.yaml"), 2)
+    assert bench_e2e.sized_workload(bench_e2e.WORKLOADS["W1"], layout) == bench_e2e.WORKLOADS["W1"]
+    layout = load_layout(str(LAYOUTS / "gpu8_non_colocated_v2_l6.yaml"), 8)
+    with pytest.raises(ArgsError, match="--global-batch 16"):
+        bench_e2e.sized_workload(bench_e2e.WORKLOADS["W1"], layout, global_batch=16, micro_batch=0)
