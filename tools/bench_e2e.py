@@ -12,7 +12,9 @@ phase synchronized, so the breakdown sums to more than the free-running step; ea
 slowest rank is reported), and peak memory per GPU.
 
 Workloads (bf16; images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27
-layers, 16 heads; the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth):
+layers, 16 heads; the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth;
+global batch 4 in microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest the
+layout accepts):
 - W1: 16 images per sample into a 16K context; W2: the same at 32K; W3: W1 with the encoder frozen
   (`freeze: true` in the layout); tiny: a CPU-sized check of the tool.
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
