@@ -952,6 +952,12 @@ def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, .
     return [Candidate(placement, layouts, b, r) for b in micro_batches(workload, layouts) for r in recompute]
 
 
+def is_homogeneous(encoders: tuple[ModuleLayout, ...], llm: ModuleLayout) -> bool:
+    """Whether colocated module layouts are Megatron's homogeneous one (that the trainer can run):
+    every encoder takes the LLM's TP and DP, and the LLM has no CP or PP."""
+    return llm.cp == 1 and llm.pp == 1 and all(e.tp == llm.tp and e.dp == llm.dp for e in encoders)
+
+
 def enumerate_candidates(workload: Workload, cluster: Cluster):
     """Yields, for every layout combination that passes the layout rules (colocated, homogeneous,
     non-colocated), its candidates: one per valid micro batch size (none: an empty list)."""
@@ -963,8 +969,8 @@ def enumerate_candidates(workload: Workload, cluster: Cluster):
             yield _variants(workload, "homogeneous", layouts)
         options = [list(encoder_layouts(e, gpus, 0, cluster, "colocated")) for e in encoders]
         for encoder_choice in product(*options):
-            if llm.cp == 1 and llm.pp == 1 and all(e.tp == llm.tp and e.dp == llm.dp for e in encoder_choice):
-                continue  # the homogeneous layout, listed above
+            if is_homogeneous(encoder_choice, llm):
+                continue  # listed above
             layouts = (*encoder_choice, llm)
             yield _variants(workload, "colocated", layouts)
     for split in product(range(1, gpus), repeat=len(encoders)):
@@ -1014,8 +1020,9 @@ def plan(workload: Workload, cluster: Cluster, calibration: Calibration) -> Plan
 
 
 def candidate_from_layout(layout: HeteroLayout, workload: Workload, cluster: Cluster) -> list[Candidate]:
-    """A layout file as candidates, one per valid micro batch size and recomputation choice
-    (ValueError when the workload's modules, the layout rules or the batch sizes do not fit it)."""
+    """A layout file as candidates, one per valid micro batch size and recomputation choice (a
+    colocated file that is Megatron's homogeneous layout as that placement; ValueError when the
+    workload's modules, the layout rules or the batch sizes do not fit it)."""
     if layout.world_size != cluster.gpus:
         raise ValueError(f"the layout is for {layout.world_size} ranks but the cluster has {cluster.gpus} GPUs")
     by_name = {m.name: m for m in layout.modules}
@@ -1031,7 +1038,10 @@ def candidate_from_layout(layout: HeteroLayout, workload: Workload, cluster: Clu
         if module.freeze != shape.frozen:
             raise ValueError(f"module {shape.name}: freeze: {str(module.freeze).lower()} in the layout, but the "
                              f"workload's {shape.name} is {'frozen' if shape.frozen else 'trained'}; make them agree")
-    candidates = _variants(workload, layout.placement, layouts)
+    placement = layout.placement
+    if placement == "colocated" and is_homogeneous(layouts[:-1], layouts[-1]):
+        placement = "homogeneous"
+    candidates = _variants(workload, placement, layouts)
     if not candidates:
         raise ValueError(f"no micro batch size splits global batch {workload.global_batch} over llm dp "
                          f"{layouts[-1].dp} and every encoder's dp")

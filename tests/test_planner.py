@@ -21,6 +21,7 @@ from megatron_hetero.planner import (
     ModuleShape,
     Workload,
     best_micro_batch,
+    candidate_from_layout,
     enumerate_candidates,
     layout_problem,
     layout_yaml,
@@ -112,6 +113,17 @@ def test_layout_rules_refuse_what_the_trainer_refuses():
     assert "node" in layout_problem(llm, ModuleLayout("llm", "llm", tp=16), "colocated", cluster)
     odd = replace(llm, seq_length=16386)
     assert "chunks" in layout_problem(odd, ModuleLayout("llm", "llm", cp=2), "colocated", cluster)
+
+
+def test_a_layout_file_that_is_megatrons_layout_is_predicted_as_homogeneous():
+    """A colocated file whose encoders take the LLM's TP and DP (LLM without CP or PP) is the
+    homogeneous baseline, as enumerate_candidates lists it; any other colocated file is not."""
+    cluster = Cluster(2, 150)
+    placements = {name: {c.placement for c in candidate_from_layout(load_layout(ROOT / "examples" / "layouts" /
+                                                                                 f"{name}.yaml", 2), W1, cluster)}
+                  for name in ("gpu2_homogeneous_tp2", "gpu2_homogeneous_dp2", "gpu2_colocated", "gpu2_colocated_cp2")}
+    assert placements == {"gpu2_homogeneous_tp2": {"homogeneous"}, "gpu2_homogeneous_dp2": {"homogeneous"},
+                          "gpu2_colocated": {"colocated"}, "gpu2_colocated_cp2": {"colocated"}}
 
 
 def test_layouts_over_memory_are_excluded():

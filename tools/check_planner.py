@@ -133,15 +133,10 @@ def fit(runs: list[Run], workload, gpus: int, base: Calibration) -> Calibration:
 
 
 def predict(run: Run, workload, gpus: int, calibration: Calibration):
-    """The planner's prediction for the run's layout at the workload's micro batch size; a layout
-    whose encoders take the LLM's TP and DP (PP 1, CP 1) is Megatron's homogeneous one."""
+    """The planner's prediction for the run's layout at the run's micro batch size."""
     layout = load_layout(str(LAYOUTS / f"{run.layout}.yaml"), gpus)
     cluster = Cluster(gpus, H200_MEMORY_GB)
     (candidate,) = candidate_from_layout(layout, replace(workload, micro_batch=run.micro_batch), cluster)
-    llm = candidate.llm
-    if llm.pp == 1 and llm.cp == 1 and layout.placement == "colocated" and all(
-            e.tp == llm.tp and e.dp == llm.dp for e in candidate.encoders):
-        candidate = replace(candidate, placement="homogeneous")
     return CostModel(workload, cluster, calibration).predict(candidate)
 
 
