@@ -30,7 +30,6 @@ frozen encoder, which has none), optimizer.
 import argparse
 import os
 import sys
-import time
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
@@ -61,11 +60,6 @@ LAYOUTS = {  # (placement, frozen encoder) -> the layout bench_e2e runs for the 
     ("non_colocated", False): "gpu2_non_colocated.yaml",
     ("non_colocated", True): "gpu2_non_colocated_frozen.yaml",
 }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Prebuilt(torch.nn.Module):
@@ -124,14 +118,8 @@ class TimedCommunicator(MultiModulePipelineCommunicator):
     backward_phase = None
 
     def _timed(self, call, *args, **kwargs):
-        trainer = self.trainer
-        with trainer.timers("boundary"):
-            _sync(trainer.device)
-            start = time.perf_counter()
-            out = call(*args, **kwargs)
-            _sync(trainer.device)
-        trainer.clock.waiting_s += time.perf_counter() - start
-        return out
+        with self.trainer.timers("boundary"), self.trainer.clock.blocked():
+            return call(*args, **kwargs)
 
     def _grads_in(self, grads):
         if self.backward_name:

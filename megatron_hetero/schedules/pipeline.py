@@ -13,6 +13,7 @@ measures how long the stage waits for data.
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -78,15 +79,23 @@ class Clock:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    @contextmanager
+    def blocked(self):
+        """Counts the time inside as waiting (a blocking receive, or waits on posted ones)."""
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.waiting_s += time.perf_counter() - start
+
     def wait(self, works) -> None:
         if not works:
             return
-        self._sync()
-        start = time.perf_counter()
-        for work in works:
-            work.wait()
-        self._sync()
-        self.waiting_s += time.perf_counter() - start
+        with self.blocked():
+            for work in works:
+                work.wait()
 
 
 @dataclass
