@@ -12,10 +12,26 @@ class ArgsError(ValueError):
     """A flag value that cannot work; one line naming the flag and the fix."""
 
 
+def arg_file_line(line: str) -> list[str]:
+    """Several flags per line, '#' comments: argument files read like shell scripts."""
+    return line.split("#", 1)[0].split()
+
+
+def expand_arg_files(argv: list[str]) -> list[str]:
+    """`@file` arguments replaced by the flags in the file (recursively)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("@"):
+            with open(arg[1:], encoding="utf-8") as f:
+                out += expand_arg_files([a for line in f for a in arg_file_line(line)])
+        else:
+            out.append(arg)
+    return out
+
+
 class _Parser(argparse.ArgumentParser):
     def convert_arg_line_to_args(self, arg_line):
-        # Several flags per line, '#' comments: argument files read like shell scripts.
-        return arg_line.split("#", 1)[0].split()
+        return arg_file_line(arg_line)
 
 
 def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,0 +1,42 @@
+"""Run a Megatron-LM pretrain script with megatron-hetero's patches applied.
+
+    torchrun --nproc-per-node N -m megatron_hetero.launch pretrain_vlm.py <its flags> --hetero-layout L.yaml
+
+The script runs as `__main__` with its own flags (`@file` argument files expanded first), its
+directory first on `sys.path` as when Python runs it directly.
+"""
+
+import os
+import runpy
+import sys
+
+from megatron_hetero.training.args import expand_arg_files
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or not argv[0].endswith(".py"):
+        print("usage: python -m megatron_hetero.launch SCRIPT.py [script flags] [--hetero-layout FILE]",
+              file=sys.stderr)
+        return 2
+    script, flags = argv[0], argv[1:]
+    if not os.path.isfile(script):
+        print(f"error: script {script} not found", file=sys.stderr)
+        return 2
+    try:
+        flags = expand_arg_files(flags)
+    except OSError as error:
+        print(f"error: argument file {error.filename}: {error.strerror}", file=sys.stderr)
+        return 2
+
+    import megatron_hetero.patches
+
+    megatron_hetero.patches.apply()
+    sys.argv = [script, *flags]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

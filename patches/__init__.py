@@ -1,0 +1,25 @@
+"""megatron-hetero's changes to megatron-core and megatron.training, one module per concern.
+
+Installed as `megatron_hetero.patches`. `apply()` installs every patch (idempotent); the launcher
+(`python -m megatron_hetero.launch SCRIPT.py ...`) calls it before running the script, and scripts
+that import megatron_hetero themselves call it first:
+
+    import megatron_hetero.patches
+    megatron_hetero.patches.apply()
+
+Without `--hetero-layout` the patched functions behave as upstream's (the CPU ones apart, which
+only act where no GPU is present).
+"""
+
+from megatron_hetero.patches import arguments, cpu, startup
+from megatron_hetero.patches._patch import PatchError, check_version
+
+
+def apply() -> None:
+    check_version()
+    startup.apply()
+    arguments.apply()
+    cpu.apply()
+
+
+__all__ = ["apply", "PatchError"]

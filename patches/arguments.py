@@ -1,0 +1,40 @@
+"""Megatron's argument parsing and validation, with megatron-hetero's flags (megatron.training 0.19:
+`arguments.add_megatron_arguments`, `arguments.validate_args`).
+
+- Our flags join Megatron's parser, so every script that parses Megatron's arguments takes them.
+- Before upstream validation: fused kernels that need apex/TE default off without them; on CPUs the
+  distributed backend defaults to gloo; with `--hetero-layout`, the layout decides the LLM's
+  parallel sizes (see patches/hetero_args.py).
+"""
+
+import torch
+
+from megatron_hetero.patches import startup
+from megatron_hetero.patches._patch import replace
+
+
+def add_hetero_flags(parser):
+    group = parser.add_argument_group("megatron-hetero")
+    group.add_argument("--hetero-layout", default=None, metavar="FILE",
+                       help="YAML file declaring each module's parallel layout (megatron-hetero)")
+    return parser
+
+
+def _add_megatron_arguments(original):
+    def add_megatron_arguments(parser):
+        return add_hetero_flags(original(parser))
+    return add_megatron_arguments
+
+
+def _validate_args(original):
+    def validate_args(args, defaults={}):
+        startup.disable_unavailable_fusions(args)
+        if not torch.cuda.is_available() and args.distributed_backend == "nccl":
+            args.distributed_backend = "gloo"
+        return original(args, defaults)
+    return validate_args
+
+
+def apply() -> None:
+    replace("megatron.training.arguments.add_megatron_arguments", _add_megatron_arguments)
+    replace("megatron.training.arguments.validate_args", _validate_args, params=("args", "defaults"))

@@ -1,0 +1,146 @@
+"""Megatron on CPUs (gloo): megatron-core and megatron.training assume CUDA in a few dozen places.
+
+Active only while no GPU is present (apply() does nothing with CUDA). Targets megatron-core 0.19:
+- `device='cuda'` / `.cuda()` sites (optimizers, clip_grads, schedules, training loop, data broadcast):
+  one TorchFunctionMode sends them to the CPU, and answers `tensor.type()` as CUDA would, for the
+  `== 'torch.cuda.FloatTensor'` checks in the optimizers;
+- `torch.cuda.current_device/synchronize/Stream/stream/Event`: buffers and timers get the CPU and
+  no-op stream ordering (CPU work is ordered already);
+- the CUDA RNG the tensor-parallel RNG tracker saves, seeds and restores: the CPU generator;
+- RoPE with CP slices its table with CUDA index tensors;
+- the distributed init and the seeding skip model-parallel setup when no GPU is counted: they see one.
+"""
+
+import contextlib
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_hetero.patches._patch import replace
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """device='cuda' -> cpu; tensor.cuda() -> the tensor; tensor.type() names the CUDA type."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _HostStream:
+    """A CUDA stream on the host: work is ordered already."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _HostEvent()
+
+
+class _HostEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+@contextlib.contextmanager
+def _one_device_counted():
+    """megatron.training's distributed init and seeding set up model parallelism only when a GPU is
+    counted: let them count one, and make selecting it a no-op."""
+    count, set_device = torch.cuda.device_count, torch.cuda.set_device
+    torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda device: None)
+    try:
+        yield
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = count, set_device
+
+
+def _counting_one_device(original):
+    def wrapper(*args, **kwargs):
+        with _one_device_counted():
+            return original(*args, **kwargs)
+    return wrapper
+
+
+_mode: _CudaToCpu | None = None
+
+
+def apply() -> None:
+    """Install the CPU redirections (idempotent; nothing with CUDA)."""
+    global _mode
+    if torch.cuda.is_available() or _mode is not None:
+        return
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from megatron_hetero.models.context_parallel import cp_slice
+
+    # validate_args asks for it with TP or CP; it orders CUDA kernel launches, nothing on CPUs.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.default_stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.Stream = _HostStream
+    torch.cuda.Event = _HostEvent
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = _cpu_rng_state
+    torch.cuda.set_rng_state = _set_cpu_rng_state
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it after seeding the CPU
+    mcore_random._get_cuda_rng_state = _cpu_rng_state
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = (
+        lambda pos_emb, seq_dim, cp_group: cp_slice(pos_emb, seq_dim, cp_group.size(), cp_group.rank()))
+    # Without a GPU there is no architecture to query: report one before Blackwell (no change of path).
+    replace("megatron.training.arguments.get_device_arch_version", lambda original: lambda: 0)
+    replace("megatron.training.initialize._initialize_distributed", _counting_one_device)
+    replace("megatron.training.initialize._set_random_seed", _counting_one_device)
+    _mode = _CudaToCpu()
+    _mode.__enter__()  # for the life of the process

@@ -1,0 +1,72 @@
+"""What stops Megatron-LM's own scripts before training when only the megatron-core wheel is installed
+(no Transformer Engine, no apex). Targets megatron-core 0.19 / megatron.training 0.19:
+- `_compile_dependencies` runs `make` in megatron/core/datasets, which the wheel ships without a
+  Makefile but with the compiled `helpers_cpp`: use it when it imports;
+- `initialize_megatron` asserts CUDA unless `allow_no_cuda`: allowed when no GPU is present;
+- the local spec's fused kernels (persistent layer norm, bias-gelu/swiglu/dropout fusion, masked
+  softmax, gradient-accumulation fusion) need apex or TE: without them the flags default off;
+- CLIPViTModel builds `ln_pre` from torch's LayerNorm when TE is absent and passes it `config=`:
+  megatron-core's WrappedTorchNorm takes that signature.
+"""
+
+import importlib.util
+
+import torch
+
+from megatron_hetero.patches._patch import replace
+
+FUSION_FLAGS = ("persist_layer_norm", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
+                "masked_softmax_fusion", "gradient_accumulation_fusion")
+
+
+def has_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def has_apex() -> bool:
+    return importlib.util.find_spec("apex") is not None
+
+
+def _compile_helpers(original):
+    def compile_helpers():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401  (shipped compiled)
+        except ImportError:
+            original()
+    return compile_helpers
+
+
+def _initialize_megatron(original):
+    def initialize_megatron(*args, **kwargs):
+        if not torch.cuda.is_available():
+            kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+    return initialize_megatron
+
+
+def disable_unavailable_fusions(args) -> None:
+    """Fused kernels that need apex or TE default off without them (the user's flags are kept
+    where the kernels exist)."""
+    if has_apex() or has_te():
+        return
+    for flag in FUSION_FLAGS:
+        if getattr(args, flag, False):
+            setattr(args, flag, False)
+    args.no_persist_layer_norm = True
+
+
+def _clip_init(original):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def __init__(self, *args, **kwargs):
+        if not has_te():
+            kwargs.setdefault("ln_pre_impl", WrappedTorchNorm)
+        original(self, *args, **kwargs)
+    return __init__
+
+
+def apply() -> None:
+    replace("megatron.core.datasets.utils.compile_helpers", _compile_helpers)
+    replace("megatron.training.training.initialize_megatron", _initialize_megatron, params=("allow_no_cuda",))
+    replace("megatron.core.models.vision.clip_vit_model.CLIPViTModel.__init__", _clip_init,
+            params=("ln_pre_impl",))
