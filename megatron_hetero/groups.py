@@ -55,6 +55,8 @@ def build_module_groups(module: ModuleLayout, backend: str | None = None) -> Mod
         tp_cp=grid.create_pg(["tp", "cp"]),
         dp_cp=grid.create_pg(["cp", "dp"]),
         tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]),
+        # One distributed-optimizer instance per module: all its ranks.
+        intra_dist_opt=grid.create_pg(GRID_AXES),
     )
     embd, pos_embd = _first_and_last_stage_groups(grid, rank)
     if not grid.is_current_rank_in_grid():

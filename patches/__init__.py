@@ -11,7 +11,16 @@ Without `--hetero-layout` the patched functions behave as upstream's (the CPU on
 only act where no GPU is present).
 """
 
-from megatron_hetero.patches import arguments, cpu, startup
+from megatron_hetero.patches import (
+    arguments,
+    cpu,
+    hetero_data,
+    hetero_init,
+    hetero_model,
+    hetero_optimizer,
+    hetero_schedule,
+    startup,
+)
 from megatron_hetero.patches._patch import PatchError, check_version
 
 
@@ -20,6 +29,11 @@ def apply() -> None:
     startup.apply()
     arguments.apply()
     cpu.apply()
+    hetero_init.apply()
+    hetero_model.apply()
+    hetero_optimizer.apply()
+    hetero_data.apply()
+    hetero_schedule.apply()
 
 
 __all__ = ["apply", "PatchError"]

@@ -26,7 +26,9 @@ class Replacement:
     original: Callable
 
 
-_applied: dict[tuple[int, str], Replacement] = {}
+# (owner, attribute, patch) -> what it replaced: applying a patch twice does nothing; two patches of
+# one function chain (the later wraps the earlier).
+_applied: dict[tuple[int, str, Callable], Replacement] = {}
 
 
 def upstream(path: str):
@@ -50,11 +52,11 @@ def replace(path: str, make: Callable[[Callable], Callable], params: tuple[str, 
     """Replace the upstream callable at `path` by make(original). `params`: parameter names the
     replacement relies on; checked against the upstream signature."""
     owner, name, current = upstream(path)
-    key = (id(owner), name)
+    key = (id(owner), name, make)
     if key in _applied:
         return
     if params:
-        found = set(inspect.signature(current).parameters)
+        found = set(inspect.signature(inspect.unwrap(current)).parameters)
         missing = [p for p in params if p not in found]
         if missing:
             raise PatchError(f"megatron-hetero patch for {path}: upstream signature lacks {missing} "

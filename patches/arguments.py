@@ -3,13 +3,13 @@
 
 - Our flags join Megatron's parser, so every script that parses Megatron's arguments takes them.
 - Before upstream validation: fused kernels that need apex/TE default off without them; on CPUs the
-  distributed backend defaults to gloo; with `--hetero-layout`, the layout decides the LLM's
-  parallel sizes (see patches/hetero_args.py).
+  distributed backend defaults to gloo; with `--hetero-layout`, the layout decides the parallel
+  sizes (hetero_args.py). Without `--hetero-layout` validation is upstream's.
 """
 
 import torch
 
-from megatron_hetero.patches import startup
+from megatron_hetero.patches import hetero_args, startup
 from megatron_hetero.patches._patch import replace
 
 
@@ -31,7 +31,12 @@ def _validate_args(original):
         startup.disable_unavailable_fusions(args)
         if not torch.cuda.is_available() and args.distributed_backend == "nccl":
             args.distributed_backend = "gloo"
-        return original(args, defaults)
+        args.hetero_layout_spec = None
+        args.hetero_run = None  # built once torch.distributed is up (patches/hetero_init.py)
+        if getattr(args, "hetero_layout", None) is None:
+            return original(args, defaults)
+        args.hetero_layout_spec = hetero_args.load(args)
+        return hetero_args.validate(original, args, defaults)
     return validate_args
 
 

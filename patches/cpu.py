@@ -8,7 +8,8 @@ Active only while no GPU is present (apply() does nothing with CUDA). Targets me
   no-op stream ordering (CPU work is ordered already);
 - the CUDA RNG the tensor-parallel RNG tracker saves, seeds and restores: the CPU generator;
 - RoPE with CP slices its table with CUDA index tensors;
-- the distributed init and the seeding skip model-parallel setup when no GPU is counted: they see one.
+- the distributed init and the seeding skip model-parallel setup when no GPU is counted: they see one;
+- the JIT warm-up's random "CUDA" tensors must not draw from the CPU generator weights come from.
 """
 
 import contextlib
@@ -101,6 +102,15 @@ def _one_device_counted():
         torch.cuda.device_count, torch.cuda.set_device = count, set_device
 
 
+def _keeping_cpu_rng(original):
+    """The JIT warm-up draws random CUDA tensors: on the CPU they would come from the generator that
+    --use-cpu-initialization initializes weights from, in TP-size-dependent amounts."""
+    def wrapper(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+    return wrapper
+
+
 def _counting_one_device(original):
     def wrapper(*args, **kwargs):
         with _one_device_counted():
@@ -142,5 +152,6 @@ def apply() -> None:
     replace("megatron.training.arguments.get_device_arch_version", lambda original: lambda: 0)
     replace("megatron.training.initialize._initialize_distributed", _counting_one_device)
     replace("megatron.training.initialize._set_random_seed", _counting_one_device)
+    replace("megatron.training.initialize._warmup_jit_function", _keeping_cpu_rng)
     _mode = _CudaToCpu()
     _mode.__enter__()  # for the life of the process

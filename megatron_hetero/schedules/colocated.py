@@ -1,7 +1,8 @@
 """Colocated placement: every module spans all ranks, the encoders with pp=1.
 
 LLM pp=1: microbatch by microbatch, encoder forward, boundary forward, LLM forward/backward, boundary
-backward, encoder backward: encoder activations are held for one microbatch at a time.
+backward, encoder backward (one autograd graph through the boundary): encoder activations are held
+for one microbatch at a time.
 
 LLM pp>1 (the encoder's backward needs gradients that the LLM pipeline returns at its end): the
 encoders run forward without a graph for every microbatch and only their boundary rows are kept; the
@@ -14,49 +15,41 @@ import torch
 
 from megatron_hetero.boundary import boundary_exchange
 from megatron_hetero.boundary.exchange import exchange_gradients
+from megatron_hetero.runtime.step import ColocatedView, StepContext
 from megatron_hetero.schedules.pipeline import run_stage
 from megatron_hetero.schedules.stages import LLMStage
 
 
-def colocated_step(trainer, batch) -> float:
-    micro = trainer.microbatches(batch)
-    names = list(trainer.encoders)
-    plans = {n: [trainer.plan(n, mb) for mb in micro] for n in names}
-    trainable = [n for n in names if not trainer.layout_encoders[n].freeze]
+def colocated_step(ctx: StepContext) -> None:
+    if ctx.run.llm.layout.pp == 1:
+        for i in range(ctx.num_microbatches):
+            view = ColocatedView(ctx, i)
+            with torch.set_grad_enabled(not ctx.forward_only):
+                out = ctx.llm_forward_step(i, view)
+            if not ctx.forward_only:
+                with ctx.timers("llm-backward"):
+                    ctx.backward(view.inputs, out, [None])
+        return
 
-    def slots(name, i):
-        rows = trainer.encoder_forward(name, micro[i])
-        with trainer.timers("boundary"):
-            return boundary_exchange(rows, plans[name][i])
-
-    if trainer.layout.llm.pp == 1:
-        media = {n: {} for n in names}
-        stage = LLMStage(trainer, micro, batch.num_loss_tokens, media=media)
-        for i in range(len(micro)):
-            for n in names:
-                media[n][i] = slots(n, i)
-            stage.forward(i, [])
-            stage.backward(i, [])
-            for n in names:
-                routed = media[n].pop(i)
-                if n in trainable:  # boundary backward, then the encoder's
-                    with trainer.timers("encoder-backward"):
-                        routed.backward(stage.media_grads[n].pop(i))
-    else:
-        with torch.no_grad():
-            media = {n: [slots(n, i) for i in range(len(micro))] for n in names}
-        stage = LLMStage(trainer, micro, batch.num_loss_tokens, media=media)
-        run_stage(stage, len(micro), trainer.clock)
-        del media
-        for n in trainable:
-            for i in range(len(micro)):
-                # Later LLM stages hold no slots: they only receive their encoder rows' gradients.
-                grad_slots = stage.media_grads[n].pop(i, None)
-                if grad_slots is None:
-                    grad_slots = trainer.boundary_like()
-                rows = trainer.encoder_forward(n, micro[i])  # recomputed, with its graph
-                with trainer.timers("boundary"):
-                    grad_rows = exchange_gradients(grad_slots, plans[n][i])
-                with trainer.timers("encoder-backward"):
-                    rows.backward(grad_rows)
-    return trainer.finish_step(stage.loss_sum, batch.num_loss_tokens)
+    encoders = ctx.run.encoders
+    with torch.no_grad():
+        media = {n: [boundary_exchange(ctx.run_encoder(m, i), ctx.plans[n][i])
+                     for i in range(ctx.num_microbatches)] for n, m in encoders.items()}
+    stage = LLMStage(ctx, media=media)
+    run_stage(stage, ctx.num_microbatches, ctx.clock)
+    del media
+    if ctx.forward_only:
+        return
+    for name, module in encoders.items():
+        if module.ddp is None:
+            continue
+        for i in range(ctx.num_microbatches):
+            # Later LLM stages hold no slots: they only receive their encoder rows' gradients.
+            grad_slots = stage.media_grads[name].pop(i, None)
+            if grad_slots is None:
+                grad_slots = ctx.adapter.boundary_like()
+            rows = ctx.run_encoder(module, i)  # recomputed, with its graph
+            with ctx.timers("boundary"):
+                grad_rows = exchange_gradients(grad_slots, ctx.plans[name][i])
+            with ctx.timers("encoder-backward"):
+                ctx.backward([None], [rows], [grad_rows])

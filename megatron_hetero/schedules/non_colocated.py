@@ -3,18 +3,15 @@ precede the LLM's. Every rank runs its one stage in 1F1B order (pipeline.py); th
 encoder's last stage and the LLM's first is the boundary, per microbatch. A frozen encoder runs all
 its forwards ahead and gets nothing back."""
 
+from megatron_hetero.runtime.step import StepContext
 from megatron_hetero.schedules.pipeline import run_stage
 from megatron_hetero.schedules.stages import EncoderStage, LLMStage
 
 
-def non_colocated_step(trainer, batch) -> float:
-    micro = trainer.microbatches(batch)
-    plans = {n: [trainer.plan(n, mb) for mb in micro] for n in trainer.encoders}
-    if trainer.llm.coords() is not None:
-        stage = LLMStage(trainer, micro, batch.num_loss_tokens, plans=plans)
+def non_colocated_step(ctx: StepContext) -> None:
+    if ctx.run.llm.held:
+        stage = LLMStage(ctx)
     else:
-        (name,) = [n for n, m in trainer.encoders.items() if m.coords() is not None]
-        stage = EncoderStage(trainer, name, micro, plans[name])
-    run_stage(stage, len(micro), trainer.clock)
-    loss_sum = getattr(stage, "loss_sum", None)
-    return trainer.finish_step(loss_sum, batch.num_loss_tokens)
+        (module,) = [m for m in ctx.run.encoders.values() if m.held]
+        stage = EncoderStage(ctx, module, forward_only=ctx.forward_only)
+    run_stage(stage, ctx.num_microbatches, ctx.clock)

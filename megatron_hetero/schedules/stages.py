@@ -1,5 +1,6 @@
 """The pipeline stages a rank runs: one stage of an encoder or one stage of the LLM (see pipeline.py
-for the order they run in). Each keeps what its microbatches need between forward and backward.
+for the order they run in). Each keeps what its microbatches need between forward and backward and
+runs them through the step context (the script's forward step, Megatron's forward/backward step).
 
 Links between stages: inside a module, a stage talks to the stage before and after it at the same
 (tp, cp, dp) coordinates; between an encoder's last stage and the LLM's first, the boundary plan of
@@ -10,6 +11,7 @@ already moved the rows (`media` given) and collects their gradients.
 import torch
 
 from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, forward_recvs, forward_sends
+from megatron_hetero.runtime.step import LLMView, StepContext
 from megatron_hetero.schedules.pipeline import stage_recv, stage_send
 
 
@@ -22,35 +24,34 @@ def _stage_neighbours(module):
     return prev, nxt
 
 
-def _backward(output: torch.Tensor, grad: torch.Tensor | None, inputs: list[torch.Tensor]) -> list:
-    """Backpropagate `output` (with `grad`, or a scalar loss) and return the inputs' gradients."""
-    if output.requires_grad:
-        torch.autograd.backward(output, None if grad is None else grad.to(output.dtype))
-    return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+def _grads(grads: list, inputs: list) -> list:
+    return [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, inputs) if x is not None]
 
 
 class EncoderStage:
-    """This rank's stage of encoder `name` over the step's microbatches."""
+    """This rank's stage of an encoder over the step's microbatches."""
 
-    def __init__(self, trainer, name: str, micro: list, plans: list, forward_only: bool = False):
-        self.trainer, self.name, self.micro, self.plans = trainer, name, micro, plans
-        self.module = trainer.encoders[name]
-        layout, coords = self.module.layout, self.module.coords()
-        self.first, self.last = coords["pp"] == 0, coords["pp"] == layout.pp - 1
-        self.prev, self.next = _stage_neighbours(self.module)
-        self.runs_backward = not (layout.freeze or forward_only)
-        self.stages_downstream = layout.pp - 1 - coords["pp"] + trainer.layout.llm.pp
+    def __init__(self, ctx: StepContext, module, forward_only: bool = False):
+        self.ctx, self.module = ctx, module
+        self.name, layout = module.name, module.layout
+        self.first, self.last = module.first_stage, module.last_stage
+        self.prev, self.next = _stage_neighbours(module)
+        self.plans = ctx.plans[self.name]
+        self.runs_backward = not (module.ddp is None or forward_only)
+        self.stages_downstream = layout.pp - 1 - module.coords()["pp"] + ctx.run.llm.layout.pp
         self.saved = {}  # microbatch -> (its input leaf or None, its output)
 
     def _hidden_like(self, i):
-        return self.trainer.encoder_hidden_like(self.name, self.micro[i])
+        call = self.ctx.calls[i]
+        return self.ctx.adapter.stage_hidden_like(self.module, call, self.ctx.share(self.module))
 
     def recv_forward(self, i):
         return [] if self.first else [stage_recv(self._hidden_like(i), self.prev)]
 
     def forward(self, i, received):
         x = None if self.first else received[0].requires_grad_(self.runs_backward)
-        y = self.trainer.encoder_forward(self.name, self.micro[i], x)
+        with torch.set_grad_enabled(self.runs_backward):
+            y = self.ctx.run_encoder(self.module, i, x)
         if self.runs_backward:
             self.saved[i] = (x, y)
         return [y]
@@ -58,7 +59,7 @@ class EncoderStage:
     def send_forward(self, i, outputs):
         if self.last:
             return [forward_sends(outputs[0], self.plans[i])]
-        return [stage_send(outputs[0].to(self.trainer.pipeline_dtype), self.next)]
+        return [stage_send(outputs[0], self.next)]
 
     def recv_backward(self, i):
         if self.last:  # row gradients, shaped like the rows sent
@@ -67,8 +68,9 @@ class EncoderStage:
 
     def backward(self, i, received):
         x, y = self.saved.pop(i)
-        with self.trainer.timers("encoder-backward"):
-            return _backward(y, received[0], [] if x is None else [x])
+        with self.ctx.timers("encoder-backward"):
+            grads = self.ctx.backward([x], [y], [received[0]])
+        return _grads(grads, [x])
 
     def send_backward(self, i, grads):
         return [] if self.first else [stage_send(grads[0], self.prev)]
@@ -78,67 +80,63 @@ class LLMStage:
     """This rank's LLM stage over the step's microbatches.
 
     On the first stage each microbatch's image/audio slots come either through the boundary
-    (`plans`: encoder name -> per-microbatch plans, non-colocated) or ready-made (`media`: encoder
-    name -> per-microbatch slots, colocated; their gradients are kept in `media_grads`). The last
-    stage sums token losses into `loss_sum` and backpropagates loss / `num_loss_tokens`; with
-    `num_loss_tokens` None it runs forward only and keeps each microbatch's logits in `logits`.
+    (non-colocated: the step's plans) or ready-made (`media`: encoder name -> per-microbatch slots,
+    colocated; their gradients are kept in `media_grads`). The last stage runs the script's loss
+    function (Megatron's forward_step); forward-only keeps the step's losses without a graph.
     """
 
-    def __init__(self, trainer, micro: list, num_loss_tokens: int | None, plans=None, media=None):
-        self.trainer, self.micro, self.num_loss_tokens = trainer, micro, num_loss_tokens
-        self.plans, self.media = plans or {}, media or {}
-        self.module = trainer.llm
-        layout, coords = self.module.layout, self.module.coords()
-        self.first, self.last = coords["pp"] == 0, coords["pp"] == layout.pp - 1
-        self.prev, self.next = _stage_neighbours(self.module)
+    def __init__(self, ctx: StepContext, media: dict | None = None):
+        self.ctx, self.media = ctx, media
+        self.module = module = ctx.run.llm
+        self.first, self.last = module.first_stage, module.last_stage
+        self.prev, self.next = _stage_neighbours(module)
         # Which encoders' rows need gradients: trainable ones (a frozen one gets nothing back).
-        self.trainable = [n for n, m in trainer.layout_encoders.items() if not m.freeze]
-        self.runs_backward = num_loss_tokens is not None
-        self.stages_downstream = layout.pp - 1 - coords["pp"]
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        self.trainable = [n for n, m in ctx.run.encoders.items() if not m.layout.freeze]
+        self.runs_backward = not ctx.forward_only
+        self.stages_downstream = module.layout.pp - 1 - module.coords()["pp"]
         self.media_grads = {name: {} for name in self.trainable}
-        self.logits = {}
         self.saved = {}
+
+    def _hidden_like(self, i):
+        return self.ctx.adapter.stage_hidden_like(self.module, self.ctx.calls[i], self.ctx.share(self.module))
 
     def recv_forward(self, i):
         if not self.first:
-            return [stage_recv(self.trainer.llm_hidden_like(self.micro[i]), self.prev)]
-        like = self.trainer.boundary_like()
-        return [forward_recvs(plans[i], like) for plans in self.plans.values()]
+            return [stage_recv(self._hidden_like(i), self.prev)]
+        if self.media is not None:
+            return []
+        like = self.ctx.adapter.boundary_like()
+        return [forward_recvs(plans[i], like) for plans in self.ctx.plans.values()]
 
     def forward(self, i, received):
-        mb, trainer = self.micro[i], self.trainer
         hidden, media = None, {}
         if self.first:
-            slots = dict(zip(self.plans, received)) if self.plans else {n: s[i] for n, s in self.media.items()}
+            slots = ({n: s[i] for n, s in self.media.items()} if self.media is not None
+                     else dict(zip(self.ctx.plans, received)))
             for name, s in slots.items():
                 media[name] = s.detach().requires_grad_(self.runs_backward and name in self.trainable)
             inputs = [media[n] for n in self.trainable if n in media]
         else:
             hidden = received[0].requires_grad_(self.runs_backward)
             inputs = [hidden]
+        view = LLMView(self.ctx, media, hidden, inputs)
         with torch.set_grad_enabled(self.runs_backward):
-            out = trainer.llm_stage_forward(mb, media, hidden, with_loss=self.runs_backward)
-        if self.last and self.runs_backward:
-            self.loss_sum += out.detach().double()
-            out = out / self.num_loss_tokens
-        elif self.last:
-            self.logits[i] = out
+            out = self.ctx.llm_forward_step(i, view)
         if self.runs_backward:
             self.saved[i] = (inputs, out)
-        return [] if self.last else [out]
+        return [] if self.last else out
 
     def send_forward(self, i, outputs):
-        return [] if self.last else [stage_send(outputs[0].to(self.trainer.pipeline_dtype), self.next)]
+        return [] if self.last else [stage_send(outputs[0], self.next)]
 
     def recv_backward(self, i):
-        return [] if self.last else [stage_recv(self.trainer.llm_hidden_like(self.micro[i]), self.next)]
+        return [] if self.last else [stage_recv(self._hidden_like(i), self.next)]
 
     def backward(self, i, received):
         inputs, out = self.saved.pop(i)
-        with self.trainer.timers("llm-backward"):
-            grads = _backward(out, None if self.last else received[0], inputs)
-        if self.first and not self.plans:  # colocated: the schedule routes them back itself
+        with self.ctx.timers("llm-backward"):
+            grads = _grads(self.ctx.backward(inputs, out, None if self.last else [received[0]]), inputs)
+        if self.first and self.media is not None:  # colocated: the schedule routes them back itself
             for name, g in zip([n for n in self.trainable if n in self.media], grads):
                 self.media_grads[name][i] = g
         return grads
@@ -146,5 +144,7 @@ class LLMStage:
     def send_backward(self, i, grads):
         if not self.first:
             return [stage_send(grads[0], self.prev)]
-        routed = [n for n in self.trainable if n in self.plans]
-        return [backward_sends(g, self.plans[n][i]) for n, g in zip(routed, grads)]
+        if self.media is not None:
+            return []
+        routed = [n for n in self.trainable if n in self.ctx.plans]
+        return [backward_sends(g, self.ctx.plans[n][i]) for n, g in zip(routed, grads)]

@@ -1,0 +1,82 @@
+"""What one process holds in a heterogeneous run: the layout, every module's groups, and the stage of
+each module it holds (built once, after torch.distributed is up; passed as an argument from there).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel
+
+from megatron_hetero.groups import ModuleGroups, build_groups
+from megatron_hetero.layout import HeteroLayout, ModuleLayout
+
+
+@dataclass
+class ModuleRuntime:
+    """One module on this rank: its groups (pgs None where not held), its stage `part` and the DDP
+    wrapper reducing its gradients (None where not held or frozen)."""
+
+    groups: ModuleGroups
+    part: torch.nn.Module | None = None
+    ddp: DistributedDataParallel | None = None
+
+    @property
+    def layout(self) -> ModuleLayout:
+        return self.groups.layout
+
+    @property
+    def name(self) -> str:
+        return self.groups.layout.name
+
+    @property
+    def held(self) -> bool:
+        return self.groups.pgs is not None
+
+    @property
+    def pgs(self):
+        return self.groups.pgs
+
+    def coords(self) -> dict | None:
+        return self.layout.coords(dist.get_rank())
+
+    @property
+    def first_stage(self) -> bool:
+        return self.held and self.coords()["pp"] == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.held and self.coords()["pp"] == self.layout.pp - 1
+
+
+@dataclass
+class HeteroRun:
+    """This process's view of a run: every module's runtime, in layout order."""
+
+    layout: HeteroLayout
+    rank: int
+    modules: dict[str, ModuleRuntime] = field(default_factory=dict)
+
+    @property
+    def llm(self) -> ModuleRuntime:
+        return self.modules[self.layout.llm.name]
+
+    @property
+    def encoders(self) -> dict[str, ModuleRuntime]:
+        return {m.name: self.modules[m.name] for m in self.layout.encoders}
+
+    @property
+    def primary(self) -> ModuleRuntime:
+        """The module whose groups stand for this rank where Megatron wants one set (its data
+        parallel rank, its tensor-parallel broadcast, its loss reporting): the LLM where held,
+        else the encoder this rank holds."""
+        return next(m for m in (self.llm, *self.encoders.values()) if m.held)
+
+    def __repr__(self) -> str:  # Megatron prints its args, this one among them
+        return f"HeteroRun({self.layout.placement}, rank {self.rank})"
+
+
+def build_run(layout: HeteroLayout) -> HeteroRun:
+    """Collective over the world: every module's process groups."""
+    groups = build_groups(layout)
+    return HeteroRun(layout, dist.get_rank(), {name: ModuleRuntime(g) for name, g in groups.items()})

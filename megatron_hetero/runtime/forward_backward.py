@@ -1,0 +1,57 @@
+"""megatron.training's forward-backward function and gradient finalization for a heterogeneous run.
+
+`forward_backward` takes what megatron-core's schedules take (train_step and evaluate call it with
+keywords) and returns Megatron's forward_data_store: the loss reports of the microbatches on ranks
+that hold the LLM's last stage, empty elsewhere.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+
+from megatron_hetero.runtime.model import HeteroModel
+from megatron_hetero.runtime.step import StepContext
+from megatron_hetero.schedules.colocated import colocated_step
+from megatron_hetero.schedules.non_colocated import non_colocated_step
+
+SCHEDULES = {"colocated": colocated_step, "non_colocated": non_colocated_step}
+
+
+def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
+                     collect_non_loss_data=False, force_all_reduce=False, **_megatron_kwargs):
+    """One step: the placement's schedule over `num_microbatches` global microbatches."""
+    if collect_non_loss_data:
+        raise NotImplementedError("collect_non_loss_data is not supported with --hetero-layout")
+    (hetero,) = model
+    assert isinstance(hetero, HeteroModel), type(hetero)
+    items = [next(data_iterator) if data_iterator is not None else None for _ in range(num_microbatches)]
+    ctx = StepContext(hetero.run, hetero.adapter, forward_step_func, items, hetero.config, forward_only,
+                      hetero.clock, hetero.timers, hetero.plan_caches)
+    ctx.prepare()
+    SCHEDULES[hetero.run.layout.placement](ctx)
+    if not forward_only:
+        per_token = hetero.config.calculate_per_token_loss
+        hetero.config.finalize_model_grads_func(
+            [hetero], ctx.num_tokens if per_token else None, force_all_reduce=force_all_reduce)
+    return ctx.losses
+
+
+def finalize_hetero_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """megatron-core's finalize_model_grads per module, each over its own groups; with per-token
+    loss every module's gradients are divided by the global number of loss tokens."""
+    (hetero,) = model
+    run = hetero.run
+    total = None
+    if num_tokens is not None:
+        # Loss tokens of the global batch: counted on the LLM's last stage, once per (dp, cp).
+        total = torch.zeros((), dtype=torch.float64, device=num_tokens.device)
+        llm = run.llm
+        if llm.last_stage and llm.coords()["tp"] == 0:
+            total += num_tokens.double()
+        dist.all_reduce(total)
+    for module in run.modules.values():
+        if module.ddp is None:
+            continue
+        finalize_model_grads([module.ddp], None, pg_collection=module.pgs, force_all_reduce=force_all_reduce)
+        if total is not None:
+            module.ddp.scale_gradients(1.0 / total.clamp(min=1).item())

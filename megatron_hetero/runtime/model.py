@@ -1,0 +1,109 @@
+"""The model megatron.training sees in a heterogeneous run: one chunk holding this rank's stage of
+every module it spans, each wrapped in megatron-core DDP over the module's own groups.
+
+Megatron's loop calls `forward_step_func(data_iterator, model)`, and the script's forward step calls
+`model(...)` with the microbatch. The schedules (runtime/step.py) pass a *view* of this model as
+`model`: a callable that runs one part of the work on the script's arguments (an encoder stage, the
+LLM stage, or, colocated without LLM pipelining, encoder -> boundary -> LLM in one autograd graph).
+What the arguments mean (which are per sample, what an encoder returns, how rows enter the LLM) is
+the model family's `Adapter` (models/llava.py for Megatron-LM's LLaVAModel, models/vlm.py for ours).
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from megatron_hetero.boundary import BoundaryBatch
+from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
+from megatron_hetero.schedules.pipeline import Clock
+from megatron_hetero.training.timers import PhaseTimers
+
+
+@dataclass
+class ModelCall:
+    """The arguments of one `model(...)` call of the script: one global microbatch (every LLM
+    data-parallel rank's samples, in rank order)."""
+
+    args: tuple
+    kwargs: dict
+
+
+class Adapter(Protocol):
+    """How a model family's call is served by per-module stages."""
+
+    def batch_size(self, call: ModelCall) -> int:
+        """Samples in the call's global microbatch."""
+
+    def boundary_like(self) -> torch.Tensor:
+        """An empty [0, llm hidden] tensor of the boundary's dtype and device."""
+
+    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share: slice) -> torch.Tensor:
+        """What `module`'s stages pass each other for samples `share` (shape, dtype, device)."""
+
+    def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
+        """Metadata of encoder `name`'s rows for the microbatch of `call` (identical on every rank)."""
+
+    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, hidden):
+        """This rank's stage of an encoder on samples `share` of the microbatch (`hidden`: the input
+        from the previous stage, None on the first); the last stage returns its rows [n, h]."""
+
+    def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
+        """This rank's LLM stage on samples `share`; `media`: encoder name -> input slots
+        [seq * b_local, h] (first stage), `hidden`: the previous stage's output (later stages).
+        Returns what the script's model returns."""
+
+
+@dataclass
+class ModelParts:
+    """What a model provider returns under `--hetero-layout`: this rank's stage of every module it
+    holds (module name -> stage), and how the script's model call maps onto them."""
+
+    parts: dict
+    adapter: Adapter
+
+
+class HeteroModel(torch.nn.Module):
+    """Megatron's model chunk in a heterogeneous run (see the module docstring)."""
+
+    def __init__(self, run: HeteroRun, adapter: Adapter):
+        super().__init__()
+        self.run, self.adapter = run, adapter
+        # Held parts, DDP-wrapped where trainable: parameters and state_dict keys by module name.
+        self.parts = torch.nn.ModuleDict({
+            m.name: m.ddp if m.ddp is not None else m.part for m in run.modules.values() if m.held})
+        primary = run.primary
+        self.config = primary.part.config
+        self.pg_collection = primary.pgs
+        self.force_all_reduce = False
+        device = next(iter(self.parts.values())).parameters().__next__().device
+        self.clock = Clock(device)  # time spent waiting on other ranks' data
+        self.timers = PhaseTimers(device)  # step-time breakdowns (tools/bench_e2e.py turns them on)
+        self.plan_caches = {}  # encoder name -> PlanCache
+
+    def _trainable(self):
+        return [m.ddp for m in self.run.modules.values() if m.ddp is not None]
+
+    def zero_grad_buffer(self):
+        for ddp in self._trainable():
+            ddp.zero_grad_buffer()
+
+    def broadcast_params(self):
+        for ddp in self._trainable():
+            ddp.broadcast_params()
+
+    def start_param_sync(self, *args, **kwargs):
+        for ddp in self._trainable():
+            ddp.start_param_sync(*args, **kwargs)
+
+    def finish_grad_sync(self, *args, **kwargs):
+        for ddp in self._trainable():
+            ddp.finish_grad_sync(*args, **kwargs)
+
+    def set_input_tensor(self, input_tensor):
+        raise RuntimeError("a heterogeneous model runs through megatron-hetero's schedules, which "
+                           "call the script's forward step with a view of it")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a heterogeneous model runs through megatron-hetero's schedules "
+                           "(get_forward_backward_func is patched); call it through them")

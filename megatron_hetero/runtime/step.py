@@ -1,0 +1,169 @@
+"""One training (or evaluation) step of a heterogeneous run inside megatron.training's loop.
+
+`forward_backward` has the signature of megatron-core's forward-backward functions (what
+`get_forward_backward_func()` returns; patches/hetero_schedule.py hands it out under
+`--hetero-layout`). It builds a `StepContext` and runs the placement's schedule
+(schedules/colocated.py, schedules/non_colocated.py), which call the script's forward step through
+views of the model (`EncoderView`, `LLMView`, `ColocatedView`) and megatron-core's own
+`forward_step` / `backward_step`, so the loss function, its scaling and the reported losses are
+Megatron's.
+
+Data: every rank's iterator yields global microbatches (micro batch size x LLM dp samples; see
+patches/hetero_data.py). The step takes its microbatches from it once and replays microbatch i to the
+forward step whenever a view of it runs (an encoder forward, the LLM stage, a recomputation).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+
+from megatron_hetero.boundary import PlanCache, RankPlan, boundary_exchange
+from megatron_hetero.data.batches import module_slice
+from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
+from megatron_hetero.runtime.model import Adapter, HeteroModel, ModelCall
+from megatron_hetero.schedules.pipeline import Clock
+from megatron_hetero.training.timers import PhaseTimers
+
+
+@dataclass
+class StepContext:
+    """What the schedules need for one step: the run, the microbatches, their boundary plans, and
+    how to call the script's forward step on microbatch i with a view of the model."""
+
+    run: HeteroRun
+    adapter: Adapter
+    forward_step_func: Callable
+    items: list  # microbatch i's raw data (None where this rank has no iterator)
+    config: object  # the primary module's TransformerConfig: Megatron's schedule settings
+    forward_only: bool
+    clock: Clock
+    timers: PhaseTimers
+    plan_caches: dict
+    calls: list = field(default_factory=list)  # microbatch i's model arguments
+    batch_size: int = 0  # samples in a global microbatch
+    plans: dict = field(default_factory=dict)  # encoder name -> [RankPlan per microbatch]
+    losses: list = field(default_factory=list)  # Megatron's forward_data_store (last LLM stage)
+    num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.items)
+
+    def replay(self, i: int):
+        return None if self.items[i] is None else iter([self.items[i]])
+
+    def share(self, module: ModuleRuntime) -> slice:
+        """The samples of a global microbatch that `module`'s data-parallel rank takes."""
+        return module_slice(self.batch_size, module.layout.dp, module.coords()["dp"])
+
+    def prepare(self) -> None:
+        """Every microbatch's model arguments (one forward-step call each, through a capturing
+        view) and, from them, every edge's boundary plan."""
+        for i in range(self.num_microbatches):
+            capture = _Capture()
+            self.forward_step_func(self.replay(i), capture)
+            self.calls.append(capture.call)
+        self.batch_size = self.adapter.batch_size(self.calls[0])
+        layout = self.run.layout
+        for encoder in layout.encoders:
+            cache = self.plan_caches.setdefault(encoder.name, PlanCache())
+            self.plans[encoder.name] = [
+                cache.plan(self.adapter.boundary_batch(encoder.name, call), encoder, layout.llm,
+                           self.run.rank, layout.world_size) for call in self.calls]
+
+    # ---- running parts of the model through the script's forward step --------------------------
+    def run_encoder(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
+        """Encoder stage forward on microbatch i (rows on its last stage)."""
+        view = EncoderView(self, module, hidden)
+        with self.timers("encoder-forward"):
+            output, _ = self.forward_step_func(self.replay(i), view)
+        return output
+
+    def llm_forward_step(self, i: int, view) -> torch.Tensor:
+        """Megatron's forward_step on microbatch i with `view` (an LLMView or ColocatedView): on the
+        last LLM stage the script's loss function runs and its report joins `losses`."""
+        llm = self.run.llm
+        with self.timers("llm-forward"):
+            output, num_tokens = forward_step(
+                self.forward_step_func, self.replay(i), view, self.num_microbatches, view.inputs,
+                self.losses, self.config, llm.layout.cp, is_last_stage=llm.last_stage)
+        self.num_tokens += num_tokens
+        return output
+
+    def backward(self, inputs: list, output, output_grad) -> list:
+        """Megatron's backward_step: gradients of `inputs` (None entries stay None)."""
+        return backward_step(inputs, output, output_grad, self.config)
+
+
+class _Capture:
+    """A view that records the model call (the forward step's outputs are discarded)."""
+
+    call: ModelCall | None = None
+
+    def set_input_tensor(self, tensor):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        self.call = ModelCall(args, kwargs)
+        return None, None
+
+
+class EncoderView:
+    """`model` for one encoder stage: returns (rows or hidden, None)."""
+
+    def __init__(self, ctx: StepContext, module: ModuleRuntime, hidden=None):
+        self.ctx, self.module, self.hidden = ctx, module, hidden
+
+    def set_input_tensor(self, tensor):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        call = ModelCall(args, kwargs)
+        share = self.ctx.share(self.module)
+        trainable = self.module.ddp is not None and torch.is_grad_enabled()
+        with torch.set_grad_enabled(trainable):
+            return self.ctx.adapter.encoder_forward(self.module, call, share, self.hidden), None
+
+
+class LLMView:
+    """`model` for the LLM stage: `media` (encoder name -> slots) on the first stage, the previous
+    stage's output `hidden` on later ones. `inputs`: what backward returns gradients for."""
+
+    def __init__(self, ctx: StepContext, media: dict, hidden=None, inputs=None):
+        self.ctx, self.media, self.hidden = ctx, media, hidden
+        self.inputs = inputs if inputs else [None]
+
+    def set_input_tensor(self, tensor):
+        pass  # the input (hidden) is already held
+
+    def __call__(self, *args, **kwargs):
+        llm = self.ctx.run.llm
+        return self.ctx.adapter.llm_forward(llm, ModelCall(args, kwargs), self.ctx.share(llm),
+                                            self.media, self.hidden)
+
+
+class ColocatedView:
+    """`model` for one colocated microbatch without LLM pipelining: every encoder's forward, the
+    boundary (autograd: its backward routes the row gradients back), the LLM's forward."""
+
+    inputs = [None]
+
+    def __init__(self, ctx: StepContext, i: int):
+        self.ctx, self.i = ctx, i
+
+    def set_input_tensor(self, tensor):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        ctx, call = self.ctx, ModelCall(args, kwargs)
+        media = {}
+        for name, module in ctx.run.encoders.items():
+            trainable = module.ddp is not None and torch.is_grad_enabled()
+            with ctx.timers("encoder-forward"), torch.set_grad_enabled(trainable):
+                rows = ctx.adapter.encoder_forward(module, call, ctx.share(module), None)
+            with ctx.timers("boundary"):
+                media[name] = boundary_exchange(rows, ctx.plans[name][self.i])
+        llm = ctx.run.llm
+        return ctx.adapter.llm_forward(llm, call, ctx.share(llm), media, None)

@@ -1,0 +1,70 @@
+"""`--hetero-layout` inside Megatron's argument validation (megatron.training 0.19 `validate_args`).
+
+The layout file is the source of the parallel sizes: the LLM's tp/cp/pp/sp become Megatron's
+`--tensor-model-parallel-size` & co. (a conflicting flag is an error), the data-parallel size is the
+LLM's dp (microbatches are counted per LLM data-parallel rank), and upstream validation sees the
+LLM's share of the world, so a non-colocated layout whose encoder has ranks of its own validates.
+Every mistake is one `error:` line and exit code 2, before any process group exists.
+"""
+
+import os
+import sys
+
+from megatron_hetero.boundary import BoundaryError, check_edge_layouts
+from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout
+from megatron_hetero.training.args import ArgsError
+
+# Megatron flag, args attribute, llm layout field.
+_LLM_SIZES = (
+    ("--tensor-model-parallel-size", "tensor_model_parallel_size", "tp"),
+    ("--context-parallel-size", "context_parallel_size", "cp"),
+    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "pp"),
+)
+
+
+def fail(message: str) -> None:
+    """One line on rank 0, exit code 2 on every rank (all ranks validate the same arguments)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _apply_layout(args, layout: HeteroLayout) -> None:
+    llm = layout.llm
+    for flag, attr, axis in _LLM_SIZES:
+        given, wanted = getattr(args, attr), getattr(llm, axis)
+        if given not in (1, wanted):
+            raise ArgsError(f"{flag} {given} conflicts with module {llm.name}'s {axis}={wanted} in "
+                            f"{args.hetero_layout}; drop the flag (the layout file sets each module's sizes)")
+        setattr(args, attr, wanted)
+    if args.sequence_parallel and not llm.sp:
+        raise ArgsError(f"--sequence-parallel conflicts with module {llm.name}'s sp: false in "
+                        f"{args.hetero_layout}; set sp: true there or drop the flag")
+    args.sequence_parallel = llm.sp
+    if args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank:
+        raise ArgsError("virtual pipeline stages are not supported with --hetero-layout; drop "
+                        "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
+
+
+def load(args) -> HeteroLayout:
+    """The layout of `--hetero-layout`, checked, with Megatron's sizes taken from it."""
+    try:
+        layout = load_layout(args.hetero_layout, args.world_size)
+        for encoder in layout.encoders:
+            check_edge_layouts(encoder, layout.llm)
+        _apply_layout(args, layout)
+    except (LayoutError, ArgsError, BoundaryError) as error:
+        fail(str(error))
+    return layout
+
+
+def validate(original, args, defaults) -> None:
+    """Upstream validation over the LLM's ranks: data-parallel size = the LLM's dp."""
+    layout = args.hetero_layout_spec
+    world_size = args.world_size
+    args.world_size = layout.llm.size
+    try:
+        original(args, defaults)
+    finally:
+        args.world_size = world_size
+    assert args.data_parallel_size == layout.llm.dp, (args.data_parallel_size, layout.llm.dp)

@@ -1,0 +1,32 @@
+"""Per-module process groups instead of one global parallel layout (megatron.training 0.19
+`initialize._initialize_distributed`).
+
+With `--hetero-layout`, torch.distributed starts as upstream starts it, upstream's model-parallel
+initialization is skipped, every module's groups are built from the layout (megatron-core
+HyperCommGrid), and megatron-core's parallel_state is pointed at this rank's primary module
+(parallel_state.py). The run's state (`args.hetero_run`) is built here, once.
+"""
+
+from megatron.training import get_args
+
+from megatron_hetero.patches import parallel_state
+from megatron_hetero.patches._patch import replace
+from megatron_hetero.runtime.context import build_run
+
+
+def _initialize_distributed(original):
+    def initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store,
+                               skip_model_parallel_init=False):
+        args = get_args()
+        if args.hetero_layout_spec is None:
+            return original(get_embedding_ranks, get_position_embedding_ranks, store,
+                            skip_model_parallel_init=skip_model_parallel_init)
+        original(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=True)
+        args.hetero_run = build_run(args.hetero_layout_spec)
+        parallel_state.point_at(args.hetero_run.primary.pgs)
+    return initialize_distributed
+
+
+def apply() -> None:
+    replace("megatron.training.initialize._initialize_distributed", _initialize_distributed,
+            params=("get_embedding_ranks", "get_position_embedding_ranks", "store", "skip_model_parallel_init"))
