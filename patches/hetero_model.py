@@ -49,9 +49,6 @@ def wrap_parts(run, built: ModelParts, args) -> HeteroModel:
                                              pg_collection=module.pgs)
         if module.layout.role == "encoder" and not args.calculate_per_token_loss:
             _scale_reduced_gradients(module.ddp, 1.0 / run.layout.llm.dp)
-    import os
-    if os.environ.get("HETERO_DUMP"):
-        torch.save({n: {k: (v.detach().clone(), getattr(v, "partition_dim", -1), getattr(v, "tensor_model_parallel", False)) for k, v in m.part.named_parameters()} for n, m in run.modules.items() if m.held}, f"{os.environ['HETERO_DUMP']}{torch.distributed.get_rank()}.pt")
     model = HeteroModel(run, built.adapter)
     model.config.finalize_model_grads_func = finalize_hetero_grads
     return model

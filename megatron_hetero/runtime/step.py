@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+from megatron.core.pipeline_parallel.schedules import forward_step
 
 from megatron_hetero.boundary import PlanCache, RankPlan, boundary_exchange
 from megatron_hetero.data.batches import module_slice
@@ -92,9 +92,19 @@ class StepContext:
         self.num_tokens += num_tokens
         return output
 
-    def backward(self, inputs: list, output, output_grad) -> list:
-        """Megatron's backward_step: gradients of `inputs` (None entries stay None)."""
-        return backward_step(inputs, output, output_grad, self.config)
+    def backward(self, inputs: list, outputs: list, output_grads: list) -> list:
+        """Backpropagate a stage's output (the loss on the last LLM stage, scaled by Megatron's loss
+        scale) and return the gradients of `inputs` (None entries stay None). Megatron's own
+        backward_step expects outputs its schedules have pseudo-freed; ours are still in flight."""
+        for x in inputs:
+            if x is not None:
+                x.retain_grad()
+        output, grad = outputs[0], output_grads[0]
+        if grad is None and self.config.grad_scale_func is not None:
+            output = self.config.grad_scale_func(output)
+        if output.requires_grad:
+            torch.autograd.backward(output, grad_tensors=grad)
+        return [None if x is None else x.grad for x in inputs]
 
 
 class _Capture:

@@ -135,7 +135,7 @@ class LLMStage:
     def backward(self, i, received):
         inputs, out = self.saved.pop(i)
         with self.ctx.timers("llm-backward"):
-            grads = _grads(self.ctx.backward(inputs, out, None if self.last else [received[0]]), inputs)
+            grads = _grads(self.ctx.backward(inputs, out, [None if self.last else received[0]]), inputs)
         if self.first and self.media is not None:  # colocated: the schedule routes them back itself
             for name, g in zip([n for n in self.trainable if n in self.media], grads):
                 self.media_grads[name][i] = g
