@@ -29,7 +29,7 @@ AXES = ("tp", "cp", "dp", "pp")
 ROLES = ("encoder", "llm")
 PLACEMENTS = ("colocated", "non_colocated")
 TOP_KEYS = ("placement", "modules", "edges")
-MODULE_KEYS = ("role", *AXES, "sp", "freeze", "ranks", "ep", "etp")
+MODULE_KEYS = ("role", "kind", *AXES, "sp", "freeze", "ranks", "ep", "etp")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _RANKS = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
@@ -59,6 +59,9 @@ class ModuleLayout:
     sp: bool = False
     freeze: bool = False
     first_rank: int = 0  # global rank of the module's coordinate (0, 0, 0, 0)
+    # What an encoder encodes (e.g. vision, audio: a script's registry of encoder kinds decides what
+    # it builds); without `kind:` in the file, the module's name.
+    kind: str = ""
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -80,6 +83,10 @@ class ModuleLayout:
             raise LayoutError(f"{where}: sp is only supported on the llm; set sp: false")
         if self.sp and self.tp == 1:
             raise LayoutError(f"{where}: sp needs tensor parallelism; set tp > 1 or sp: false")
+        if not isinstance(self.kind, str) or (self.kind and not _NAME.match(self.kind)):
+            raise LayoutError(f"{where}: kind {self.kind!r} is not valid; use a name such as vision or audio")
+        if not self.kind:
+            object.__setattr__(self, "kind", self.name)
         if not _is_int(self.first_rank) or self.first_rank < 0:
             raise LayoutError(f"{where}: first rank must be a non-negative integer, got {self.first_rank!r}")
 
@@ -306,7 +313,7 @@ def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
     module = ModuleLayout(
         name=name,
         first_rank=ranks.start,
-        **{key: spec[key] for key in ("role", *AXES, "sp", "freeze") if key in spec},
+        **{key: spec[key] for key in ("role", "kind", *AXES, "sp", "freeze") if key in spec},
     )
     # Colocated sizes are checked against the world by HeteroLayout; here only the explicit range.
     if placement == "non_colocated" and module.size != len(ranks):

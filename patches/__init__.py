@@ -19,6 +19,7 @@ from megatron_hetero.patches import (
     hetero_model,
     hetero_optimizer,
     hetero_schedule,
+    metrics,
     startup,
 )
 from megatron_hetero.patches._patch import PatchError, check_version
@@ -34,6 +35,7 @@ def apply() -> None:
     hetero_optimizer.apply()
     hetero_data.apply()
     hetero_schedule.apply()
+    metrics.apply()
 
 
 __all__ = ["apply", "PatchError"]

@@ -17,6 +17,8 @@ def add_hetero_flags(parser):
     group = parser.add_argument_group("megatron-hetero")
     group.add_argument("--hetero-layout", default=None, metavar="FILE",
                        help="YAML file declaring each module's parallel layout (megatron-hetero)")
+    group.add_argument("--metrics-file", default=None, metavar="FILE",
+                       help="write one JSON object per iteration (step, loss, grad_norm, lr, ...) here")
     return parser
 
 

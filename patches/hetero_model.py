@@ -51,6 +51,7 @@ def wrap_parts(run, built: ModelParts, args) -> HeteroModel:
             _scale_reduced_gradients(module.ddp, 1.0 / run.layout.llm.dp)
     model = HeteroModel(run, built.adapter)
     model.config.finalize_model_grads_func = finalize_hetero_grads
+    run.model = model
     return model
 
 

@@ -126,16 +126,12 @@ class LLaVAAdapter:
         rows = np.full(samples, self.img_seq_len)
         return BoundaryBatch(rows, np.tile(np.arange(self.img_seq_len), samples), self.img_seq_len)
 
-    @staticmethod
-    def _model(module: ModuleRuntime):
-        return module.ddp if module.ddp is not None else module.part
-
     def encoder_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, hidden):
-        embeddings, _ = self._model(module)(**self._arguments(call, share))  # [img_seq, n, h]
+        embeddings, _ = module.part(**self._arguments(call, share))  # [img_seq, n, h]
         return embeddings.transpose(0, 1).reshape(-1, embeddings.shape[-1])
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         if module.first_stage:
-            hidden = media[self.vision].view(self.img_seq_len, share.stop - share.start, -1)
+            hidden = media[self.vision].slots.view(self.img_seq_len, share.stop - share.start, -1)
         module.part.set_input_tensor(hidden)
-        return self._model(module)(**self._arguments(call, share))
+        return module.part(**self._arguments(call, share))

@@ -56,6 +56,7 @@ class HeteroRun:
     layout: HeteroLayout
     rank: int
     modules: dict[str, ModuleRuntime] = field(default_factory=dict)
+    model: torch.nn.Module | None = None  # the HeteroModel megatron.training trains, once built
 
     @property
     def llm(self) -> ModuleRuntime:

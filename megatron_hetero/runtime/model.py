@@ -14,10 +14,19 @@ from typing import Protocol
 
 import torch
 
-from megatron_hetero.boundary import BoundaryBatch
+from megatron_hetero.boundary import BoundaryBatch, RankPlan
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.schedules.pipeline import Clock
 from megatron_hetero.training.timers import PhaseTimers
+
+
+@dataclass
+class Media:
+    """What the boundary delivered to this LLM rank for one encoder and microbatch: its input slots
+    [seq * b_local, h] (Megatron's sequence-first order) and the plan that says which are filled."""
+
+    slots: torch.Tensor
+    plan: RankPlan
 
 
 @dataclass
@@ -49,8 +58,8 @@ class Adapter(Protocol):
         from the previous stage, None on the first); the last stage returns its rows [n, h]."""
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
-        """This rank's LLM stage on samples `share`; `media`: encoder name -> input slots
-        [seq * b_local, h] (first stage), `hidden`: the previous stage's output (later stages).
+        """This rank's LLM stage on samples `share`; `media`: encoder name -> Media (first stage),
+        `hidden`: the previous stage's output (later stages).
         Returns what the script's model returns."""
 
 

@@ -19,10 +19,10 @@ from typing import Callable
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
 
-from megatron_hetero.boundary import PlanCache, RankPlan, boundary_exchange
+from megatron_hetero.boundary import PlanCache, boundary_exchange
 from megatron_hetero.data.batches import module_slice
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
-from megatron_hetero.runtime.model import Adapter, HeteroModel, ModelCall
+from megatron_hetero.runtime.model import Adapter, ModelCall, Media
 from megatron_hetero.schedules.pipeline import Clock
 from megatron_hetero.training.timers import PhaseTimers
 
@@ -173,7 +173,8 @@ class ColocatedView:
             trainable = module.ddp is not None and torch.is_grad_enabled()
             with ctx.timers("encoder-forward"), torch.set_grad_enabled(trainable):
                 rows = ctx.adapter.encoder_forward(module, call, ctx.share(module), None)
+            plan = ctx.plans[name][self.i]
             with ctx.timers("boundary"):
-                media[name] = boundary_exchange(rows, ctx.plans[name][self.i])
+                media[name] = Media(boundary_exchange(rows, plan), plan)
         llm = ctx.run.llm
         return ctx.adapter.llm_forward(llm, call, ctx.share(llm), media, None)

@@ -11,6 +11,7 @@ already moved the rows (`media` given) and collects their gradients.
 import torch
 
 from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, forward_recvs, forward_sends
+from megatron_hetero.runtime.model import Media
 from megatron_hetero.runtime.step import LLMView, StepContext
 from megatron_hetero.schedules.pipeline import stage_recv, stage_send
 
@@ -114,8 +115,9 @@ class LLMStage:
             slots = ({n: s[i] for n, s in self.media.items()} if self.media is not None
                      else dict(zip(self.ctx.plans, received)))
             for name, s in slots.items():
-                media[name] = s.detach().requires_grad_(self.runs_backward and name in self.trainable)
-            inputs = [media[n] for n in self.trainable if n in media]
+                s = s.detach().requires_grad_(self.runs_backward and name in self.trainable)
+                media[name] = Media(s, self.ctx.plans[name][i])
+            inputs = [media[n].slots for n in self.trainable if n in media]
         else:
             hidden = received[0].requires_grad_(self.runs_backward)
             inputs = [hidden]

@@ -1,11 +1,16 @@
-"""Command-line flags of the pretrain scripts (Megatron-style names; `@file` argument files work)."""
+"""examples/pretrain_vlm.py's own flags (beside Megatron's), argument files, and the checks of what
+that script can train: every mistake one line naming the flag or field and the fix."""
 
 import argparse
 from dataclasses import fields
 
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
+from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.models.sizes import ModelSizes
+
+# ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
+MEGATRON_SIZE_FLAGS = ("hidden_size", "num_layers", "num_attention_heads", "seq_length")
 
 
 class ArgsError(ValueError):
@@ -29,70 +34,37 @@ def expand_arg_files(argv: list[str]) -> list[str]:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def convert_arg_line_to_args(self, arg_line):
-        return arg_file_line(arg_line)
+def _own_size_fields():
+    return [f for f in fields(ModelSizes) if f.name not in ("vocab_size", "vocab_multiple", *MEGATRON_SIZE_FLAGS)]
 
 
-def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags megatron-hetero adds to a pretrain script."""
-    group = parser.add_argument_group("megatron-hetero")
-    group.add_argument("--hetero-layout", required=True, metavar="FILE",
-                       help="YAML file declaring each module's layout (see README)")
+def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The example script's flags: its encoders' sizes, the data, the evaluation, the control run."""
+    group = parser.add_argument_group("megatron-hetero example")
     group.add_argument("--ablate-vision", action="store_true",
-                       help="zero the encoder rows at the boundary (control run)")
+                       help="zero the vision rows at the boundary (control run)")
+    group.add_argument("--eval-samples", type=int, default=0,
+                       help="caption accuracy on this many held-out images after training")
+    group.add_argument("--data-seed", type=int, default=1234)
+    for f in _own_size_fields():
+        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(description="Train a vision encoder + LLM with per-module layouts",
-                     fromfile_prefix_chars="@")
-    add_hetero_args(parser)
-    train = parser.add_argument_group("training")
-    train.add_argument("--train-iters", type=int, default=100)
-    train.add_argument("--global-batch-size", type=int, default=32)
-    train.add_argument("--micro-batch-size", type=int, default=4)
-    train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--min-lr", type=float, default=None,
-                       help="cosine-decay the learning rate to this value (default: constant)")
-    train.add_argument("--lr-warmup-iters", type=int, default=0)
-    train.add_argument("--weight-decay", type=float, default=0.0)
-    train.add_argument("--clip-grad", type=float, default=1.0)
-    train.add_argument("--bf16", action="store_true")
-    train.add_argument("--use-distributed-optimizer", action="store_true",
-                       help="shard each module's optimizer state over its DP (x CP) group (ZeRO-1): "
-                            "gradients reduce-scattered, parameters all-gathered after the step")
-    train.add_argument("--log-interval", type=int, default=1)
-    train.add_argument("--metrics-file", default=None)
-    train.add_argument("--eval-samples", type=int, default=0)
-    train.add_argument("--data-seed", type=int, default=1234)
-    model = parser.add_argument_group("model sizes")
-    for f in _size_flags():
-        model.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
-    return parser
-
-
-def _size_flags():
-    """ModelSizes fields set by flags; the vocabulary comes from the tokenizer."""
-    return [f for f in fields(ModelSizes) if f.name not in ("vocab_size", "vocab_multiple")]
-
-
-def model_sizes(args, vocab_size: int) -> ModelSizes:
-    return ModelSizes(vocab_size=vocab_size, **{f.name: getattr(args, f.name) for f in _size_flags()})
-
-
-ENCODER_KINDS = ("vision", "audio")
+def model_sizes(args) -> ModelSizes:
+    names = [f.name for f in _own_size_fields()] + list(MEGATRON_SIZE_FLAGS)
+    return ModelSizes(vocab_size=CaptionTokenizer().vocab_size, **{name: getattr(args, name) for name in names})
 
 
 def check_trainable(layout) -> None:
     """Layouts the schedules and models here run (everything else the layout allows is served by the
-    boundary, see verify_layout): encoders named by kind, encoders without CP, colocated encoders
-    without PP, a trainable LLM."""
+    boundary, see verify_layout): encoders of registered kinds, without CP, colocated ones without PP,
+    a trainable LLM."""
     for module in layout.encoders:
-        if module.name not in ENCODER_KINDS:
-            raise ArgsError(f"module {module.name}: this trainer builds encoders named "
-                            f"{' or '.join(ENCODER_KINDS)}; rename the module")
+        try:
+            encoder_kind(module)
+        except UnknownKindError as error:
+            raise ArgsError(str(error)) from None
         if module.cp != 1:
             raise ArgsError(f"module {module.name}: encoders train with cp=1 (a sequence is one image "
                             f"or clip); set cp: 1 and use dp for its ranks")
@@ -103,17 +75,10 @@ def check_trainable(layout) -> None:
         raise ArgsError(f"module {layout.llm.name}: freeze is for encoders here; remove it from the llm")
 
 
-def _encoder_flags(args, name: str) -> list[tuple[str, int]]:
-    """Encoder `name`'s (flag, value) for its layers, hidden size and attention heads."""
-    prefix = "enc" if name == "vision" else "audio"
-    return [(f"{prefix}-{flag}", getattr(args, f"{prefix}_{flag.replace('-', '_')}"))
-            for flag in ("num-layers", "hidden-size", "num-attention-heads")]
-
-
 def _check_stages(args, layout) -> None:
     """Layers split evenly over pipeline stages; sequences split evenly over CP chunks and SP parts."""
     layers = {layout.llm.name: ("num-layers", args.num_layers)}
-    layers.update({m.name: _encoder_flags(args, m.name)[0] for m in layout.encoders})
+    layers.update({m.name: encoder_kind(m).size_flags(args)[0] for m in layout.encoders})
     for module in layout.modules:
         flag, n = layers[module.name]
         if n < module.pp:
@@ -123,8 +88,8 @@ def _check_stages(args, layout) -> None:
             raise ArgsError(f"--{flag} {n} is not divisible by module {module.name}'s pp={module.pp}; "
                             f"use a multiple of {module.pp}")
     llm, seq = layout.llm, args.seq_length
-    sizes = model_sizes(args, vocab_size=0)
-    media = sizes.patches_per_image + (sizes.tokens_per_clip if "audio" in {m.name for m in layout.encoders} else 0)
+    sizes = model_sizes(args)
+    media = sum(encoder_kind(m).tokens_per_item(sizes) for m in layout.encoders)
     needed = 1 + media + max(len(CaptionTokenizer().encode(c)) for c in all_captions()) + 1
     if seq < needed:
         raise ArgsError(f"--seq-length {seq} cannot hold <bos>, {media} image/audio tokens, the longest "
@@ -140,7 +105,7 @@ def _check_stages(args, layout) -> None:
 def _check_sizes(args, layout) -> None:
     pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, layout.llm.tp)]
     for module in layout.encoders:
-        _, (hidden_flag, hidden), (heads_flag, heads) = _encoder_flags(args, module.name)
+        _, (hidden_flag, hidden), (heads_flag, heads) = encoder_kind(module).size_flags(args)
         pairs.append((hidden_flag, heads_flag, hidden, heads, module.tp))
     for hidden_flag, heads_flag, hidden, heads, tp in pairs:
         if heads < 1 or hidden % heads:
@@ -182,14 +147,26 @@ def check_args(args, layout) -> None:
                 f"--micro-batch-size x llm dp = {per_step} is not divisible by the encoder's "
                 f"dp={dp}; make it a multiple of {dp}"
             )
-    for dp in encoder_dps:
-        if args.global_batch_size % dp:
-            raise ArgsError(
-                f"--global-batch-size {args.global_batch_size} is not divisible by the encoder's "
-                f"dp={dp}; use a multiple of {dp}"
-            )
     if args.eval_samples:
         for dp in (llm_dp, *encoder_dps):
             if args.eval_samples % dp:
                 raise ArgsError(f"--eval-samples {args.eval_samples} is not divisible by dp={dp}; "
                                 f"use a multiple of {dp}")
+
+
+def check_script_args(args) -> None:
+    """examples/pretrain_vlm.py's checks, after Megatron's parsing: one `error:` line and exit 2."""
+    from megatron_hetero.patches.hetero_args import fail
+
+    if args.hetero_layout is None:
+        fail("--hetero-layout is required: this script trains per-module layouts (see "
+             "examples/layouts/ and the README)")
+    try:
+        check_trainable(args.hetero_layout_spec)
+        check_args(args, args.hetero_layout_spec)
+    except ArgsError as error:
+        fail(str(error))
+
+
+__all__ = ["ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",
+           "check_trainable", "expand_arg_files", "model_sizes"]

@@ -1,0 +1,49 @@
+"""The registry of encoder kinds this project's model builds (a layout module's `kind:`): what each
+kind reads from a sample, its size flags, how many tokens an item puts into the LLM sequence, and
+its builder. Importable without megatron-core (flags are parsed first)."""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_hetero.models.sizes import ModelSizes
+
+
+@dataclass(frozen=True)
+class EncoderKind:
+    name: str
+    input_key: str  # the model call's argument (and the batch key) holding this kind's items
+    flag_prefix: str  # its size flags: --{prefix}-num-layers, --{prefix}-hidden-size, --{prefix}-num-attention-heads
+    tokens_per_item: Callable[[ModelSizes], int]
+    builder: str  # function in megatron_hetero.models.vlm: (sizes, tp, pgs, whole=...) -> a stage
+
+    def size_flags(self, args) -> list[tuple[str, int]]:
+        """(flag, value) for the kind's layers, hidden size and attention heads."""
+        return [(f"{self.flag_prefix}-{flag}", getattr(args, f"{self.flag_prefix}_{flag.replace('-', '_')}"))
+                for flag in ("num-layers", "hidden-size", "num-attention-heads")]
+
+    def hidden_size(self, sizes: ModelSizes) -> int:
+        return getattr(sizes, f"{self.flag_prefix}_hidden_size")
+
+    def build(self, *args, **kwargs):
+        from megatron_hetero.models import vlm
+
+        return getattr(vlm, self.builder)(*args, **kwargs)
+
+
+ENCODER_KINDS = {
+    "vision": EncoderKind("vision", "images", "enc", lambda s: s.patches_per_image, "build_vision_encoder"),
+    "audio": EncoderKind("audio", "audio", "audio", lambda s: s.tokens_per_clip, "build_audio_encoder"),
+}
+
+
+class UnknownKindError(ValueError):
+    """An encoder whose kind this model does not build; one line naming the fix."""
+
+
+def encoder_kind(module) -> EncoderKind:
+    """The registered kind of an encoder module of a layout."""
+    if module.kind not in ENCODER_KINDS:
+        raise UnknownKindError(
+            f"module {module.name}: kind {module.kind!r} is not an encoder this model builds; set "
+            f"kind: to one of {', '.join(ENCODER_KINDS)}")
+    return ENCODER_KINDS[module.kind]

@@ -1,0 +1,95 @@
+"""This project's reference multimodal model (models/vlm.py: encoders of the registered kinds and a
+GPTModel on our TE-free layers) as per-module parts for megatron.training, and its adapter.
+
+The script calls `model(input_ids=, labels=, loss_mask=, <kind input>=, <kind>_positions=)` on a
+global microbatch (see data/megatron_data.py): per sample, the fused sequence's token ids, labels and
+loss mask [S], each kind's items (images [3, H, W], clips [mel, frames]) and the sequence positions
+their rows fill [tokens per item]. Each module takes its data-parallel rank's samples; the LLM its
+context-parallel positions (Megatron's load-balanced chunks). On the last LLM stage the model returns
+(per-token losses [b, s_local], loss mask [b, s_local]) for the script's loss function.
+"""
+
+import numpy as np
+import torch
+
+from megatron_hetero.boundary import BoundaryBatch, slot_mask
+from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.models.init import build_stage
+from megatron_hetero.models.kinds import encoder_kind
+from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.vlm import build_llm, llm_forward
+from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
+from megatron_hetero.runtime.model import ModelCall, ModelParts
+
+
+def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False) -> ModelParts:
+    """This rank's stage of every module it holds; module i of the layout from seed + i, so a
+    module's weights do not depend on what else a rank holds, nor on its TP or PP size."""
+    parts = {}
+    for index, module in enumerate(run.modules.values()):
+        if not module.held:
+            continue
+        layout, pgs = module.layout, module.pgs
+        if layout.role == "llm":
+            def build(whole, layout=layout, pgs=pgs):
+                return build_llm(sizes, layout.tp, pgs, whole=whole, sp=layout.sp)
+        else:
+            def build(whole, layout=layout, pgs=pgs):
+                return encoder_kind(layout).build(sizes, layout.tp, pgs, whole=whole)
+        parts[module.name] = build_stage(build, seed + index, layout.pp)
+    return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision))
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class VLMAdapter:
+    def __init__(self, run: HeteroRun, sizes: ModelSizes, ablate_vision: bool = False):
+        self.run, self.sizes, self.ablate_vision = run, sizes, ablate_vision
+        self.dtype = torch.float32
+
+    def batch_size(self, call: ModelCall) -> int:
+        return call.kwargs["input_ids"].shape[0]
+
+    def boundary_like(self) -> torch.Tensor:
+        return torch.zeros(0, self.sizes.hidden_size, dtype=self.dtype, device=_device())
+
+    def _llm_seq_local(self) -> int:
+        llm = self.run.layout.llm
+        return self.sizes.seq_length // llm.cp // (llm.tp if llm.sp else 1)
+
+    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share: slice) -> torch.Tensor:
+        n = share.stop - share.start
+        if module.layout.role == "llm":
+            shape = (self._llm_seq_local(), n, self.sizes.hidden_size)
+        else:
+            kind = encoder_kind(module.layout)
+            shape = (kind.tokens_per_item(self.sizes), n, kind.hidden_size(self.sizes))
+        return torch.empty(shape, dtype=self.dtype, device=_device())
+
+    def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
+        positions = call.kwargs[f"{encoder_kind(self.run.layout.module(name)).name}_positions"]
+        samples, per_sample = positions.shape
+        return BoundaryBatch(np.full(samples, per_sample), positions.reshape(-1).cpu().numpy(),
+                             call.kwargs["input_ids"].shape[1])
+
+    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, hidden):
+        kind = encoder_kind(module.layout)
+        x = call.kwargs[kind.input_key][share].to(_device()) if hidden is None else hidden
+        out = module.part(x)
+        if module.last_stage and self.ablate_vision and kind.name == "vision":
+            return out * 0  # the control run: no image information crosses the boundary
+        return out
+
+    def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
+        llm, coords = module.layout, module.coords()
+        positions = cp_positions(self.sizes.seq_length, llm.cp, coords["cp"])
+        ids, labels, loss_mask = (None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
+                                  for key in ("input_ids", "labels", "loss_mask"))
+        seq, b_local = self._llm_seq_local(), ids.shape[0]
+        views = [(m.slots.view(seq, b_local, -1), slot_mask(m.plan, _device()).view(seq, b_local))
+                 for m in media.values()]
+        out = llm_forward(module.part, ids, positions.to(_device())[None].expand_as(ids), views,
+                          labels, hidden)
+        return out, loss_mask
