@@ -25,7 +25,9 @@ def _get_megatron_optimizer(original):
             if module.ddp is not None:
                 optimizer = original(config, [module.ddp], *args, pg_collection=module.pgs, **kwargs)
             infos[name] = ModuleOptimizerInfo(optimizer, module.groups.grid, module.pgs, optimizer is not None)
-        return MimoOptimizer(infos, config)
+        run = model_chunks[0].run
+        run.optimizer = MimoOptimizer(infos, config)
+        return run.optimizer
     return get_megatron_optimizer
 
 

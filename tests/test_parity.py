@@ -1,9 +1,11 @@
-"""End-to-end parity, the acceptance matrix: every layout reproduces a 1-process run with the same
-seed and global batch over 10 steps (per-step loss and gradient norm within 1e-4 relative, every
+"""End-to-end parity, the acceptance matrix: examples/pretrain_vlm.py through megatron.training's
+loop, under every layout, reproduces a 1-process run with the same seed and global batch over 10 steps (per-step loss and gradient norm within 1e-4 relative, every
 gradient after the first backward within 1e-4 of its scale, parameters after the 10 steps within
 1e-3), whatever its placement, TP/CP/SP/DP/PP per module, frozen encoders or number of encoders."""
 
 import json
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.layout import load_layout
-from megatron_hetero.training.args import build_parser
 from megatron_hetero.training.full_state import full_tensors, gather_grad_shards
 from tests.distributed import run_distributed
 
 STEPS = 10
 LAYOUTS = Path(__file__).parent.parent / "examples" / "layouts"
-FLAGS = ["--train-iters", str(STEPS), "--lr", "1e-3", "--seed", "7", "--log-interval", "100"]
+FLAGS = ["--train-iters", str(STEPS), "--lr", "1e-3", "--lr-decay-style", "constant", "--seed", "7",
+         "--log-interval", "100"]
 TWO_ENCODERS = ["--seq-length", "40"]  # image and clip tokens before the caption
 
 # layout: (world size, the 1-process reference layout, flags of both runs)
@@ -41,54 +43,65 @@ CASES = {
 }
 
 
+SCRIPT = Path(__file__).parent.parent / "examples" / "pretrain_vlm.py"
+
+
+def _save(out: Path, run, kinds, grads_too: bool = False):
+    """Each held module's whole tensors (one copy per pipeline stage): `kinds` of ("init", "params")
+    from its parameters, and with `grads_too` its DP-reduced gradients."""
+    for name, module in run.modules.items():
+        if not module.held:
+            continue  # non-colocated: held elsewhere
+        coords = module.coords()
+        todo = [(kind, False) for kind in kinds]
+        if grads_too and module.ddp is not None:  # frozen: no gradients
+            gather_grad_shards(module.ddp)  # distributed optimizer: each DP rank reduced its own shard
+            todo.append(("grads", True))
+        for kind, grads in todo:
+            tensors = full_tensors(module.part, module.pgs.tp, grads=grads)
+            if coords["tp"] == coords["cp"] == coords["dp"] == 0:
+                torch.save(tensors, out / f"{name}_{kind}_pp{coords['pp']}.pt")
+
+
 def _train_and_capture(rank, world_size, layout_file, out_dir, flags):
-    from megatron_hetero.training.trainer import train
+    """examples/pretrain_vlm.py in this process (megatron.training's loop); parameters and gradients
+    are captured at the first optimizer step (before it), parameters after the last."""
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+    from megatron.training import get_args
 
     out = Path(out_dir)
-    args = build_parser().parse_args(
-        ["--hetero-layout", str(layout_file), "--metrics-file", str(out / "metrics.jsonl"),
-         "--global-batch-size", "8", "--micro-batch-size", "2", *FLAGS, *flags])
-    layout = load_layout(args.hetero_layout, world_size)
+    step = MimoOptimizer.step
 
-    def capture(trainer, step, phase):
-        # Parameters and gradients after the first backward; parameters and the size of this rank's
-        # optimizer state after the last step.
-        if (phase, step) == ("grads", 0):
-            kinds = [("init", False), ("grads", True)]
-        elif (phase, step) == ("params", STEPS - 1):
-            kinds = [("params", False)]
-            _save_state_sizes(trainer, out / f"state_rank{rank}.json")
-        else:
-            return
-        for name, module in trainer.modules.items():
-            if module.net is None:
-                continue  # non-colocated: held elsewhere
-            coords = module.coords()
-            for kind, grads in kinds:
-                if grads and module.ddp is None:
-                    continue  # frozen: no gradients
-                if grads:  # distributed optimizer: each DP rank reduced its own shard only
-                    gather_grad_shards(module.ddp)
-                tensors = full_tensors(module.net, module.groups.pgs.tp, grads=grads)
-                if coords["tp"] == coords["cp"] == coords["dp"] == 0:  # one copy per stage
-                    torch.save(tensors, out / f"{name}_{kind}_pp{coords['pp']}.pt")
+    def first_step_captured(self):
+        if not getattr(MimoOptimizer, "_captured", False):
+            MimoOptimizer._captured = True
+            _save(out, get_args().hetero_run, ["init"], grads_too=True)
+        return step(self)
 
-    train(args, layout, torch.device("cpu"), on_step=capture)
+    MimoOptimizer.step = first_step_captured
+    sys.argv = [str(SCRIPT), "--hetero-layout", str(layout_file), "--metrics-file", str(out / "metrics.jsonl"),
+                "--global-batch-size", "8", "--micro-batch-size", "2", *FLAGS, *flags]
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    run = get_args().hetero_run
+    _save(out, run, ["params"])
+    _save_state_sizes(run, out / f"state_rank{rank}.json")
     dist.barrier()
 
 
-def _save_state_sizes(trainer, path):
-    """Per module held here: AdamW state elements (exp_avg, exp_avg_sq) on this rank, the replicated
+def _save_state_sizes(run, path):
+    """Per module held here: Adam state elements (exp_avg, exp_avg_sq) on this rank, the replicated
     state's size (two per parameter of this rank's stage), and the DP replica it belongs to."""
     sizes = {}
-    for m in trainer.optimizer.modules:
-        if m.optimizer is None:
+    infos = run.optimizer.module_infos
+    for name, module in run.modules.items():
+        info = infos[name]
+        if not info.is_active:
             continue
-        module = trainer.modules[m.name]
+        inner = info.optimizer.optimizer  # megatron-core's optimizer wraps torch's
         coords = module.coords()
-        sizes[m.name] = dict(
-            state=sum(t.numel() for s in m.optimizer.state.values() for k, t in s.items() if k != "step"),
-            replicated=2 * sum(p.numel() for p in module.net.parameters() if p.requires_grad),
+        sizes[name] = dict(
+            state=sum(t.numel() for s in inner.state.values() for k, t in s.items() if k != "step"),
+            replicated=2 * sum(p.numel() for p in module.part.parameters() if p.requires_grad),
             dp=module.layout.dp * module.layout.cp, replica=[coords["tp"], coords["pp"]])
     path.write_text(json.dumps(sizes))
 

@@ -57,6 +57,7 @@ class HeteroRun:
     rank: int
     modules: dict[str, ModuleRuntime] = field(default_factory=dict)
     model: torch.nn.Module | None = None  # the HeteroModel megatron.training trains, once built
+    optimizer: object = None  # its per-module optimizers (megatron-core MimoOptimizer), once built
 
     @property
     def llm(self) -> ModuleRuntime:
