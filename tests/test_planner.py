@@ -2,7 +2,6 @@
 enumeration against the layout rules, memory exclusion, the written layout file, monotonic sanity,
 the default calibration against its one measurement, and the CLI."""
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -29,17 +28,11 @@ from megatron_hetero.planner import (
     module_forward_flops_per_sample,
     plan,
 )
+from megatron_hetero.planner.counts import layer_params
+from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "plan_layout.py"
 W1 = PRESETS["W1"].workload
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("plan_layout", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def tiny_workload(frozen=False):
@@ -65,8 +58,6 @@ def test_flops_match_a_hand_count():
 
 
 def test_grouped_query_attention_and_gated_mlp_weights():
-    from megatron_hetero.planner import layer_params
-
     shape = ModuleShape("llm", "llm", hidden=8, layers=1, heads=4, kv_heads=2, ffn=16, gated_mlp=True,
                         seq_length=8, vocab=1)
     # Q, O: 8x8 each; K, V: 8 x (2 heads x 2 wide) each; MLP 3 x 8x16.
@@ -239,8 +230,7 @@ def test_calibration_and_workload_files_refuse_bad_input(tmp_path):
         replace(W1, llm=replace(W1.llm, seq_length=8192))
 
 
-def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path, capsys):
-    tool = _load_tool()
+def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path):
     out = tmp_path / "best.yaml"
     workload_file = tmp_path / "w.json"
     vision, llm = W1.encoders[0], W1.llm
@@ -250,14 +240,15 @@ def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path, capsys):
         "llm": {k: getattr(llm, k) for k in ("name", "hidden", "layers", "heads", "ffn", "seq_length", "vocab")},
         "global_batch": 16,
     }))
-    assert tool.main(["--workload-file", str(workload_file), "--gpus", "4", "--write-yaml", str(out),
-                      "--layouts", str(ROOT / "examples" / "layouts" / "demo_colocated.yaml")]) == 0
-    printed = capsys.readouterr().out
+    result = run_tool("plan_layout", "--workload-file", workload_file, "--gpus", "4", "--write-yaml", out,
+                      "--layouts", ROOT / "examples" / "layouts" / "demo_colocated.yaml")
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout
     assert "best 5:" in printed and "best homogeneous:" in printed and "given layouts" in printed
     assert "PREDICTIONS" in printed
     assert load_layout(str(out), 4).world_size == 4
-    assert tool.main(["--workload", "paper", "--top", "1"]) == 0
-    assert "published: +49.3% TFLOPS/GPU" in capsys.readouterr().out
+    result = run_tool("plan_layout", "--workload", "paper", "--top", "1")
+    assert result.returncode == 0 and "published: +49.3% TFLOPS/GPU" in result.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -267,8 +258,7 @@ def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path, capsys):
     (["--workload", "W1", "--gpus", "4", "--layouts", "examples/layouts/gpu2_colocated.yaml"],
      "error: examples/layouts/gpu2_colocated.yaml: module vision: tp*cp*dp*pp = 2"),
 ])
-def test_cli_bad_input_is_one_error_line(argv, message, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    assert _load_tool().main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1
+def test_cli_bad_input_is_one_error_line(argv, message):
+    result = run_tool("plan_layout", *argv)
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
