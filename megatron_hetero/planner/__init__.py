@@ -8,7 +8,8 @@ The model, per training step:
 - compute: FLOPs per module from its weights (2 FLOPs per weight per token forward) plus attention
   (4 x attended keys x hidden per token), backward = 2 x forward, a frozen module runs forward only;
   divided over the GPUs that share the work and run at `matmul_tflops x efficiency`, where the
-  efficiency drops as TP narrows each GPU's GEMMs (or comes from a measured per-layer time);
+  efficiency drops as TP narrows each GPU's GEMMs (a curve fitted to measured runs), or from a
+  measured per-layer time where one was measured for the layer's shape and layout;
 - communication: TP (2 all-reduces per layer forward, 2 backward, or the equal-cost all-gather +
   reduce-scatter pairs of sequence parallelism), CP (the K/V all-gather of each layer forward, a
   reduce-scatter of dK/dV backward), the DP gradient all-reduce over DP x CP (not overlapped, as the

@@ -6,15 +6,20 @@ missing one takes the default of `Calibration`, an assumption):
     {
       "source": "free text: what was measured, where, when",
       "matmul_tflops": 790,              dense bf16 GEMM throughput one GPU reaches (TFLOPS)
-      "max_efficiency": 0.30,            fraction of matmul_tflops a transformer layer reaches at
-                                         wide GEMMs (hidden / tp >> half_efficiency_width)
-      "half_efficiency_width": 256,      per-GPU GEMM width (hidden / tp) at which that halves
-      "layer_forward_us_per_token": {    measured: microseconds one GPU of a TP group spends per
-        "vision": {"1": 0.9, "2": 0.6},  token on one layer's forward, TP (and CP) communication
-        "llm": {"2": 5.1, "tp1cp2": 3.0} included, keyed by module name then TP size ("2") or TP
-      },                                 and CP sizes ("tp1cp2"); replaces the FLOP model of the
-                                         layers for that module and layout (backward = 2 x
-                                         forward); tools/check_planner.py fits it to bench_e2e runs
+      "max_efficiency": 0.30,            the efficiency curve: the fraction of matmul_tflops a
+      "half_efficiency_width": 256,      layer reaches is max_efficiency x w / (w + half width),
+                                         w = hidden / tp the GEMM width one GPU gets
+      "layer_forward_us_per_token": [    measured: microseconds one GPU spends per token of its
+        {"role": "llm", "hidden": 4096,  share on one layer's forward, TP (and CP) communication
+         "ffn": 16384, "heads": 32,      included, for one layer shape (role: an encoder attends
+         "kv_heads": 32,                 over its item, the LLM causally over its sequence;
+         "gated_mlp": false,             sequence: the tokens of that item or sequence) and one
+         "sequence": 16384, "tp": 2,     layout (tp, cp); replaces the curve for the layers of that
+         "cp": 1, "us": 0.6}             shape and layout (backward = 2 x forward); any other
+      ],                                 shape or layout falls back to the curve. kv_heads,
+                                         gated_mlp, cp default to heads, false, 1.
+                                         tools/check_planner.py fits the curve and these to
+                                         bench_e2e runs
       "nvlink_gbps": 350,                collective bus bandwidth inside a node (GB/s)
       "p2p_gbps": 265,                   point-to-point bandwidth inside a node, per direction
       "network_gbps": 40,                per-GPU bandwidth between nodes (collectives and sends)
@@ -30,23 +35,99 @@ missing one takes the default of `Calibration`, an assumption):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
-from megatron_hetero.planner.shapes import load_json, positive_int
+from megatron_hetero.planner.counts import layer_forward_flops_per_token
+from megatron_hetero.planner.shapes import ModuleShape, load_json, positive_int
 
 
-def _tp_cp(key) -> tuple[int, int] | None:
-    """A measured layer time's layout key: "2" (TP 2) or "tp1cp2" as (tp, cp); None if neither."""
-    if isinstance(key, tuple):  # already parsed (a Calibration copied with dataclasses.replace)
-        return key if len(key) == 2 and all(positive_int(n) for n in key) else None
-    text = str(key)
-    if text.isdigit() and int(text) > 0:
-        return int(text), 1
-    if text.startswith("tp") and "cp" in text:
-        tp, cp = text[2:].split("cp", 1)
-        if tp.isdigit() and cp.isdigit() and int(tp) > 0 and int(cp) > 0:
-            return int(tp), int(cp)
-    return None
+@dataclass(frozen=True)
+class LayerKey:
+    """What a measured layer time is for: the layer's shape (`role` encoder attends over one item,
+    bidirectionally; llm causally over its sequence), the tokens of that item or sequence, and the
+    layout's TP and CP sizes (a GPU holds sequence / cp of those tokens)."""
+
+    role: str
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int = 0  # 0: as many as heads
+    gated_mlp: bool = False
+    sequence: int = 0
+    tp: int = 1
+    cp: int = 1
+
+    def __post_init__(self):
+        if self.role not in ("encoder", "llm"):
+            raise ValueError(f"role {self.role!r} is not valid; use encoder or llm")
+        if not isinstance(self.gated_mlp, bool):
+            raise ValueError(f"gated_mlp must be true or false, got {self.gated_mlp!r}")
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for key in ("hidden", "ffn", "heads", "kv_heads", "sequence", "tp", "cp"):
+            if not positive_int(getattr(self, key)):
+                raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        if self.cp > 1 and self.role == "encoder":
+            raise ValueError("cp must be 1 for an encoder (an item is one sequence)")
+        self.shape  # the shape's own checks (heads divide hidden, kv_heads divide heads)
+
+    @classmethod
+    def of(cls, shape: ModuleShape, tp: int, cp: int) -> LayerKey:
+        sequence = shape.seq_length if shape.role == "llm" else shape.tokens_per_item
+        return cls(shape.role, shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.gated_mlp, sequence,
+                   tp, cp)
+
+    @property
+    def shape(self) -> ModuleShape:
+        """A one-layer module of this layer's shape (for its FLOPs)."""
+        tokens = {"seq_length": self.sequence} if self.role == "llm" else {"tokens_per_item": self.sequence}
+        return ModuleShape(self.role, self.role, self.hidden, 1, self.heads, self.ffn, kv_heads=self.kv_heads,
+                           gated_mlp=self.gated_mlp, **tokens)
+
+    def describe(self) -> str:
+        attention = f"{self.heads} heads" + (f" ({self.kv_heads} K/V)" if self.kv_heads != self.heads else "")
+        return (f"{self.role} hidden {self.hidden}, ffn {self.ffn}{' gated' if self.gated_mlp else ''}, "
+                f"{attention}, {self.sequence:,} tokens, TP{self.tp}" + (f"/CP{self.cp}" if self.cp > 1 else ""))
+
+
+def _measured_times(value, matmul_tflops: float) -> dict:
+    """{LayerKey: us} from the JSON list (or an already parsed dict); every time at most as fast as
+    matmul_tflops allows for its layer's FLOPs."""
+    if isinstance(value, dict) and all(isinstance(key, LayerKey) for key in value):
+        entries = [{**asdict(key), "us": us} for key, us in value.items()]
+    elif isinstance(value, list):
+        entries = value
+    else:
+        raise ValueError("calibration: layer_forward_us_per_token must be a list of {role, hidden, ffn, heads, "
+                         "sequence, tp, cp, us} entries, one per measured layer shape and layout (a "
+                         "{module: {tp: us}} table applied one shape's times to every module of that name)")
+    known = {f.name for f in fields(LayerKey)} | {"us"}
+    measured = {}
+    for number, entry in enumerate(entries, 1):
+        where = f"calibration: layer_forward_us_per_token entry {number}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: must be an object, got {entry!r}")
+        unknown = sorted(set(entry) - known)
+        missing = [k for k in ("role", "hidden", "ffn", "heads", "sequence", "tp", "us") if k not in entry]
+        if unknown or missing:
+            raise ValueError(f"{where}: " + "; ".join(
+                ([f"unknown keys {', '.join(unknown)}"] if unknown else [])
+                + ([f"{', '.join(missing)} missing"] if missing else [])))
+        us = entry["us"]
+        try:
+            key = LayerKey(**{k: v for k, v in entry.items() if k != "us"})
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if not (isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0):
+            raise ValueError(f"{where}: us must be a positive number of microseconds, got {us!r}")
+        tflops = layer_forward_flops_per_token(key.shape) / key.tp / (us * 1e-6) / 1e12
+        if tflops > matmul_tflops:
+            raise ValueError(f"{where} ({key.describe()}): {us} us per token is {tflops:.0f} TFLOPS per GPU, "
+                             f"above matmul_tflops {matmul_tflops:g}")
+        if key in measured:
+            raise ValueError(f"{where} ({key.describe()}): measured twice; keep one")
+        measured[key] = float(us)
+    return measured
 
 
 @dataclass(frozen=True)
@@ -57,7 +138,7 @@ class Calibration:
     matmul_tflops: float = 790.0
     max_efficiency: float = 0.30
     half_efficiency_width: float = 256.0
-    layer_forward_us_per_token: dict = field(default_factory=dict)  # {module name: {(tp, cp): us}}
+    layer_forward_us_per_token: dict = field(default_factory=dict)  # {LayerKey: us}
     nvlink_gbps: float = 350.0
     p2p_gbps: float = 265.0
     network_gbps: float = 40.0
@@ -83,28 +164,21 @@ class Calibration:
                 raise ValueError(f"calibration: {key} must be positive, got {getattr(self, key)!r}")
         if self.max_efficiency > 1 or self.usable_memory_fraction > 1:
             raise ValueError("calibration: max_efficiency and usable_memory_fraction are fractions of at most 1")
-        measured = {}
-        if not isinstance(self.layer_forward_us_per_token, dict):
-            raise ValueError("calibration: layer_forward_us_per_token must map module names to {tp: microseconds}")
-        for name, by_tp in self.layer_forward_us_per_token.items():
-            if not isinstance(by_tp, dict):
-                raise ValueError(f"calibration: layer_forward_us_per_token.{name} must map TP sizes to microseconds")
-            measured[name] = {}
-            for key, us in by_tp.items():
-                axes = _tp_cp(key)
-                if axes is None or not (isinstance(us, (int, float)) and us > 0):
-                    raise ValueError(f"calibration: layer_forward_us_per_token.{name}: {key!r}: {us!r} is not "
-                                     f"a TP size (\"2\") or TP and CP sizes (\"tp1cp2\") and a positive time "
-                                     f"in microseconds")
-                measured[name][axes] = float(us)
-        object.__setattr__(self, "layer_forward_us_per_token", measured)
+        object.__setattr__(self, "layer_forward_us_per_token",
+                           _measured_times(self.layer_forward_us_per_token, self.matmul_tflops))
+
+    def efficiency(self, width: float) -> float:
+        """The efficiency curve: the fraction of matmul_tflops a layer reaches when each GPU's GEMMs
+        are `width` wide (hidden / tp). Assumption: TP narrows every GEMM of the layer and a narrower
+        GEMM (with as many kernel launches) runs further below peak; the token dimension is taken as
+        long enough not to matter."""
+        return self.max_efficiency * width / (width + self.half_efficiency_width)
 
     def to_dict(self) -> dict:
         """The JSON form that from_dict reads."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["layer_forward_us_per_token"] = {
-            name: {str(tp) if cp == 1 else f"tp{tp}cp{cp}": us for (tp, cp), us in by_axes.items()}
-            for name, by_axes in self.layer_forward_us_per_token.items()}
+        data["layer_forward_us_per_token"] = [{**asdict(key), "us": us}
+                                              for key, us in self.layer_forward_us_per_token.items()]
         return data
 
     @classmethod

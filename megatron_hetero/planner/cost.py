@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from megatron_hetero.layout import ModuleLayout
-from megatron_hetero.planner.calibration import Calibration
+from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Candidate
 from megatron_hetero.planner.counts import (
     ADAM_BYTES,
@@ -23,6 +23,23 @@ from megatron_hetero.planner.counts import (
 from megatron_hetero.planner.shapes import Cluster, ModuleShape, Workload
 
 GB = 1e9
+
+
+def split_cp(shape: ModuleShape, layout: ModuleLayout) -> int:
+    """The CP size that splits the module's sequence: the LLM's cp; an encoder never splits an item
+    (its cp, in the homogeneous baseline, replicates it)."""
+    return layout.cp if shape.role == "llm" else 1
+
+
+def layer_key(shape: ModuleShape, layout: ModuleLayout) -> LayerKey:
+    """The key of a measured time for this module's layers under this layout."""
+    return LayerKey.of(shape, layout.tp, split_cp(shape, layout))
+
+
+def encoder_forward_reruns(placement: str, llm: ModuleLayout) -> bool:
+    """Whether a trainable encoder runs its forward twice per microbatch: colocated with a pipelined
+    LLM, the schedule runs it without a graph for the LLM pipeline, then again for its backward."""
+    return placement == "colocated" and llm.pp > 1
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,9 @@ class Prediction:
     busy: dict  # module name -> Seconds: what the critical GPU does per step
     idle_s: float  # what the critical GPU waits per step: pipeline bubble, stage imbalance
     stage_s: dict  # module name -> seconds of one pipeline stage per microbatch (forward + backward)
+    # Modules whose layers the efficiency curve prices although the calibration has measured
+    # layer times: none of them is for this module's shape and layout.
+    curve_modules: tuple[str, ...] = ()
     reason: str = ""
 
 
@@ -104,55 +124,54 @@ class CostModel:
     # -- one microbatch through one module -------------------------------------------------------
 
     def efficiency(self, shape: ModuleShape, tp: int) -> float:
-        """Fraction of matmul_tflops a layer reaches: max_efficiency x w / (w + half width), w =
-        hidden / tp the GEMM width one GPU gets. Assumption: TP narrows every GEMM of the layer and a
-        narrower GEMM (with as many kernel launches) runs further below peak; the token dimension is
-        taken as long enough not to matter."""
-        width = shape.hidden / tp
-        cal = self.calibration
-        return cal.max_efficiency * width / (width + cal.half_efficiency_width)
+        """The calibration's efficiency curve at the GEMM width one GPU gets: hidden / tp."""
+        return self.calibration.efficiency(shape.hidden / tp)
 
-    def measured_layer_us(self, shape: ModuleShape, tp: int, cp: int = 1) -> float | None:
-        return self.calibration.layer_forward_us_per_token.get(shape.name, {}).get((tp, cp))
+    def measured_layer_us(self, shape: ModuleShape, layout: ModuleLayout) -> float | None:
+        """The calibration's measured time per token of one layer of this shape under this layout,
+        or None."""
+        return self.calibration.layer_forward_us_per_token.get(layer_key(shape, layout))
 
     def layer_forward(self, shape: ModuleShape, tp: int, tokens: float) -> Seconds:
-        """One layer's forward over `tokens` tokens on one GPU of a TP group: compute and the two TP
-        collectives (all-reduces; with sequence parallelism an all-gather and a reduce-scatter, the
-        same bytes). A measured time per token, where the calibration has one, replaces both."""
-        measured = self.measured_layer_us(shape, tp)
-        if measured is not None:
-            return Seconds(compute=measured * 1e-6 * tokens)
+        """One layer's forward over `tokens` tokens on one GPU of a TP group, from the efficiency
+        curve: compute and the two TP collectives (all-reduces; with sequence parallelism an
+        all-gather and a reduce-scatter, the same bytes)."""
         flops = tokens * layer_forward_flops_per_token(shape) / tp
         compute = flops / (self.calibration.matmul_tflops * 1e12 * self.efficiency(shape, tp))
         nbytes = tokens * shape.hidden * self.workload.dtype_bytes
         return Seconds(compute=compute, tp_comm=2 * self.all_reduce_s(nbytes, tp, 1))
+
+    def head_forward_s(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
+        """The head (an encoder's projector, the LLM's output layer) over `samples` samples on one
+        GPU: its FLOPs split over TP (and the LLM's CP), at the efficiency curve."""
+        shares = layout.tp * split_cp(shape, layout)
+        flops = samples * head_forward_flops_per_sample(shape, self.workload.llm.hidden) / shares
+        return flops / (self.calibration.matmul_tflops * 1e12 * self.efficiency(shape, layout.tp))
 
     def microbatch_pass(self, shape: ModuleShape, layout: ModuleLayout, samples: float,
                         recompute: bool) -> tuple[Seconds, Seconds]:
         """(forward, backward) of `samples` samples through the whole module (all its layers; a
         pipeline stage does 1/pp of it) on one GPU of one DP replica. The LLM splits each sequence
         over CP; an encoder never does (its layout's cp, in the homogeneous baseline, replicates
-        it). Backward: 2 x the forward FLOPs (input and weight gradients) and the same collectives
-        in reverse (TP: two per layer; CP: a reduce-scatter of dK and dV); with recomputation, the
-        layers' forward once more."""
+        it). A measured time for the layer's shape and layout replaces the curve and the TP and CP
+        communication. Backward: 2 x the forward FLOPs (input and weight gradients) and the same
+        collectives in reverse (TP: two per layer; CP: a reduce-scatter of dK and dV); with
+        recomputation, the layers' forward once more."""
         key = (shape.name, layout.tp, layout.cp, samples, recompute)
         if key not in self._passes:
-            splits_sequence = shape.role == "llm"
-            cp = layout.cp if splits_sequence else 1
+            cp = split_cp(shape, layout)
             tokens = samples * shape.tokens_per_sample / cp
-            measured = self.measured_layer_us(shape, layout.tp, cp) if cp > 1 else None
-            if measured is not None:  # CP's K/V exchange included
-                layer, cp_comm = Seconds(compute=measured * 1e-6 * tokens), 0.0
+            measured = self.measured_layer_us(shape, layout)
+            if measured is not None:
+                layer = Seconds(compute=measured * 1e-6 * tokens)
             else:
-                layer = self.layer_forward(shape, layout.tp, tokens)
                 kv_bytes = cp * tokens * 2 * shape.kv_dim / layout.tp * self.workload.dtype_bytes
-                cp_comm = self.all_gather_s(kv_bytes, cp, layout.tp)
-            head_flops = samples * head_forward_flops_per_sample(shape, self.workload.llm.hidden) / (layout.tp * cp)
-            head = head_flops / (self.calibration.matmul_tflops * 1e12 * self.efficiency(shape, layout.tp))
-            forward = shape.layers * (layer + Seconds(cp_comm=cp_comm)) + Seconds(compute=head)
+                layer = self.layer_forward(shape, layout.tp, tokens) + Seconds(
+                    cp_comm=self.all_gather_s(kv_bytes, cp, layout.tp))
+            forward = shape.layers * layer + Seconds(compute=self.head_forward_s(shape, layout, samples))
             backward = Seconds(compute=2 * forward.compute, tp_comm=forward.tp_comm, cp_comm=forward.cp_comm)
             if recompute and not shape.frozen:
-                backward += shape.layers * (layer + Seconds(cp_comm=cp_comm))
+                backward += shape.layers * layer
             self._passes[key] = (forward, backward)
         return self._passes[key]
 
@@ -164,7 +183,7 @@ class CostModel:
         forward, backward = self.microbatch_pass(shape, layout, samples, recompute)
         if layout.pp == 1:
             return forward, backward
-        tokens = samples * shape.tokens_per_sample / (layout.cp if shape.role == "llm" else 1)
+        tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
         nbytes = tokens * shape.hidden * self.workload.dtype_bytes / (layout.tp if layout.sp else 1)
         send = Seconds(p2p=self.send_s(nbytes, layout.tp * layout.cp * layout.dp))
         return forward * (1 / layout.pp) + send, backward * (1 / layout.pp) + send
@@ -203,8 +222,7 @@ class CostModel:
         every stage: conservative for the first)."""
         if shape.frozen:
             return 0.0
-        cp = layout.cp if shape.role == "llm" else 1
-        tokens = samples * shape.tokens_per_sample / cp
+        tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
         dtype = self.workload.dtype_bytes
         per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype)
         layers = shape.layers / layout.pp
@@ -275,24 +293,33 @@ class CostModel:
         step_s = sum(s.total for s in busy.values()) + idle
         workload = self.workload
         capacity = self.cluster.gpu_memory_gb * self.calibration.usable_memory_fraction
+        tflops_per_gpu = model_flops_per_step(workload) / step_s / self.cluster.gpus / 1e12
+        # Every GPU does its share of the FLOPs at or below the ceiling (the curve's efficiency is
+        # at most 1, a measured time is refused when faster), and waits or communicates besides.
+        assert tflops_per_gpu <= self.calibration.matmul_tflops * (1 + 1e-9), (candidate.describe(), tflops_per_gpu)
+        measured = self.calibration.layer_forward_us_per_token
+        curve = tuple(layout.name for layout in candidate.layouts
+                      if measured and self.measured_layer_us(self.shapes[layout.name], layout) is None)
         return Prediction(
             candidate=candidate,
             step_s=step_s,
             tokens_per_s=workload.global_batch * workload.llm.seq_length / step_s,
-            tflops_per_gpu=model_flops_per_step(workload) / step_s / self.cluster.gpus / 1e12,
+            tflops_per_gpu=tflops_per_gpu,
             memory_gb=memory / GB,
             fits=memory / GB <= capacity,
             busy=busy,
             idle_s=idle,
             stage_s=stage_s,
+            curve_modules=curve,
         )
 
-    def _encoder_step(self, candidate: Candidate, rerun_forward: bool) -> tuple[dict, float, float]:
+    def _encoder_step(self, candidate: Candidate) -> tuple[dict, float, float]:
         """Encoders on every GPU of theirs over a step: (busy by module, static bytes, activation
         bytes of one microbatch). A trainable encoder runs forward and backward per microbatch, and
         its forward once more when the colocated LLM is pipelined (the schedule reruns it with its
         graph after the LLM pipeline)."""
         m = self.microbatches(candidate)
+        rerun_forward = encoder_forward_reruns(candidate.placement, candidate.llm)
         busy, static, activations = {}, 0.0, 0.0
         for layout in candidate.encoders:
             shape = self.shapes[layout.name]
@@ -309,7 +336,7 @@ class CostModel:
     def _colocated(self, candidate: Candidate):
         llm_shape, llm = self.workload.llm, candidate.llm
         m = self.microbatches(candidate)
-        busy, static, encoder_activations = self._encoder_step(candidate, rerun_forward=llm.pp > 1)
+        busy, static, encoder_activations = self._encoder_step(candidate)
         forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, candidate.recompute)
         stage = forward + backward
         busy[llm.name] = m * stage + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
@@ -326,7 +353,7 @@ class CostModel:
     def _homogeneous(self, candidate: Candidate):
         llm_shape, llm = self.workload.llm, candidate.llm
         m = self.microbatches(candidate)
-        busy, static, encoder_activations = self._encoder_step(candidate, rerun_forward=False)
+        busy, static, encoder_activations = self._encoder_step(candidate)
         forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, candidate.recompute)
         stage = (forward + backward).total
         encoders = sum(s.total - s.dp_sync for s in busy.values()) / m

@@ -1,22 +1,36 @@
-"""The calibration fitted to measured runs of tools/bench_e2e.py (tools/check_planner.py is the
-command line; its docstring says what is fitted and how).
+"""The calibration fitted to measured runs of tools/bench_e2e.py (tools/check_planner.py is its
+command line).
 
-A group of runs shares a workload, an LLM depth, a GPU count and a global batch; each run is one
-layout at one micro batch size, with the phase times and peak memory bench_e2e recorded (or none:
-it ran out of memory)."""
+Runs come in groups: one workload as the trainer built it, on one GPU count and global batch; each
+run is one layout at one micro batch size, with the phase times and peak memory bench_e2e recorded
+(or none: it ran out of memory). Each module a run does not pipeline is an observation: its time
+per step on one of its GPUs in forward-pass equivalents (forward + backward over 3, or over 4 for
+an encoder whose forward the colocated schedule reruns; a frozen module's forward). Fitted:
+- the efficiency curve (max_efficiency, half_efficiency_width): an observation without CP implies
+  an efficiency, its model FLOPs at matmul_tflops over its time less the model's TP communication;
+  with e the mean of those per layer shape and layout and w its GEMM width (hidden / tp),
+  1 / e = 1 / max_efficiency + half_efficiency_width / max_efficiency x 1 / w is a straight line,
+  fitted by least squares over the shapes;
+- layer_forward_us_per_token per layer shape and layout (CP included): an observation's time less
+  its head (projector or output layer, at the curve), per layer and token of one GPU, averaged;
+- activation_memory_factor: the largest over runs of (measured peak - the model's weights,
+  gradients and optimizer states) / the model's activations, so that the planner errs toward "over
+  memory".
+"""
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from megatron_hetero.layout import HeteroLayout
-from megatron_hetero.planner.calibration import Calibration
+from megatron_hetero.layout import HeteroLayout, ModuleLayout, load_layout
+from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import candidate_from_layout
-from megatron_hetero.planner.cost import CostModel, Prediction
-from megatron_hetero.planner.counts import head_forward_flops_per_sample, layer_forward_flops_per_token
-from megatron_hetero.planner.shapes import H200_MEMORY_GB, Cluster, Workload
+from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
+from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_workload
+from megatron_hetero.planner.shapes import H200_MEMORY_GB, Cluster, ModuleShape, Workload
 
 GIB = 2**30 / 1e9  # bench_e2e records peak memory in GiB
 
@@ -34,76 +48,157 @@ class Run:
 
 
 @dataclass(frozen=True)
+class Group:
+    """Runs of one workload, as the trainer built it, on one GPU count."""
+
+    workload: Workload
+    gpus: int
+    runs: tuple[Run, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "runs", tuple(self.runs))
+
+    def model(self, calibration: Calibration) -> CostModel:
+        return CostModel(self.workload, Cluster(self.gpus, H200_MEMORY_GB), calibration)
+
+
+def measured_groups(records: list[dict], layouts: Path, vocab: int) -> dict[tuple, Group]:
+    """bench_e2e's records of layouts in `layouts` (upstream rows have none) as groups keyed by
+    (workload, LLM layers, GPUs, global batch), the workload as the trainer built it with this
+    vocabulary."""
+    runs = defaultdict(list)
+    for r in records:
+        file = layouts / f"{r['layout']}.yaml"
+        if file.exists():
+            w = BENCH_WORKLOADS[r["workload"]]  # runs recorded before batch sizes were: the workload's
+            key = r["workload"], r["llm_layers"], r["gpus"], r.get("global_batch", w.global_batch)
+            runs[key].append(Run(r["layout"], load_layout(str(file), r["gpus"]), r.get("micro_batch", w.micro_batch),
+                                 r["tokens_per_s"], r["peak_gb_max"], r["phases"]))
+    groups = {}
+    for (name, layers, gpus, global_batch), found in runs.items():
+        w = replace(BENCH_WORKLOADS[name], layers=layers, global_batch=global_batch)
+        groups[name, layers, gpus, global_batch] = Group(trainer_workload(w, vocab, w.frozen), gpus, found)
+    return groups
+
+
+@dataclass(frozen=True)
 class Observation:
-    """A module's forward and backward in one run, on one GPU: samples and tokens it processed per
-    step, and its time in forward-pass equivalents (forward + backward over 3; frozen: forward)."""
+    """A module a run does not pipeline, on one of its GPUs: the samples it ran per step and its
+    measured time in forward-pass equivalents."""
 
-    module: str
-    tp: int
-    cp: int
+    group: Group
+    shape: ModuleShape
+    layout: ModuleLayout
     samples: float
-    tokens: float
-    forward_s: float
+    measured_s: float
+
+    @property
+    def key(self) -> LayerKey:
+        return layer_key(self.shape, self.layout)
+
+    def _forward(self, calibration: Calibration):
+        """The planner's forward of these samples from the efficiency curve (no measured times)."""
+        model = self.group.model(replace(calibration, layer_forward_us_per_token={}))
+        return model, model.microbatch_pass(self.shape, self.layout, self.samples, False)[0]
+
+    def implied_efficiency(self, calibration: Calibration) -> float:
+        """The model's FLOPs at matmul_tflops over the measured time less the model's communication."""
+        _, unit = self._forward(replace(calibration, max_efficiency=1.0, half_efficiency_width=0.0))
+        computing = self.measured_s - unit.tp_comm - unit.cp_comm
+        if computing <= 0:
+            raise ValueError(f"{self.key.describe()}: measured {self.measured_s:.4f} s is less than the modeled "
+                             f"communication; the calibration's links are slower than this run's")
+        return unit.compute / computing
+
+    def curve_s(self, calibration: Calibration) -> float:
+        """The time the planner predicts from the efficiency curve."""
+        return self._forward(calibration)[1].total
+
+    def layer_us(self, calibration: Calibration) -> float:
+        """Microseconds per token of one layer on one GPU: the measured time less the head at the
+        curve."""
+        model, _ = self._forward(calibration)
+        tokens = self.samples * self.shape.tokens_per_sample / split_cp(self.shape, self.layout)
+        head_s = model.head_forward_s(self.shape, self.layout, self.samples)
+        return 1e6 * (self.measured_s - head_s) / (self.shape.layers * tokens)
 
 
-def observations(run: Run, workload: Workload) -> list[Observation]:
-    """The run's non-pipelined modules, with the share of the global batch one of their GPUs runs."""
+def observations(group: Group) -> list[Observation]:
+    """Every measured run's modules that it does not pipeline, with the share of the global batch
+    one of their GPUs runs."""
+    shapes = {shape.name: shape for shape in group.workload.modules}
     found = []
-    for module in run.layout.modules:
-        if module.pp > 1:
+    for run in group.runs:
+        if run.tokens_per_s is None:
             continue
-        shape = workload.llm if module.role == "llm" else workload.encoders[0]
-        cp = module.cp if module.role == "llm" else 1
-        samples = workload.global_batch / module.dp
-        forward, backward = (run.phases[f"{module.role}-{way}"] for way in ("forward", "backward"))
-        passes = forward if shape.frozen else (forward + backward) / 3
-        found.append(Observation(module.role, module.tp, cp, samples, samples * shape.tokens_per_sample / cp, passes))
+        for module in run.layout.modules:
+            if module.pp > 1:
+                continue
+            shape = shapes[module.name]
+            rerun = shape.role == "encoder" and encoder_forward_reruns(run.layout.placement, run.layout.llm)
+            passes = 1 if shape.frozen else 4 if rerun else 3
+            phases = sum(run.phases[f"{module.role}-{way}"] for way in ("forward", "backward"))
+            found.append(Observation(group, shape, module, group.workload.global_batch / module.dp, phases / passes))
     return found
 
 
-def fit(runs: list[Run], workload: Workload, gpus: int, base: Calibration) -> Calibration:
-    """The base calibration with max_efficiency and layer_forward_us_per_token fitted to the runs."""
-    shapes = {"encoder": workload.encoders[0], "llm": workload.llm}
-    seen = [o for run in runs if run.tokens_per_s is not None for o in observations(run, workload)]
-    if not seen:
-        return base
-    cluster = Cluster(gpus, H200_MEMORY_GB)
-
-    def head_flops(o: Observation) -> float:
-        return o.samples * head_forward_flops_per_sample(shapes[o.module], workload.llm.hidden) / (o.tp * o.cp)
-
-    def flops(o: Observation) -> float:
-        shape = shapes[o.module]
-        return o.tokens * shape.layers * layer_forward_flops_per_token(shape) / o.tp + head_flops(o)
-
-    unit = CostModel(workload, cluster, replace(base, max_efficiency=1.0))  # efficiency(...) = width factor
-    implied = [flops(o) / (o.forward_s * base.matmul_tflops * 1e12 * unit.efficiency(shapes[o.module], o.tp))
-               for o in seen if o.cp == 1]
-    fitted = replace(base, max_efficiency=min(1.0, statistics.median(implied)) if implied else base.max_efficiency)
-    model = CostModel(workload, cluster, fitted)
-    per_key = defaultdict(list)
+def fit_curve(seen: list[Observation], base: Calibration) -> Calibration:
+    """The base calibration with the efficiency curve fitted to the observations without CP (the
+    base's half width kept when they have one GEMM width; the base unchanged without any)."""
+    inverse = defaultdict(list)
     for o in seen:
-        shape = shapes[o.module]
-        head_s = head_flops(o) / (fitted.matmul_tflops * 1e12 * model.efficiency(shape, o.tp))
-        per_key[shape.name, o.tp, o.cp].append(1e6 * (o.forward_s - head_s) / (shape.layers * o.tokens))
-    times = defaultdict(dict)
-    for (name, tp, cp), values in sorted(per_key.items()):
-        times[name][str(tp) if cp == 1 else f"tp{tp}cp{cp}"] = statistics.mean(values)
-    fitted = Calibration(**{**fitted.to_dict(), "layer_forward_us_per_token": dict(times)})
-    factors = []
-    for run in runs:
-        if run.peak_gb is not None:
-            once, twice = (predict_run(run, workload, gpus, replace(fitted, activation_memory_factor=f)).memory_gb
-                           for f in (1.0, 2.0))  # memory is linear in the factor
-            activations = twice - once
-            factors.append((run.peak_gb * GIB - (once - activations)) / activations)
-    return replace(fitted, activation_memory_factor=max(factors, default=base.activation_memory_factor),
-                   source="max_efficiency, layer_forward_us_per_token and activation_memory_factor fitted by "
-                          f"tools/check_planner.py to bench_e2e runs; the other keys: {base.source}")
+        if o.key.cp == 1:
+            inverse[o.key].append(1 / o.implied_efficiency(base))
+    points = [(key.tp / key.hidden, statistics.mean(values)) for key, values in inverse.items()]
+    if not points:
+        return base
+    xs, ys = zip(*points)
+    half = base.half_efficiency_width
+    if len(set(xs)) > 1:
+        slope, intercept = statistics.linear_regression(xs, ys)
+        half = max(0.0, slope / intercept) if intercept > 0 else half
+    # 1 / e = (1 + half / w) / max: the least-squares max for that half width.
+    factors = [1 + half * x for x in xs]
+    most = sum(f * f for f in factors) / sum(f * y for f, y in zip(factors, ys))
+    return replace(base, max_efficiency=min(1.0, most), half_efficiency_width=half)
 
 
-def predict_run(run: Run, workload: Workload, gpus: int, calibration: Calibration) -> Prediction:
+def predict_run(run: Run, group: Group, calibration: Calibration) -> Prediction:
     """The planner's prediction for the run's layout at the run's micro batch size."""
-    cluster = Cluster(gpus, H200_MEMORY_GB)
-    (candidate,) = candidate_from_layout(run.layout, replace(workload, micro_batch=run.micro_batch), cluster)
-    return CostModel(workload, cluster, calibration).predict(candidate)
+    cluster = Cluster(group.gpus, H200_MEMORY_GB)
+    (candidate,) = candidate_from_layout(run.layout, replace(group.workload, micro_batch=run.micro_batch), cluster)
+    return group.model(calibration).predict(candidate)
+
+
+def fit(groups: list[Group], base: Calibration) -> Calibration:
+    """The base calibration with the efficiency curve, the layer times of every observed shape and
+    layout, and the activation memory factor fitted to the groups' runs."""
+    seen = [o for group in groups for o in observations(group)]
+    curve = fit_curve(seen, base)
+    times = defaultdict(list)
+    for o in seen:
+        times[o.key].append(o.layer_us(curve))
+    ordered = sorted(times, key=LayerKey.describe)
+    fitted = replace(curve, layer_forward_us_per_token={key: statistics.mean(times[key]) for key in ordered})
+    factors = []
+    for group in groups:
+        for run in group.runs:
+            if run.peak_gb is not None:
+                once, twice = (predict_run(run, group, replace(fitted, activation_memory_factor=f)).memory_gb
+                               for f in (1.0, 2.0))  # memory is linear in the factor
+                activations = twice - once
+                factors.append((run.peak_gb * GIB - (once - activations)) / activations)
+    return replace(fitted, activation_memory_factor=max(factors, default=base.activation_memory_factor),
+                   source="max_efficiency, half_efficiency_width, layer_forward_us_per_token and "
+                          "activation_memory_factor fitted by tools/check_planner.py to bench_e2e runs; the "
+                          f"other keys: {base.source}")
+
+
+def left_out_errors(seen: list[Observation], base: Calibration) -> dict[LayerKey, float]:
+    """Per observed layer shape and layout, how far the curve fitted without it lands from its
+    measurements: the mean over its observations of predicted / measured time - 1."""
+    errors = {}
+    for key in sorted({o.key for o in seen}, key=LayerKey.describe):
+        curve = fit_curve([o for o in seen if o.key != key], base)
+        errors[key] = statistics.mean(o.curve_s(curve) / o.measured_s - 1 for o in seen if o.key == key)
+    return errors

@@ -81,6 +81,9 @@ def explain(prediction: Prediction, reference: Prediction | None, workload: Work
     phrases.append(f"{llm_text} {fits} {prediction.memory_gb:.0f} of {capacity_gb:.0f} GB")
     if prediction.idle_s > 0.005 * prediction.step_s:
         phrases.append(f"LLM GPUs wait {100 * prediction.idle_s / prediction.step_s:.0f}% of the step")
+    if prediction.curve_modules:
+        phrases.append(f"{' and '.join(prediction.curve_modules)} layers from the efficiency curve "
+                       f"(no measured time for that shape and layout)")
     if reference is not None and reference is not prediction:
         phrases.append(_versus(prediction, reference, workload))
     return "; ".join(phrases)
