@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.training.args import ArgsError, check_args
-from megatron_hetero.training.bench import sized_workload, trainer_args
+from megatron_hetero.training.bench import sized_workload, synthetic_batch, trainer_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "examples" / "layouts"
@@ -55,3 +56,18 @@ def test_bench_workloads_train_the_presets_shapes(name):
     for plan, built in zip(planned.modules, trained.modules):
         assert built == replace(plan, ffn=4 * plan.hidden, vocab=built.vocab), name
     assert trained.llm.vocab == 128
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_WORKLOADS))
+def test_the_trainer_accepts_every_bench_workload(name):
+    """bench_e2e --workload NAME --llm-layers 8 on the 2-GPU colocated layout: the trainer's flag
+    checks pass, and the synthetic batch holds every image's tokens before the text."""
+    file = str(LAYOUTS / "gpu2_colocated.yaml")
+    layout = load_layout(file, 2)
+    w = sized_workload(BENCH_WORKLOADS[name], layout, llm_layers=8)
+    check_args(trainer_args(w, file, bf16=False), layout)
+    batch = synthetic_batch(w, CaptionTokenizer())
+    images = batch.samples[0].image
+    assert images.shape == (w.images_per_sample, 3, w.image_size, w.image_size)
+    rows = w.images_per_sample * w.tokens_per_image
+    assert int(batch.loss_mask[0].sum()) == w.seq_length - 1 - rows

@@ -299,6 +299,10 @@ def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path):
     assert load_layout(str(out), 4).world_size == 4
     result = run_tool("plan_layout", "--workload", "paper", "--top", "1")
     assert result.returncode == 0 and "published: +49.3% TFLOPS/GPU" in result.stdout
+    # --llm-layers shrinks the LLM as bench_e2e's flag does: 8 layers of 4 x 4096^2 + 2 x 4096 x 16384
+    # weights and a 32000 x 4096 embedding and output layer.
+    result = run_tool("plan_layout", "--workload", "W4", "--llm-layers", "8", "--top", "1")
+    assert result.returncode == 0 and "llm 1.87B parameters" in result.stdout
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -16,7 +16,9 @@ images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27 l
 the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth; global batch 4 in
 microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest the layout accepts):
 - W1: 16 images per sample into a 16K context; W2: the same at 32K; W3: W1 with the encoder frozen
-  (`freeze: true` in the layout); tiny: a CPU-sized check of the tool.
+  (`freeze: true` in the layout); W4, encoder-heavy: 8 images of 448 px, patch 14 -> 1024 tokens,
+  through an InternViT-6B-wide ViT (hidden 3200, 25 heads, 15 layers) into the 16K LLM; tiny: a
+  CPU-sized check of the tool.
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
 """

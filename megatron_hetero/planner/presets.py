@@ -60,6 +60,18 @@ PRESETS = {
                  "W1 at 32K context (the LLM needs CP), global batch 8", 2, _SIGLIP_IMAGES),
     "W3": Preset(Workload((_vit_so400m(True),), _llm_7b(16384), global_batch=16),
                  "W1 with the vision encoder frozen (forward only)", 2, _SIGLIP_IMAGES),
+    # Encoder-heavy: InternViT-6B's layer (hidden 3200, 25 heads of 128, MLP 12800 = 4 x hidden, as
+    # the trainer builds it) at a third of its 45 layers (1.96B parameters, so that it fits 2 GPUs
+    # beside the LLM shrunk as in the W1-W3 runs), 8 images of 448 px (1024 patches of 14 px each,
+    # all 1024 rows into the LLM: the trainer has no pixel shuffle), into W1's 7B LLM at 16K. Its 25
+    # heads split over no TP size but 1, 5 and 25: Megatron's homogeneous layout cannot give the LLM
+    # TP without the encoder.
+    "W4": Preset(Workload(
+        (ModuleShape("vision", "encoder", hidden=3200, layers=15, heads=25, ffn=12800, tokens_per_item=1024,
+                     items_per_sample=8, projector_ffn=4 * 4096),),
+        _llm_7b(16384), global_batch=16),
+        "InternViT-6B-wide ViT at 15 layers (8 images x 1024 tokens per sample) into a 7B LLM at 16K, "
+        "global batch 16", 2, Bench(image_size=448, patch_size=14)),
     "tiny": Preset(Workload(
         (ModuleShape("vision", "encoder", hidden=64, layers=2, heads=4, ffn=256, tokens_per_item=16,
                      items_per_sample=2, projector_ffn=256),),
