@@ -1,21 +1,19 @@
-"""tools/bench_e2e.py's workload sizing (pure): overrides, and the smallest micro batch a layout
-accepts (the trainer's rule, which check_args enforces)."""
+"""bench_e2e's workload sizing (megatron_hetero.training.bench, pure): overrides, and the smallest
+micro batch a layout accepts (the trainer's rule, which check_args enforces)."""
 
-import importlib.util
-import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import load_layout
+from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.training.args import ArgsError, check_args
+from megatron_hetero.training.bench import sized_workload, synthetic_batch, trainer_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "examples" / "layouts"
-sys.path.insert(0, str(ROOT / "tools"))
-spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "tools" / "bench_e2e.py")
-bench_e2e = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_e2e)
 
 
 @pytest.mark.parametrize("name, micro_batch", [
@@ -27,13 +25,13 @@ spec.loader.exec_module(bench_e2e)
 ])
 def test_smallest_micro_batch_is_the_smallest_the_trainer_accepts(name, micro_batch):
     layout = load_layout(str(LAYOUTS / f"{name}.yaml"), 8)
-    w = bench_e2e.sized_workload(bench_e2e.WORKLOADS["W1"], layout, 32, 24, 0)
+    w = sized_workload(BENCH_WORKLOADS["W1"], layout, 32, 24, 0)
     assert (w.layers, w.global_batch, w.micro_batch) == (32, 24, micro_batch)
     file = str(LAYOUTS / f"{name}.yaml")
     for b, accepted in ((micro_batch, True), (micro_batch - 1, False)):
         if b == 0:
             continue
-        args = bench_e2e._args(bench_e2e.replace(w, micro_batch=b), file, bf16=False)
+        args = trainer_args(replace(w, micro_batch=b), file, bf16=False)
         if accepted:
             check_args(args, layout)
         else:
@@ -43,7 +41,33 @@ def test_smallest_micro_batch_is_the_smallest_the_trainer_accepts(name, micro_ba
 
 def test_defaults_and_a_batch_no_micro_batch_splits():
     layout = load_layout(str(LAYOUTS / "gpu2_colocated.yaml"), 2)
-    assert bench_e2e.sized_workload(bench_e2e.WORKLOADS["W1"], layout) == bench_e2e.WORKLOADS["W1"]
+    assert sized_workload(BENCH_WORKLOADS["W1"], layout) == BENCH_WORKLOADS["W1"]
     layout = load_layout(str(LAYOUTS / "gpu8_non_colocated_v2_l6.yaml"), 8)
     with pytest.raises(ArgsError, match="--global-batch 16"):
-        bench_e2e.sized_workload(bench_e2e.WORKLOADS["W1"], layout, global_batch=16, micro_batch=0)
+        sized_workload(BENCH_WORKLOADS["W1"], layout, global_batch=16, micro_batch=0)
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_WORKLOADS))
+def test_bench_workloads_train_the_presets_shapes(name):
+    """What bench_e2e trains is the preset of the shared table as the trainer builds it: the same
+    widths, depths, heads, images and sequence, with MLPs 4 x hidden and the trainer's vocabulary."""
+    planned = PRESETS[name].workload
+    trained = trainer_workload(BENCH_WORKLOADS[name], 128, planned.encoders[0].frozen)
+    for plan, built in zip(planned.modules, trained.modules):
+        assert built == replace(plan, ffn=4 * plan.hidden, vocab=built.vocab), name
+    assert trained.llm.vocab == 128
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_WORKLOADS))
+def test_the_trainer_accepts_every_bench_workload(name):
+    """bench_e2e --workload NAME --llm-layers 8 on the 2-GPU colocated layout: the trainer's flag
+    checks pass, and the synthetic batch holds every image's tokens before the text."""
+    file = str(LAYOUTS / "gpu2_colocated.yaml")
+    layout = load_layout(file, 2)
+    w = sized_workload(BENCH_WORKLOADS[name], layout, llm_layers=8)
+    check_args(trainer_args(w, file, bf16=False), layout)
+    batch = synthetic_batch(w, CaptionTokenizer())
+    images = batch.samples[0].image
+    assert images.shape == (w.images_per_sample, 3, w.image_size, w.image_size)
+    rows = w.images_per_sample * w.tokens_per_image
+    assert int(batch.loss_mask[0].sum()) == w.seq_length - 1 - rows

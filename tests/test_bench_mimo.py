@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_hetero.planner import BENCH_WORKLOADS, model_flops
+from megatron_hetero.training.bench import synthetic_batch, trainer_args, trainer_vocab_size
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +22,9 @@ CASES = [("colocated", False), ("colocated", True), ("non_colocated", False), ("
 
 
 def _load_tool():
+    """bench_mimo as a module; it imports bench_e2e and bench_boundary from beside it, as a script does."""
+    if str(TOOL.parent) not in sys.path:
+        sys.path.insert(0, str(TOOL.parent))
     spec = importlib.util.spec_from_file_location("bench_mimo", TOOL)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -37,14 +42,14 @@ def _parity_and_record(rank, world_size, out):
     from megatron_hetero.training.trainer import Trainer
 
     tool = _load_tool()
-    e2e, cpu = tool.bench_e2e, torch.device("cpu")
-    w = e2e.WORKLOADS["tiny"]
+    cpu = torch.device("cpu")
+    w = BENCH_WORKLOADS["tiny"]
     for placement, frozen in CASES:
         layout_file = str(ROOT / "examples" / "layouts" / tool.LAYOUTS[placement, frozen])
-        layout, args = load_layout(layout_file, world_size), e2e._args(w, layout_file, bf16=False)
+        layout, args = load_layout(layout_file, world_size), trainer_args(w, layout_file, bf16=False)
         ours = Trainer(args, layout, cpu)
         upstream = tool.MimoTrainer(args, layout, cpu)
-        batch = e2e.synthetic_batch(w, ours.tokenizer)
+        batch = synthetic_batch(w, ours.tokenizer)
         results = []
         for trainer in (ours, upstream):
             trainer.zero_grad()
@@ -79,15 +84,8 @@ def test_upstream_mimo_matches_our_trainer_and_bench_e2e(tmp_path):
     assert mimo.keys() == ours.keys() and mimo["phases"].keys() == ours["phases"].keys()
     assert all(v > 0 for v in mimo["phases"].values()), mimo["phases"]
 
-    from megatron_hetero.data.tokenizer import CaptionTokenizer
-    from megatron_hetero.models.vlm import padded_vocab_size
-    from megatron_hetero.training.args import model_sizes
-
-    e2e = _load_tool().bench_e2e
-    w = e2e.WORKLOADS["tiny"]
-    args = e2e._args(w, str(ROOT / "examples" / "layouts" / "gpu2_colocated.yaml"), bf16=False)
-    vocab = padded_vocab_size(model_sizes(args, CaptionTokenizer().vocab_size))
-    flops = e2e.model_flops(w, vocab, frozen_encoder=False)
+    w = BENCH_WORKLOADS["tiny"]
+    flops = model_flops(w, trainer_vocab_size(), frozen_encoder=False)
     for record in (mimo, ours):
         assert record["tokens_per_s"] * record["step_s"] == pytest.approx(w.global_batch * w.seq_length)
         gpu_seconds = record["step_s"] * record["gpus"]

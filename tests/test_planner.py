@@ -2,7 +2,6 @@
 enumeration against the layout rules, memory exclusion, the written layout file, monotonic sanity,
 the default calibration against its one measurement, and the CLI."""
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -23,23 +22,19 @@ from megatron_hetero.planner import (
     best_micro_batch,
     candidate_from_layout,
     enumerate_candidates,
+    explain,
     layout_problem,
     layout_yaml,
     model_flops_per_step,
     module_forward_flops_per_sample,
     plan,
 )
+from megatron_hetero.planner.calibration import LayerKey
+from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
+from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "plan_layout.py"
 W1 = PRESETS["W1"].workload
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("plan_layout", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def tiny_workload(frozen=False):
@@ -65,8 +60,6 @@ def test_flops_match_a_hand_count():
 
 
 def test_grouped_query_attention_and_gated_mlp_weights():
-    from megatron_hetero.planner import layer_params
-
     shape = ModuleShape("llm", "llm", hidden=8, layers=1, heads=4, kv_heads=2, ffn=16, gated_mlp=True,
                         seq_length=8, vocab=1)
     # Q, O: 8x8 each; K, V: 8 x (2 heads x 2 wide) each; MLP 3 x 8x16.
@@ -213,13 +206,63 @@ def test_default_calibration_reproduces_its_measured_anchor():
     assert prediction.step_s == pytest.approx(0.113, rel=0.05)
 
 
-def test_measured_layer_time_replaces_the_flop_model():
+def test_measured_layer_time_replaces_the_curve_for_its_shape_and_layout_only():
     workload = tiny_workload()
-    calibration = Calibration(layer_forward_us_per_token={"vision": {"1": 2.0}})
+    vision = workload.encoders[0]
+    calibration = Calibration(layer_forward_us_per_token={LayerKey.of(vision, 1, 1): 2.0})
     model = CostModel(workload, Cluster(1, 10), calibration)
-    forward, _ = model.microbatch_pass(workload.encoders[0], ModuleLayout("vision", "encoder"), 1, False)
+    forward, _ = model.microbatch_pass(vision, ModuleLayout("vision", "encoder"), 1, False)
     head = forward.compute - 2 * 2.0e-6 * 4  # 2 layers x 2 us x 4 tokens, plus the projector
     assert 0 < head < 1e-9 and forward.tp_comm == 0
+    candidate = Candidate("colocated", (ModuleLayout("vision", "encoder"), ModuleLayout("llm", "llm")), 1)
+    assert model.predict(candidate).curve_modules == ("llm",)
+    # The same module name at another width, or at another TP size, is not the measured layer: the
+    # curve prices it, and the reason says so.
+    for wider, tp in ((replace(vision, hidden=8), 1), (vision, 2)):
+        other = replace(workload, encoders=(wider,))
+        layouts = (ModuleLayout("vision", "encoder", tp=tp), ModuleLayout("llm", "llm", dp=tp))
+        measured, assumed = (CostModel(other, Cluster(tp, 10), c) for c in (calibration, Calibration()))
+        assert measured.microbatch_pass(wider, layouts[0], 1, False) == \
+            assumed.microbatch_pass(wider, layouts[0], 1, False)
+        prediction = measured.predict(Candidate("colocated", layouts, 1))
+        assert prediction.curve_modules == ("vision", "llm")
+        assert "vision and llm layers from the efficiency curve" in explain(prediction, None, other, 10)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("calibration_file", sorted((ROOT / "tools").glob("calibration*.json")), ids=lambda p: p.stem)
+def test_no_prediction_above_the_matmul_ceiling(name, calibration_file):
+    """Every layout of every preset, with every shipped calibration: no GPU is predicted faster than
+    the measured bf16 matmul ceiling (790 TFLOPS on an H200), which per-module layer times once broke
+    (W1's 7B layer times applied to the paper preset's 70B: 949 TFLOPS/GPU)."""
+    calibration = Calibration.load(str(calibration_file))
+    preset = PRESETS[name]
+    result = plan(preset.workload, Cluster(preset.gpus, 150.7), calibration)
+    predictions = result.ranked + result.over_memory
+    assert predictions
+    assert max(p.tflops_per_gpu for p in predictions) <= calibration.matmul_tflops
+
+
+def test_calibration_refuses_times_faster_than_the_ceiling_and_module_keyed_times():
+    entry = {"role": "llm", "hidden": 4096, "ffn": 16384, "heads": 32, "sequence": 16384, "tp": 2}
+    flops = layer_forward_flops_per_token(LayerKey(**entry).shape) / 2
+    fastest_us = flops / 790e12 * 1e6
+    Calibration.from_dict({"layer_forward_us_per_token": [{**entry, "us": 1.01 * fastest_us}]})
+    with pytest.raises(ValueError, match="above matmul_tflops 790"):
+        Calibration.from_dict({"layer_forward_us_per_token": [{**entry, "us": 0.99 * fastest_us}]})
+    with pytest.raises(ValueError, match="a list of .* one per measured layer shape"):
+        Calibration.from_dict({"layer_forward_us_per_token": {"llm": {"2": 0.6}}})
+    with pytest.raises(ValueError, match="entry 1: us missing"):
+        Calibration.from_dict({"layer_forward_us_per_token": [entry]})
+    with pytest.raises(ValueError, match="entry 1: cp must be 1 for an encoder"):
+        Calibration.from_dict({"layer_forward_us_per_token": [{**entry, "role": "encoder", "cp": 2, "us": 1.0}]})
+
+
+def test_layer_times_keyed_by_shape_round_trip():
+    calibration = Calibration.load(str(ROOT / "tools" / "calibration_h200_measured.json"))
+    assert calibration.layer_forward_us_per_token
+    assert Calibration.from_dict(calibration.to_dict()) == calibration
+    assert replace(calibration, max_efficiency=0.5).layer_forward_us_per_token == calibration.layer_forward_us_per_token
 
 
 def test_calibration_and_workload_files_refuse_bad_input(tmp_path):
@@ -227,8 +270,6 @@ def test_calibration_and_workload_files_refuse_bad_input(tmp_path):
         Calibration.from_dict({"nvlink": 300})
     with pytest.raises(ValueError, match="max_efficiency"):
         Calibration.from_dict({"max_efficiency": 1.5})
-    with pytest.raises(ValueError, match="layer_forward_us_per_token.llm"):
-        Calibration.from_dict({"layer_forward_us_per_token": {"llm": {"two": 3}}})
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -239,8 +280,7 @@ def test_calibration_and_workload_files_refuse_bad_input(tmp_path):
         replace(W1, llm=replace(W1.llm, seq_length=8192))
 
 
-def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path, capsys):
-    tool = _load_tool()
+def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path):
     out = tmp_path / "best.yaml"
     workload_file = tmp_path / "w.json"
     vision, llm = W1.encoders[0], W1.llm
@@ -250,14 +290,19 @@ def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path, capsys):
         "llm": {k: getattr(llm, k) for k in ("name", "hidden", "layers", "heads", "ffn", "seq_length", "vocab")},
         "global_batch": 16,
     }))
-    assert tool.main(["--workload-file", str(workload_file), "--gpus", "4", "--write-yaml", str(out),
-                      "--layouts", str(ROOT / "examples" / "layouts" / "demo_colocated.yaml")]) == 0
-    printed = capsys.readouterr().out
+    result = run_tool("plan_layout", "--workload-file", workload_file, "--gpus", "4", "--write-yaml", out,
+                      "--layouts", ROOT / "examples" / "layouts" / "demo_colocated.yaml")
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout
     assert "best 5:" in printed and "best homogeneous:" in printed and "given layouts" in printed
     assert "PREDICTIONS" in printed
     assert load_layout(str(out), 4).world_size == 4
-    assert tool.main(["--workload", "paper", "--top", "1"]) == 0
-    assert "published: +49.3% TFLOPS/GPU" in capsys.readouterr().out
+    result = run_tool("plan_layout", "--workload", "paper", "--top", "1")
+    assert result.returncode == 0 and "published: +49.3% TFLOPS/GPU" in result.stdout
+    # --llm-layers shrinks the LLM as bench_e2e's flag does: 8 layers of 4 x 4096^2 + 2 x 4096 x 16384
+    # weights and a 32000 x 4096 embedding and output layer.
+    result = run_tool("plan_layout", "--workload", "W4", "--llm-layers", "8", "--top", "1")
+    assert result.returncode == 0 and "llm 1.87B parameters" in result.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -267,8 +312,7 @@ def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path, capsys):
     (["--workload", "W1", "--gpus", "4", "--layouts", "examples/layouts/gpu2_colocated.yaml"],
      "error: examples/layouts/gpu2_colocated.yaml: module vision: tp*cp*dp*pp = 2"),
 ])
-def test_cli_bad_input_is_one_error_line(argv, message, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    assert _load_tool().main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1
+def test_cli_bad_input_is_one_error_line(argv, message):
+    result = run_tool("plan_layout", *argv)
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1

@@ -11,12 +11,14 @@ separate pass (encoder forward/backward, boundary, LLM forward/backward, optimiz
 phase synchronized, so the breakdown sums to more than the free-running step; each phase's
 slowest rank is reported), and peak memory per GPU.
 
-Workloads (bf16; images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27
-layers, 16 heads; the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth;
-global batch 4 in microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest the
-layout accepts):
+Workloads: the presets of megatron_hetero.planner.presets, the table plan_layout.py plans (bf16;
+images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27 layers, 16 heads;
+the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth; global batch 4 in
+microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest the layout accepts):
 - W1: 16 images per sample into a 16K context; W2: the same at 32K; W3: W1 with the encoder frozen
-  (`freeze: true` in the layout); tiny: a CPU-sized check of the tool.
+  (`freeze: true` in the layout); W4, encoder-heavy: 8 images of 448 px, patch 14 -> 1024 tokens,
+  through an InternViT-6B-wide ViT (hidden 3200, 25 heads, 15 layers) into the 16K LLM; tiny: a
+  CPU-sized check of the tool.
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
 """
@@ -26,118 +28,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    image_size: int
-    patch_size: int
-    images_per_sample: int
-    enc_hidden: int
-    enc_layers: int
-    enc_heads: int
-    hidden: int
-    heads: int
-    layers: int
-    seq_length: int
-    global_batch: int
-    micro_batch: int
-
-    @property
-    def tokens_per_image(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-
-WORKLOADS = {
-    "W1": Workload("W1", 378, 14, 16, 1152, 27, 16, 4096, 32, 32, 16384, 4, 2),
-    "W2": Workload("W2", 378, 14, 16, 1152, 27, 16, 4096, 32, 32, 32768, 4, 2),
-    "W3": Workload("W3", 378, 14, 16, 1152, 27, 16, 4096, 32, 32, 16384, 4, 2),
-    "tiny": Workload("tiny", 32, 8, 2, 64, 2, 4, 64, 4, 2, 64, 8, 2),
-}
-
-
-def sized_workload(w: Workload, layout, llm_layers: int = 0, global_batch: int = 0,
-                   micro_batch: int | None = None) -> Workload:
-    """The workload with the LLM depth and global batch overridden (0: the workload's) and micro
-    batch `micro_batch` (None: the workload's; 0: the smallest the layout accepts: micro batch x
-    LLM DP divides the global batch and splits evenly over every encoder's DP ranks)."""
-    from megatron_hetero.planner import micro_batches
-    from megatron_hetero.training.args import ArgsError
-
-    w = replace(w, layers=llm_layers or w.layers, global_batch=global_batch or w.global_batch)
-    if micro_batch == 0:
-        sizes = micro_batches(replace(planner_workload(w, 1, False), micro_batch=0), (*layout.encoders, layout.llm))
-        if not sizes:
-            raise ArgsError(f"--global-batch {w.global_batch}: no micro batch size splits it over the LLM's DP "
-                            f"{layout.llm.dp} and every encoder's DP; use a multiple of both")
-        micro_batch = sizes[0]
-    return replace(w, micro_batch=micro_batch or w.micro_batch)
-
-
-def planner_workload(w: Workload, vocab: int, frozen_encoder: bool):
-    """The workload in the planner's terms (megatron_hetero.planner.Workload: the shapes whose
-    FLOPs, time and memory it models), at the workload's micro batch size."""
-    from megatron_hetero import planner
-
-    encoder = planner.ModuleShape("vision", "encoder", w.enc_hidden, w.enc_layers, w.enc_heads, 4 * w.enc_hidden,
-                                  tokens_per_item=w.tokens_per_image, items_per_sample=w.images_per_sample,
-                                  projector_ffn=4 * w.hidden, frozen=frozen_encoder)
-    llm = planner.ModuleShape("llm", "llm", w.hidden, w.layers, w.heads, 4 * w.hidden, seq_length=w.seq_length,
-                              vocab=vocab)
-    return planner.Workload((encoder,), llm, global_batch=w.global_batch, micro_batch=w.micro_batch)
-
-
-def model_flops(w: Workload, vocab: int, frozen_encoder: bool) -> dict[str, float]:
-    """Model FLOPs of one global batch per module, counted by the planner's formulas (forward x3
-    when trained, x1 when frozen; projector and logits included)."""
-    from megatron_hetero.planner import module_forward_flops_per_sample
-
-    shapes = planner_workload(w, vocab, frozen_encoder)
-    return {key: (1 if shape.frozen else 3) * w.global_batch * module_forward_flops_per_sample(shape, w.hidden)
-            for key, shape in (("encoder", shapes.encoders[0]), ("llm", shapes.llm))}
-
-
-def synthetic_batch(w: Workload, tokenizer, seed: int = 0):
-    """A global batch of the workload's shapes: images first in each sequence, then random text, the
-    text positions carrying the loss."""
-    from megatron_hetero.boundary import BoundaryBatch
-    from megatron_hetero.data.batches import VISION, GlobalBatch
-
-    g = torch.Generator().manual_seed(seed)
-    b, s, rows = w.global_batch, w.seq_length, w.images_per_sample * w.tokens_per_image
-    if 1 + rows >= s:
-        raise ValueError(f"{w.name}: {rows} image tokens do not fit a {s}-token sequence")
-    ids = torch.randint(tokenizer.image_id + 1, tokenizer.vocab_size, (b, s), generator=g)
-    ids[:, 0], ids[:, 1 : 1 + rows] = tokenizer.bos_id, tokenizer.image_id
-    labels = torch.roll(ids, -1, dims=1)
-    loss_mask = torch.zeros(b, s)
-    loss_mask[:, rows : s - 1] = 1.0
-    images = torch.rand(b, w.images_per_sample, 3, w.image_size, w.image_size, generator=g)
-    samples = [SimpleNamespace(image=images[i]) for i in range(b)]
-    boundary = BoundaryBatch(np.full(b, rows), np.tile(np.arange(1, 1 + rows), b), s)
-    return GlobalBatch(list(range(b)), samples, ids, labels, loss_mask, {VISION: boundary})
-
-
-def _args(w: Workload, layout_file: str, bf16: bool):
-    from megatron_hetero.training.args import build_parser
-
-    flags = ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch),
-             "--micro-batch-size", str(w.micro_batch), "--image-size", str(w.image_size),
-             "--patch-size", str(w.patch_size), "--enc-hidden-size", str(w.enc_hidden),
-             "--enc-num-layers", str(w.enc_layers), "--enc-num-attention-heads", str(w.enc_heads),
-             "--hidden-size", str(w.hidden), "--num-layers", str(w.layers),
-             "--num-attention-heads", str(w.heads), "--seq-length", str(w.seq_length)]
-    return build_parser().parse_args(flags + (["--bf16"] if bf16 else []))
+from megatron_hetero.planner import BENCH_WORKLOADS, BenchWorkload, model_flops
+from megatron_hetero.training.bench import run_reporting_errors, sized_workload, synthetic_batch, trainer_args
 
 
 def _steps(trainer, batch, n: int) -> float:
@@ -162,11 +58,11 @@ def run(opts) -> dict:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     layout = load_layout(opts.hetero_layout, world)
-    w = sized_workload(WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
-    args = _args(w, opts.hetero_layout, not opts.fp32 and torch.cuda.is_available())
+    w = sized_workload(BENCH_WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
+    args = trainer_args(w, opts.hetero_layout, not opts.fp32 and torch.cuda.is_available())
     check_trainable(layout)
-    if w.name == "W3" and not all(m.freeze for m in layout.encoders):
-        raise ArgsError("workload W3 freezes the encoder: use a layout with freeze: true on it "
+    if w.frozen and not all(m.freeze for m in layout.encoders):
+        raise ArgsError(f"workload {w.name} freezes the encoder: use a layout with freeze: true on it "
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
     check_args(args, layout)
     device = init_distributed()
@@ -176,7 +72,7 @@ def run(opts) -> dict:
     return record
 
 
-def measure(trainer, w: Workload, layout_name: str, frozen: bool, opts) -> dict:
+def measure(trainer, w: BenchWorkload, layout_name: str, frozen: bool, opts) -> dict:
     """Train the workload's synthetic batch: opts.warmup steps, opts.steps timed free-running, then
     opts.steps with the phase timers; returns the record (rank 0 also appends it to opts.out)."""
     import torch.distributed as dist
@@ -257,7 +153,7 @@ def _bar_chart(records, png: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny")
+    parser.add_argument("--workload", choices=list(BENCH_WORKLOADS), default="tiny")
     parser.add_argument("--hetero-layout")
     parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
     parser.add_argument("--global-batch", type=int, default=0, help="samples per step (default: the workload's)")
@@ -277,19 +173,6 @@ def main() -> int:
     if not opts.hetero_layout:
         parser.error("--hetero-layout is required to run (or --report to print results)")
     return run_reporting_errors(run, opts)
-
-
-def run_reporting_errors(run_fn, opts) -> int:
-    """run_fn(opts), a layout or argument mistake reported as one `error:` line (exit status 2)."""
-    from megatron_hetero.layout import LayoutError
-    from megatron_hetero.training.args import ArgsError
-
-    try:
-        run_fn(opts)
-    except (LayoutError, ArgsError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# Importing bench_boundary also keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) before NCCL starts.
+from bench_boundary import pin_upstream_groups_to_default_backend
+# bench_e2e's measurement loop drives the trainer; it moves with the trainer's replacement.
+from bench_e2e import measure
 from megatron.core.models.mimo import MimoModel, MimoModelConfig, VisionModalitySubmodules
 from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
 from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
@@ -45,14 +50,12 @@ from megatron.core.process_groups_config import MultiModuleProcessGroupCollectio
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch.overrides import TorchFunctionMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from megatron_hetero.data.batches import VISION, module_slice
+from megatron_hetero.planner import BENCH_WORKLOADS
+from megatron_hetero.training.bench import run_reporting_errors, trainer_args
+from megatron_hetero.training.trainer import Trainer
 
-import bench_e2e  # noqa: E402  (puts the repository root on sys.path)
-# Importing bench_boundary also keeps NVLink multicast off (NCCL_NVLS_ENABLE=0) before NCCL starts.
-from bench_boundary import pin_upstream_groups_to_default_backend  # noqa: E402
-
-from megatron_hetero.data.batches import VISION, module_slice  # noqa: E402
-from megatron_hetero.training.trainer import Trainer  # noqa: E402
+LAYOUT_DIR = Path(__file__).resolve().parent.parent / "examples" / "layouts"
 
 LAYOUTS = {  # (placement, frozen encoder) -> the layout bench_e2e runs for the same comparison
     ("colocated", False): "gpu2_colocated.yaml",
@@ -274,19 +277,18 @@ def run(opts) -> dict:
     from megatron_hetero.training.args import check_args, check_trainable
     from megatron_hetero.training.trainer import init_distributed
 
-    w = bench_e2e.WORKLOADS[opts.workload]
+    w = BENCH_WORKLOADS[opts.workload]
     w = replace(w, layers=opts.llm_layers or w.layers)
-    frozen = w.name == "W3"
-    layout_file = str(bench_e2e.ROOT / "examples" / "layouts" / LAYOUTS[opts.placement, frozen])
+    layout_file = str(LAYOUT_DIR / LAYOUTS[opts.placement, w.frozen])
     owns_process_group = not dist.is_initialized()  # tests start their gloo processes themselves
     device = init_distributed() if owns_process_group else torch.device("cpu")
     world = dist.get_world_size()
     layout = load_layout(layout_file, world)
-    args = bench_e2e._args(w, layout_file, not opts.fp32 and device.type == "cuda")
+    args = trainer_args(w, layout_file, not opts.fp32 and device.type == "cuda")
     check_trainable(layout)
     check_args(args, layout)
     trainer = MimoTrainer(args, layout, device)
-    record = bench_e2e.measure(trainer, w, f"upstream_mimo_{opts.placement}", frozen, opts)
+    record = measure(trainer, w, f"upstream_mimo_{opts.placement}", w.frozen, opts)
     trainer.mimo.destroy()
     if owns_process_group:
         dist.destroy_process_group()
@@ -295,7 +297,7 @@ def run(opts) -> dict:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=list(bench_e2e.WORKLOADS), default="tiny")
+    parser.add_argument("--workload", choices=list(BENCH_WORKLOADS), default="tiny")
     parser.add_argument("--placement", choices=["colocated", "non_colocated"], default="colocated")
     parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
     parser.add_argument("--warmup", type=int, default=2)
@@ -311,7 +313,7 @@ def main(argv=None) -> int:
         print("error: run on 2 ranks (torchrun --nproc-per-node 2): the layouts compared are 2-GPU ones",
               file=sys.stderr)
         return 2
-    return bench_e2e.run_reporting_errors(run, opts)
+    return run_reporting_errors(run, opts)
 
 
 if __name__ == "__main__":

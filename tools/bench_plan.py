@@ -4,16 +4,12 @@
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from megatron_hetero.boundary import BoundaryBatch, PlanCache, plan_edge  # noqa: E402
-from megatron_hetero.layout import ModuleLayout  # noqa: E402
+from megatron_hetero.boundary import BoundaryBatch, PlanCache, plan_edge
+from megatron_hetero.layout import ModuleLayout
 
 PAIRS = [  # (encoder, llm) on 8 ranks
     (dict(dp=8), dict(tp=2, cp=4, sp=True)),

@@ -6,10 +6,11 @@ homogeneous one and the predicted gain, and write a layout file for the best.
         [--calibration tools/calibration_h200.json] [--write-yaml best.yaml]
     python tools/plan_layout.py --workload-file my_workload.json --gpus 16 --layouts a.yaml b.yaml
 
-Every figure is a prediction of the cost model in megatron_hetero/planner.py (its docstring states
-the model and the calibration JSON format), not a measurement. Presets: W1, W2, W3 (a SigLIP-so400m
-ViT into a 7B LLM on 2 GPUs) and paper (a 6B ViT into a 70B LLM on 64 GPUs); see
-megatron_hetero.planner.PRESETS. A workload file is JSON:
+Every figure is a prediction of the cost model in megatron_hetero/planner/ (its docstring states
+the model, megatron_hetero.planner.calibration's the calibration JSON format), not a measurement.
+Presets: W1, W2, W3 (a SigLIP-so400m ViT into a 7B LLM on 2 GPUs), W4 (encoder-heavy: an
+InternViT-6B-wide ViT into a 7B LLM on 2 GPUs), tiny (a CPU-sized check) and paper (a 6B ViT into a
+70B LLM on 64 GPUs); see megatron_hetero.planner.presets. A workload file is JSON:
 
     {"encoders": [{"name": "vision", "hidden": 1152, "layers": 27, "heads": 16, "ffn": 4304,
                    "tokens_per_item": 729, "items_per_sample": 16, "projector_ffn": 16384}],
@@ -26,10 +27,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megatron_hetero.layout import load_layout  # noqa: E402
-from megatron_hetero.planner import (  # noqa: E402
+from megatron_hetero.layout import load_layout
+from megatron_hetero.planner import (
+    H200_MEMORY_GB,
     PRESETS,
     Calibration,
     Cluster,
@@ -44,8 +44,6 @@ from megatron_hetero.planner import (  # noqa: E402
 )
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"
-# nvidia-smi on an H200: 143771 MiB.
-H200_MEMORY_GB = 150.7
 # "Heterogeneous Parallelism for Multimodal Large Language Model Training" (arXiv 2605.27678).
 PUBLISHED = {"colocated": "+49.3% TFLOPS/GPU", "non_colocated": "+13.0% tokens/s"}
 
@@ -66,6 +64,7 @@ def parse_args(argv):
     overrides.add_argument("--global-batch", type=int, metavar="N")
     overrides.add_argument("--micro-batch", type=int, metavar="N", help="fix the micro batch size (default: search)")
     overrides.add_argument("--seq-length", type=int, metavar="N", help="the LLM's sequence length")
+    overrides.add_argument("--llm-layers", type=int, metavar="N", help="the LLM's depth (bench_e2e's --llm-layers)")
     overrides.add_argument("--items-per-sample", type=int, metavar="N", help="images (clips) per sample, every encoder")
     overrides.add_argument("--freeze-encoders", action="store_true", help="encoders run forward only")
     overrides.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
@@ -90,8 +89,9 @@ def load_workload(args) -> tuple[Workload, str, int]:
     if args.freeze_encoders:
         encoder_changes["frozen"] = True
     changes = {"encoders": tuple(replace(e, **encoder_changes) for e in workload.encoders)}
-    if args.seq_length is not None:
-        changes["llm"] = replace(workload.llm, seq_length=args.seq_length)
+    llm_changes = {key: value for key, value in (("seq_length", args.seq_length), ("layers", args.llm_layers))
+                   if value is not None}
+    changes["llm"] = replace(workload.llm, **llm_changes)
     for key in ("global_batch", "micro_batch", "distributed_optimizer", "allow_recompute"):
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)

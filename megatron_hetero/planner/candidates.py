@@ -1,0 +1,211 @@
+"""The candidates: every way to lay the workload out that megatron-core and the trainer accept
+(colocated, non-colocated and Megatron's homogeneous baseline), each with every valid micro batch
+size, and a layout file read as candidates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import product
+
+from megatron_hetero.layout import AXES, Edge, HeteroLayout, ModuleLayout
+from megatron_hetero.planner.shapes import Cluster, ModuleShape, Workload
+
+PLACEMENTS = ("colocated", "non_colocated", "homogeneous")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the workload: a placement, one layout per module (encoders in workload
+    order, the llm last), the micro batch size and whether trainable modules recompute their
+    activations. `homogeneous` is Megatron today: every encoder takes the LLM's tp, cp and dp (an
+    encoder does not split an image over CP: it runs replicated on the CP ranks) and sits on the
+    LLM's first pipeline stage."""
+
+    placement: str
+    layouts: tuple[ModuleLayout, ...]
+    micro_batch: int
+    recompute: bool = False
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r} is not valid; use one of {', '.join(PLACEMENTS)}")
+
+    @property
+    def llm(self) -> ModuleLayout:
+        return self.layouts[-1]
+
+    @property
+    def encoders(self) -> tuple[ModuleLayout, ...]:
+        return self.layouts[:-1]
+
+    @property
+    def runnable(self) -> bool:
+        """Whether megatron-hetero's trainer runs it as a layout file: the homogeneous baseline only
+        when it has no CP and no PP (then it is the colocated layout with equal TP and DP)."""
+        return self.placement != "homogeneous" or (self.llm.cp == 1 and self.llm.pp == 1)
+
+    def describe(self) -> str:
+        parts = []
+        for layout in self.layouts:
+            sizes = " ".join(f"{axis}{getattr(layout, axis)}" for axis in AXES if getattr(layout, axis) > 1)
+            flags = "".join([" sp" if layout.sp else "", " frozen" if layout.freeze else ""])
+            where = f" @{layout.ranks.start}-{layout.ranks.stop - 1}" if self.placement == "non_colocated" else ""
+            parts.append(f"{layout.name} {sizes or 'x1'}{flags}{where}")
+        return " | ".join(parts) + (" (recompute)" if self.recompute else "")
+
+    def hetero_layout(self, world_size: int) -> HeteroLayout:
+        """The layout file's content (validated by megatron_hetero.layout)."""
+        if not self.runnable:
+            raise ValueError(f"{self.describe()}: the homogeneous baseline with CP or PP is not a layout "
+                             f"megatron-hetero runs; pick a colocated or non-colocated candidate")
+        placement = "colocated" if self.placement == "homogeneous" else self.placement
+        modules = self.layouts
+        if placement == "colocated":  # the encoders span every rank
+            modules = tuple(replace(m, first_rank=0) for m in self.layouts)
+        edges = tuple(Edge(e.name, self.llm.name) for e in self.encoders)
+        return HeteroLayout(placement=placement, world_size=world_size, modules=modules, edges=edges)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problem(shape: ModuleShape, layout: ModuleLayout, placement: str, cluster: Cluster) -> str | None:
+    """Why megatron-core or the trainer would refuse this module layout, or None."""
+    where = f"module {shape.name}"
+    if layout.tp > cluster.gpus_per_node:
+        return f"{where}: tp {layout.tp} spans more than a node's {cluster.gpus_per_node} GPUs"
+    if shape.heads % layout.tp or shape.kv_groups % layout.tp:
+        return f"{where}: {shape.heads} heads ({shape.kv_groups} key/value heads) do not split over tp {layout.tp}"
+    if shape.layers % layout.pp:
+        return f"{where}: {shape.layers} layers do not split over pp {layout.pp}"
+    if shape.role == "encoder":
+        # The homogeneous baseline's encoder "cp" is a replication (Megatron runs it on every CP rank).
+        if layout.cp > 1 and placement != "homogeneous":
+            return f"{where}: encoders run with cp 1 (an image is one sequence)"
+        if layout.pp > 1 and placement != "non_colocated":
+            return f"{where}: an encoder runs with pp 1 unless non-colocated"
+        if layout.sp:
+            return f"{where}: sequence parallelism is for the llm"
+        return None
+    if layout.cp > 1 and shape.seq_length % (2 * layout.cp):
+        return f"{where}: seq_length {shape.seq_length} does not split into 2 x cp = {2 * layout.cp} chunks"
+    if layout.sp and (shape.seq_length // layout.cp) % layout.tp:
+        return f"{where}: seq_length {shape.seq_length} / cp {layout.cp} does not split into tp {layout.tp} parts"
+    return None
+
+
+def _factorizations(gpus: int, axes: tuple[str, ...]):
+    """Every assignment of positive sizes to `axes` whose product is `gpus` (dp takes the rest)."""
+    if not axes:
+        yield {}
+        return
+    for size in _divisors(gpus):
+        for rest in _factorizations(gpus // size, axes[1:]):
+            yield {axes[0]: size, **rest}
+
+
+def llm_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Cluster):
+    """Every LLM layout on `gpus` GPUs that megatron-core and the trainer accept. Sequence
+    parallelism is on whenever TP > 1 (it saves memory for the same communication)."""
+    for sizes in _factorizations(gpus, ("tp", "cp", "pp")):
+        dp = gpus // (sizes["tp"] * sizes["cp"] * sizes["pp"])
+        layout = ModuleLayout(shape.name, "llm", dp=dp, sp=sizes["tp"] > 1, first_rank=first_rank, **sizes)
+        if layout_problem(shape, layout, "colocated", cluster) is None:
+            yield layout
+
+
+def encoder_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Cluster, placement: str):
+    """Every encoder layout on `gpus` GPUs the trainer runs in this placement."""
+    for sizes in _factorizations(gpus, ("tp", "pp")):
+        dp = gpus // (sizes["tp"] * sizes["pp"])
+        layout = ModuleLayout(shape.name, "encoder", dp=dp, freeze=shape.frozen, first_rank=first_rank, **sizes)
+        if layout_problem(shape, layout, placement, cluster) is None:
+            yield layout
+
+
+def homogeneous_encoder(shape: ModuleShape, llm: ModuleLayout, cluster: Cluster) -> ModuleLayout | None:
+    """The encoder as Megatron runs it today: the LLM's tp, cp (replicated) and dp, on its first
+    stage; None when it cannot (its heads do not split over that TP)."""
+    layout = ModuleLayout(shape.name, "encoder", tp=llm.tp, cp=llm.cp, dp=llm.dp, freeze=shape.frozen)
+    return None if layout_problem(shape, layout, "homogeneous", cluster) else layout
+
+
+def micro_batches(workload: Workload, layouts: tuple[ModuleLayout, ...]) -> list[int]:
+    """Micro batch sizes the trainer accepts for these layouts: micro batch x llm dp divides the
+    global batch and splits evenly over every encoder's DP ranks."""
+    llm_dp = layouts[-1].dp
+    if workload.global_batch % llm_dp:
+        return []
+    sizes = [workload.micro_batch] if workload.micro_batch else _divisors(workload.global_batch // llm_dp)
+    return [b for b in sizes
+            if workload.global_batch % (b * llm_dp) == 0 and all(b * llm_dp % e.dp == 0 for e in layouts[:-1])]
+
+
+def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, ...]) -> list[Candidate]:
+    """The layouts with every valid micro batch size, with and (where allowed) without recomputation."""
+    recompute = (False, True) if workload.allow_recompute else (False,)
+    return [Candidate(placement, layouts, b, r) for b in micro_batches(workload, layouts) for r in recompute]
+
+
+def is_homogeneous(encoders: tuple[ModuleLayout, ...], llm: ModuleLayout) -> bool:
+    """Whether colocated module layouts are Megatron's homogeneous one (that the trainer can run):
+    every encoder takes the LLM's TP and DP, and the LLM has no CP or PP."""
+    return llm.cp == 1 and llm.pp == 1 and all(e.tp == llm.tp and e.dp == llm.dp for e in encoders)
+
+
+def enumerate_candidates(workload: Workload, cluster: Cluster):
+    """Yields, for every layout combination that passes the layout rules (colocated, homogeneous,
+    non-colocated), its candidates: one per valid micro batch size (none: an empty list)."""
+    gpus, encoders = cluster.gpus, workload.encoders
+    for llm in llm_layouts(workload.llm, gpus, 0, cluster):
+        homogeneous = tuple(homogeneous_encoder(e, llm, cluster) for e in encoders)
+        if None not in homogeneous:
+            layouts = (*homogeneous, llm)
+            yield _variants(workload, "homogeneous", layouts)
+        options = [list(encoder_layouts(e, gpus, 0, cluster, "colocated")) for e in encoders]
+        for encoder_choice in product(*options):
+            if is_homogeneous(encoder_choice, llm):
+                continue  # listed above
+            layouts = (*encoder_choice, llm)
+            yield _variants(workload, "colocated", layouts)
+    for split in product(range(1, gpus), repeat=len(encoders)):
+        llm_gpus = gpus - sum(split)
+        if llm_gpus < 1:
+            continue
+        starts = [sum(split[:i]) for i in range(len(split))]
+        options = [list(encoder_layouts(e, n, start, cluster, "non_colocated"))
+                   for e, n, start in zip(encoders, split, starts)]
+        for llm in llm_layouts(workload.llm, llm_gpus, sum(split), cluster):
+            for encoder_choice in product(*options):
+                layouts = (*encoder_choice, llm)
+                yield _variants(workload, "non_colocated", layouts)
+
+
+def candidate_from_layout(layout: HeteroLayout, workload: Workload, cluster: Cluster) -> list[Candidate]:
+    """A layout file as candidates, one per valid micro batch size and recomputation choice (a
+    colocated file that is Megatron's homogeneous layout as that placement; ValueError when the
+    workload's modules, the layout rules or the batch sizes do not fit it)."""
+    if layout.world_size != cluster.gpus:
+        raise ValueError(f"the layout is for {layout.world_size} ranks but the cluster has {cluster.gpus} GPUs")
+    by_name = {m.name: m for m in layout.modules}
+    expected = [shape.name for shape in workload.modules]
+    if sorted(by_name) != sorted(expected):
+        raise ValueError(f"layout modules {', '.join(sorted(by_name))} do not match the workload's "
+                         f"{', '.join(expected)}")
+    layouts = tuple(by_name[name] for name in expected)
+    for shape, module in zip(workload.modules, layouts):
+        problem = layout_problem(shape, module, layout.placement, cluster)
+        if problem:
+            raise ValueError(problem)
+        if module.freeze != shape.frozen:
+            raise ValueError(f"module {shape.name}: freeze: {str(module.freeze).lower()} in the layout, but the "
+                             f"workload's {shape.name} is {'frozen' if shape.frozen else 'trained'}; make them agree")
+    placement = layout.placement
+    if placement == "colocated" and is_homogeneous(layouts[:-1], layouts[-1]):
+        placement = "homogeneous"
+    candidates = _variants(workload, placement, layouts)
+    if not candidates:
+        raise ValueError(f"no micro batch size splits global batch {workload.global_batch} over llm dp "
+                         f"{layouts[-1].dp} and every encoder's dp")
+    return candidates

@@ -1,0 +1,403 @@
+"""The cost model: seconds per step on the busiest GPU, by component, and memory per GPU, of one
+candidate (the model is stated in megatron_hetero.planner's docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.planner.calibration import Calibration, LayerKey
+from megatron_hetero.planner.candidates import Candidate
+from megatron_hetero.planner.counts import (
+    ADAM_BYTES,
+    GRADIENT_BYTES,
+    LOGIT_BYTES,
+    WEIGHT_BYTES,
+    activation_bytes_per_token_layer,
+    head_forward_flops_per_sample,
+    head_params,
+    layer_forward_flops_per_token,
+    layer_params,
+    model_flops_per_step,
+)
+from megatron_hetero.planner.shapes import Cluster, ModuleShape, Workload
+
+GB = 1e9
+
+
+def split_cp(shape: ModuleShape, layout: ModuleLayout) -> int:
+    """The CP size that splits the module's sequence: the LLM's cp; an encoder never splits an item
+    (its cp, in the homogeneous baseline, replicates it)."""
+    return layout.cp if shape.role == "llm" else 1
+
+
+def layer_key(shape: ModuleShape, layout: ModuleLayout) -> LayerKey:
+    """The key of a measured time for this module's layers under this layout."""
+    return LayerKey.of(shape, layout.tp, split_cp(shape, layout))
+
+
+def encoder_forward_reruns(placement: str, llm: ModuleLayout) -> bool:
+    """Whether a trainable encoder runs its forward twice per microbatch: colocated with a pipelined
+    LLM, the schedule runs it without a graph for the LLM pipeline, then again for its backward."""
+    return placement == "colocated" and llm.pp > 1
+
+
+@dataclass(frozen=True)
+class Seconds:
+    """Time one GPU spends, by component."""
+
+    compute: float = 0.0
+    tp_comm: float = 0.0
+    cp_comm: float = 0.0
+    p2p: float = 0.0  # pipeline sends between stages
+    boundary: float = 0.0  # encoder rows to the LLM and their gradients back
+    dp_sync: float = 0.0  # gradient all-reduce over DP x CP
+
+    def __add__(self, other: Seconds) -> Seconds:
+        return Seconds(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __mul__(self, k: float) -> Seconds:
+        return Seconds(*(getattr(self, f.name) * k for f in fields(self)))
+
+    __rmul__ = __mul__
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    step_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    memory_gb: float
+    fits: bool
+    busy: dict  # module name -> Seconds: what the critical GPU does per step
+    idle_s: float  # what the critical GPU waits per step: pipeline bubble, stage imbalance
+    stage_s: dict  # module name -> seconds of one pipeline stage per microbatch (forward + backward)
+    # Modules whose layers the efficiency curve prices although the calibration has measured
+    # layer times: none of them is for this module's shape and layout.
+    curve_modules: tuple[str, ...] = ()
+    reason: str = ""
+
+
+class CostModel:
+    """Predictions for one workload on one cluster with one calibration."""
+
+    def __init__(self, workload: Workload, cluster: Cluster, calibration: Calibration):
+        self.workload, self.cluster, self.calibration = workload, cluster, calibration
+        self.shapes = {shape.name: shape for shape in workload.modules}
+        self._passes = {}
+
+    # -- links and collectives ---------------------------------------------------------------
+
+    def _gbps(self, size: int, stride: int, inside_node: float) -> float:
+        """Bandwidth of a group of `size` ranks `stride` apart: the node's links when the group fits
+        in one node, else the network (assumption: ranks are numbered node by node, and a group that
+        crosses nodes runs at the network's per-GPU bandwidth)."""
+        return inside_node if size * stride <= self.cluster.gpus_per_node else self.calibration.network_gbps
+
+    def _latency(self) -> float:
+        return self.calibration.collective_latency_us * 1e-6
+
+    def all_reduce_s(self, nbytes: float, size: int, stride: int) -> float:
+        """Ring all-reduce: each GPU moves 2 (size-1)/size of the buffer at the bus bandwidth."""
+        if size == 1:
+            return 0.0
+        gbps = self._gbps(size, stride, self.calibration.nvlink_gbps)
+        return self._latency() + 2 * (size - 1) / size * nbytes / (gbps * GB)
+
+    def all_gather_s(self, out_bytes: float, size: int, stride: int) -> float:
+        """All-gather (or reduce-scatter) of an `out_bytes` result: (size-1)/size of it moves."""
+        if size == 1:
+            return 0.0
+        gbps = self._gbps(size, stride, self.calibration.nvlink_gbps)
+        return self._latency() + (size - 1) / size * out_bytes / (gbps * GB)
+
+    def send_s(self, nbytes: float, distance: int) -> float:
+        """One point-to-point send to a rank `distance` away."""
+        gbps = self._gbps(2, distance, self.calibration.p2p_gbps)
+        return self._latency() + nbytes / (gbps * GB)
+
+    # -- one microbatch through one module -------------------------------------------------------
+
+    def efficiency(self, shape: ModuleShape, tp: int) -> float:
+        """The calibration's efficiency curve at the GEMM width one GPU gets: hidden / tp."""
+        return self.calibration.efficiency(shape.hidden / tp)
+
+    def measured_layer_us(self, shape: ModuleShape, layout: ModuleLayout) -> float | None:
+        """The calibration's measured time per token of one layer of this shape under this layout,
+        or None."""
+        return self.calibration.layer_forward_us_per_token.get(layer_key(shape, layout))
+
+    def layer_forward(self, shape: ModuleShape, tp: int, tokens: float) -> Seconds:
+        """One layer's forward over `tokens` tokens on one GPU of a TP group, from the efficiency
+        curve: compute and the two TP collectives (all-reduces; with sequence parallelism an
+        all-gather and a reduce-scatter, the same bytes)."""
+        flops = tokens * layer_forward_flops_per_token(shape) / tp
+        compute = flops / (self.calibration.matmul_tflops * 1e12 * self.efficiency(shape, tp))
+        nbytes = tokens * shape.hidden * self.workload.dtype_bytes
+        return Seconds(compute=compute, tp_comm=2 * self.all_reduce_s(nbytes, tp, 1))
+
+    def head_forward_s(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
+        """The head (an encoder's projector, the LLM's output layer) over `samples` samples on one
+        GPU: its FLOPs split over TP (and the LLM's CP), at the efficiency curve."""
+        shares = layout.tp * split_cp(shape, layout)
+        flops = samples * head_forward_flops_per_sample(shape, self.workload.llm.hidden) / shares
+        return flops / (self.calibration.matmul_tflops * 1e12 * self.efficiency(shape, layout.tp))
+
+    def microbatch_pass(self, shape: ModuleShape, layout: ModuleLayout, samples: float,
+                        recompute: bool) -> tuple[Seconds, Seconds]:
+        """(forward, backward) of `samples` samples through the whole module (all its layers; a
+        pipeline stage does 1/pp of it) on one GPU of one DP replica. The LLM splits each sequence
+        over CP; an encoder never does (its layout's cp, in the homogeneous baseline, replicates
+        it). A measured time for the layer's shape and layout replaces the curve and the TP and CP
+        communication. Backward: 2 x the forward FLOPs (input and weight gradients) and the same
+        collectives in reverse (TP: two per layer; CP: a reduce-scatter of dK and dV); with
+        recomputation, the layers' forward once more."""
+        key = (shape.name, layout.tp, layout.cp, samples, recompute)
+        if key not in self._passes:
+            cp = split_cp(shape, layout)
+            tokens = samples * shape.tokens_per_sample / cp
+            measured = self.measured_layer_us(shape, layout)
+            if measured is not None:
+                layer = Seconds(compute=measured * 1e-6 * tokens)
+            else:
+                kv_bytes = cp * tokens * 2 * shape.kv_dim / layout.tp * self.workload.dtype_bytes
+                layer = self.layer_forward(shape, layout.tp, tokens) + Seconds(
+                    cp_comm=self.all_gather_s(kv_bytes, cp, layout.tp))
+            forward = shape.layers * layer + Seconds(compute=self.head_forward_s(shape, layout, samples))
+            backward = Seconds(compute=2 * forward.compute, tp_comm=forward.tp_comm, cp_comm=forward.cp_comm)
+            if recompute and not shape.frozen:
+                backward += shape.layers * layer
+            self._passes[key] = (forward, backward)
+        return self._passes[key]
+
+    def stage_pass(self, shape: ModuleShape, layout: ModuleLayout, samples: float,
+                   recompute: bool) -> tuple[Seconds, Seconds]:
+        """(forward, backward) of one pipeline stage for one microbatch: 1/pp of the module (the
+        embedding and output layer spread evenly, as if balanced) plus, with pp > 1, the send of
+        its activations (its gradients backward) to the neighbouring stage."""
+        forward, backward = self.microbatch_pass(shape, layout, samples, recompute)
+        if layout.pp == 1:
+            return forward, backward
+        tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
+        nbytes = tokens * shape.hidden * self.workload.dtype_bytes / (layout.tp if layout.sp else 1)
+        send = Seconds(p2p=self.send_s(nbytes, layout.tp * layout.cp * layout.dp))
+        return forward * (1 / layout.pp) + send, backward * (1 / layout.pp) + send
+
+    def dp_sync_s(self, shape: ModuleShape, layout: ModuleLayout) -> float:
+        """The fp32 gradient all-reduce of a trainable module over its DP x CP group, once per step
+        (reduce-scatter + all-gather with the distributed optimizer: the same bytes)."""
+        if shape.frozen:
+            return 0.0
+        params = self.stage_params(shape, layout)
+        return self.all_reduce_s(params * GRADIENT_BYTES, layout.dp * layout.cp, layout.tp)
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def stage_params(self, shape: ModuleShape, layout: ModuleLayout) -> float:
+        """Parameters on one GPU of the module's heaviest stage: its layers, plus the embedding and
+        output layer (both with pp=1, one of them on the first or last stage), or the projector."""
+        head = head_params(shape, self.workload.llm.hidden)
+        if shape.role == "llm" and layout.pp > 1:
+            head /= 2
+        return (shape.layers // layout.pp * layer_params(shape) + head) / layout.tp
+
+    def static_bytes(self, shape: ModuleShape, layout: ModuleLayout) -> float:
+        """Weights, gradients and optimizer state on one GPU (the distributed optimizer shards the
+        Adam moments over DP x CP; a frozen module keeps its weights only)."""
+        params = self.stage_params(shape, layout)
+        if shape.frozen:
+            return params * WEIGHT_BYTES
+        shards = layout.dp * layout.cp if self.workload.distributed_optimizer else 1
+        return params * (WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES / shards)
+
+    def activation_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float, recompute: bool) -> float:
+        """Activations one microbatch leaves on one GPU of a stage for its backward (none for a
+        frozen module, which runs without a graph); with recomputation, each layer's input plus one
+        layer's full activations while it runs backward. The LLM adds its fp32 logits (counted on
+        every stage: conservative for the first)."""
+        if shape.frozen:
+            return 0.0
+        tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
+        dtype = self.workload.dtype_bytes
+        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype)
+        layers = shape.layers / layout.pp
+        if recompute:
+            layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
+            total = tokens * (layers * layer_input + per_token)
+        else:
+            total = tokens * per_token * layers
+        if shape.role == "llm":
+            total += tokens * shape.vocab / layout.tp * LOGIT_BYTES
+        return total * self.calibration.activation_memory_factor
+
+    def rows_bytes(self, samples: float) -> float:
+        """Boundary rows of `samples` samples: every encoder's rows at the LLM hidden size."""
+        rows = samples * sum(e.rows_per_sample for e in self.workload.encoders)
+        return rows * self.workload.llm.hidden * self.workload.dtype_bytes
+
+    # -- boundary ---------------------------------------------------------------------------------
+
+    def _boundary_s(self, nbytes: float, gbps: float, trainable: bool) -> float:
+        calls = 2 if trainable else 1  # rows forward; gradients back for a trainable encoder
+        return calls * (self.calibration.boundary_call_ms * 1e-3 + nbytes / (gbps * GB))
+
+    def colocated_boundary_s(self, shape: ModuleShape, candidate: Candidate) -> float:
+        """One microbatch's re-layout of one encoder's rows on one GPU: its share of the rows
+        arrives (the planned minimum: with sequence parallelism each row reaches one LLM rank of the
+        first stage; without it, the TP replicas), at the measured re-layout throughput. Inside a
+        node unless LLM pp > 1 gathers every GPU's rows onto the first stage across nodes."""
+        llm = candidate.llm
+        stage_ranks = llm.tp * llm.cp * llm.dp
+        replicas = 1 if llm.sp else llm.tp
+        nbytes = self.rows_bytes(candidate.micro_batch * llm.dp) * replicas / stage_ranks
+        nbytes *= shape.rows_per_sample / sum(e.rows_per_sample for e in self.workload.encoders)
+        crosses_nodes = llm.pp > 1 and self.cluster.gpus > self.cluster.gpus_per_node
+        gbps = self.calibration.network_gbps if crosses_nodes else self.calibration.boundary_gbps
+        return self._boundary_s(nbytes, gbps, not shape.frozen)
+
+    def non_colocated_boundary_s(self, shape: ModuleShape, layout: ModuleLayout, candidate: Candidate) -> float:
+        """One microbatch's rows from an encoder's last stage to the LLM's first, point to point;
+        the busier end (the encoder GPUs sending, spread over its TP ranks, or the LLM GPUs
+        receiving) sets the time. Ranks of another module are taken as one node away unless the
+        whole cluster is one node."""
+        llm = candidate.llm
+        rows = self.rows_bytes(candidate.micro_batch * llm.dp)
+        rows *= shape.rows_per_sample / sum(e.rows_per_sample for e in self.workload.encoders)
+        nbytes = max(rows / (layout.dp * layout.tp), rows / (llm.tp * llm.cp * llm.dp))
+        one_node = self.cluster.gpus <= self.cluster.gpus_per_node
+        gbps = self.calibration.p2p_gbps if one_node else self.calibration.network_gbps
+        return self._boundary_s(nbytes, gbps, not shape.frozen)
+
+    # -- placements ---------------------------------------------------------------------------------
+
+    def microbatches(self, candidate: Candidate) -> int:
+        return self.workload.global_batch // (candidate.micro_batch * candidate.llm.dp)
+
+    def encoder_samples(self, candidate: Candidate, layout: ModuleLayout) -> float:
+        """Samples one encoder DP replica runs per microbatch: the microbatch of every LLM DP rank
+        (micro batch x llm dp samples) split over the encoder's DP ranks; in the homogeneous
+        baseline, the micro batch of its own LLM DP replica."""
+        if candidate.placement == "homogeneous":
+            return candidate.micro_batch
+        return candidate.micro_batch * candidate.llm.dp / layout.dp
+
+    def predict(self, candidate: Candidate) -> Prediction:
+        step = {"colocated": self._colocated, "non_colocated": self._non_colocated,
+                "homogeneous": self._homogeneous}[candidate.placement]
+        busy, idle, stage_s, memory = step(candidate)
+        step_s = sum(s.total for s in busy.values()) + idle
+        workload = self.workload
+        capacity = self.cluster.gpu_memory_gb * self.calibration.usable_memory_fraction
+        tflops_per_gpu = model_flops_per_step(workload) / step_s / self.cluster.gpus / 1e12
+        # Every GPU does its share of the FLOPs at or below the ceiling (the curve's efficiency is
+        # at most 1, a measured time is refused when faster), and waits or communicates besides.
+        assert tflops_per_gpu <= self.calibration.matmul_tflops * (1 + 1e-9), (candidate.describe(), tflops_per_gpu)
+        measured = self.calibration.layer_forward_us_per_token
+        curve = tuple(layout.name for layout in candidate.layouts
+                      if measured and self.measured_layer_us(self.shapes[layout.name], layout) is None)
+        return Prediction(
+            candidate=candidate,
+            step_s=step_s,
+            tokens_per_s=workload.global_batch * workload.llm.seq_length / step_s,
+            tflops_per_gpu=tflops_per_gpu,
+            memory_gb=memory / GB,
+            fits=memory / GB <= capacity,
+            busy=busy,
+            idle_s=idle,
+            stage_s=stage_s,
+            curve_modules=curve,
+        )
+
+    def _encoder_step(self, candidate: Candidate) -> tuple[dict, float, float]:
+        """Encoders on every GPU of theirs over a step: (busy by module, static bytes, activation
+        bytes of one microbatch). A trainable encoder runs forward and backward per microbatch, and
+        its forward once more when the colocated LLM is pipelined (the schedule reruns it with its
+        graph after the LLM pipeline)."""
+        m = self.microbatches(candidate)
+        rerun_forward = encoder_forward_reruns(candidate.placement, candidate.llm)
+        busy, static, activations = {}, 0.0, 0.0
+        for layout in candidate.encoders:
+            shape = self.shapes[layout.name]
+            samples = self.encoder_samples(candidate, layout)
+            forward, backward = self.microbatch_pass(shape, layout, samples, candidate.recompute)
+            per_microbatch = forward if shape.frozen else forward * (2 if rerun_forward else 1) + backward
+            if candidate.placement == "colocated":
+                per_microbatch += Seconds(boundary=self.colocated_boundary_s(shape, candidate))
+            busy[layout.name] = m * per_microbatch + Seconds(dp_sync=self.dp_sync_s(shape, layout))
+            static += self.static_bytes(shape, layout)
+            activations += self.activation_bytes(shape, layout, samples, candidate.recompute)
+        return busy, static, activations
+
+    def _colocated(self, candidate: Candidate):
+        llm_shape, llm = self.workload.llm, candidate.llm
+        m = self.microbatches(candidate)
+        busy, static, encoder_activations = self._encoder_step(candidate)
+        forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, candidate.recompute)
+        stage = forward + backward
+        busy[llm.name] = m * stage + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
+        idle = (llm.pp - 1) * stage.total  # the LLM's 1F1B fill and drain
+        in_flight = min(llm.pp, m)
+        llm_activations = in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, candidate.recompute)
+        # With pp > 1 the encoders' rows for every microbatch wait for the LLM pipeline; the
+        # encoders' activations exist only during their recompute, after it.
+        rows = m * self.rows_bytes(candidate.micro_batch * llm.dp) / self.cluster.gpus if llm.pp > 1 else 0.0
+        peak = rows + (max if llm.pp > 1 else sum)((encoder_activations, llm_activations))
+        memory = static + self.static_bytes(llm_shape, llm) + peak
+        return busy, idle, {llm.name: stage.total}, memory
+
+    def _homogeneous(self, candidate: Candidate):
+        llm_shape, llm = self.workload.llm, candidate.llm
+        m = self.microbatches(candidate)
+        busy, static, encoder_activations = self._encoder_step(candidate)
+        forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, candidate.recompute)
+        stage = (forward + backward).total
+        encoders = sum(s.total - s.dp_sync for s in busy.values()) / m
+        # 1F1B with unequal stages: fill and drain through every stage, then the slowest stage
+        # (the first, which also runs the encoders) paces the remaining m - 1 microbatches.
+        stages = [stage + encoders] + [stage] * (llm.pp - 1)
+        pipeline = sum(stages) + (m - 1) * max(stages)
+        busy[llm.name] = m * (forward + backward) + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
+        idle = pipeline - m * stages[0]
+        in_flight = min(llm.pp, m)
+        memory = (static + self.static_bytes(llm_shape, llm)
+                  + in_flight * (encoder_activations
+                                 + self.activation_bytes(llm_shape, llm, candidate.micro_batch, candidate.recompute)))
+        return busy, idle, {llm.name: stage, "first stage": stages[0]}, memory
+
+    def _non_colocated(self, candidate: Candidate):
+        llm_shape, llm = self.workload.llm, candidate.llm
+        m, recompute = self.microbatches(candidate), candidate.recompute
+        llm_forward, llm_backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recompute)
+        llm_stage = llm_forward + llm_backward
+        stage_s = {llm.name: llm_stage.total}
+        memory = self.static_bytes(llm_shape, llm) + min(llm.pp, m) * self.activation_bytes(
+            llm_shape, llm, candidate.micro_batch, recompute)
+        encoder_depth, dp_sync = 0.0, self.dp_sync_s(llm_shape, llm)
+        for layout in candidate.encoders:
+            shape = self.shapes[layout.name]
+            samples = self.encoder_samples(candidate, layout)
+            forward, backward = self.stage_pass(shape, layout, samples, recompute)
+            stage = (forward if shape.frozen else forward + backward).total
+            # The boundary transfer belongs to the encoder's last stage (the LLM's first waits for it).
+            last_stage = stage + self.non_colocated_boundary_s(shape, layout, candidate)
+            stage_s[layout.name] = last_stage
+            encoder_depth = max(encoder_depth, (layout.pp - 1) * stage + last_stage)
+            dp_sync = max(dp_sync, self.dp_sync_s(shape, layout))
+            # The first encoder stage keeps a microbatch in flight for every stage after it; a
+            # frozen encoder runs ahead, its rows queued for the LLM.
+            in_flight = min(layout.pp + llm.pp, m)
+            queued = m * self.rows_bytes(candidate.micro_batch * llm.dp) / layout.size if shape.frozen else 0.0
+            memory = max(memory, self.static_bytes(shape, layout) + queued
+                         + in_flight * self.activation_bytes(shape, layout, samples, recompute))
+        # One 1F1B pipeline: the encoder stages (branches in parallel) then the LLM's; the slowest
+        # stage paces the remaining m - 1 microbatches. The critical GPU is an LLM GPU; DP syncs of
+        # different modules run at once on their own GPUs.
+        pipeline = encoder_depth + llm.pp * llm_stage.total + (m - 1) * max(stage_s.values())
+        busy = {llm.name: m * llm_stage + Seconds(dp_sync=dp_sync)}
+        idle = pipeline - m * llm_stage.total
+        return busy, idle, stage_s, memory

@@ -1,0 +1,85 @@
+"""Standard dense-transformer counts: parameters, FLOPs and activation bytes of a module shape."""
+
+from __future__ import annotations
+
+from megatron_hetero.planner.shapes import ModuleShape, Workload
+
+# Bytes per parameter kept on a GPU (the trainer: fp32 weights under bf16 autocast, fp32 gradients
+# reduced in fp32, fp32 AdamW moments).
+WEIGHT_BYTES = 4
+GRADIENT_BYTES = 4
+ADAM_BYTES = 8
+LOGIT_BYTES = 4  # the loss reads fp32 logits
+
+
+def layer_params(shape: ModuleShape) -> int:
+    """Weights of one transformer layer: Q and output projections (hidden^2 each), K and V
+    (hidden x kv_dim each), the MLP (2 or, gated, 3 hidden x ffn matrices). Biases and norms are
+    left out (well under 1%)."""
+    attention = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * shape.kv_dim
+    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
+    return attention + mlp
+
+
+def head_params(shape: ModuleShape, llm_hidden: int) -> int:
+    """Weights outside the layers: the LLM's input embedding and output layer (untied); an
+    encoder's projector into the LLM hidden size, whose input is the concatenation of the tokens
+    pixel shuffle merges into one row. The patch embedding is left out."""
+    if shape.role == "llm":
+        return 2 * shape.vocab * shape.hidden
+    width_in = shape.hidden * (shape.tokens_per_item // shape.rows_per_item)
+    if shape.projector_ffn:
+        return width_in * shape.projector_ffn + shape.projector_ffn * llm_hidden
+    return width_in * llm_hidden
+
+
+def module_params(shape: ModuleShape, llm_hidden: int) -> int:
+    return shape.layers * layer_params(shape) + head_params(shape, llm_hidden)
+
+
+def attended_tokens(shape: ModuleShape) -> float:
+    """Keys one query attends to on average: its whole item for an encoder (bidirectional), half
+    the sequence for the causal LLM (assumes the attention kernel skips fully masked blocks, as
+    flash attention and SDPA's causal path do)."""
+    return shape.tokens_per_item if shape.role == "encoder" else shape.seq_length / 2
+
+
+def layer_forward_flops_per_token(shape: ModuleShape) -> float:
+    """2 FLOPs (one multiply-add) per weight, plus attention: Q K^T and the weighted sum of V, each
+    2 x attended keys x hidden."""
+    return 2 * layer_params(shape) + 4 * attended_tokens(shape) * shape.hidden
+
+
+def head_forward_flops_per_sample(shape: ModuleShape, llm_hidden: int) -> float:
+    """The LLM's output layer on every position (the input embedding is a lookup); an encoder's
+    projector on every row it sends."""
+    if shape.role == "llm":
+        return 2 * shape.vocab * shape.hidden * shape.seq_length
+    return 2 * head_params(shape, llm_hidden) * shape.rows_per_sample
+
+
+def module_forward_flops_per_sample(shape: ModuleShape, llm_hidden: int) -> float:
+    layers = shape.layers * layer_forward_flops_per_token(shape) * shape.tokens_per_sample
+    return layers + head_forward_flops_per_sample(shape, llm_hidden)
+
+
+def model_flops_per_step(workload: Workload) -> float:
+    """FLOPs one step must do (forward + backward = 3 x forward; a frozen module 1 x forward);
+    recomputation is not counted: TFLOPS/GPU figures compare layouts on the same work."""
+    total = 0.0
+    for shape in workload.modules:
+        passes = 1 if shape.frozen else 3
+        total += passes * module_forward_flops_per_sample(shape, workload.llm.hidden)
+    return total * workload.global_batch
+
+
+def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtype_bytes: int) -> float:
+    """Activations one layer keeps per token for its backward, on one GPU, without recomputation
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation", with dropout off and a fused
+    attention kernel that keeps no seq x seq scores):
+    - the two norm inputs and the two norm outputs that feed the QKV and FC1 GEMMs (4 x hidden),
+      whole on every TP rank unless sequence parallelism splits them;
+    - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP."""
+    replicated = 4 * shape.hidden
+    split = 2 * shape.hidden + 2 * shape.kv_dim + (3 if shape.gated_mlp else 2) * shape.ffn
+    return dtype_bytes * ((replicated / tp if sp else replicated) + split / tp)

@@ -1,0 +1,151 @@
+"""The workload presets: one table that tools/plan_layout.py plans and tools/bench_e2e.py,
+bench_mimo.py and check_planner.py train or check.
+
+A preset's shapes are the model as planned (e.g. SigLIP's MLP width); `BenchWorkload` is the same
+preset as the trainer builds it for bench_e2e (MLPs 4 x hidden, the demo tokenizer's vocabulary),
+and `trainer_workload` turns that back into the planner's terms, for the FLOPs the benchmarks count
+and the shapes check_planner fits its calibration to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hetero.planner.counts import module_forward_flops_per_sample
+from megatron_hetero.planner.shapes import ModuleShape, Workload
+
+
+@dataclass(frozen=True)
+class Bench:
+    """How bench_e2e trains a preset: square images of `image_size` pixels cut into patches of
+    `patch_size` (one encoder token each), and its default batch (global, and per LLM DP rank and
+    microbatch)."""
+
+    image_size: int
+    patch_size: int
+    global_batch: int = 4
+    micro_batch: int = 2
+
+
+@dataclass(frozen=True)
+class Preset:
+    workload: Workload
+    description: str
+    gpus: int  # plan_layout's default GPU count
+    bench: Bench | None = None  # None: bench_e2e does not train it
+
+
+def _vit_so400m(frozen: bool) -> ModuleShape:
+    """SigLIP-so400m shape: 729 patches per 384-px image, 16 images per sample; the projector is
+    the trainer's MLP (hidden 4 x the LLM's)."""
+    return ModuleShape("vision", "encoder", hidden=1152, layers=27, heads=16, ffn=4304,
+                       tokens_per_item=729, items_per_sample=16, projector_ffn=4 * 4096, frozen=frozen)
+
+
+def _llm_7b(seq_length: int) -> ModuleShape:
+    """A 7B-class LLM as the trainer builds it (GPTModel, MLP 4 x hidden, no gating), with a 32K
+    vocabulary."""
+    return ModuleShape("llm", "llm", hidden=4096, layers=32, heads=32, ffn=4 * 4096,
+                       seq_length=seq_length, vocab=32000)
+
+
+# bench_e2e's SigLIP images: 378 px in patches of 14, 27 x 27 = 729 tokens.
+_SIGLIP_IMAGES = Bench(image_size=378, patch_size=14)
+
+PRESETS = {
+    "W1": Preset(Workload((_vit_so400m(False),), _llm_7b(16384), global_batch=16),
+                 "SigLIP-so400m ViT (16 images x 729 tokens per sample) into a 7B LLM at 16K, global batch 16", 2,
+                 _SIGLIP_IMAGES),
+    "W2": Preset(Workload((_vit_so400m(False),), _llm_7b(32768), global_batch=8),
+                 "W1 at 32K context (the LLM needs CP), global batch 8", 2, _SIGLIP_IMAGES),
+    "W3": Preset(Workload((_vit_so400m(True),), _llm_7b(16384), global_batch=16),
+                 "W1 with the vision encoder frozen (forward only)", 2, _SIGLIP_IMAGES),
+    # Encoder-heavy: InternViT-6B's layer (hidden 3200, 25 heads of 128, MLP 12800 = 4 x hidden, as
+    # the trainer builds it) at a third of its 45 layers (1.96B parameters, so that it fits 2 GPUs
+    # beside the LLM shrunk as in the W1-W3 runs), 8 images of 448 px (1024 patches of 14 px each,
+    # all 1024 rows into the LLM: the trainer has no pixel shuffle), into W1's 7B LLM at 16K. Its 25
+    # heads split over no TP size but 1, 5 and 25: Megatron's homogeneous layout cannot give the LLM
+    # TP without the encoder.
+    "W4": Preset(Workload(
+        (ModuleShape("vision", "encoder", hidden=3200, layers=15, heads=25, ffn=12800, tokens_per_item=1024,
+                     items_per_sample=8, projector_ffn=4 * 4096),),
+        _llm_7b(16384), global_batch=16),
+        "InternViT-6B-wide ViT at 15 layers (8 images x 1024 tokens per sample) into a 7B LLM at 16K, "
+        "global batch 16", 2, Bench(image_size=448, patch_size=14)),
+    "tiny": Preset(Workload(
+        (ModuleShape("vision", "encoder", hidden=64, layers=2, heads=4, ffn=256, tokens_per_item=16,
+                     items_per_sample=2, projector_ffn=256),),
+        ModuleShape("llm", "llm", hidden=64, layers=2, heads=4, ffn=256, seq_length=64, vocab=128),
+        global_batch=8),
+        "a CPU-sized check of the tools (2 images x 16 tokens into a 64-token sequence), global batch 8", 2,
+        Bench(image_size=32, patch_size=8, global_batch=8)),
+    # A 6B-class ViT: InternViT-6B's width (hidden 3200, MLP 12800) with 48 layers and 32 heads
+    # instead of its 45 and 25, so that TP up to 8 and PP divide it (5.9B parameters).
+    # 448-px tiles of 1024 patches, 12 tiles per sample (InternVL's default dynamic tiling),
+    # pixel shuffle to 256 rows per tile, an MLP projector of width 8192; a Llama-70B-shaped LLM
+    # (GQA 8 groups, SwiGLU 28672, vocabulary 128256) at 8K; global batch 128 (1M tokens).
+    "paper": Preset(Workload(
+        (ModuleShape("vision", "encoder", hidden=3200, layers=48, heads=32, ffn=12800, tokens_per_item=1024,
+                     items_per_sample=12, output_tokens_per_item=256, projector_ffn=8192),),
+        ModuleShape("llm", "llm", hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, gated_mlp=True,
+                    seq_length=8192, vocab=128256),
+        global_batch=128, distributed_optimizer=True),
+        "6B ViT (12 tiles x 1024 tokens, 256 rows each into the LLM) into a 70B LLM at 8K, global batch 128", 64),
+}
+
+
+@dataclass(frozen=True)
+class BenchWorkload:
+    """A preset as bench_e2e trains it: the trainer's vision encoder and GPTModel (MLPs 4 x hidden),
+    the LLM's depth and the batch sizes overridable (`sized_workload`); `frozen`: the preset
+    freezes the encoder, so the layout must too."""
+
+    name: str
+    image_size: int
+    patch_size: int
+    images_per_sample: int
+    enc_hidden: int
+    enc_layers: int
+    enc_heads: int
+    hidden: int
+    heads: int
+    layers: int
+    seq_length: int
+    global_batch: int
+    micro_batch: int
+    frozen: bool = False
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+def _bench_workload(name: str, preset: Preset) -> BenchWorkload:
+    (vision,), llm, bench = preset.workload.encoders, preset.workload.llm, preset.bench
+    assert vision.name == "vision" and vision.rows_per_item == vision.tokens_per_item, name  # the trainer's ViT
+    workload = BenchWorkload(name, bench.image_size, bench.patch_size, vision.items_per_sample, vision.hidden,
+                             vision.layers, vision.heads, llm.hidden, llm.heads, llm.layers, llm.seq_length,
+                             bench.global_batch, bench.micro_batch, vision.frozen)
+    assert workload.tokens_per_image == vision.tokens_per_item, name
+    return workload
+
+
+BENCH_WORKLOADS = {name: _bench_workload(name, preset) for name, preset in PRESETS.items() if preset.bench}
+
+
+def trainer_workload(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> Workload:
+    """The workload in the planner's terms as the trainer builds it (the shapes whose FLOPs, time
+    and memory the planner models), at the workload's micro batch size."""
+    encoder = ModuleShape("vision", "encoder", w.enc_hidden, w.enc_layers, w.enc_heads, 4 * w.enc_hidden,
+                          tokens_per_item=w.tokens_per_image, items_per_sample=w.images_per_sample,
+                          projector_ffn=4 * w.hidden, frozen=frozen_encoder)
+    llm = ModuleShape("llm", "llm", w.hidden, w.layers, w.heads, 4 * w.hidden, seq_length=w.seq_length, vocab=vocab)
+    return Workload((encoder,), llm, global_batch=w.global_batch, micro_batch=w.micro_batch)
+
+
+def model_flops(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> dict[str, float]:
+    """Model FLOPs of one global batch per module, counted by the planner's formulas (forward x3
+    when trained, x1 when frozen; projector and logits included)."""
+    shapes = trainer_workload(w, vocab, frozen_encoder)
+    return {key: (1 if shape.frozen else 3) * w.global_batch * module_forward_flops_per_sample(shape, w.hidden)
+            for key, shape in (("encoder", shapes.encoders[0]), ("llm", shapes.llm))}

@@ -1,0 +1,45 @@
+"""The plan: every candidate predicted, the fastest micro batch size of each layout, ranked, each
+with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatron_hetero.planner.calibration import Calibration
+from megatron_hetero.planner.candidates import Candidate, enumerate_candidates
+from megatron_hetero.planner.cost import CostModel, Prediction
+from megatron_hetero.planner.output import explain
+from megatron_hetero.planner.shapes import Cluster, Workload
+
+
+@dataclass
+class Plan:
+    """One prediction per layout combination (its fastest micro batch size), fastest first: those
+    that fit in memory, and those that do not (the fastest micro batch size of each)."""
+
+    ranked: list[Prediction]
+    over_memory: list[Prediction]
+
+    def best(self, placement: str | None = None) -> Prediction | None:
+        return next((p for p in self.ranked if placement in (None, p.candidate.placement)), None)
+
+
+def best_micro_batch(model: CostModel, group: list[Candidate]) -> Prediction:
+    """The fastest of a layout's micro batch sizes that fits in memory, else the one that comes
+    closest to fitting."""
+    predictions = [model.predict(c) for c in group]
+    fitting = [p for p in predictions if p.fits]
+    return min(fitting, key=lambda p: (p.step_s, p.memory_gb)) if fitting else min(predictions, key=lambda p: (p.memory_gb, p.step_s))
+
+
+def plan(workload: Workload, cluster: Cluster, calibration: Calibration) -> Plan:
+    """Predict every candidate, rank, and give every prediction its reason (against the best
+    homogeneous layout that fits)."""
+    model = CostModel(workload, cluster, calibration)
+    predictions = [best_micro_batch(model, group) for group in enumerate_candidates(workload, cluster) if group]
+    predictions.sort(key=lambda p: (p.step_s, p.memory_gb))
+    fitting = [p for p in predictions if p.fits]
+    reference = next((p for p in fitting if p.candidate.placement == "homogeneous"), None)
+    capacity = cluster.gpu_memory_gb * calibration.usable_memory_fraction
+    explained = [replace(p, reason=explain(p, reference, workload, capacity)) for p in predictions]
+    return Plan([p for p in explained if p.fits], [p for p in explained if not p.fits])

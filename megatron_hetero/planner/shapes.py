@@ -1,0 +1,205 @@
+"""Workloads as the planner sees them: each module's shape and work per sample, the workload's batch
+and options, and the cluster it runs on."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+# nvidia-smi on an H200: 143771 MiB.
+H200_MEMORY_GB = 150.7
+
+
+def load_json(path: str, what: str, build):
+    """build(the JSON document at path); every failure a one-line ValueError starting with path."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: line {exc.lineno}: {exc.msg}") from None
+    try:
+        return build(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """A module's size and its work per sample.
+
+    Encoders: `tokens_per_item` tokens run through the encoder per image or clip, `items_per_sample`
+    items per sample, `output_tokens_per_item` rows per item enter the LLM (fewer than the tokens
+    with pixel shuffle; 0: as many), through an MLP projector of hidden width `projector_ffn` (0: a
+    linear projection). The LLM: `seq_length` tokens per sample, `vocab` output classes."""
+
+    name: str
+    role: str
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
+    gated_mlp: bool = False  # SwiGLU-style MLP: three hidden x ffn matrices instead of two
+    tokens_per_item: int = 0
+    items_per_sample: int = 0
+    output_tokens_per_item: int = 0
+    projector_ffn: int = 0
+    seq_length: int = 0
+    vocab: int = 0
+    frozen: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"module name must be a non-empty string, got {self.name!r}")
+        where = f"module {self.name}"
+        for key in ("gated_mlp", "frozen"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{where}: {key} must be true or false, got {getattr(self, key)!r}")
+        if self.role not in ("encoder", "llm"):
+            raise ValueError(f"{where}: role {self.role!r} is not valid; use encoder or llm")
+        for key in ("hidden", "layers", "heads", "ffn"):
+            if not positive_int(getattr(self, key)):
+                raise ValueError(f"{where}: {key} must be a positive integer, got {getattr(self, key)!r}")
+        for key in ("kv_heads", "tokens_per_item", "items_per_sample", "output_tokens_per_item",
+                    "projector_ffn", "seq_length", "vocab"):
+            value = getattr(self, key)
+            if not (positive_int(value) or value == 0):
+                raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"{where}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_groups:
+            raise ValueError(f"{where}: heads {self.heads} are not divisible by kv_heads {self.kv_heads}")
+        if self.role == "encoder":
+            if not self.tokens_per_item:
+                raise ValueError(f"{where}: an encoder needs tokens_per_item > 0")
+            if self.tokens_per_item % self.rows_per_item:
+                raise ValueError(f"{where}: output_tokens_per_item {self.output_tokens_per_item} does not "
+                                 f"divide tokens_per_item {self.tokens_per_item}")
+        else:
+            if not self.seq_length:
+                raise ValueError(f"{where}: the llm needs seq_length > 0")
+            if self.frozen:
+                raise ValueError(f"{where}: freezing is for encoders; the llm trains")
+
+    @property
+    def kv_groups(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): key/value heads x head size."""
+        return self.kv_groups * self.hidden // self.heads
+
+    @property
+    def rows_per_item(self) -> int:
+        """Encoder rows one item sends into the LLM sequence."""
+        return self.output_tokens_per_item or self.tokens_per_item
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens the module's layers run per sample."""
+        return self.seq_length if self.role == "llm" else self.items_per_sample * self.tokens_per_item
+
+    @property
+    def rows_per_sample(self) -> int:
+        return self.items_per_sample * self.rows_per_item
+
+
+@dataclass(frozen=True)
+class Workload:
+    encoders: tuple[ModuleShape, ...]
+    llm: ModuleShape
+    global_batch: int
+    micro_batch: int = 0  # samples per LLM DP rank per microbatch; 0: the planner picks
+    dtype_bytes: int = 2  # activations and boundary rows (bf16)
+    distributed_optimizer: bool = False
+    # Candidates may also use megatron-core's full activation recomputation
+    # (recompute_granularity="full"): a layer keeps only its input and reruns its forward in the
+    # backward. Megatron (the homogeneous baseline) can; the trainer does not yet.
+    allow_recompute: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "encoders", tuple(self.encoders))
+        if self.llm.role != "llm":
+            raise ValueError(f"module {self.llm.name}: the workload's llm must have role llm")
+        names = [self.llm.name]
+        for encoder in self.encoders:
+            if encoder.role != "encoder":
+                raise ValueError(f"module {encoder.name}: listed as an encoder but its role is {encoder.role}")
+            if encoder.name in names:
+                raise ValueError(f"module {encoder.name}: named twice; give each module its own name")
+            names.append(encoder.name)
+        if not positive_int(self.global_batch):
+            raise ValueError(f"global batch must be a positive integer, got {self.global_batch!r}")
+        if not (positive_int(self.micro_batch) or self.micro_batch == 0):
+            raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), got {self.micro_batch!r}")
+        for key in ("distributed_optimizer", "allow_recompute"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if self.dtype_bytes not in (2, 4):
+            raise ValueError(f"dtype bytes must be 2 (bf16) or 4 (fp32), got {self.dtype_bytes!r}")
+        rows = sum(e.rows_per_sample for e in self.encoders)
+        if rows >= self.llm.seq_length:
+            raise ValueError(f"{rows} encoder rows per sample do not fit the llm's seq_length "
+                             f"{self.llm.seq_length} with any text; raise seq_length or lower items_per_sample")
+
+    @property
+    def modules(self) -> tuple[ModuleShape, ...]:
+        return (*self.encoders, self.llm)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Workload:
+        """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
+        optionally micro_batch, dtype_bytes, distributed_optimizer, allow_recompute}."""
+        if not isinstance(data, dict):
+            raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"workload: unknown key {key!r}; known keys: {', '.join(sorted(known))}")
+        for key in ("encoders", "llm", "global_batch"):
+            if key not in data:
+                raise ValueError(f"workload: {key} missing")
+        if not isinstance(data["encoders"], list):
+            raise ValueError("workload: encoders must be a list of module shapes")
+        shape_keys = {f.name for f in fields(ModuleShape)} - {"role"}
+
+        def shape(spec, role: str) -> ModuleShape:
+            if not isinstance(spec, dict):
+                raise ValueError(f"workload: a module shape must be an object, got {spec!r}")
+            for key in spec:
+                if key not in shape_keys:
+                    raise ValueError(f"workload: module {spec.get('name', '?')}: unknown key {key!r}; "
+                                     f"known keys: {', '.join(sorted(shape_keys))}")
+            missing = [key for key in ("name", "hidden", "layers", "heads", "ffn") if key not in spec]
+            if missing:
+                raise ValueError(f"workload: module {spec.get('name', role)}: {', '.join(missing)} missing")
+            return ModuleShape(role=role, **spec)
+
+        rest = {k: v for k, v in data.items() if k not in ("encoders", "llm")}
+        return cls(tuple(shape(e, "encoder") for e in data["encoders"]), shape(data["llm"], "llm"), **rest)
+
+    @classmethod
+    def load(cls, path: str) -> Workload:
+        return load_json(path, "workload", cls.from_dict)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory_gb: float
+    gpus_per_node: int = 8  # ranks are numbered node by node
+
+    def __post_init__(self):
+        if not positive_int(self.gpus):
+            raise ValueError(f"gpus must be a positive integer, got {self.gpus!r}")
+        if not positive_int(self.gpus_per_node):
+            raise ValueError(f"gpus per node must be a positive integer, got {self.gpus_per_node!r}")
+        if not (isinstance(self.gpu_memory_gb, (int, float)) and self.gpu_memory_gb > 0):
+            raise ValueError(f"GPU memory must be a positive number of GB, got {self.gpu_memory_gb!r}")
