@@ -48,7 +48,7 @@ DEFAULT_FLAGS = [
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
-    return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision)
+    return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype)
 
 
 def _shapes(args, split: str) -> ShapesDataset:

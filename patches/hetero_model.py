@@ -42,6 +42,8 @@ def wrap_parts(run, built: ModelParts, args) -> HeteroModel:
         if module.layout.freeze:
             part.requires_grad_(False)
         part.to(device)
+        if args.bf16:  # bf16 weights; megatron-core's optimizer keeps fp32 main copies
+            part.bfloat16()
         module.part = part
         if not any(p.requires_grad for p in part.parameters()):
             continue
@@ -62,9 +64,10 @@ def _get_model(original):
         if run is None:
             return original(model_provider_func, model_type, wrap_with_ddp=wrap_with_ddp, config=config,
                             pg_collection=pg_collection)
-        if args.bf16 or args.fp16:
-            fail("--bf16/--fp16 with --hetero-layout: not supported yet by Megatron-LM scripts through "
-                 "megatron-hetero; drop the flag")
+        if args.fp16:
+            fail("--fp16 with --hetero-layout is not supported; use --bf16")
+        if args.bf16 and not torch.cuda.is_available():
+            fail("--bf16 needs GPUs (megatron-core's layers run bf16 on CUDA only); drop --bf16 on CPU")
         args.model_type = model_type
         try:
             built = model_provider_func(pre_process=run.llm.first_stage, post_process=run.llm.last_stage,

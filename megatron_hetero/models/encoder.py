@@ -33,6 +33,9 @@ class StageEncoder(MegatronModule):
     [n * tokens, llm_hidden], item by item (row i*tokens + t is token t of item i).
     """
 
+    # No word embedding to share between pipeline ends (megatron-core's finalize_model_grads asks).
+    share_embeddings_and_output_weights = False
+
     def __init__(
         self,
         config: TransformerConfig,

@@ -12,6 +12,7 @@ from megatron_hetero.models.sizes import ModelSizes
 class EncoderKind:
     name: str
     input_key: str  # the model call's argument (and the batch key) holding this kind's items
+    item_dims: int  # dimensions of one item (an image [3, H, W]: 3); a sample holds one or [k, ...]
     flag_prefix: str  # its size flags: --{prefix}-num-layers, --{prefix}-hidden-size, --{prefix}-num-attention-heads
     tokens_per_item: Callable[[ModelSizes], int]
     builder: str  # function in megatron_hetero.models.vlm: (sizes, tp, pgs, whole=...) -> a stage
@@ -31,8 +32,8 @@ class EncoderKind:
 
 
 ENCODER_KINDS = {
-    "vision": EncoderKind("vision", "images", "enc", lambda s: s.patches_per_image, "build_vision_encoder"),
-    "audio": EncoderKind("audio", "audio", "audio", lambda s: s.tokens_per_clip, "build_audio_encoder"),
+    "vision": EncoderKind("vision", "images", 3, "enc", lambda s: s.patches_per_image, "build_vision_encoder"),
+    "audio": EncoderKind("audio", "audio", 2, "audio", lambda s: s.tokens_per_clip, "build_audio_encoder"),
 }
 
 

@@ -102,9 +102,13 @@ class LLaVAAdapter:
         self._signature = inspect.signature(type(next(iter(parts.values()))).forward)
 
     def _arguments(self, call: ModelCall, share: slice) -> dict:
+        """The call's arguments for samples `share`, images in the weights' dtype."""
         bound = self._signature.bind(None, *call.args, **call.kwargs).arguments
         bound.pop("self")
-        return {k: v[share] if k in self.PER_SAMPLE and v is not None else v for k, v in bound.items()}
+        args = {k: v[share] if k in self.PER_SAMPLE and v is not None else v for k, v in bound.items()}
+        if args.get("images") is not None:
+            args["images"] = args["images"].to(self.dtype)
+        return args
 
     def batch_size(self, call: ModelCall) -> int:
         return self._signature.bind(None, *call.args, **call.kwargs).arguments["input_ids"].shape[0]

@@ -22,9 +22,11 @@ from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import ModelCall, ModelParts
 
 
-def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False) -> ModelParts:
-    """This rank's stage of every module it holds; module i of the layout from seed + i, so a
-    module's weights do not depend on what else a rank holds, nor on its TP or PP size."""
+def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
+                    dtype: torch.dtype = torch.float32) -> ModelParts:
+    """This rank's stage of every module it holds, its weights in `dtype`;
+    module i of the layout from seed + i, so a module's weights do not depend on what else a rank
+    holds, nor on its TP or PP size."""
     parts = {}
     for index, module in enumerate(run.modules.values()):
         if not module.held:
@@ -32,12 +34,12 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
         layout, pgs = module.layout, module.pgs
         if layout.role == "llm":
             def build(whole, layout=layout, pgs=pgs):
-                return build_llm(sizes, layout.tp, pgs, whole=whole, sp=layout.sp)
+                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp)
         else:
             def build(whole, layout=layout, pgs=pgs):
-                return encoder_kind(layout).build(sizes, layout.tp, pgs, whole=whole)
+                return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole)
         parts[module.name] = build_stage(build, seed + index, layout.pp)
-    return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision))
+    return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision, dtype))
 
 
 def _device() -> torch.device:
@@ -45,9 +47,9 @@ def _device() -> torch.device:
 
 
 class VLMAdapter:
-    def __init__(self, run: HeteroRun, sizes: ModelSizes, ablate_vision: bool = False):
-        self.run, self.sizes, self.ablate_vision = run, sizes, ablate_vision
-        self.dtype = torch.float32
+    def __init__(self, run: HeteroRun, sizes: ModelSizes, ablate_vision: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        self.run, self.sizes, self.ablate_vision, self.dtype = run, sizes, ablate_vision, dtype
 
     def batch_size(self, call: ModelCall) -> int:
         return call.kwargs["input_ids"].shape[0]
@@ -65,6 +67,8 @@ class VLMAdapter:
             shape = (self._llm_seq_local(), n, self.sizes.hidden_size)
         else:
             kind = encoder_kind(module.layout)
+            items = call.kwargs[kind.input_key][share]
+            n = items.shape[0] * (items.shape[1] if items.dim() == kind.item_dims + 2 else 1)
             shape = (kind.tokens_per_item(self.sizes), n, kind.hidden_size(self.sizes))
         return torch.empty(shape, dtype=self.dtype, device=_device())
 
@@ -76,7 +80,11 @@ class VLMAdapter:
 
     def encoder_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, hidden):
         kind = encoder_kind(module.layout)
-        x = call.kwargs[kind.input_key][share].to(_device()) if hidden is None else hidden
+        if hidden is None:  # a sample's items ([k, ...] for k items per sample) in sample order
+            x = call.kwargs[kind.input_key][share]
+            x = x.flatten(0, 1) if x.dim() == kind.item_dims + 2 else x
+            hidden = x.to(device=_device(), dtype=self.dtype)
+        x = hidden
         out = module.part(x)
         if module.last_stage and self.ablate_vision and kind.name == "vision":
             return out * 0  # the control run: no image information crosses the boundary
