@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _size_flags():
-    """ModelSizes fields set by flags; the vocabulary comes from the tokenizer."""
-    return [f for f in fields(ModelSizes) if f.name not in ("vocab_size", "vocab_multiple")]
+    """ModelSizes fields set by flags (the sizes; the vocabulary comes from the tokenizer)."""
+    return [f for f in fields(ModelSizes) if f.type is int and f.name not in ("vocab_size", "vocab_multiple")]
 
 
 def model_sizes(args, vocab_size: int) -> ModelSizes:
