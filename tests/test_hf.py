@@ -29,7 +29,7 @@ from megatron_hetero.hf import FAMILIES, HFMappingError, export_hf, family_of, i
 from megatron_hetero.hf.rules import FusedQKV
 from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.training.full_state import FullStateError, tp_part, tp_whole
-from tests.distributed import run_distributed
+from tests.distributed import collect_distributed
 
 SEQ, BATCH, VOCAB, IMAGE = 16, 2, 100, 32
 TOL = 1e-5
@@ -148,7 +148,7 @@ def _case_pairs(name: str, layout: str, pgs) -> dict:
             "logits": (logits[..., :VOCAB], want["logits"][:, positions])}
 
 
-def _worker(rank, world_size, out_dir):
+def _worker(rank, world_size):
     from megatron_hetero.cpu_compat import apply_cpu_compat
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
@@ -161,14 +161,12 @@ def _worker(rank, world_size, out_dir):
         role = "llm" if name in LLMS else "encoder"
         pgs = build_module_groups(ModuleLayout(f"{name}_{layout}", role, **LAYOUTS[layout])).pgs
         results[f"{name}/{layout}"] = _case_pairs(name, layout, pgs)
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf")
-    run_distributed(_worker, 2, str(out))
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+    return collect_distributed(_worker, 2, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.mark.parametrize("name, layout", CASES)
