@@ -25,6 +25,8 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "flash": ["flash-attn"],
-        "test": ["pytest"],
+        # Hugging Face weights (megatron_hetero/hf): configs through transformers, tensors in safetensors.
+        "hf": ["transformers>=5", "safetensors"],
+        "test": ["pytest", "transformers>=5", "safetensors"],
     },
 )

@@ -4,7 +4,9 @@ since process start-up is the expensive part on 2 cores)."""
 import datetime
 import os
 import socket
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -34,3 +36,13 @@ def run_distributed(fn, world_size: int, *args) -> None:
     mp.start_processes(
         _worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, start_method="spawn"
     )
+
+
+def _save_result(rank, world_size, fn, out_dir, args):
+    torch.save(fn(rank, world_size, *args), Path(out_dir) / f"rank{rank}.pt")
+
+
+def collect_distributed(fn, world_size: int, out_dir, *args) -> list:
+    """run_distributed, returning what fn returned on each rank, in rank order (through out_dir)."""
+    run_distributed(_save_result, world_size, fn, str(out_dir), args)
+    return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(world_size)]

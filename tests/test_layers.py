@@ -2,14 +2,12 @@
 against megatron-core's local layers (1 process), and a GPTModel on our spec under TP/CP/SP
 reproducing the 1-process model (4 gloo processes, one launch for every case)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions, cp_slice
-from tests.distributed import run_distributed
+from tests.distributed import collect_distributed
 
 SEED = 11
 SEQ, BATCH = 16, 2
@@ -176,7 +174,7 @@ def _megatron_local_pairs(ref_pgs):
     return results
 
 
-def _worker(rank, world_size, out_dir):
+def _worker(rank, world_size):
     from megatron_hetero.cpu_compat import apply_cpu_compat
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
@@ -187,14 +185,12 @@ def _worker(rank, world_size, out_dir):
     results = {case: _parallel_llm_pairs(case, ref_pgs) for case in CASES}
     if rank == 0:
         results.update(_megatron_local_pairs(ref_pgs))
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("layers")
-    run_distributed(_worker, 4, str(out))
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
+    return collect_distributed(_worker, 4, tmp_path_factory.mktemp("layers"))
 
 
 def _assert_pairs(pairs, rtol, grad_rtol):

@@ -20,6 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.models.norm import SequenceParallelNorm
 from megatron_hetero.models.specs import block_spec, encoder_layer_spec
 
 
@@ -29,8 +30,11 @@ class StageEncoder(MegatronModule):
     forward(x): on the first stage (`pre_process`) x is the raw input of n items, which the module
     built by `input_embedding()` maps to [tokens, n, hidden]; on a later stage x is the previous stage's
     output, passed as the argument (no set_input_tensor state). A non-last stage returns hidden
-    states [tokens, n, hidden]; the last (`post_process`) returns projected rows
+    states [class_tokens + tokens, n, hidden]; the last (`post_process`) returns projected rows
     [n * tokens, llm_hidden], item by item (row i*tokens + t is token t of item i).
+
+    `class_token` puts a learned token before each item's tokens (CLIP): the others attend to it,
+    it is not projected. `pre_norm` normalizes the embeddings before the first layer (CLIP).
     """
 
     # No word embedding to share between pipeline ends (megatron-core's finalize_model_grads asks).
@@ -45,16 +49,23 @@ class StageEncoder(MegatronModule):
         input_embedding: Callable[[], torch.nn.Module],
         pre_process: bool = True,
         post_process: bool = True,
+        class_token: bool = False,
+        pre_norm: bool = False,
     ):
         super().__init__(config=config)
         self.tokens_per_item = tokens_per_item
+        self.class_tokens = int(class_token)
         self.pre_process, self.post_process = pre_process, post_process
         hidden = config.hidden_size
         if pre_process:
             # Replicated over the encoder's TP group: small, and its input is the raw item.
             self.input_embedding = input_embedding()
-            self.position_embedding = torch.nn.Parameter(torch.empty(tokens_per_item, hidden))
+            if class_token:
+                self.class_embedding = torch.nn.Parameter(torch.empty(hidden))
+                config.init_method(self.class_embedding)
+            self.position_embedding = torch.nn.Parameter(torch.empty(self.class_tokens + tokens_per_item, hidden))
             config.init_method(self.position_embedding)
+            self.pre_norm = SequenceParallelNorm(config, hidden, config.layernorm_epsilon) if pre_norm else None
         self.decoder = TransformerBlock(
             config=config,
             spec=block_spec(encoder_layer_spec(pg_collection), config, pg_collection),
@@ -73,10 +84,20 @@ class StageEncoder(MegatronModule):
                 pg_collection=pg_collection,
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's hidden states [class_tokens + tokens, n, hidden] (after the final norm on the
+        last stage): forward without the projector."""
         if self.pre_process:
-            x = self.input_embedding(x) + self.position_embedding.unsqueeze(1)
-        x = self.decoder(x, attention_mask=None)  # [tokens, n, hidden]
+            x = self.input_embedding(x)
+            if self.class_tokens:
+                x = torch.cat([self.class_embedding.expand(1, x.shape[1], -1), x])
+            x = x + self.position_embedding.unsqueeze(1)
+            if self.pre_norm is not None:
+                x = self.pre_norm(x)
+        return self.decoder(x, attention_mask=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.encode(x)
         if not self.post_process:
             return x
-        return rearrange(self.projector(x), "s n h -> (n s) h")
+        return rearrange(self.projector(x[self.class_tokens:]), "s n h -> (n s) h")

@@ -24,13 +24,17 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def whole_names(stage: torch.nn.Module) -> dict[str, str]:
     """Each parameter and buffer name of `stage` -> its name in the whole (pp=1) module. A stage's
     local layer i is global layer `layer_number` (1-based): on the second of two 2-layer stages,
-    decoder.layers.0.* -> decoder.layers.2.*; names outside layers stay."""
-    layers = {name + ".": f"{name.rsplit('.', 1)[0]}.{module.layer_number - 1}."
-              for name, module in stage.named_modules() if isinstance(module, BaseTransformerLayer)}
+    decoder.layers.0.* -> decoder.layers.2.*; names outside layers stay, but for the copy of a tied
+    input embedding that megatron-core keeps as the output layer of a later stage (the whole module
+    has the embedding alone)."""
+    prefixes = {name + ".": f"{name.rsplit('.', 1)[0]}.{module.layer_number - 1}."
+                for name, module in stage.named_modules() if isinstance(module, BaseTransformerLayer)}
+    if getattr(stage, "share_embeddings_and_output_weights", False) and not stage.pre_process:
+        prefixes["output_layer."] = "embedding.word_embeddings."
 
     def rename(name: str) -> str:
-        prefix = next((p for p in layers if name.startswith(p)), None)
-        return name if prefix is None else layers[prefix] + name[len(prefix):]
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        return name if prefix is None else prefixes[prefix] + name[len(prefix):]
 
     return {name: rename(name) for name in _tensors(stage)}
 

@@ -14,7 +14,8 @@ class EncoderKind:
     input_key: str  # the model call's argument (and the batch key) holding this kind's items
     item_dims: int  # dimensions of one item (an image [3, H, W]: 3); a sample holds one or [k, ...]
     flag_prefix: str  # its size flags: --{prefix}-num-layers, --{prefix}-hidden-size, --{prefix}-num-attention-heads
-    tokens_per_item: Callable[[ModelSizes], int]
+    tokens_per_item: Callable[[ModelSizes], int]  # rows an item sends into the LLM sequence
+    stage_tokens: Callable[[ModelSizes], int]  # tokens an item has between its pipeline stages
     builder: str  # function in megatron_hetero.models.vlm: (sizes, tp, pgs, whole=...) -> a stage
 
     def size_flags(self, args) -> list[tuple[str, int]]:
@@ -32,8 +33,11 @@ class EncoderKind:
 
 
 ENCODER_KINDS = {
-    "vision": EncoderKind("vision", "images", 3, "enc", lambda s: s.patches_per_image, "build_vision_encoder"),
-    "audio": EncoderKind("audio", "audio", 2, "audio", lambda s: s.tokens_per_clip, "build_audio_encoder"),
+    # An imported CLIP tower's class token travels between stages, but is not projected into the LLM.
+    "vision": EncoderKind("vision", "images", 3, "enc", lambda s: s.patches_per_image,
+                          lambda s: s.patches_per_image + int(s.vision_arch.class_token), "build_vision_encoder"),
+    "audio": EncoderKind("audio", "audio", 2, "audio", lambda s: s.tokens_per_clip, lambda s: s.tokens_per_clip,
+                         "build_audio_encoder"),
 }
 
 

@@ -1,14 +1,44 @@
-"""Model sizes, importable without megatron-core (flag parsing happens before any heavy import)."""
+"""Model sizes and architecture choices, importable without megatron-core (flag parsing happens
+before any heavy import)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
 AUDIO_FRAMES_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
+class TransformerArch:
+    """How a transformer computes, beyond its sizes; the defaults are the demo's."""
+
+    ffn_hidden_size: int | None = None  # None: 4 * hidden size
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # a name in models/vlm.py ACTIVATIONS (Hugging Face's hidden_act names)
+    linear_bias: bool = False  # biases in linear_qkv, linear_proj, fc1, fc2
+
+
+@dataclass(frozen=True)
+class LLMArch(TransformerArch):
+    num_query_groups: int | None = None  # None: one per attention head
+    head_dim: int | None = None  # None: hidden size / attention heads
+    gated_linear_unit: bool = False  # fc1 = [gate; up], activation(gate) * up (SwiGLU with silu)
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    tied_embeddings: bool = False  # the output layer is the input embedding
+
+
+@dataclass(frozen=True)
+class VisionArch(TransformerArch):
+    patch_bias: bool = True
+    class_token: bool = False  # a learned token before the patches: attended to, not emitted
+    pre_norm: bool = False  # a norm between the embeddings and the first layer
+    rescale_pixels: bool = True  # images in [0, 1] mapped to [-1, 1]; False: they arrive normalized
+
+
+@dataclass(frozen=True)
 class ModelSizes:
-    """Model-size flags; the defaults make the CPU demo fast."""
+    """Model-size flags (the int fields) and architecture choices; the defaults make the CPU demo fast."""
 
     image_size: int = 32
     patch_size: int = 8
@@ -27,6 +57,8 @@ class ModelSizes:
     vocab_size: int = 22
     # Padded vocabulary: fixed, so that every TP size (dividing it) builds the same model.
     vocab_multiple: int = 128
+    llm_arch: LLMArch = field(default_factory=LLMArch)
+    vision_arch: VisionArch = field(default_factory=VisionArch)
 
     @property
     def patches_per_image(self) -> int:

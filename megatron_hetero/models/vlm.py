@@ -7,27 +7,44 @@ input embedding on the first stage, the projector or output layer on the last); 
 builds the pp=1 module instead, on the same TP slice: the reference init.build_stage copies from.
 """
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
+from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.audio import AudioEncoder
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.sizes import ModelSizes, TransformerArch
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
+# TransformerArch.activation -> megatron-core's activation_func, under Hugging Face's hidden_act names.
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "quick_gelu": quick_gelu,
+    "silu": F.silu,
+}
+
 
 def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp: int = 1,
-            sp: bool = False, **overrides) -> TransformerConfig:
+            sp: bool = False, arch: TransformerArch = TransformerArch(), **overrides) -> TransformerConfig:
     """overrides: further TransformerConfig fields (e.g. num_query_groups), or replacements of these."""
     if layers % pp:
         raise ValueError(f"{layers} layers do not split into pp={pp} equal stages; use a multiple of {pp}")
+    if arch.activation not in ACTIVATIONS:
+        raise ValueError(f"activation {arch.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     fields = dict(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        ffn_hidden_size=4 * hidden,
+        ffn_hidden_size=arch.ffn_hidden_size or 4 * hidden,
+        activation_func=ACTIVATIONS[arch.activation],
+        normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_eps,
         tensor_model_parallel_size=tp,
         # megatron-core sizes a stage's TransformerBlock from this and pg_collection.pp's rank.
         pipeline_model_parallel_size=pp,
@@ -44,10 +61,9 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp:
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         pipeline_dtype=dtype,
-        # No linear biases (Llama-style): the key bias is in the null space of softmax attention,
-        # where Adam would amplify rounding noise into layout-dependent updates.
-        add_bias_linear=False,
-        normalization="LayerNorm",
+        # By default no linear biases (Llama-style): the key bias is in the null space of softmax
+        # attention, where Adam would amplify rounding noise into layout-dependent updates.
+        add_bias_linear=arch.linear_bias,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -70,14 +86,15 @@ def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
     return pp, rank == 0, rank == pp - 1
 
 
-def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole):
-    """cls(encoder config, projector config, *inputs, pgs) as this rank's stage (the whole module
-    with `whole`); dims: the encoder's (hidden size, layers, attention heads)."""
+def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=TransformerArch(), **kwargs):
+    """cls(encoder config, projector config, *inputs, pgs, **kwargs) as this rank's stage (the whole
+    module with `whole`); dims: the encoder's (hidden size, layers, attention heads); config_arch:
+    the encoder config's architecture choices."""
     pp, first, last = _stage(pgs, whole)
-    enc = _config(*dims, tp, dtype, pp)
+    enc = _config(*dims, tp, dtype, pp, arch=config_arch)
     # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
     proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype)
-    return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last)
+    return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last, **kwargs)
 
 
 def build_vision_encoder(
@@ -85,7 +102,8 @@ def build_vision_encoder(
     whole: bool = False,
 ) -> VisionEncoder:
     dims = (sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads)
-    return _build_encoder(VisionEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype, whole)
+    return _build_encoder(VisionEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype, whole,
+                          sizes.vision_arch, arch=sizes.vision_arch)
 
 
 def build_audio_encoder(
@@ -106,8 +124,11 @@ def build_llm(
     megatron-core's local spec, to compare); config_overrides: further TransformerConfig fields
     (e.g. num_query_groups)."""
     pp, first, last = _stage(pgs, whole)
+    arch = sizes.llm_arch
+    fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
+                  gated_linear_unit=arch.gated_linear_unit, add_qkv_bias=arch.qkv_bias)
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
-                     cp=pgs.cp.size(), sp=sp, **config_overrides)
+                     cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs), config, pgs),
@@ -116,7 +137,8 @@ def build_llm(
         pre_process=first,
         post_process=last,
         position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
+        rotary_base=arch.rope_theta,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
         pg_collection=pgs,
     )
 

@@ -69,7 +69,7 @@ class VLMAdapter:
             kind = encoder_kind(module.layout)
             items = call.kwargs[kind.input_key][share]
             n = items.shape[0] * (items.shape[1] if items.dim() == kind.item_dims + 2 else 1)
-            shape = (kind.tokens_per_item(self.sizes), n, kind.hidden_size(self.sizes))
+            shape = (kind.stage_tokens(self.sizes), n, kind.hidden_size(self.sizes))
         return torch.empty(shape, dtype=self.dtype, device=_device())
 
     def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:

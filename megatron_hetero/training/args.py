@@ -35,7 +35,10 @@ def expand_arg_files(argv: list[str]) -> list[str]:
 
 
 def _own_size_fields():
-    return [f for f in fields(ModelSizes) if f.name not in ("vocab_size", "vocab_multiple", *MEGATRON_SIZE_FLAGS)]
+    """ModelSizes' integer sizes that are not Megatron flags (the vocabulary comes from the tokenizer;
+    the architecture fields from imported weights)."""
+    return [f for f in fields(ModelSizes)
+            if f.type is int and f.name not in ("vocab_size", "vocab_multiple", *MEGATRON_SIZE_FLAGS)]
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -174,12 +174,13 @@ class Trainer:
         return rows * 0 if self.args.ablate_vision and name == VISION else rows
 
     def encoder_hidden_like(self, name: str, batch: GlobalBatch) -> torch.Tensor:
-        """What encoder `name`'s stages pass each other: [tokens, n_local, encoder hidden]."""
+        """What encoder `name`'s stages pass each other: [tokens, n_local, encoder hidden] (a vision
+        class token included)."""
         module = self.encoders[name]
         hidden = self.sizes.enc_hidden_size if name == VISION else self.sizes.audio_hidden_size
+        tokens = self._media_tokens(name) + (self.sizes.vision_arch.class_token if name == VISION else 0)
         n_local = len(batch.indices) // module.layout.dp
-        return torch.empty(self._media_tokens(name), n_local, hidden, device=self.device,
-                           dtype=self.pipeline_dtype)
+        return torch.empty(tokens, n_local, hidden, device=self.device, dtype=self.pipeline_dtype)
 
     def boundary_like(self) -> torch.Tensor:
         """An empty [0, hidden] tensor of the boundary's dtype and device."""

@@ -1,0 +1,19 @@
+"""Hugging Face weights: Llama, Qwen2 (our LLM) and SigLIP, CLIP vision towers (our vision encoder)
+mapped to the full (TP1/PP1) state dict of our module and back; `load_full_tensors` then puts its
+part into any layout's stage.
+
+    imported = import_hf("qwen2-dir", base=sizes)           # family, config, sizes, state
+    llm = build_llm(imported.sizes, tp, pgs)                # or build_vision_encoder
+    load_full_tensors(llm, imported.state, pgs.tp, allow_missing=imported.family.ours_only)
+    # later, `full`: the module's full state dict (full_tensors of every stage, merged)
+    export_hf("out-dir", imported.family, imported.sizes, full, imported.config)
+"""
+
+from megatron_hetero.hf.family import Family
+from megatron_hetero.hf.files import Imported, export_hf, import_hf
+from megatron_hetero.hf.registry import FAMILIES, family_of
+from megatron_hetero.hf.rules import HFMappingError
+from megatron_hetero.training.full_state import load_full_tensors
+
+__all__ = ["FAMILIES", "Family", "HFMappingError", "Imported", "export_hf", "family_of", "import_hf",
+           "load_full_tensors"]

@@ -1,0 +1,54 @@
+"""Llama and Qwen2 causal LMs onto our LLM (megatron-core GPTModel): RMSNorm, SwiGLU, RoPE,
+grouped-query attention; Qwen2 adds q/k/v biases. Both have the same weight layout."""
+
+from megatron_hetero.hf.family import Family, Field
+from megatron_hetero.hf.rules import PaddedRows, Same, Stacked, qkv_rules
+from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.vlm import ACTIVATIONS, padded_vocab_size
+
+FIELDS = (
+    Field("hidden_size", "hidden_size"),
+    Field("num_hidden_layers", "num_layers"),
+    Field("num_attention_heads", "num_attention_heads"),
+    Field("vocab_size", "vocab_size"),
+    Field("intermediate_size", "arch.ffn_hidden_size"),
+    Field("num_key_value_heads", "arch.num_query_groups"),
+    Field("head_dim", "arch.head_dim", default=None),
+    Field("rms_norm_eps", "arch.norm_eps"),
+    Field("hidden_act", "arch.activation", choices=tuple(ACTIVATIONS)),
+    Field("rope_parameters.rope_theta", "arch.rope_theta"),
+    Field("tie_word_embeddings", "arch.tied_embeddings"),
+)
+# Llama 3.1's "llama3" and other RoPE scalings are not mapped (GPTModel's rope_scaling would be).
+ROPE = {"rope_parameters.rope_type": "default"}
+ARCH = dict(normalization="RMSNorm", gated_linear_unit=True)
+
+
+def llm_rules(sizes: ModelSizes) -> list:
+    arch = sizes.llm_arch
+    heads = sizes.num_attention_heads
+    groups = arch.num_query_groups or heads
+    vocab = dict(vocab=sizes.vocab_size, rows=padded_vocab_size(sizes))
+    rules = [PaddedRows("embedding.word_embeddings.weight", "model.embed_tokens.weight", **vocab),
+             Same("decoder.final_layernorm.weight", "model.norm.weight")]
+    if not arch.tied_embeddings:
+        rules.append(PaddedRows("output_layer.weight", "lm_head.weight", **vocab))
+    for i in range(sizes.num_layers):
+        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        rules += qkv_rules(f"{ours}self_attention.linear_qkv", f"{hf}self_attn", heads, groups, arch.qkv_bias)
+        rules += [
+            Same(f"{ours}input_layernorm.weight", f"{hf}input_layernorm.weight"),
+            Same(f"{ours}self_attention.linear_proj.weight", f"{hf}self_attn.o_proj.weight"),
+            Same(f"{ours}pre_mlp_layernorm.weight", f"{hf}post_attention_layernorm.weight"),
+            Stacked(f"{ours}mlp.linear_fc1.weight", (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight")),
+            Same(f"{ours}mlp.linear_fc2.weight", f"{hf}mlp.down_proj.weight"),
+        ]
+    return rules
+
+
+# A tied lm_head.weight (in a model's state_dict(), not in its files) is the embedding again.
+_COMMON = dict(module="llm", fields=FIELDS, rules=llm_rules, hf_dropped=("lm_head.weight",))
+LLAMA = Family("llama", "llama", "LlamaForCausalLM", hf_fixed={"attention_bias": False, "mlp_bias": False, **ROPE},
+               arch=ARCH, **_COMMON)
+QWEN2 = Family("qwen2", "qwen2", "Qwen2ForCausalLM", hf_fixed={"use_sliding_window": False, **ROPE},
+               arch={**ARCH, "qkv_bias": True}, **_COMMON)

@@ -1,0 +1,127 @@
+"""Weight rules: how one tensor of our full (TP1/PP1) state dict is made of Hugging Face tensors,
+written once and applied both ways. Every rule moves data only (no arithmetic), so a round trip is
+bit-identical."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+class HFMappingError(ValueError):
+    """A Hugging Face model or state dict we cannot map; one line naming the field or key and the fix."""
+
+
+@dataclass(frozen=True)
+class Same:
+    """One tensor under another name."""
+
+    ours: str
+    hf_name: str
+
+    @property
+    def hf(self) -> tuple[str, ...]:
+        return (self.hf_name,)
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (t,)
+
+
+@dataclass(frozen=True)
+class PaddedRows(Same):
+    """An embedding (or output layer) whose `vocab` rows we pad with zeros to `rows` (see
+    vlm.padded_vocab_size): logits of the padding are 0 and never a label."""
+
+    vocab: int
+    rows: int
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(self.rows - self.vocab, *x.shape[1:])])
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (t[: self.vocab].clone(),)
+
+
+@dataclass(frozen=True)
+class Flattened(Same):
+    """A patch convolution's weight [out, c, p, p] as our linear patch embedding's [out, c*p*p]
+    (the (c p q) order PatchEmbedding flattens pixels in)."""
+
+    hf_shape: tuple[int, ...]
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (t.reshape(self.hf_shape),)
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Tensors stacked along rows: a gated MLP's fc1 is [gate; up] (megatron-core applies the
+    activation to the first half)."""
+
+    ours: str
+    hf: tuple[str, ...]
+
+    def join(self, *xs: torch.Tensor) -> torch.Tensor:
+        return torch.cat(xs)
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(part.clone() for part in t.chunk(len(self.hf)))
+
+
+@dataclass(frozen=True)
+class FusedQKV:
+    """megatron-core's linear_qkv (weight or bias) from q, k, v projections: rows grouped per query
+    group g as [the q heads of g; k_g; v_g], so that a TP rank's contiguous rows hold whole groups."""
+
+    ours: str
+    hf: tuple[str, str, str]
+    heads: int
+    groups: int
+
+    def join(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.unflatten(0, (self.groups, -1)) for x in (q, k, v)], 1).flatten(0, 1)
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        per_group = t.unflatten(0, (self.groups, -1))
+        head_dim = per_group.shape[1] // (self.heads // self.groups + 2)
+        parts = per_group.split([per_group.shape[1] - 2 * head_dim, head_dim, head_dim], 1)
+        return tuple(part.flatten(0, 1).clone() for part in parts)
+
+
+def _params(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
+
+
+def same_params(ours: str, hf: str, bias: bool = True) -> list[Same]:
+    """A layer's weight (and bias) under another name."""
+    return [Same(f"{ours}.{p}", f"{hf}.{p}") for p in _params(bias)]
+
+
+def qkv_rules(ours: str, hf: str, heads: int, groups: int, bias: bool) -> list[FusedQKV]:
+    """linear_qkv's weight (and bias) under `ours` from q_proj, k_proj, v_proj under `hf`."""
+    return [FusedQKV(f"{ours}.{p}", tuple(f"{hf}.{x}_proj.{p}" for x in "qkv"), heads, groups) for p in _params(bias)]
+
+
+def apply_rules(rules: list, state: dict[str, torch.Tensor], to_hf: bool,
+                ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Map `state` (Hugging Face tensors, or ours with `to_hf`) through every rule. Keys no rule reads
+    must start with one of `ignored` (tensors without a counterpart on the other side)."""
+    side, fix = ("our", "give the whole module's tensors") if to_hf else ("Hugging Face", "is it this family's?")
+    out, read = {}, set()
+    for rule in rules:
+        sources, targets = ((rule.ours,), rule.hf) if to_hf else (rule.hf, (rule.ours,))
+        missing = [name for name in sources if name not in state]
+        if missing:
+            raise HFMappingError(f"{missing[0]} is missing from the {side} state dict; {fix}")
+        inputs = [state[name] for name in sources]
+        out.update(zip(targets, rule.split(*inputs) if to_hf else (rule.join(*inputs),)))
+        read.update(sources)
+    unread = [name for name in state if name not in read and not name.startswith(ignored)]
+    if unread:
+        raise HFMappingError(f"{unread[0]} in the {side} state dict has no counterpart; {fix}")
+    return out
