@@ -19,7 +19,8 @@ import torch  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.global_vars import set_global_variables  # noqa: E402
 
 from megatron_hetero.data.megatron_data import CaptionSamples  # noqa: E402
 from megatron_hetero.data.shapes import ShapesDataset  # noqa: E402
@@ -80,12 +81,12 @@ def forward_step(data_iterator, model):
 
 def main() -> None:
     sys.argv[1:] = DEFAULT_FLAGS + expand_arg_files(sys.argv[1:])
-    args = parse_and_validate_args(extra_args_provider=add_model_args,
-                                   args_defaults={"tokenizer_type": "NullTokenizer",
-                                                  "vocab_size": CaptionTokenizer().vocab_size,
-                                                  # unused by this model (RoPE): only checked by Megatron
-                                                  "max_position_embeddings": 1 << 16})
-    check_script_args(args)
+    args = parse_args(add_model_args)
+    check_script_args(args)  # one `error:` line before Megatron's own validation
+    validate_args(args, {"tokenizer_type": "NullTokenizer", "vocab_size": CaptionTokenizer().vocab_size,
+                         # unused by this model (RoPE): only checked by Megatron
+                         "max_position_embeddings": 1 << 16})
+    set_global_variables(args)
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider)
     if args.eval_samples:

@@ -11,7 +11,11 @@ Without `--hetero-layout` the patched functions behave as upstream's (the CPU on
 only act where no GPU is present).
 """
 
-from megatron_hetero.patches import (
+from megatron_hetero.patches import quiet
+
+quiet.install()  # before megatron-core is imported
+
+from megatron_hetero.patches import (  # noqa: E402
     arguments,
     cpu,
     hetero_data,
@@ -22,7 +26,7 @@ from megatron_hetero.patches import (
     metrics,
     startup,
 )
-from megatron_hetero.patches._patch import PatchError, check_version
+from megatron_hetero.patches._patch import PatchError, check_version  # noqa: E402
 
 
 def apply() -> None:

@@ -158,17 +158,19 @@ def check_args(args, layout) -> None:
 
 
 def check_script_args(args) -> None:
-    """examples/pretrain_vlm.py's checks, after Megatron's parsing: one `error:` line and exit 2."""
-    from megatron_hetero.patches.hetero_args import fail
+    """examples/pretrain_vlm.py's checks, after Megatron's parsing and before its validation: one
+    `error:` line and exit 2."""
+    from megatron_hetero.patches import hetero_args
 
     if args.hetero_layout is None:
-        fail("--hetero-layout is required: this script trains per-module layouts (see "
-             "examples/layouts/ and the README)")
+        hetero_args.fail("--hetero-layout is required: this script trains per-module layouts (see "
+                         "examples/layouts/ and the README)")
+    layout = hetero_args.load(args)
     try:
-        check_trainable(args.hetero_layout_spec)
-        check_args(args, args.hetero_layout_spec)
+        check_trainable(layout)
+        check_args(args, layout)
     except ArgsError as error:
-        fail(str(error))
+        hetero_args.fail(str(error))
 
 
 __all__ = ["ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",
