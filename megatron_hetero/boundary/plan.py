@@ -113,8 +113,6 @@ def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
             f"edge {encoder.name} -> {llm.name}: an edge goes from an encoder into the llm; "
             f"fix the edges list"
         )
-    if encoder.sp:
-        raise BoundaryError(f"module {encoder.name}: sp on an encoder is not supported; set sp: false")
 
 
 def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout) -> None:
