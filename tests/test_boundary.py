@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge, slot_mask
-from megatron_hetero.boundary.exchange import recv_backward, recv_forward, send_backward, send_forward
+from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, complete, forward_recvs, forward_sends
 from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
 from megatron_hetero.layout import ModuleLayout
 from tests.distributed import run_distributed
@@ -79,38 +79,35 @@ def _colocated_cases(rank, world_size, cases, batch_specs):
 # ---- non-colocated: point-to-point, several microbatches in flight -----------------------------
 
 def _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, dtype):
-    """microbatches: per microbatch, one BoundaryBatch per edge. All sends of all microbatches are
-    posted before any receive completes: the calls do not block."""
+    """microbatches: per microbatch, one BoundaryBatch per edge. The transfers of all microbatches
+    are in flight together (one posted batch per direction), as a pipeline schedule has them."""
     like = torch.empty(0, HIDDEN, dtype=dtype)
-    plans, patterns, works, pending = {}, {}, [], {}
+    plans, patterns, sends, recvs = {}, {}, [], {}
     for m, batches in enumerate(microbatches):
         for e, (encoder, batch) in enumerate(zip(encoders, batches)):
             plans[m, e] = plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
             patterns[m, e] = _patterns(batch, dtype, seed=10 * m + e)
             if plan.num_source_rows:
-                works.append(send_forward(encoder_share(patterns[m, e][0], batch, encoder, rank), plan))
+                sends.append(forward_sends(encoder_share(patterns[m, e][0], batch, encoder, rank), plan))
             if plan.num_dest_slots:
-                pending[m, e] = recv_forward(plan, like)
-    for (m, e), p in pending.items():
+                recvs[m, e] = forward_recvs(plan, like)
+    received = complete(sends + list(recvs.values()))[len(sends):]
+    for (m, e), slots in zip(recvs, received):
         rows, _ = patterns[m, e]
         want = llm_share(reference_input(rows, microbatches[m][e]), llm_layout, rank)
-        assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} forward differs"
-    for sent in works:
-        sent.wait()
+        assert torch.equal(slots, want), f"rank {rank}: microbatch {m} edge {e} forward differs"
 
-    works, pending = [], {}
+    sends, recvs = [], {}
     for (m, e), plan in plans.items():
-        batch, (_, grad) = microbatches[m][e], patterns[m, e]
         if plan.num_dest_slots:
-            works.append(send_backward(llm_share(grad, llm_layout, rank), plan))
+            sends.append(backward_sends(llm_share(patterns[m, e][1], llm_layout, rank), plan))
         if plan.num_source_rows:
-            pending[m, e] = recv_backward(plan, like)
-    for (m, e), p in pending.items():
+            recvs[m, e] = backward_recvs(plan, like)
+    received = complete(sends + list(recvs.values()))[len(sends):]
+    for (m, e), grad_rows in zip(recvs, received):
         batch, (_, grad) = microbatches[m][e], patterns[m, e]
         want = encoder_share(at_addresses(grad, batch), batch, encoders[e], rank)
-        assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
-    for sent in works:
-        sent.wait()
+        assert torch.equal(grad_rows, want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
 
 
 def _non_colocated_cases(rank, world_size, cases, batch_specs):
