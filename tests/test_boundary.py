@@ -10,6 +10,7 @@ from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, co
 from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
 from megatron_hetero.layout import ModuleLayout
 from tests.distributed import run_distributed
+from tests.row_plan import row_routes
 
 HIDDEN = 8
 DTYPES = (torch.float32, torch.bfloat16)
@@ -242,3 +243,69 @@ def test_sending_is_spread_over_encoder_replicas():
     for dst in range(2, 8):
         counts = [plans[r].forward.send_counts[dst] for r in (0, 1)]
         assert abs(counts[0] - counts[1]) <= 1 and sum(counts) == plans[dst].forward.recv_counts.sum()
+
+
+# ---- the run-based planner equals the row-based one -------------------------------------------
+
+def _random_sizes(rng, ranks: int) -> dict:
+    """tp, cp, dp, pp multiplying to `ranks`: each prime factor goes to a random axis."""
+    sizes = dict(tp=1, cp=1, dp=1, pp=1)
+    for p in (2, 3, 5, 7, 11):
+        while ranks % p == 0:
+            ranks //= p
+            sizes[str(rng.choice(list(sizes)))] *= p
+    return sizes
+
+
+def _random_layouts(rng):
+    """An encoder -> LLM pair with random sizes (TP replicas, CP, SP, DP, PP on either side), half
+    of them colocated on 1-12 ranks, the others on disjoint ranks."""
+    colocated = bool(rng.integers(2))
+    enc_ranks = int(rng.integers(1, 13 if colocated else 7))
+    llm_sizes = _random_sizes(rng, enc_ranks if colocated else int(rng.integers(1, 9)))
+    encoder = ModuleLayout("vision", "encoder", **_random_sizes(rng, enc_ranks))
+    llm_layout = ModuleLayout("llm", "llm", **llm_sizes, sp=llm_sizes["tp"] > 1 and bool(rng.integers(2)),
+                              first_rank=0 if colocated else enc_ranks)
+    return encoder, llm_layout, llm_layout.ranks.stop
+
+
+def _random_batch(rng, encoder, llm_layout):
+    """Samples with 0-3 images of 1-12 tokens each, a few text tokens apart (0: adjacent images
+    make one run), or now and then at scattered positions in any order."""
+    b = np.lcm(encoder.dp, llm_layout.dp) * int(rng.integers(1, 4))
+    tokens = [rng.integers(1, 13, size=rng.choice(4, p=[0.3, 0.3, 0.2, 0.2])) for _ in range(b)]
+    multiple = 2 * llm_layout.cp * llm_layout.tp
+    need = max(1 + int(t.sum()) + 3 * len(t) for t in tokens)
+    seq = multiple * (-(-need // multiple) + int(rng.integers(0, 3)))
+    positions = []
+    for t in tokens:
+        if rng.random() < 0.15:
+            positions.append(rng.permutation(seq)[: t.sum()])
+            continue
+        gaps = rng.integers(0, 4, size=len(t))
+        starts = 1 + np.cumsum(gaps) + np.concatenate([[0], np.cumsum(t)[:-1]]).astype(int)
+        positions.append(np.concatenate([[]] + [s + np.arange(n) for s, n in zip(starts, t)]))
+    return BoundaryBatch(np.array([t.sum() for t in tokens]), np.concatenate([[]] + positions), seq)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_run_plan_equals_row_plan(chunk):
+    """Every rank's routes (counts, index arrays and their dtype) equal the row-by-row planner's,
+    and its buffer sizes equal the reference's shares, over random layouts and batches."""
+    for case in range(100 * chunk, 100 * (chunk + 1)):
+        rng = np.random.default_rng(case)
+        encoder, llm_layout, world = _random_layouts(rng)
+        batch = _random_batch(rng, encoder, llm_layout)
+        where = f"case {case}: {encoder} -> {llm_layout}, rows {batch.rows_per_sample.tolist()}"
+        for rank in range(world):
+            plan = plan_edge(batch, encoder, llm_layout, rank, world)
+            want = row_routes(batch, encoder, llm_layout, rank, world)
+            for direction in ("forward", "backward"):
+                routes = getattr(plan, direction)
+                got = (routes.send_counts, routes.send_index, routes.recv_counts, routes.recv_index)
+                for name, a, b in zip(("send_counts", "send_index", "recv_counts", "recv_index"), got,
+                                      want[direction]):
+                    assert a.dtype == b.dtype and np.array_equal(a, b), f"{where}, rank {rank} {direction} {name}"
+            rows = encoder_share(torch.arange(batch.num_rows)[:, None], batch, encoder, rank)
+            slots = llm_share(torch.zeros(batch.seq_len, batch.num_samples, 1), llm_layout, rank)
+            assert (plan.num_source_rows, plan.num_dest_slots) == (len(rows), len(slots)), where
