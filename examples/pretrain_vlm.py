@@ -7,7 +7,7 @@
 import os
 import sys
 
-from megatron_hetero.boundary import BoundaryError, check_edge_layouts
+from megatron_hetero.boundary import BoundaryError, BoundaryMismatch, check_edge_layouts
 from megatron_hetero.layout import LayoutError, load_layout
 from megatron_hetero.training.args import ArgsError, build_parser, check_args, check_trainable
 
@@ -27,14 +27,20 @@ def main(argv=None) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
 
+    import torch.distributed as dist
+
     from megatron_hetero.training.trainer import init_distributed, log, train
 
     device = init_distributed()
     log(rank, layout.rank_map())
-    train(args, layout, device)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    try:
+        train(args, layout, device)
+    except BoundaryMismatch as error:  # raised on every rank at once, with the same line
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy_process_group()
     return 0
 
 

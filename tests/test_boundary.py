@@ -1,12 +1,24 @@
 """Boundary exactness over a matrix of layout pairs: forward rows and routed gradients equal a
 single-process re-layout bit for bit, colocated (all-to-all) and non-colocated (point-to-point)."""
 
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge, slot_mask
+from megatron_hetero.boundary import (
+    BoundaryBatch,
+    BoundaryError,
+    BoundaryMismatch,
+    boundary_exchange,
+    check_agreement,
+    plan_edge,
+    slot_mask,
+)
 from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, complete, forward_recvs, forward_sends
+from megatron_hetero.boundary.plan import disagreement, metadata_summary
 from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
 from megatron_hetero.layout import ModuleLayout
 from tests.distributed import run_distributed
@@ -309,3 +321,79 @@ def test_run_plan_equals_row_plan(chunk):
             rows = encoder_share(torch.arange(batch.num_rows)[:, None], batch, encoder, rank)
             slots = llm_share(torch.zeros(batch.seq_len, batch.num_samples, 1), llm_layout, rank)
             assert (plan.num_source_rows, plan.num_dest_slots) == (len(rows), len(slots)), where
+
+
+# ---- ranks that disagree on the metadata stop, all of them, with one line ----------------------
+
+MISMATCH_COUNTS = [1, 0, 2, 1, 3, 1, 0, 2]
+
+
+def _corrupted(batch: BoundaryBatch, sample: int, more_rows: bool) -> BoundaryBatch:
+    """`batch` with one sample's metadata wrong: one more row, or its positions moved by one."""
+    rows = batch.rows_per_sample.copy()
+    starts = np.concatenate([[0], np.cumsum(rows)])
+    mine = batch.positions[starts[sample] : starts[sample + 1]]
+    if more_rows:
+        rows[sample] += 1
+        mine = np.append(mine, np.setdiff1d(np.arange(batch.seq_len), mine)[0])
+    else:
+        mine = (mine + 1) % batch.seq_len
+    positions = np.concatenate([batch.positions[: starts[sample]], mine, batch.positions[starts[sample + 1] :]])
+    return BoundaryBatch(rows, positions, batch.seq_len)
+
+
+def test_disagreement_names_two_ranks_and_the_first_sample():
+    (good,) = edge_batches([MISMATCH_COUNTS], SEQ, 0)
+    summary = metadata_summary({"vision": good})
+    bad = metadata_summary({"vision": _corrupted(good, 3, more_rows=True)})
+    line = disagreement([summary, summary, bad, summary], [4, 5, 6, 7])  # the odd one is named
+    assert line.startswith("ranks 4 and 6 hold different boundary metadata for edge vision, first at "
+                           "sample 3 of the batch: rank 4 has 1 row at positions")
+    assert "rank 6 has 2 rows at positions" in line and "\n" not in line
+    moved = metadata_summary({"vision": _corrupted(good, 2, more_rows=False)})
+    assert "first at sample 2" in disagreement([moved, summary, summary, summary], [0, 1, 2, 3])
+    shorter = metadata_summary({"vision": good.select(range(6))})
+    line = disagreement([summary, shorter], [0, 1])
+    assert "first at sample 6" in line and "rank 1 has no such sample" in line
+    longer = metadata_summary({"vision": BoundaryBatch(good.rows_per_sample, good.positions, 2 * SEQ)})
+    assert f"seq_len {SEQ} on rank 0, {2 * SEQ} on rank 1" in disagreement([summary, longer], [0, 1])
+    audio = metadata_summary({"vision": good, "audio": good})
+    assert "edge audio: only rank 1 has the edge" in disagreement([summary, audio], [0, 1])
+
+
+def _step(rank, world_size, encoder, llm_layout, batch):
+    """What a schedule does with one batch: check the metadata, then the boundary exchange."""
+    check_agreement({"vision": batch}, "cpu")
+    plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
+    rows = torch.zeros(plan.num_source_rows, HIDDEN)
+    if llm_layout.first_rank == 0:  # colocated
+        return boundary_exchange(rows, plan)
+    return complete([forward_sends(rows, plan), forward_recvs(plan, rows)])[1]
+
+
+def _mismatch_cases(rank, world_size, out_dir):
+    (good,) = edge_batches([MISMATCH_COUNTS], SEQ, 0)
+    cases = [  # placement, layouts, the rank given a corrupted batch, its sample, how
+        ("colocated", enc(dp=4), llm(tp=2, dp=2), 1, 5, True),
+        ("non_colocated", enc(dp=2), llm(tp=2, first=2), 3, 2, False),
+    ]
+    for placement, encoder, llm_layout, bad_rank, sample, more_rows in cases:
+        batch = _corrupted(good, sample, more_rows) if rank == bad_rank else good
+        start = time.perf_counter()
+        with pytest.raises(BoundaryMismatch) as error:
+            _step(rank, world_size, encoder, llm_layout, batch)
+        seconds = time.perf_counter() - start
+        Path(out_dir, f"{placement}_{rank}.txt").write_text(f"{str(error.value)}\n{seconds}")
+        # The group is still usable: with agreeing metadata the same step runs.
+        _step(rank, world_size, encoder, llm_layout, good)
+
+
+def test_ranks_that_disagree_all_stop_with_one_line(tmp_path):
+    run_distributed(_mismatch_cases, 4, str(tmp_path))
+    for placement, bad_rank, sample in (("colocated", 1, 5), ("non_colocated", 3, 2)):
+        lines = [Path(tmp_path, f"{placement}_{r}.txt").read_text().split("\n") for r in range(4)]
+        assert len({line for line, _ in lines}) == 1, lines  # the same line on every rank
+        line = lines[0][0]
+        assert line.startswith(f"ranks 0 and {bad_rank} hold different boundary metadata for edge vision, "
+                               f"first at sample {sample} of the batch"), line
+        assert max(float(seconds) for _, seconds in lines) < 10, lines

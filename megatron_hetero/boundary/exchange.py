@@ -8,7 +8,9 @@ all-to-all does internally, without the self copy and without idle peers). Gloo 
   slots, backward routes slot gradients back to the encoder rows;
 - non-colocated: `forward_sends / forward_recvs / backward_sends / backward_recvs` build one side's
   transfer of one microbatch, not yet posted: a pipeline schedule posts several in one batch
-  (`post`) and waits on them; `complete` posts, waits and returns their results.
+  (`post`) and waits on them; `complete` posts, waits and returns their results;
+- both: `check_agreement`, before a batch's exchanges, stops every rank with one line if the ranks
+  hold different metadata for it (their plans would not pair up).
 """
 
 from dataclasses import dataclass
@@ -17,7 +19,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary.plan import RankPlan, Routes
+from megatron_hetero.boundary.plan import (
+    BoundaryBatch,
+    BoundaryMismatch,
+    RankPlan,
+    Routes,
+    disagreement,
+    metadata_digest,
+    metadata_summary,
+)
 
 
 @dataclass
@@ -237,3 +247,24 @@ def backward_sends(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> Tran
 def backward_recvs(plan: RankPlan, like: torch.Tensor, group=None) -> Transfer:
     """Encoder side: every row's gradient; the result is the row gradients."""
     return _transfer(None, _disjoint_moves(plan, "backward", like.device), like, True, group)
+
+
+# ---- every rank plans from the same metadata ----------------------------------------------------
+
+
+def check_agreement(batches: dict[str, BoundaryBatch], device, group=None) -> None:
+    """Raise BoundaryMismatch on every rank of `group` (None: the world) unless all of them hold
+    the same metadata for `batches` (edge name -> batch): plans from different metadata do not pair
+    up, and the exchange would hang or put rows in the wrong slots. Call it before the exchanges,
+    at the same point on every rank. Cost: one all_reduce of two int64, (max, -min) of a digest.
+    Only when they differ, which every rank then sees, do the ranks gather per-sample summaries to
+    name two ranks and the first sample where they differ."""
+    digest = metadata_digest(batches)
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    highest, minus_lowest = extremes.tolist()
+    if highest == -minus_lowest:
+        return
+    summaries = [None] * dist.get_world_size(group)
+    dist.all_gather_object(summaries, metadata_summary(batches), group=group)
+    raise BoundaryMismatch(disagreement(summaries, dist.get_process_group_ranks(group or dist.group.WORLD)))

@@ -31,6 +31,8 @@ and steps its encoder index by 1 and its slot by b_local. The cost grows with th
 the images) plus the rank's own index arrays, which are spelled out per row at the end.
 """
 
+import hashlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -41,6 +43,11 @@ from megatron_hetero.layout import ModuleLayout
 
 class BoundaryError(ValueError):
     """A batch or layout pair that the boundary cannot serve; one line naming what to change."""
+
+
+class BoundaryMismatch(BoundaryError):
+    """Ranks hold different boundary metadata for one batch (a data bug): their plans would not
+    pair up, and the exchange would hang or put rows in the wrong slots."""
 
 
 @dataclass(frozen=True)
@@ -384,3 +391,69 @@ class PlanCache:
                 self._plans.pop(next(iter(self._plans)))  # oldest first
             self._plans[key] = plan_edge(batch, encoder, llm, rank, world_size)
         return self._plans[key]
+
+
+# ---- agreement of the metadata across ranks (exchange.check_agreement gathers these) -------------
+
+
+def metadata_digest(batches: dict[str, BoundaryBatch]) -> int:
+    """A 56-bit digest of every edge's metadata (edge name -> batch): fits an int64, negated too."""
+    digest = hashlib.blake2b(digest_size=7)
+    for name in sorted(batches):
+        digest.update(name.encode() + b"\0" + batches[name].key)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _runs_text(positions: np.ndarray, most: int = 3) -> str:
+    """A sample's positions as runs, e.g. '1-729, 731-1459' (the first `most`)."""
+    starts = np.flatnonzero(np.diff(positions, prepend=positions[0] - 2) != 1)
+    ends = np.append(starts[1:], len(positions)) - 1
+    runs = [f"{positions[a]}" if a == b else f"{positions[a]}-{positions[b]}" for a, b in zip(starts, ends)]
+    return ", ".join(runs[:most] + (["..."] if len(runs) > most else []))
+
+
+def metadata_summary(batches: dict[str, BoundaryBatch]) -> tuple:
+    """Per edge: (seq_len, per sample (rows, its positions as text, digest of its positions)), to
+    say where two ranks differ. One pass over the rows: only run once they do."""
+    def sample(positions):
+        text = _runs_text(positions) if len(positions) else ""
+        return len(positions), text, hashlib.blake2b(positions.tobytes(), digest_size=8).digest()
+
+    summary = []
+    for name in sorted(batches):
+        batch = batches[name]
+        bounds = np.cumsum(batch.rows_per_sample)
+        summary.append((name, (batch.seq_len, tuple(map(sample, np.split(batch.positions, bounds[:-1]))))))
+    return tuple(summary)
+
+
+def _sample_text(sample) -> str:
+    if sample is None:
+        return "no such sample"
+    rows, text, _ = sample
+    return f"{rows} row{'s' * (rows > 1)} at positions {text}" if rows else "no rows"
+
+
+def disagreement(summaries: list, ranks: list[int]) -> str:
+    """One line naming two ranks whose metadata_summary differ (the first rank that holds the most
+    common one and the first that does not) and the first edge and sample where they do."""
+    common = Counter(summaries).most_common(1)[0][0]
+    a = summaries.index(common)
+    b = next(i for i, s in enumerate(summaries) if s != common)
+    mine, theirs = dict(summaries[a]), dict(summaries[b])
+    fix = "every rank must build the same rows_per_sample and positions"
+    for edge in sorted(mine.keys() | theirs.keys()):
+        x, y = mine.get(edge), theirs.get(edge)
+        where = f"ranks {ranks[a]} and {ranks[b]} hold different boundary metadata for edge {edge}"
+        if x is None or y is None:
+            return f"{where}: only rank {ranks[b] if x is None else ranks[a]} has the edge; {fix}"
+        if x[0] != y[0]:
+            return f"{where}: seq_len {x[0]} on rank {ranks[a]}, {y[0]} on rank {ranks[b]}; {fix}"
+        if x == y:
+            continue
+        s = next(i for i, (p, q) in enumerate(zip(x[1] + (None,), y[1] + (None,))) if p != q)
+        p, q = (samples[s] if s < len(samples) else None for samples in (x[1], y[1]))
+        inside = " (alike in their first runs, not after)" if _sample_text(p) == _sample_text(q) else ""
+        return (f"{where}, first at sample {s} of the batch: rank {ranks[a]} has {_sample_text(p)}, "
+                f"rank {ranks[b]} has {_sample_text(q)}{inside}; {fix}")
+    raise AssertionError("the summaries differ in nothing")
