@@ -35,6 +35,7 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import zip_longest
 
 import numpy as np
 
@@ -451,8 +452,7 @@ def disagreement(summaries: list, ranks: list[int]) -> str:
             return f"{where}: seq_len {x[0]} on rank {ranks[a]}, {y[0]} on rank {ranks[b]}; {fix}"
         if x == y:
             continue
-        s = next(i for i, (p, q) in enumerate(zip(x[1] + (None,), y[1] + (None,))) if p != q)
-        p, q = (samples[s] if s < len(samples) else None for samples in (x[1], y[1]))
+        s, (p, q) = next((i, pq) for i, pq in enumerate(zip_longest(x[1], y[1])) if pq[0] != pq[1])
         inside = " (alike in their first runs, not after)" if _sample_text(p) == _sample_text(q) else ""
         return (f"{where}, first at sample {s} of the batch: rank {ranks[a]} has {_sample_text(p)}, "
                 f"rank {ranks[b]} has {_sample_text(q)}{inside}; {fix}")
