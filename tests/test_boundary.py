@@ -1,15 +1,28 @@
 """Boundary exactness over a matrix of layout pairs: forward rows and routed gradients equal a
 single-process re-layout bit for bit, colocated (all-to-all) and non-colocated (point-to-point)."""
 
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge, slot_mask
-from megatron_hetero.boundary.exchange import recv_backward, recv_forward, send_backward, send_forward
+from megatron_hetero.boundary import (
+    BoundaryBatch,
+    BoundaryError,
+    BoundaryMismatch,
+    boundary_exchange,
+    check_agreement,
+    plan_edge,
+    slot_mask,
+)
+from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, complete, forward_recvs, forward_sends
+from megatron_hetero.boundary.plan import disagreement, metadata_summary
 from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
 from megatron_hetero.layout import ModuleLayout
 from tests.distributed import run_distributed
+from tests.row_plan import row_routes
 
 HIDDEN = 8
 DTYPES = (torch.float32, torch.bfloat16)
@@ -79,38 +92,35 @@ def _colocated_cases(rank, world_size, cases, batch_specs):
 # ---- non-colocated: point-to-point, several microbatches in flight -----------------------------
 
 def _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, dtype):
-    """microbatches: per microbatch, one BoundaryBatch per edge. All sends of all microbatches are
-    posted before any receive completes: the calls do not block."""
+    """microbatches: per microbatch, one BoundaryBatch per edge. The transfers of all microbatches
+    are in flight together (one posted batch per direction), as a pipeline schedule has them."""
     like = torch.empty(0, HIDDEN, dtype=dtype)
-    plans, patterns, works, pending = {}, {}, [], {}
+    plans, patterns, sends, recvs = {}, {}, [], {}
     for m, batches in enumerate(microbatches):
         for e, (encoder, batch) in enumerate(zip(encoders, batches)):
             plans[m, e] = plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
             patterns[m, e] = _patterns(batch, dtype, seed=10 * m + e)
             if plan.num_source_rows:
-                works.append(send_forward(encoder_share(patterns[m, e][0], batch, encoder, rank), plan))
+                sends.append(forward_sends(encoder_share(patterns[m, e][0], batch, encoder, rank), plan))
             if plan.num_dest_slots:
-                pending[m, e] = recv_forward(plan, like)
-    for (m, e), p in pending.items():
+                recvs[m, e] = forward_recvs(plan, like)
+    received = complete(sends + list(recvs.values()))[len(sends):]
+    for (m, e), slots in zip(recvs, received):
         rows, _ = patterns[m, e]
         want = llm_share(reference_input(rows, microbatches[m][e]), llm_layout, rank)
-        assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} forward differs"
-    for sent in works:
-        sent.wait()
+        assert torch.equal(slots, want), f"rank {rank}: microbatch {m} edge {e} forward differs"
 
-    works, pending = [], {}
+    sends, recvs = [], {}
     for (m, e), plan in plans.items():
-        batch, (_, grad) = microbatches[m][e], patterns[m, e]
         if plan.num_dest_slots:
-            works.append(send_backward(llm_share(grad, llm_layout, rank), plan))
+            sends.append(backward_sends(llm_share(patterns[m, e][1], llm_layout, rank), plan))
         if plan.num_source_rows:
-            pending[m, e] = recv_backward(plan, like)
-    for (m, e), p in pending.items():
+            recvs[m, e] = backward_recvs(plan, like)
+    received = complete(sends + list(recvs.values()))[len(sends):]
+    for (m, e), grad_rows in zip(recvs, received):
         batch, (_, grad) = microbatches[m][e], patterns[m, e]
         want = encoder_share(at_addresses(grad, batch), batch, encoders[e], rank)
-        assert torch.equal(p.wait(), want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
-    for sent in works:
-        sent.wait()
+        assert torch.equal(grad_rows, want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
 
 
 def _non_colocated_cases(rank, world_size, cases, batch_specs):
@@ -245,3 +255,145 @@ def test_sending_is_spread_over_encoder_replicas():
     for dst in range(2, 8):
         counts = [plans[r].forward.send_counts[dst] for r in (0, 1)]
         assert abs(counts[0] - counts[1]) <= 1 and sum(counts) == plans[dst].forward.recv_counts.sum()
+
+
+# ---- the run-based planner equals the row-based one -------------------------------------------
+
+def _random_sizes(rng, ranks: int) -> dict:
+    """tp, cp, dp, pp multiplying to `ranks`: each prime factor goes to a random axis."""
+    sizes = dict(tp=1, cp=1, dp=1, pp=1)
+    for p in (2, 3, 5, 7, 11):
+        while ranks % p == 0:
+            ranks //= p
+            sizes[str(rng.choice(list(sizes)))] *= p
+    return sizes
+
+
+def _random_layouts(rng):
+    """An encoder -> LLM pair with random sizes (TP replicas, CP, SP, DP, PP on either side), half
+    of them colocated on 1-12 ranks, the others on disjoint ranks."""
+    colocated = bool(rng.integers(2))
+    enc_ranks = int(rng.integers(1, 13 if colocated else 7))
+    llm_sizes = _random_sizes(rng, enc_ranks if colocated else int(rng.integers(1, 9)))
+    encoder = ModuleLayout("vision", "encoder", **_random_sizes(rng, enc_ranks))
+    llm_layout = ModuleLayout("llm", "llm", **llm_sizes, sp=llm_sizes["tp"] > 1 and bool(rng.integers(2)),
+                              first_rank=0 if colocated else enc_ranks)
+    return encoder, llm_layout, llm_layout.ranks.stop
+
+
+def _random_batch(rng, encoder, llm_layout):
+    """Samples with 0-3 images of 1-12 tokens each, a few text tokens apart (0: adjacent images
+    make one run), or now and then at scattered positions in any order."""
+    b = np.lcm(encoder.dp, llm_layout.dp) * int(rng.integers(1, 4))
+    tokens = [rng.integers(1, 13, size=rng.choice(4, p=[0.3, 0.3, 0.2, 0.2])) for _ in range(b)]
+    multiple = 2 * llm_layout.cp * llm_layout.tp
+    need = max(1 + int(t.sum()) + 3 * len(t) for t in tokens)
+    seq = multiple * (-(-need // multiple) + int(rng.integers(0, 3)))
+    positions = []
+    for t in tokens:
+        if rng.random() < 0.15:
+            positions.append(rng.permutation(seq)[: t.sum()])
+            continue
+        gaps = rng.integers(0, 4, size=len(t))
+        starts = 1 + np.cumsum(gaps) + np.concatenate([[0], np.cumsum(t)[:-1]]).astype(int)
+        positions.append(np.concatenate([[]] + [s + np.arange(n) for s, n in zip(starts, t)]))
+    return BoundaryBatch(np.array([t.sum() for t in tokens]), np.concatenate([[]] + positions), seq)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_run_plan_equals_row_plan(chunk):
+    """Every rank's routes (counts, index arrays and their dtype) equal the row-by-row planner's,
+    and its buffer sizes equal the reference's shares, over random layouts and batches."""
+    for case in range(100 * chunk, 100 * (chunk + 1)):
+        rng = np.random.default_rng(case)
+        encoder, llm_layout, world = _random_layouts(rng)
+        batch = _random_batch(rng, encoder, llm_layout)
+        where = f"case {case}: {encoder} -> {llm_layout}, rows {batch.rows_per_sample.tolist()}"
+        for rank in range(world):
+            plan = plan_edge(batch, encoder, llm_layout, rank, world)
+            want = row_routes(batch, encoder, llm_layout, rank, world)
+            for direction in ("forward", "backward"):
+                routes = getattr(plan, direction)
+                got = (routes.send_counts, routes.send_index, routes.recv_counts, routes.recv_index)
+                for name, a, b in zip(("send_counts", "send_index", "recv_counts", "recv_index"), got,
+                                      want[direction]):
+                    assert a.dtype == b.dtype and np.array_equal(a, b), f"{where}, rank {rank} {direction} {name}"
+            rows = encoder_share(torch.arange(batch.num_rows)[:, None], batch, encoder, rank)
+            slots = llm_share(torch.zeros(batch.seq_len, batch.num_samples, 1), llm_layout, rank)
+            assert (plan.num_source_rows, plan.num_dest_slots) == (len(rows), len(slots)), where
+
+
+# ---- ranks that disagree on the metadata stop, all of them, with one line ----------------------
+
+MISMATCH_COUNTS = [1, 0, 2, 1, 3, 1, 0, 2]
+
+
+def _corrupted(batch: BoundaryBatch, sample: int, more_rows: bool) -> BoundaryBatch:
+    """`batch` with one sample's metadata wrong: one more row, or its positions moved by one."""
+    rows = batch.rows_per_sample.copy()
+    starts = np.concatenate([[0], np.cumsum(rows)])
+    mine = batch.positions[starts[sample] : starts[sample + 1]]
+    if more_rows:
+        rows[sample] += 1
+        mine = np.append(mine, np.setdiff1d(np.arange(batch.seq_len), mine)[0])
+    else:
+        mine = (mine + 1) % batch.seq_len
+    positions = np.concatenate([batch.positions[: starts[sample]], mine, batch.positions[starts[sample + 1] :]])
+    return BoundaryBatch(rows, positions, batch.seq_len)
+
+
+def test_disagreement_names_two_ranks_and_the_first_sample():
+    (good,) = edge_batches([MISMATCH_COUNTS], SEQ, 0)
+    summary = metadata_summary({"vision": good})
+    bad = metadata_summary({"vision": _corrupted(good, 3, more_rows=True)})
+    line = disagreement([summary, summary, bad, summary], [4, 5, 6, 7])  # the odd one is named
+    assert line.startswith("ranks 4 and 6 hold different boundary metadata for edge vision, first at "
+                           "sample 3 of the batch: rank 4 has 1 row at positions")
+    assert "rank 6 has 2 rows at positions" in line and "\n" not in line
+    moved = metadata_summary({"vision": _corrupted(good, 2, more_rows=False)})
+    assert "first at sample 2" in disagreement([moved, summary, summary, summary], [0, 1, 2, 3])
+    shorter = metadata_summary({"vision": good.select(range(6))})
+    line = disagreement([summary, shorter], [0, 1])
+    assert "first at sample 6" in line and "rank 1 has no such sample" in line
+    longer = metadata_summary({"vision": BoundaryBatch(good.rows_per_sample, good.positions, 2 * SEQ)})
+    assert f"seq_len {SEQ} on rank 0, {2 * SEQ} on rank 1" in disagreement([summary, longer], [0, 1])
+    audio = metadata_summary({"vision": good, "audio": good})
+    assert "edge audio: only rank 1 has the edge" in disagreement([summary, audio], [0, 1])
+
+
+def _step(rank, world_size, encoder, llm_layout, batch):
+    """What a schedule does with one batch: check the metadata, then the boundary exchange."""
+    check_agreement({"vision": batch}, "cpu")
+    plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
+    rows = torch.zeros(plan.num_source_rows, HIDDEN)
+    if llm_layout.first_rank == 0:  # colocated
+        return boundary_exchange(rows, plan)
+    return complete([forward_sends(rows, plan), forward_recvs(plan, rows)])[1]
+
+
+def _mismatch_cases(rank, world_size, out_dir):
+    (good,) = edge_batches([MISMATCH_COUNTS], SEQ, 0)
+    cases = [  # placement, layouts, the rank given a corrupted batch, its sample, how
+        ("colocated", enc(dp=4), llm(tp=2, dp=2), 1, 5, True),
+        ("non_colocated", enc(dp=2), llm(tp=2, first=2), 3, 2, False),
+    ]
+    for placement, encoder, llm_layout, bad_rank, sample, more_rows in cases:
+        batch = _corrupted(good, sample, more_rows) if rank == bad_rank else good
+        start = time.perf_counter()
+        with pytest.raises(BoundaryMismatch) as error:
+            _step(rank, world_size, encoder, llm_layout, batch)
+        seconds = time.perf_counter() - start
+        Path(out_dir, f"{placement}_{rank}.txt").write_text(f"{str(error.value)}\n{seconds}")
+        # The group is still usable: with agreeing metadata the same step runs.
+        _step(rank, world_size, encoder, llm_layout, good)
+
+
+def test_ranks_that_disagree_all_stop_with_one_line(tmp_path):
+    run_distributed(_mismatch_cases, 4, str(tmp_path))
+    for placement, bad_rank, sample in (("colocated", 1, 5), ("non_colocated", 3, 2)):
+        lines = [Path(tmp_path, f"{placement}_{r}.txt").read_text().split("\n") for r in range(4)]
+        assert len({line for line, _ in lines}) == 1, lines  # the same line on every rank
+        line = lines[0][0]
+        assert line.startswith(f"ranks 0 and {bad_rank} hold different boundary metadata for edge vision, "
+                               f"first at sample {sample} of the batch"), line
+        assert max(float(seconds) for _, seconds in lines) < 10, lines

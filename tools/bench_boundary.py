@@ -11,8 +11,8 @@ upstream's gathered (s*b, h) tensor and our LLM input hold the same rows. Per pa
   (communicate) + backward (autograd), and what it answers for LLM cp2 and tp2+sp;
 - upstream non-colocated BridgeCommunicator, encoder rank 0 -> LLM rank 1 and back
   (send_forward, recv_forward, send_backward, recv_backward);
-- ours: boundary_exchange forward+backward for LLM tp2, cp2 and tp2+sp; send_forward,
-  recv_forward, send_backward, recv_backward for rank 0 -> rank 1 and back.
+- ours: boundary_exchange forward+backward for LLM tp2, cp2 and tp2+sp; forward_sends,
+  forward_recvs, backward_sends, backward_recvs for rank 0 -> rank 1 and back.
 Without CUDA it runs on gloo as a smoke test: megatron-core's CUDA assumptions are redirected to
 the CPU (megatron_hetero.cpu_compat) and upstream's NCCL groups are created on gloo.
 """
@@ -51,10 +51,12 @@ from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicat
 
 from megatron_hetero.boundary import BoundaryBatch, BoundaryError, RankPlan, boundary_exchange, plan_edge  # noqa: E402
 from megatron_hetero.boundary.exchange import (  # noqa: E402
-    recv_backward,
-    recv_forward,
-    send_backward,
-    send_forward,
+    backward_recvs,
+    backward_sends,
+    complete,
+    forward_recvs,
+    forward_sends,
+    post,
 )
 from megatron_hetero.cpu_compat import apply_cpu_compat  # noqa: E402
 from megatron_hetero.layout import AXES, ModuleLayout  # noqa: E402
@@ -329,13 +331,13 @@ def ours_round_trip(env: Env, payload: Payload) -> Bench:
     grad_slots = payload.random(plan.num_dest_slots, env.device)
 
     def step():
-        if env.rank == 0:
-            sent = send_forward(rows, plan)
-            pending_grads = recv_backward(plan, like=rows)
-            sent.wait()
-            return pending_grads.wait()
-        slots = recv_forward(plan, like=grad_slots).wait()
-        send_backward(grad_slots, plan).wait()
+        if env.rank == 0:  # the gradients' receive is posted while the rows are in flight
+            grads = backward_recvs(plan, like=rows)
+            for work in post([forward_sends(rows, plan)]) + post([grads]):
+                work.wait()
+            return grads.result()
+        (slots,) = complete([forward_recvs(plan, like=grad_slots)])
+        complete([backward_sends(grad_slots, plan)])
         return slots
 
     return Bench("ours p2p", ROUND_TRIP, max(off_rank_bytes(p, payload.row_bytes) for p in plans), step)

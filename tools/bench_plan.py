@@ -1,10 +1,20 @@
 """Time the boundary plan (pure CPU math): one rank's routes for one microbatch of many images.
 
-    python tools/bench_plan.py [--images 64] [--tokens-per-image 729 256] [--world-size 8]
+    python tools/bench_plan.py [--images 64] [--samples 8] [--tokens-per-image 729 256] [--gap 1]
+        [--repeats 5]
+
+A sample's images follow one text token, `gap` text tokens apart (so each image's tokens are a run).
+
+Each timed call plans a fresh BoundaryBatch (its runs not yet found), for each of the 8 ranks:
+"plan" is plan_edge; "+ index" adds spelling out its four index arrays row by row (what the first
+exchange of a plan does, once); "cached" is a PlanCache hit for a fresh batch of the same metadata
+(what a step with fixed image sizes pays).
 """
 
 import argparse
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -18,38 +28,51 @@ PAIRS = [  # (encoder, llm) on 8 ranks
 ]
 
 
+def timed(fn, batch: BoundaryBatch, repeats: int) -> float:
+    """Median seconds of fn(fresh copy of batch)."""
+    times = []
+    for _ in range(repeats):
+        fresh = replace(batch)
+        start = time.perf_counter()
+        fn(fresh)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def spelled(plan) -> None:
+    for routes in (plan.forward, plan.backward):
+        routes.send_index, routes.recv_index  # noqa: B018
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens-per-image", type=int, nargs="+", default=[729, 256])
+    parser.add_argument("--gap", type=int, default=1, help="text tokens between a sample's images")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     world = 8
-    print(f"plan_edge, one rank's routes; {args.images} images over {args.samples} samples; "
-          f"median and max over ranks of the median of {args.repeats} runs")
+    print(f"plan_edge, one rank's routes; {args.images} images over {args.samples} samples, gap "
+          f"{args.gap}; median and max over ranks of the median of {args.repeats} runs")
+    images = args.images // args.samples
     for tokens in args.tokens_per_image:
-        per_sample = args.images // args.samples * tokens
-        seq = -(-(per_sample + 512) // 64) * 64
-        batch = BoundaryBatch(np.full(args.samples, per_sample),
-                              np.tile(np.arange(1, 1 + per_sample), args.samples), seq)
+        image = np.arange(images)[:, None] * (tokens + args.gap) + np.arange(tokens)
+        positions = 1 + image.ravel()
+        seq = -(-(positions[-1] + 512) // 64) * 64
+        batch = BoundaryBatch(np.full(args.samples, positions.size), np.tile(positions, args.samples), seq)
         for enc, llm in PAIRS:
             encoder, llm_layout = ModuleLayout("vision", "encoder", **enc), ModuleLayout("llm", "llm", **llm)
-            per_rank = []
-            for rank in range(world):
-                times = []
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    plan_edge(batch, encoder, llm_layout, rank, world)
-                    times.append(time.perf_counter() - start)
-                per_rank.append(np.median(times))
+            plan = np.array([timed(lambda b: plan_edge(b, encoder, llm_layout, rank, world), batch, args.repeats)
+                             for rank in range(world)])
+            full = np.array([timed(lambda b: spelled(plan_edge(b, encoder, llm_layout, rank, world)), batch,
+                                   args.repeats) for rank in range(world)])
             cache = PlanCache()
             cache.plan(batch, encoder, llm_layout, 0, world)
-            start = time.perf_counter()
-            cache.plan(batch, encoder, llm_layout, 0, world)
-            cached = time.perf_counter() - start
+            cached = timed(lambda b: cache.plan(b, encoder, llm_layout, 0, world), batch, args.repeats)
             print(f"{tokens:4d} tokens/image, {batch.num_rows:6d} rows | encoder {enc} -> llm {llm} | "
-                  f"plan {1e3 * np.median(per_rank):6.2f} ms median, {1e3 * max(per_rank):6.2f} ms max | "
+                  f"plan {1e3 * np.median(plan):5.2f} ms median, {1e3 * plan.max():5.2f} ms max | "
+                  f"+ index {1e3 * np.median(full):5.2f} ms median, {1e3 * full.max():5.2f} ms max | "
                   f"cached {1e3 * cached:5.3f} ms")
 
 

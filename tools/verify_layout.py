@@ -25,10 +25,11 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge  # noqa: E402
 from megatron_hetero.boundary.exchange import (  # noqa: E402
-    recv_backward,
-    recv_forward,
-    send_backward,
-    send_forward,
+    backward_recvs,
+    backward_sends,
+    complete,
+    forward_recvs,
+    forward_sends,
 )
 from megatron_hetero.boundary.reference import encoder_share, llm_share, row_samples  # noqa: E402
 from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout  # noqa: E402
@@ -111,15 +112,10 @@ class EdgeRun:
             slots = boundary_exchange(rows, self.plan)
             slots.backward(self.grad_slots)
             return slots.detach(), rows.grad
+        # A rank is one side of the edge: the other side's transfer has no ops, its result [0, h].
         plan, like = self.plan, self.rows
-        sent = send_forward(self.rows, plan) if plan.num_source_rows else None
-        slots = recv_forward(plan, like).wait() if plan.num_dest_slots else like[:0]
-        if sent:
-            sent.wait()
-        sent = send_backward(self.grad_slots, plan) if plan.num_dest_slots else None
-        grad = recv_backward(plan, like).wait() if plan.num_source_rows else like[:0]
-        if sent:
-            sent.wait()
+        _, slots = complete([forward_sends(self.rows, plan), forward_recvs(plan, like)])
+        _, grad = complete([backward_sends(self.grad_slots, plan), backward_recvs(plan, like)])
         return slots, grad
 
 

@@ -1,9 +1,10 @@
 """Boundary communicators: a pure routing plan (plan.py) and its execution (exchange.py)."""
 
-from megatron_hetero.boundary.exchange import boundary_exchange, slot_mask
+from megatron_hetero.boundary.exchange import boundary_exchange, check_agreement, slot_mask
 from megatron_hetero.boundary.plan import (
     BoundaryBatch,
     BoundaryError,
+    BoundaryMismatch,
     PlanCache,
     RankPlan,
     check_edge_layouts,
@@ -13,9 +14,11 @@ from megatron_hetero.boundary.plan import (
 __all__ = [
     "BoundaryBatch",
     "BoundaryError",
+    "BoundaryMismatch",
     "PlanCache",
     "RankPlan",
     "boundary_exchange",
+    "check_agreement",
     "check_edge_layouts",
     "plan_edge",
     "slot_mask",

@@ -6,8 +6,11 @@ all-to-all does internally, without the self copy and without idle peers). Gloo 
 
 - colocated: `boundary_exchange` is an autograd function: forward re-lays rows into the LLM input
   slots, backward routes slot gradients back to the encoder rows;
-- non-colocated: `send_forward / recv_forward / send_backward / recv_backward` start the transfer
-  of one microbatch on one side and return handles, for a pipeline schedule to wait on.
+- non-colocated: `forward_sends / forward_recvs / backward_sends / backward_recvs` build one side's
+  transfer of one microbatch, not yet posted: a pipeline schedule posts several in one batch
+  (`post`) and waits on them; `complete` posts, waits and returns their results;
+- both: `check_agreement`, before a batch's exchanges, stops every rank with one line if the ranks
+  hold different metadata for it (their plans would not pair up).
 """
 
 from dataclasses import dataclass
@@ -16,7 +19,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary.plan import RankPlan, Routes
+from megatron_hetero.boundary.plan import (
+    BoundaryBatch,
+    BoundaryMismatch,
+    RankPlan,
+    Routes,
+    disagreement,
+    metadata_digest,
+    metadata_summary,
+)
 
 
 @dataclass
@@ -121,18 +132,11 @@ def post(transfers) -> list:
     return works
 
 
-class Pending:
-    """A posted transfer: wait() completes it and returns the [num_dest, hidden] destination
-    (or None on a rank that only sends)."""
-
-    def __init__(self, transfer: Transfer):
-        self._transfer = transfer
-        self._works = post([transfer])
-
-    def wait(self) -> torch.Tensor | None:
-        for work in self._works:
-            work.wait()
-        return self._transfer.result()
+def complete(transfers) -> list:
+    """Post `transfers` in one batch, wait for them, and return their results."""
+    for work in post(transfers):
+        work.wait()
+    return [t.result() for t in transfers]
 
 
 def _rows(source: torch.Tensor, index: torch.Tensor, span: tuple | None) -> torch.Tensor:
@@ -172,10 +176,6 @@ def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -
     return Transfer(ops, dest, scatter, copy_local if local else None)
 
 
-def _start(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> Pending:
-    return Pending(_transfer(source, moves, like, receive, group))
-
-
 class BoundaryExchange(torch.autograd.Function):
     """forward: encoder rows [num_source_rows, h] -> LLM input slots [num_dest_slots, h], every row
     written at each consuming rank's slot, zeros elsewhere.
@@ -186,7 +186,7 @@ class BoundaryExchange(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, plan: RankPlan, group):
         ctx.plan, ctx.group = plan, group
         moves = _moves_for(plan, "forward", rows.device)
-        return _start(rows.detach(), moves, rows, True, group).wait()
+        return complete([_transfer(rows.detach(), moves, rows, True, group)])[0]
 
     @staticmethod
     def backward(ctx, grad_slots: torch.Tensor):
@@ -204,7 +204,7 @@ def exchange_gradients(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> 
     [num_source_rows, h] (boundary_exchange's backward; schedules that recompute the encoder
     call it once the LLM is done)."""
     moves = _moves_for(plan, "backward", grad_slots.device)
-    return _start(grad_slots.detach().contiguous(), moves, grad_slots, True, group).wait()
+    return complete([_transfer(grad_slots.detach().contiguous(), moves, grad_slots, True, group)])[0]
 
 
 def slot_mask(plan: RankPlan, device) -> torch.Tensor:
@@ -218,7 +218,7 @@ def slot_mask(plan: RankPlan, device) -> torch.Tensor:
     return plan.cache[key]
 
 
-# ---- non-colocated: one call per side and microbatch -------------------------------------------
+# ---- non-colocated: one transfer per side and microbatch, posted by the caller ------------------
 
 
 def _disjoint_moves(plan: RankPlan, direction: str, device) -> _Moves:
@@ -249,21 +249,22 @@ def backward_recvs(plan: RankPlan, like: torch.Tensor, group=None) -> Transfer:
     return _transfer(None, _disjoint_moves(plan, "backward", like.device), like, True, group)
 
 
-def send_forward(rows: torch.Tensor, plan: RankPlan, group=None) -> Pending:
-    """Encoder side: start sending this microbatch's rows to the LLM ranks that consume them."""
-    return Pending(forward_sends(rows, plan, group))
+# ---- every rank plans from the same metadata ----------------------------------------------------
 
 
-def recv_forward(plan: RankPlan, like: torch.Tensor, group=None) -> Pending:
-    """LLM side: start receiving this microbatch's rows; wait() gives its input slots."""
-    return Pending(forward_recvs(plan, like, group))
-
-
-def send_backward(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> Pending:
-    """LLM side: start returning this microbatch's slot gradients (one replica per row)."""
-    return Pending(backward_sends(grad_slots, plan, group))
-
-
-def recv_backward(plan: RankPlan, like: torch.Tensor, group=None) -> Pending:
-    """Encoder side: start receiving every row's gradient; wait() gives the row gradients."""
-    return Pending(backward_recvs(plan, like, group))
+def check_agreement(batches: dict[str, BoundaryBatch], device, group=None) -> None:
+    """Raise BoundaryMismatch on every rank of `group` (None: the world) unless all of them hold
+    the same metadata for `batches` (edge name -> batch): plans from different metadata do not pair
+    up, and the exchange would hang or put rows in the wrong slots. Call it before the exchanges,
+    at the same point on every rank. Cost: one all_reduce of two int64, (max, -min) of a digest.
+    Only when they differ, which every rank then sees, do the ranks gather per-sample summaries to
+    name two ranks and the first sample where they differ."""
+    digest = metadata_digest(batches)
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    highest, minus_lowest = extremes.tolist()
+    if highest == -minus_lowest:
+        return
+    summaries = [None] * dist.get_world_size(group)
+    dist.all_gather_object(summaries, metadata_summary(batches), group=group)
+    raise BoundaryMismatch(disagreement(summaries, dist.get_process_group_ranks(group or dist.group.WORLD)))

@@ -24,10 +24,18 @@ spread over the replicas by row). Backward, each encoder replica receives the ro
 from one consuming LLM rank (without SP every LLM TP rank holds the same full gradient after
 Megatron's TP backward, so summing replicas would multiply it by TP).
 
-Each rank computes only its own sends and receives, from metadata every rank has.
+Each rank computes only its own sends and receives, from metadata every rank has. It plans per
+segment, not per row: a run of rows at consecutive positions (one image's tokens), cut where the
+encoder CP part, the LLM CP chunk or the SP part changes, keeps one holder set and one consumer set
+and steps its encoder index by 1 and its slot by b_local. The cost grows with the segments (about
+the images) plus the rank's own index arrays, which are spelled out per row at the end.
 """
 
-from dataclasses import dataclass, field
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from itertools import zip_longest
 
 import numpy as np
 
@@ -36,6 +44,11 @@ from megatron_hetero.layout import ModuleLayout
 
 class BoundaryError(ValueError):
     """A batch or layout pair that the boundary cannot serve; one line naming what to change."""
+
+
+class BoundaryMismatch(BoundaryError):
+    """Ranks hold different boundary metadata for one batch (a data bug): their plans would not
+    pair up, and the exchange would hang or put rows in the wrong slots."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,39 @@ class BoundaryBatch:
     def num_rows(self) -> int:
         return len(self.positions)
 
+    @cached_property
+    def run_starts(self) -> np.ndarray:
+        """First row of every run: rows of one sample at consecutive positions (one image's tokens,
+        or several adjacent images'). The one pass over all rows; the plan works on runs."""
+        sample_starts = np.cumsum(self.rows_per_sample) - self.rows_per_sample
+        breaks = np.flatnonzero(np.diff(self.positions) != 1) + 1
+        return np.union1d(sample_starts[sample_starts < self.num_rows], breaks)
+
+    @cached_property
+    def key(self) -> bytes:
+        """The metadata, exactly, in O(samples + runs) bytes: a run's positions follow from its
+        first one (the sample count first, so that the arrays' lengths are known)."""
+        header = np.array([self.seq_len, self.num_samples], dtype=np.int64)
+        return b"".join(a.tobytes() for a in (header, self.rows_per_sample, self.run_starts,
+                                               self.positions[self.run_starts]))
+
+
+@dataclass(frozen=True)
+class _Index:
+    """An index array as arithmetic runs: first[i] + step[i] * r for r < rows[i], run after run;
+    with `by` (the runs' keys, where runs interleave), reordered by key."""
+
+    first: np.ndarray
+    step: np.ndarray
+    rows: np.ndarray
+    by: "_Index | None" = None
+
+    def spell(self) -> np.ndarray:
+        head = np.cumsum(self.rows) - self.rows
+        index = (np.repeat(self.first - head * self.step, self.rows)
+                 + np.repeat(self.step, self.rows) * np.arange(int(self.rows.sum())))
+        return index if self.by is None else index[np.argsort(self.by.spell(), kind="stable")]
+
 
 @dataclass(frozen=True)
 class Routes:
@@ -82,12 +128,22 @@ class Routes:
 
     send_counts[r] rows go to rank r, gathered from the local source at send_index (peers in rank
     order); recv_counts[r] rows come from rank r and land at recv_index of the local destination.
+    The index arrays are planned as runs and spelled out row by row on first use (the exchange
+    does once per plan), so that planning costs what the runs cost.
     """
 
     send_counts: np.ndarray
-    send_index: np.ndarray
     recv_counts: np.ndarray
-    recv_index: np.ndarray
+    sends: _Index = field(repr=False)
+    recvs: _Index = field(repr=False)
+
+    @cached_property
+    def send_index(self) -> np.ndarray:
+        return self.sends.spell()
+
+    @cached_property
+    def recv_index(self) -> np.ndarray:
+        return self.recvs.spell()
 
     def bytes_sent_off_rank(self, rank: int, row_bytes: int) -> int:
         return int(self.send_counts.sum() - self.send_counts[rank]) * row_bytes
@@ -113,8 +169,6 @@ def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
             f"edge {encoder.name} -> {llm.name}: an edge goes from an encoder into the llm; "
             f"fix the edges list"
         )
-    if encoder.sp:
-        raise BoundaryError(f"module {encoder.name}: sp on an encoder is not supported; set sp: false")
 
 
 def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout) -> None:
@@ -139,92 +193,167 @@ def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout)
         )
 
 
-class _Rows:
-    """Addresses of every row of the batch (vectorized over rows, in row order)."""
+@dataclass(frozen=True)
+class _Side:
+    """One end of the rows' journey, per segment: the replica set holding (encoder) or consuming
+    (LLM) them, ranks base..base+width-1, and the index of the segment's rows there: index +
+    i * unit for its row i, below span."""
+
+    base: np.ndarray
+    width: int
+    index: np.ndarray
+    unit: int
+    span: int
+
+
+class _Segments:
+    """The batch as segments: runs of rows cut again wherever the encoder CP part, the LLM CP
+    chunk or the SP part changes. Within a segment every row has the same holders and consumers,
+    and its row i has encoder index `first + i` and LLM input slot `first + i * b_local`: the plan
+    is computed per segment."""
 
     def __init__(self, batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout):
-        n = batch.rows_per_sample
-        sample = np.repeat(np.arange(batch.num_samples), n)
-        first_row = np.concatenate([[0], np.cumsum(n)[:-1]])
-        k = np.arange(batch.num_rows) - first_row[sample]  # index of the row within its sample
+        n, num_rows = batch.rows_per_sample, batch.num_rows
+        first = np.concatenate([[0], np.cumsum(n)[:-1]])  # first row of each sample
+        runs = batch.run_starts
+        cuts = [runs]
+        if encoder.cp > 1:  # encoder CP part c of a sample: its rows [c*n//cp, (c+1)*n//cp)
+            cuts.append((first[:, None] + np.arange(1, encoder.cp) * n[:, None] // encoder.cp).ravel())
+        pieces, coord = runs, batch.positions[runs]
+        chunk_len = batch.seq_len // (2 * llm.cp)
+        if llm.cp > 1:
+            cuts.append(_crossings(runs, coord, _lengths(runs, num_rows), chunk_len))
+            pieces = np.union1d(runs, cuts[-1])  # each within one chunk: its local position runs on
+            chunk, offset = np.divmod(batch.positions[pieces], chunk_len)
+            coord = np.where(chunk < llm.cp, 0, chunk_len) + offset
+        if llm.sp:
+            cuts.append(_crossings(pieces, coord, _lengths(pieces, num_rows), batch.seq_len // llm.cp // llm.tp))
+        starts = np.unique(np.concatenate(cuts))
+        starts = starts[starts < num_rows]  # a trailing sample without rows cuts nothing
+        self.count = _lengths(starts, num_rows)
+        sample = np.searchsorted(np.cumsum(n), starts, side="right")
+        k = starts - first[sample]  # the segment's first row within its sample
+        positions = batch.positions[starts]
 
         # Encoder: DP by sample, CP by contiguous parts of the sample's rows, last PP stage.
         e = encoder
         enc_dp = sample // (batch.num_samples // e.dp)
         enc_cp = ((k + 1) * e.cp - 1) // np.maximum(n[sample], 1)
-        self.enc_group = enc_dp * e.cp + enc_cp  # (dp, cp) holding the row
-        self.enc_base = e.first_rank + e.tp * (self.enc_group + e.cp * e.dp * (e.pp - 1))
-        self.enc_width = e.tp
+        self.enc_group = enc_dp * e.cp + enc_cp  # (dp, cp) holding the rows
+        enc_index = _offset_within(self.enc_group, self.count)  # the group's rows in row order
+        self.encoder = _Side(e.first_rank + e.tp * (self.enc_group + e.cp * e.dp * (e.pp - 1)), e.tp,
+                             enc_index, 1, num_rows)
 
         # LLM: DP by sample, CP by load-balanced chunks, TP parts with SP, first PP stage.
         b_local = batch.num_samples // llm.dp
         llm_dp, local_sample = np.divmod(sample, b_local)
         if llm.cp > 1:
-            chunk_len = batch.seq_len // (2 * llm.cp)
-            chunk, offset = np.divmod(batch.positions, chunk_len)
+            chunk, offset = np.divmod(positions, chunk_len)
             llm_cp = np.where(chunk < llm.cp, chunk, 2 * llm.cp - 1 - chunk)
             local_pos = np.where(chunk < llm.cp, 0, chunk_len) + offset
         else:
-            llm_cp, local_pos = np.zeros_like(batch.positions), batch.positions
+            llm_cp, local_pos = np.zeros_like(positions), positions
         if llm.sp:
             llm_tp, local_pos = np.divmod(local_pos, batch.seq_len // llm.cp // llm.tp)
-            self.llm_base = llm.first_rank + llm_tp + llm.tp * (llm_cp + llm.cp * llm_dp)
-            self.llm_width = 1
+            base, width = llm.first_rank + llm_tp + llm.tp * (llm_cp + llm.cp * llm_dp), 1
         else:
-            self.llm_base = llm.first_rank + llm.tp * (llm_cp + llm.cp * llm_dp)
-            self.llm_width = llm.tp
-        self.slot = local_pos * b_local + local_sample
+            base, width = llm.first_rank + llm.tp * (llm_cp + llm.cp * llm_dp), llm.tp
+        self.llm = _Side(base, width, local_pos * b_local + local_sample, b_local, batch.seq_len * b_local)
 
 
-def _index_within(keys: np.ndarray) -> np.ndarray:
-    """For each element, how many earlier elements share its key."""
+def _lengths(starts: np.ndarray, end: int) -> np.ndarray:
+    """Lengths of the pieces that start at `starts` and cover rows up to `end`."""
+    return np.diff(np.append(starts, end))
+
+
+def _crossings(rows: np.ndarray, coord: np.ndarray, length: np.ndarray, unit: int) -> np.ndarray:
+    """Rows inside pieces (first row `rows`, `length` rows) at which a coordinate that starts at
+    `coord` and grows by one per row reaches a multiple of `unit`."""
+    first, last = coord // unit + 1, (coord + length - 1) // unit
+    k = np.maximum(last - first + 1, 0)
+    piece = np.repeat(np.arange(len(rows)), k)
+    multiple = first[piece] + _ramps(k)
+    return rows[piece] + multiple * unit - coord[piece]
+
+
+def _ramps(count: np.ndarray) -> np.ndarray:
+    """0..count[i]-1 for every i, concatenated."""
+    return np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+
+
+def _offset_within(keys: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """For each element, the total count of the earlier elements that share its key."""
     order = np.argsort(keys, kind="stable")
-    sorted_keys = keys[order]
-    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
-    index = np.empty_like(order)
-    index[order] = np.arange(len(keys)) - np.repeat(starts, np.diff(np.r_[starts, len(keys)]))
-    return index
+    sorted_keys, before = keys[order], np.cumsum(count[order]) - count[order]
+    new_key = np.flatnonzero(np.diff(sorted_keys, prepend=-1))  # keys are >= 0
+    offset = np.empty_like(count)
+    offset[order] = before - np.repeat(before[new_key], np.diff(np.append(new_key, len(keys))))
+    return offset
 
 
-def _pick(base, width: int, nth: np.ndarray, peer: np.ndarray) -> np.ndarray:
-    """The replica (of ranks base..base+width-1) that serves `peer` its nth row from this replica
-    set: the peer itself if it holds one (no bytes move), else the replicas in turn."""
-    holds = (peer >= base) & (peer < base + width)
-    return np.where(holds, peer, base + (nth + peer) % width)
+@dataclass(frozen=True)
+class _Deliveries:
+    """Rows moving in one direction, as (segment, source rank, destination rank) triples, each
+    taking `rows` rows of its segment: first, first + step, ..."""
+
+    segment: np.ndarray
+    source: np.ndarray
+    dest: np.ndarray
+    first: np.ndarray
+    step: np.ndarray
+    rows: np.ndarray
+
+    def take(self, which: np.ndarray) -> "_Deliveries":
+        """The deliveries picked by `which` (a mask or positions)."""
+        return _Deliveries(*(a[which] for a in vars(self).values()))
+
+    def index(self, side: _Side, peer: np.ndarray | None = None) -> _Index:
+        """The rows' indices on `side` (offset by peer * side.span when `peer` is given)."""
+        first = side.index[self.segment] + self.first * side.unit
+        return _Index(first if peer is None else first + peer * side.span, self.step * side.unit, self.rows)
 
 
-def _holder_rows(base: np.ndarray, width: int, rank: int) -> np.ndarray:
-    """Rows of which `rank` is one of the replicas base..base+width-1, in row order."""
-    return np.flatnonzero((rank >= base) & (rank < base + width))
+def _deliveries(count: np.ndarray, src: _Side, dst: _Side, world_size: int) -> _Deliveries:
+    """Who serves each row to each of its destinations: the destination itself if it holds a
+    replica (no bytes move), else the source replicas in turn, row by row, the rows of each
+    (replica set, destination) numbered in row order."""
+    segment = np.repeat(np.arange(len(count)), dst.width)
+    dest = dst.base[segment] + np.tile(np.arange(dst.width), len(count))
+    base, width = src.base[segment], src.width
+    if width == 1:  # one replica: it serves every row
+        return _Deliveries(segment, base, dest, np.zeros_like(dest), np.ones_like(dest), count[segment])
+    holds = (dest >= base) & (dest < base + width)
+    nth = _offset_within(base * world_size + dest, count[segment])
+    replica = np.tile(np.arange(width), len(segment))
+    segment, base, dest, nth, holds = (np.repeat(a, width) for a in (segment, base, dest, nth, holds))
+    source = base + replica
+    first = np.where(holds, 0, (replica - nth - dest) % width)
+    step = np.where(holds, 1, width)
+    rows = np.where(holds & (source != dest), 0, np.maximum(-(-(count[segment] - first) // step), 0))
+    return _Deliveries(segment, source, dest, first, step, rows).take(rows > 0)
 
 
-def _sends(rank, world_size, src_base, src_width, dst_base, dst_width, src_index, dst_index):
-    """rank's deliveries as a source: every (held row, destination) it is picked to serve, ordered
-    by destination, then destination index (the receiver's order)."""
-    held = _holder_rows(src_base, src_width, rank)
-    row = np.repeat(held, dst_width)
-    dst = dst_base[row] + np.tile(np.arange(dst_width), len(held))
-    # Held rows share one replica set: number each destination's rows from it in row order.
-    mine = _pick(src_base[row], src_width, _index_within(dst), dst) == rank
-    row, dst = row[mine], dst[mine]
-    # Destination-index order lets a receiver whose rows fill a slot range take them in place.
-    order = np.lexsort((dst_index[row], dst))
-    return np.bincount(dst, minlength=world_size), src_index[row[order]]
+def _side_of(d: _Deliveries, peer: np.ndarray, value: _Side, key: _Side, world_size: int):
+    """Deliveries to or from peers as rows per peer rank and the rows' `value` indices, ordered by
+    peer, then by `key` index (the receiver's order: one that fills a slot range takes the rows in
+    place)."""
+    counts = np.bincount(peer, weights=d.rows, minlength=world_size).astype(np.int64)
+    order = np.argsort(d.index(key, peer).first, kind="stable")
+    d, peer = d.take(order), peer[order]
+    keys = d.index(key, peer)
+    # Rows need sorting only where two deliveries to one peer interleave (rows of several samples
+    # of one LLM DP rank: their slots step by b_local).
+    interleaved = (keys.first[1:] <= (keys.first + keys.step * (keys.rows - 1))[:-1]).any()
+    return counts, replace(d.index(value), by=keys if interleaved else None)
 
 
-def _recvs(rank, world_size, src_base, src_width, dst_base, dst_width, dst_index):
-    """rank's deliveries as a destination: one per row it holds a slot for, ordered by source,
-    then destination index."""
-    row = _holder_rows(dst_base, dst_width, rank)
-    # Number this rank's rows per source replica set, in row order: the senders' numbering.
-    src = _pick(src_base[row], src_width, _index_within(src_base[row]), rank)
-    order = np.lexsort((dst_index[row], src))
-    return np.bincount(src, minlength=world_size), dst_index[row[order]]
-
-
-def _encoder_index(rows: _Rows, encoder: ModuleLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's index in its holders' output, and the row count of every (dp, cp) group."""
-    return _index_within(rows.enc_group), np.bincount(rows.enc_group, minlength=encoder.dp * encoder.cp)
+def _route(rank: int, world_size: int, segs: _Segments, src: _Side, dst: _Side) -> Routes:
+    """`rank`'s side of one direction: rows it serves as a source and rows it takes as a destination."""
+    d = _deliveries(segs.count, src, dst, world_size)
+    sends, recvs = d.take(d.source == rank), d.take(d.dest == rank)
+    send_counts, send_index = _side_of(sends, sends.dest, src, dst, world_size)
+    recv_counts, recv_index = _side_of(recvs, recvs.source, dst, dst, world_size)
+    return Routes(send_counts, recv_counts, send_index, recv_index)
 
 
 def plan_edge(
@@ -232,22 +361,14 @@ def plan_edge(
 ) -> RankPlan:
     """`rank`'s forward and backward routes for one edge and one batch (or microbatch)."""
     _check_batch(batch, encoder, llm)
-    rows = _Rows(batch, encoder, llm)
-    enc_index, group_rows = _encoder_index(rows, encoder)
-    enc = (rows.enc_base, rows.enc_width)
-    dst = (rows.llm_base, rows.llm_width)
-    forward = Routes(
-        *_sends(rank, world_size, *enc, *dst, enc_index, rows.slot),
-        *_recvs(rank, world_size, *enc, *dst, rows.slot),
-    )
-    backward = Routes(
-        *_sends(rank, world_size, *dst, *enc, rows.slot, enc_index),
-        *_recvs(rank, world_size, *dst, *enc, enc_index),
-    )
+    segs = _Segments(batch, encoder, llm)
+    forward = _route(rank, world_size, segs, segs.encoder, segs.llm)
+    backward = _route(rank, world_size, segs, segs.llm, segs.encoder)
     enc_coords, llm_coords = encoder.coords(rank), llm.coords(rank)
     num_source_rows = 0
     if enc_coords and enc_coords["pp"] == encoder.pp - 1:
-        num_source_rows = int(group_rows[enc_coords["dp"] * encoder.cp + enc_coords["cp"]])
+        group = enc_coords["dp"] * encoder.cp + enc_coords["cp"]
+        num_source_rows = int(segs.count[segs.enc_group == group].sum())
     num_dest_slots = 0
     if llm_coords and llm_coords["pp"] == 0:
         seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
@@ -265,10 +386,74 @@ class PlanCache:
 
     def plan(self, batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout, rank: int,
              world_size: int) -> RankPlan:
-        key = (batch.rows_per_sample.tobytes(), batch.positions.tobytes(), batch.seq_len,
-               encoder, llm, rank, world_size)
+        key = (batch.key, encoder, llm, rank, world_size)
         if key not in self._plans:
             if len(self._plans) >= self.capacity:
                 self._plans.pop(next(iter(self._plans)))  # oldest first
             self._plans[key] = plan_edge(batch, encoder, llm, rank, world_size)
         return self._plans[key]
+
+
+# ---- agreement of the metadata across ranks (exchange.check_agreement gathers these) -------------
+
+
+def metadata_digest(batches: dict[str, BoundaryBatch]) -> int:
+    """A 56-bit digest of every edge's metadata (edge name -> batch): fits an int64, negated too."""
+    digest = hashlib.blake2b(digest_size=7)
+    for name in sorted(batches):
+        digest.update(name.encode() + b"\0" + batches[name].key)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _runs_text(positions: np.ndarray, most: int = 3) -> str:
+    """A sample's positions as runs, e.g. '1-729, 731-1459' (the first `most`)."""
+    starts = np.flatnonzero(np.diff(positions, prepend=positions[0] - 2) != 1)
+    ends = np.append(starts[1:], len(positions)) - 1
+    runs = [f"{positions[a]}" if a == b else f"{positions[a]}-{positions[b]}" for a, b in zip(starts, ends)]
+    return ", ".join(runs[:most] + (["..."] if len(runs) > most else []))
+
+
+def metadata_summary(batches: dict[str, BoundaryBatch]) -> tuple:
+    """Per edge: (seq_len, per sample (rows, its positions as text, digest of its positions)), to
+    say where two ranks differ. One pass over the rows: only run once they do."""
+    def sample(positions):
+        text = _runs_text(positions) if len(positions) else ""
+        return len(positions), text, hashlib.blake2b(positions.tobytes(), digest_size=8).digest()
+
+    summary = []
+    for name in sorted(batches):
+        batch = batches[name]
+        bounds = np.cumsum(batch.rows_per_sample)
+        summary.append((name, (batch.seq_len, tuple(map(sample, np.split(batch.positions, bounds[:-1]))))))
+    return tuple(summary)
+
+
+def _sample_text(sample) -> str:
+    if sample is None:
+        return "no such sample"
+    rows, text, _ = sample
+    return f"{rows} row{'s' * (rows > 1)} at positions {text}" if rows else "no rows"
+
+
+def disagreement(summaries: list, ranks: list[int]) -> str:
+    """One line naming two ranks whose metadata_summary differ (the first rank that holds the most
+    common one and the first that does not) and the first edge and sample where they do."""
+    common = Counter(summaries).most_common(1)[0][0]
+    a = summaries.index(common)
+    b = next(i for i, s in enumerate(summaries) if s != common)
+    mine, theirs = dict(summaries[a]), dict(summaries[b])
+    fix = "every rank must build the same rows_per_sample and positions"
+    for edge in sorted(mine.keys() | theirs.keys()):
+        x, y = mine.get(edge), theirs.get(edge)
+        where = f"ranks {ranks[a]} and {ranks[b]} hold different boundary metadata for edge {edge}"
+        if x is None or y is None:
+            return f"{where}: only rank {ranks[b] if x is None else ranks[a]} has the edge; {fix}"
+        if x[0] != y[0]:
+            return f"{where}: seq_len {x[0]} on rank {ranks[a]}, {y[0]} on rank {ranks[b]}; {fix}"
+        if x == y:
+            continue
+        s, (p, q) = next((i, pq) for i, pq in enumerate(zip_longest(x[1], y[1])) if pq[0] != pq[1])
+        inside = " (alike in their first runs, not after)" if _sample_text(p) == _sample_text(q) else ""
+        return (f"{where}, first at sample {s} of the batch: rank {ranks[a]} has {_sample_text(p)}, "
+                f"rank {ranks[b]} has {_sample_text(q)}{inside}; {fix}")
+    raise AssertionError("the summaries differ in nothing")

@@ -5,10 +5,13 @@ keywords) and returns Megatron's forward_data_store: the loss reports of the mic
 that hold the LLM's last stage, empty elsewhere.
 """
 
+import sys
+
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
+from megatron_hetero.boundary import BoundaryMismatch
 from megatron_hetero.runtime.model import HeteroModel
 from megatron_hetero.runtime.step import StepContext
 from megatron_hetero.schedules.colocated import colocated_step
@@ -27,7 +30,12 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
     items = [next(data_iterator) if data_iterator is not None else None for _ in range(num_microbatches)]
     ctx = StepContext(hetero.run, hetero.adapter, forward_step_func, items, hetero.config, forward_only,
                       hetero.clock, hetero.timers, hetero.plan_caches)
-    ctx.prepare()
+    try:
+        ctx.prepare()
+    except BoundaryMismatch as error:  # raised on every rank at once, with the same line
+        if dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     SCHEDULES[hetero.run.layout.placement](ctx)
     if not forward_only:
         per_token = hetero.config.calculate_per_token_loss

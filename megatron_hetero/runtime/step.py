@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
 
-from megatron_hetero.boundary import PlanCache, boundary_exchange
+from megatron_hetero.boundary import PlanCache, boundary_exchange, check_agreement
 from megatron_hetero.data.batches import module_slice
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import Adapter, ModelCall, Media
@@ -67,11 +67,16 @@ class StepContext:
             self.calls.append(capture.call)
         self.batch_size = self.adapter.batch_size(self.calls[0])
         layout = self.run.layout
+        batches = {(e.name, i): self.adapter.boundary_batch(e.name, call)
+                   for e in layout.encoders for i, call in enumerate(self.calls)}
+        # Plans from metadata that differs between ranks would not pair up: check it first.
+        check_agreement({f"{name} (microbatch {i})": b for (name, i), b in batches.items()},
+                        self.adapter.boundary_like().device)
         for encoder in layout.encoders:
             cache = self.plan_caches.setdefault(encoder.name, PlanCache())
             self.plans[encoder.name] = [
-                cache.plan(self.adapter.boundary_batch(encoder.name, call), encoder, layout.llm,
-                           self.run.rank, layout.world_size) for call in self.calls]
+                cache.plan(batches[encoder.name, i], encoder, layout.llm, self.run.rank, layout.world_size)
+                for i in range(self.num_microbatches)]
 
     # ---- running parts of the model through the script's forward step --------------------------
     def run_encoder(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:

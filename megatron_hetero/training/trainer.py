@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_hetero.boundary import PlanCache, RankPlan, slot_mask
+from megatron_hetero.boundary import PlanCache, RankPlan, check_agreement, slot_mask
 from megatron_hetero.cpu_compat import apply_cpu_compat
 from megatron_hetero.data.batches import AUDIO, VISION, GlobalBatch, caption_batch, module_slice
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
@@ -237,6 +237,7 @@ class Trainer:
 
     def train_step(self, batch: GlobalBatch) -> float:
         """Forward and backward of one global batch; returns the global mean token loss."""
+        check_agreement(batch.boundaries, self.device)
         step = colocated_step if self.layout.placement == "colocated" else non_colocated_step
         return step(self, batch)
 
@@ -286,6 +287,7 @@ class Trainer:
     def generate_captions(self, indices: list[int]) -> list[str]:
         """Greedy captions of held-out images, in index order (on every rank)."""
         batch = self._caption_batch(self.eval_data, indices, with_captions=False)
+        check_agreement(batch.boundaries, self.device)
         media = route_media(self, batch)
         mine = []
         coords = self.llm.coords()
