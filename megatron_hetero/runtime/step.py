@@ -69,9 +69,10 @@ class StepContext:
         layout = self.run.layout
         batches = {(e.name, i): self.adapter.boundary_batch(e.name, call)
                    for e in layout.encoders for i, call in enumerate(self.calls)}
+        device = self.adapter.boundary_like().device
+        self.num_tokens = self.num_tokens.to(device)
         # Plans from metadata that differs between ranks would not pair up: check it first.
-        check_agreement({f"{name} (microbatch {i})": b for (name, i), b in batches.items()},
-                        self.adapter.boundary_like().device)
+        check_agreement({f"{name} (microbatch {i})": b for (name, i), b in batches.items()}, device)
         for encoder in layout.encoders:
             cache = self.plan_caches.setdefault(encoder.name, PlanCache())
             self.plans[encoder.name] = [
@@ -94,7 +95,7 @@ class StepContext:
             output, num_tokens = forward_step(
                 self.forward_step_func, self.replay(i), view, self.num_microbatches, view.inputs,
                 self.losses, self.config, llm.layout.cp, is_last_stage=llm.last_stage)
-        self.num_tokens += num_tokens
+        self.num_tokens += num_tokens.to(self.num_tokens.device)
         return output
 
     def backward(self, inputs: list, outputs: list, output_grads: list) -> list:
