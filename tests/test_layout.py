@@ -231,7 +231,7 @@ def with_module(data, name, **changes):
         ({"placement": "colocated", "modules": {}}, 4, ["modules missing or empty"]),
         (colocated(), 0, ["world size", "got 0"]),
         # module keys and values
-        (with_module(colocated(), "llm", tpp=2), 4, ["module llm", "'tpp'", "allowed keys: role, tp, cp, dp, pp"]),
+        (with_module(colocated(), "llm", tpp=2), 4, ["module llm", "'tpp'", "allowed keys: role, kind, tp, cp, dp, pp"]),
         (with_module(colocated(), "vision", tp=0, dp=4), 4, ["module vision", "tp must be a positive integer"]),
         (with_module(colocated(), "vision", dp=-4), 4, ["module vision", "dp must be a positive integer"]),
         (with_module(colocated(), "vision", dp="4"), 4, ["module vision", "dp must be a positive integer", "'4'"]),
@@ -413,3 +413,18 @@ def test_every_example_layout_is_valid_for_one_world_size(path):
         except LayoutError:
             pass
     assert len(valid) == 1, (path.name, valid)
+
+
+def test_kind_names_what_an_encoder_encodes():
+    """`kind:` decides what an encoder is, so any module name works; without it the name is the kind
+    (today's layout files); a kind must be a name."""
+    spec = {"placement": "colocated", "modules": {"camera": {"role": "encoder", "kind": "vision"},
+                                                  "llm": {"role": "llm"}}}
+    layout = parse_layout(spec, 1)
+    assert [(m.name, m.kind) for m in layout.encoders] == [("camera", "vision")]
+    legacy = parse_layout({"placement": "colocated", "modules": {"audio": {"role": "encoder"},
+                                                                 "llm": {"role": "llm"}}}, 1)
+    assert legacy.encoders[0].kind == "audio"
+    spec["modules"]["camera"]["kind"] = "3d"
+    with pytest.raises(LayoutError, match="kind '3d' is not valid"):
+        parse_layout(spec, 1)
