@@ -34,7 +34,7 @@ from megatron_hetero.training.args import (  # noqa: E402
     expand_arg_files,
     model_sizes,
 )
-from megatron_hetero.training.evaluation import evaluate_captions  # noqa: E402
+from megatron_hetero.training.evaluation import evaluate_captions, report_waiting  # noqa: E402
 
 # This script's defaults (flags given on the command line come later and win).
 DEFAULT_FLAGS = [
@@ -89,6 +89,7 @@ def main() -> None:
     set_global_variables(args)
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider)
+    print_rank_0(report_waiting(args.hetero_run.model))
     if args.eval_samples:
         accuracy = evaluate_captions(args.hetero_run.model, model_sizes(args), _shapes(args, "heldout"),
                                      args.eval_samples)

@@ -6,6 +6,7 @@ that hold the LLM's last stage, empty elsewhere.
 """
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         raise NotImplementedError("collect_non_loss_data is not supported with --hetero-layout")
     (hetero,) = model
     assert isinstance(hetero, HeteroModel), type(hetero)
+    start = time.perf_counter()
     items = [next(data_iterator) if data_iterator is not None else None for _ in range(num_microbatches)]
     ctx = StepContext(hetero.run, hetero.adapter, forward_step_func, items, hetero.config, forward_only,
                       hetero.clock, hetero.timers, hetero.plan_caches)
@@ -41,6 +43,7 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         per_token = hetero.config.calculate_per_token_loss
         hetero.config.finalize_model_grads_func(
             [hetero], ctx.num_tokens if per_token else None, force_all_reduce=force_all_reduce)
+        hetero.clock.step_s += time.perf_counter() - start
     return ctx.losses
 
 

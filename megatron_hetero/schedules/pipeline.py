@@ -72,6 +72,7 @@ class Clock:
 
     device: torch.device
     waiting_s: float = 0.0
+    step_s: float = 0.0  # training steps' forward-backward time, the waiting share's denominator
 
     def _sync(self):
         # The compute stream only: a device-wide synchronize would also wait for the posted

@@ -94,3 +94,15 @@ def generate_captions(model: HeteroModel, sizes, data: ShapesDataset, indices: l
 def evaluate_captions(model: HeteroModel, sizes, data: ShapesDataset, num_samples: int) -> float:
     indices = list(range(num_samples))
     return caption_accuracy(generate_captions(model, sizes, data, indices), [data[i] for i in indices])
+
+
+def report_waiting(model: HeteroModel) -> str:
+    """Per rank, the share of the training steps' forward-backward time it spent blocked on other
+    ranks' data (pipeline bubble, transfers), for rank 0 to print. Collective."""
+    run, clock = model.run, model.clock
+    held = [m for m in run.modules.values() if m.held]
+    stage = "+".join(m.name for m in held) + f" pp{held[-1].coords()['pp']}"
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, (run.rank, stage, clock.waiting_s / max(clock.step_s, 1e-9)))
+    return " waiting share of forward-backward time (pipeline bubble + transfers): " + " | ".join(
+        f"rank {r} {name}: {100 * share:.1f}%" for r, name, share in shares)
