@@ -41,6 +41,11 @@ def _apply_layout(args, layout: HeteroLayout) -> None:
         raise ArgsError(f"--sequence-parallel conflicts with module {llm.name}'s sp: false in "
                         f"{args.hetero_layout}; set sp: true there or drop the flag")
     args.sequence_parallel = llm.sp
+    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(args, flag):
+            # megatron-hetero's schedules do not yet hold DDP's reduction back until a step's last
+            # microbatch (Megatron's no_sync), which overlapping needs.
+            raise ArgsError(f"--{flag.replace('_', '-')} is not supported with --hetero-layout yet; drop it")
     if args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank:
         raise ArgsError("virtual pipeline stages are not supported with --hetero-layout; drop "
                         "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")

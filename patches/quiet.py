@@ -3,7 +3,6 @@ installed" warnings (one per importing module and process). Installed before meg
 
 import importlib.util
 import os
-import sys
 import warnings
 
 _MISSING_ACCELERATORS = (r".*(Transformer Engine and Apex are not installed|Apex is not installed"

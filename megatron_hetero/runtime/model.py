@@ -39,7 +39,8 @@ class ModelCall:
 
 
 class Adapter(Protocol):
-    """How a model family's call is served by per-module stages."""
+    """How a model family's call is served by per-module stages. Adapters call a module's bare stage
+    (`module.part`): its DDP wrapper's gradient hooks sit on the parameters, so they fire anyway."""
 
     def batch_size(self, call: ModelCall) -> int:
         """Samples in the call's global microbatch."""
@@ -96,18 +97,6 @@ class HeteroModel(torch.nn.Module):
     def zero_grad_buffer(self):
         for ddp in self._trainable():
             ddp.zero_grad_buffer()
-
-    def broadcast_params(self):
-        for ddp in self._trainable():
-            ddp.broadcast_params()
-
-    def start_param_sync(self, *args, **kwargs):
-        for ddp in self._trainable():
-            ddp.start_param_sync(*args, **kwargs)
-
-    def finish_grad_sync(self, *args, **kwargs):
-        for ddp in self._trainable():
-            ddp.finish_grad_sync(*args, **kwargs)
 
     def set_input_tensor(self, input_tensor):
         raise RuntimeError("a heterogeneous model runs through megatron-hetero's schedules, which "
