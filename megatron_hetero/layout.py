@@ -256,7 +256,8 @@ class HeteroLayout:
         for m in self.modules:
             sizes = " ".join(f"{axis}{getattr(m, axis)}" for axis in AXES)
             flags = "".join([", sp" if m.sp else "", ", frozen" if m.freeze else ""])
-            lines.append(f"{m.name} ({m.role}): {sizes}, ranks {_span(m.ranks)}{flags}")
+            role = m.role if m.kind == m.name or m.role == "llm" else f"{m.role}, kind {m.kind}"
+            lines.append(f"{m.name} ({role}): {sizes}, ranks {_span(m.ranks)}{flags}")
         if self.edges:
             lines.append("edges: " + ", ".join(str(edge) for edge in self.edges))
         for rank in range(self.world_size):

@@ -33,6 +33,7 @@ CASES = {
     "colocated_vdp4_lcp2pp2": (4, "single", ["--micro-batch-size", "4"]),
     "demo_colocated_frozen": (4, "single_frozen", []),
     "colocated_two_encoders": (4, "single_two_encoders", TWO_ENCODERS),
+    "colocated_named_kinds": (4, "single_two_encoders", TWO_ENCODERS),  # modules named by `kind:`
     # non-colocated
     "non_colocated_1_3": (4, "single", ["--global-batch-size", "6"]),
     "non_colocated_2_2": (4, "single", []),
@@ -158,9 +159,13 @@ def _assert_reproduces(run, reference):
 def test_layout_reproduces_one_process(references, tmp_path, layout_name):
     world_size, reference_name, flags = CASES[layout_name]
     run = _run(tmp_path / layout_name, LAYOUTS / f"{layout_name}.yaml", world_size, flags)
+    layout = load_layout(LAYOUTS / f"{layout_name}.yaml", world_size)
+    if layout_name == "colocated_named_kinds":  # the same modules as the reference's, other names
+        run = (run[0], {key.replace("camera", "vision").replace("microphone", "audio"): value
+                        for key, value in run[1].items()})
+        layout = load_layout(LAYOUTS / "colocated_two_encoders.yaml", world_size)
     reference = references(reference_name, flags)
     _assert_reproduces(run, reference)
-    layout = load_layout(LAYOUTS / f"{layout_name}.yaml", world_size)
     for module in layout.modules:
         kinds = ("init", "params") if module.freeze else ("init", "grads", "params")
         assert {f"{module.name}_{k}" for k in kinds} <= run[1].keys()
