@@ -23,6 +23,7 @@ from megatron_hetero.patches import (  # noqa: E402
     hetero_model,
     hetero_optimizer,
     hetero_schedule,
+    layer_specs,
     metrics,
     startup,
 )
@@ -40,6 +41,7 @@ def apply() -> None:
     hetero_data.apply()
     hetero_schedule.apply()
     metrics.apply()
+    layer_specs.apply()
 
 
 __all__ = ["apply", "PatchError"]

@@ -29,7 +29,7 @@ except ImportError:
     HAVE_TE = False
 
 
-def _with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
     """megatron's local layer spec with our attention and norms; its other submodules kept."""
     norm = _norm_spec(pg_collection)
     layer.submodules.input_layernorm = norm
@@ -49,14 +49,14 @@ def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> Modul
     TP group) with sequence parallelism and without Transformer Engine."""
     if HAVE_TE:
         return get_gpt_layer_with_transformer_engine_spec()
-    return _with_our_layers(get_gpt_layer_local_spec(), pg_collection)
+    return with_our_layers(get_gpt_layer_local_spec(), pg_collection)
 
 
 def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
     """Bidirectional (no mask) layer for encoders."""
     if HAVE_TE:
         return get_vit_layer_with_transformer_engine_spec()
-    return _with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
+    return with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
 
 
 def block_spec(
