@@ -62,8 +62,8 @@ def _get_model(original):
             return original(model_provider_func, model_type, wrap_with_ddp=wrap_with_ddp, config=config,
                             pg_collection=pg_collection)
         if args.bf16 or args.fp16:
-            fail("--bf16/--fp16 with --hetero-layout: not supported yet by Megatron-LM scripts through "
-                 "megatron-hetero; drop the flag")
+            fail(f"{'--bf16' if args.bf16 else '--fp16'} with --hetero-layout: not supported yet by Megatron-LM "
+                 f"scripts through megatron-hetero; drop the flag")
         args.model_type = model_type
         try:
             built = model_provider_func(pre_process=run.llm.first_stage, post_process=run.llm.last_stage,
