@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import megatron_hetero.patches
 
-    megatron_hetero.patches.apply()
+    try:
+        megatron_hetero.patches.apply()
+    except megatron_hetero.patches.PatchError as error:  # installed megatron-core is not what they target
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     sys.argv = [script, *flags]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

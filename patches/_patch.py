@@ -39,9 +39,9 @@ def upstream(path: str):
             owner = importlib.import_module(".".join(parts[:split]))
         except ImportError:
             continue
-        for attr in parts[split:-1]:
-            owner = getattr(owner, attr)
-        if not hasattr(owner, parts[-1]):
+        for attr in parts[split:-1]:  # a class (or a module attribute) on the way to the target
+            owner = getattr(owner, attr, None)
+        if owner is None or not hasattr(owner, parts[-1]):
             break
         return owner, parts[-1], getattr(owner, parts[-1])
     raise PatchError(f"megatron-hetero patch target {path} not found in megatron-core "

@@ -1,0 +1,183 @@
+"""Megatron-LM's own pretrain_vlm.py, unchanged, through `python -m megatron_hetero.launch` on CPUs
+(gloo, fp32): heterogeneous layouts train as the stock 1-process run of the same script does, and bad
+input stops the run with one `error:` line and exit code 2."""
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import _free_port
+
+ROOT = Path(__file__).parent.parent
+MEGATRON_LM = Path(os.environ.get("MEGATRON_LM") or ROOT.parent / "shared" / "megatron-lm")
+SCRIPT = MEGATRON_LM / "pretrain_vlm.py"
+if not SCRIPT.is_file():
+    pytest.skip(f"Megatron-LM's scripts not found ({SCRIPT}): put a Megatron-LM checkout (branch core_r0.19.0) "
+                f"at ../shared/megatron-lm or name one in MEGATRON_LM", allow_module_level=True)
+
+ITERATIONS = 10
+FLAGS = f"""--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4
+    --seq-length 64 --decoder-seq-length 96 --max-position-embeddings 128 --img-h 32 --img-w 32 --patch-dim 8
+    --micro-batch-size 2 --global-batch-size 12 --train-iters {ITERATIONS} --eval-interval 1000 --eval-iters 0
+    --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 --make-vocab-size-divisible-by 32
+    --transformer-impl local --use-cpu-initialization --num-workers 0 --log-interval 1 --seed 1234
+    --ckpt-format torch --attention-dropout 0 --hidden-dropout 0""".split()
+LAUNCH = [sys.executable, "-m", "megatron_hetero.launch", str(SCRIPT), *FLAGS]
+# Prints each iteration's gradient norm with all digits (Megatron's line has 3 decimals).
+LOG_DIGITS = ROOT / "tests" / "log_digits"
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+           PYTHONPATH=os.pathsep.join(filter(None, [str(LOG_DIGITS), os.environ.get("PYTHONPATH")])))
+TIMEOUT = 400  # seconds; a run takes 15-25 s on 2 idle cores
+
+COLOCATED = """placement: colocated
+modules:
+  vision: {role: encoder, tp: 1, dp: 4}
+  llm: {role: llm, tp: 2, dp: 2}
+"""
+NON_COLOCATED = """placement: non_colocated
+modules:
+  vision: {role: encoder, ranks: 0-0}
+  llm: {role: llm, dp: 3, ranks: 1-3}
+"""
+LLM_PP2 = """placement: colocated
+modules:
+  vision: {role: encoder, tp: 1, dp: 4}
+  llm: {role: llm, tp: 1, dp: 2, pp: 2}
+"""
+FROZEN_ENCODER = """placement: colocated
+modules:
+  vision: {role: encoder, tp: 1, dp: 4, freeze: true}
+  llm: {role: llm, tp: 2, dp: 2}
+"""
+SINGLE_RANK = """placement: colocated
+modules:
+  vision: {role: encoder}
+  llm: {role: llm}
+"""
+
+
+def _layout(directory: Path, text: str) -> str:
+    path = directory / "layout.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _history(stdout: str) -> dict[str, list[float]]:
+    """Per iteration: lm loss from Megatron's log line, grad norm from tests/log_digits."""
+    losses = re.findall(r"iteration\s+(\d+)/\s*\d+ \|.* lm loss: (\S+) \|", stdout)
+    norms = re.findall(r"^\[grad norm\] iteration (\d+): (\S+)$", stdout, re.M)
+    expected = [str(i) for i in range(1, ITERATIONS + 1)]
+    assert [i for i, _ in losses] == expected and [i for i, _ in norms] == expected, stdout[-3000:]
+    return {"lm loss": [float(v) for _, v in losses], "grad norm": [float(v) for _, v in norms]}
+
+
+def _train(directory: Path, nproc: int, *flags: str) -> dict[str, list[float]]:
+    """pretrain_vlm.py through torchrun (--standalone: a free port) and the launcher; its history.
+    Output goes to files in `directory`; past TIMEOUT the whole process group is killed."""
+    out, err = directory / "stdout", directory / "stderr"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+             *LAUNCH[1:], *flags], cwd=directory, env=ENV, stdout=stdout, stderr=stderr, start_new_session=True)
+        try:
+            code = proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = f"timeout after {TIMEOUT} s"
+    assert code == 0, f"{code}\n{out.read_text()[-3000:]}\n{err.read_text()[-3000:]}"
+    return _history(out.read_text())
+
+
+def _assert_trains(history: dict[str, list[float]]) -> None:
+    values = history["lm loss"] + history["grad norm"]
+    assert all(math.isfinite(v) for v in values), history
+    assert history["lm loss"][-1] < history["lm loss"][0], history
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    """The reference: the stock 1-process run, through the launcher without --hetero-layout."""
+    return _train(tmp_path_factory.mktemp("stock"), 1)
+
+
+def test_stock_run_trains(stock):
+    """The launcher alone (CPU patches, no layout) lets Megatron's script train: finite, loss falls."""
+    _assert_trains(stock)
+
+
+@pytest.mark.parametrize("nproc, layout", [
+    (4, COLOCATED),  # vision TP1/DP4 -> LLM TP2/DP2 on the same 4 ranks
+    (4, NON_COLOCATED),  # vision on rank 0 -> LLM TP1/DP3 on ranks 1-3
+    (1, SINGLE_RANK),
+], ids=["colocated_vdp4_ltp2dp2", "non_colocated_v1_ldp3", "single_rank"])
+def test_layout_matches_stock(stock, tmp_path, nproc, layout):
+    """Per iteration, lm loss and grad norm equal the stock 1-process run's within 1e-4 relative."""
+    history = _train(tmp_path, nproc, "--hetero-layout", _layout(tmp_path, layout))
+    for metric, reference in stock.items():
+        assert history[metric] == pytest.approx(reference, rel=1e-4), metric
+
+
+def test_llm_pipeline_trains(tmp_path):
+    """Vision TP1/DP4 -> LLM DP2/PP2 trains: finite, falling loss. (Megatron seeds each pipeline stage
+    differently, so no equality with 1 process.)"""
+    _assert_trains(_train(tmp_path, 4, "--hetero-layout", _layout(tmp_path, LLM_PP2)))
+
+
+def test_frozen_encoder_trains(stock, tmp_path):
+    """A frozen vision encoder (freeze: true) under vision TP1/DP4 -> LLM TP2/DP2: iteration 1's loss
+    is the stock run's (same weights, same forward), its gradient norm smaller (no encoder gradients);
+    finite, falling loss."""
+    history = _train(tmp_path, 4, "--hetero-layout", _layout(tmp_path, FROZEN_ENCODER))
+    _assert_trains(history)
+    assert history["lm loss"][0] == pytest.approx(stock["lm loss"][0], rel=1e-6)
+    assert history["grad norm"][0] < stock["grad norm"][0] * (1 - 1e-4)
+
+
+def _launch(directory: Path, nproc: int, *flags: str) -> tuple[list[int], list[str]]:
+    """The launcher in `nproc` plain processes (RANK/WORLD_SIZE env, no torchrun): exit codes, stderrs."""
+    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc))
+    procs = []
+    try:
+        for rank in range(nproc):
+            with open(directory / f"stderr{rank}", "w") as stderr:  # files: no rank blocks on a pipe
+                procs.append(subprocess.Popen([*LAUNCH, *flags], cwd=directory, stdout=subprocess.DEVNULL,
+                                              stderr=stderr, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+        codes = [proc.wait(timeout=TIMEOUT) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return codes, [(directory / f"stderr{rank}").read_text() for rank in range(nproc)]
+
+
+TORCH_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:")  # torch's own logger (e.g. "No CUDA runtime is found")
+
+
+@pytest.mark.parametrize("nproc, layout, flags, expected", [
+    (1, None, ["--hetero-layout", "no_such.yaml"], ["no_such.yaml", "cannot read layout file"]),
+    (1, COLOCATED, [], ["module vision: tp*cp*dp*pp = 4 but the world size is 1", "make the product 1"]),
+    (1, SINGLE_RANK, ["--tensor-model-parallel-size", "4"],
+     ["--tensor-model-parallel-size 4 conflicts with module llm's tp=1", "drop the flag"]),
+    (1, "placement: colocated\nmodules:\n  vision: {role: encoder}\n  audio: {role: encoder}\n"
+     "  llm: {role: llm}\nedges: [vision -> llm, audio -> llm]\n", [], ["one vision encoder", "2 encoders", "keep one"]),
+    (2, "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n  llm: {role: llm, cp: 2}\n", [],
+     ["module llm", "set cp: 1"]),
+    (1, SINGLE_RANK, ["--bf16"], ["--bf16 needs GPUs", "drop --bf16 on CPU"]),
+], ids=["missing_file", "sizes_vs_world", "tp_flag_vs_layout", "llava_two_encoders", "llava_llm_cp2", "bf16_cpu"])
+def test_bad_input_is_one_line(tmp_path, nproc, layout, flags, expected):
+    """Every rank exits 2; stderr holds one `error:` line (rank 0's) naming the field or flag and the
+    fix, and nothing else but torch's own log lines: no traceback."""
+    if layout is not None:
+        flags = ["--hetero-layout", _layout(tmp_path, layout), *flags]
+    codes, stderrs = _launch(tmp_path, nproc, *flags)
+    assert codes == [2] * nproc, stderrs
+    lines = [line for text in stderrs for line in text.splitlines() if line and not TORCH_LOG.match(line)]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderrs
+    assert all(part in lines[0] for part in expected), lines[0]

@@ -1,0 +1,115 @@
+"""megatron-hetero's patches of megatron-core / megatron.training: what apply() replaces, that it
+replaces it once, and that a patch refuses upstream code it was not written for (one line)."""
+
+import re
+
+import megatron.core
+import pytest
+import torch
+
+from megatron_hetero import launch
+from megatron_hetero.patches import PatchError, _patch, apply, check_version
+from tests.distributed import run_distributed
+
+# The upstream functions (and class) apply() replaces; the CPU ones only where no GPU is present.
+TARGETS = [
+    "megatron.core.datasets.utils.compile_helpers",
+    "megatron.training.training.initialize_megatron",
+    "megatron.core.models.vision.clip_vit_model.CLIPViTModel.__init__",
+    "megatron.training.arguments.add_megatron_arguments",
+    "megatron.training.arguments.validate_args",
+    "megatron.training.initialize._initialize_distributed",
+    "megatron.training.training.get_model",
+    "megatron.core.models.multimodal.llava_model.LLaVAModel",
+    "megatron.training.training.get_megatron_optimizer",
+    "megatron.training.training.build_pretraining_data_loader",
+    "megatron.training.training.get_forward_backward_func",
+]
+CPU_TARGETS = [
+    "megatron.training.arguments.get_device_arch_version",
+    "megatron.training.initialize._set_random_seed",
+    "megatron.training.initialize._warmup_jit_function",
+]
+# Set directly (not through _patch.replace) by patches/cpu.py.
+CPU_ATTRIBUTES = [(torch.cuda, name) for name in
+                  ("current_device", "current_stream", "Stream", "Event", "synchronize", "get_rng_state",
+                   "set_rng_state", "manual_seed", "manual_seed_all")]
+
+
+def _wraps(function, original) -> bool:
+    """`function` reaches `original` through its chain of __wrapped__."""
+    while function is not None:
+        if function is original:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def _check_apply(rank, world_size):
+    targets = TARGETS + (CPU_TARGETS if not torch.cuda.is_available() else [])
+    originals = {path: _patch.upstream(path)[2] for path in targets}
+    apply()
+    patched = {path: _patch.upstream(path)[2] for path in targets}
+    for path in targets:
+        assert patched[path] is not originals[path], f"{path} not replaced"
+        assert _wraps(patched[path].__wrapped__, originals[path]), f"{path} does not wrap the original"
+    attributes = [getattr(owner, name) for owner, name in CPU_ATTRIBUTES]
+    applied = dict(_patch._applied)
+    apply()
+    assert {path: _patch.upstream(path)[2] for path in targets} == patched
+    assert [getattr(owner, name) for owner, name in CPU_ATTRIBUTES] == attributes
+    assert _patch._applied == applied
+
+
+def test_apply_replaces_each_target_once():
+    """After apply(), each target is a new function whose __wrapped__ chain reaches upstream's; a
+    second apply() leaves every one (and the CPU redirections) as the first left them. In a spawned
+    process: the patches stay for the life of the process they are applied in."""
+    run_distributed(_check_apply, 1)
+
+
+@pytest.mark.parametrize("path", [
+    "megatron.training.training.no_such_function",
+    "megatron.training.training.NoSuchClass.method",
+    "megatron.core.no_such_module.function",
+])
+def test_missing_target(path):
+    """A target that does not exist upstream: PatchError, one line naming it; nothing replaced."""
+    with pytest.raises(PatchError) as error:
+        _patch.replace(path, lambda original: original)
+    assert path in str(error.value) and "\n" not in str(error.value)
+
+
+def test_signature_lacks_parameter():
+    """A patch relying on a parameter upstream's signature lacks: PatchError, one line naming the
+    function and the parameter; the function stays upstream's."""
+    from megatron.training import training
+
+    before = training.get_model
+    with pytest.raises(PatchError) as error:
+        _patch.replace("megatron.training.training.get_model", lambda original: original,
+                       params=("model_provider_func", "no_such_parameter"))
+    message = str(error.value)
+    assert "megatron.training.training.get_model" in message and "no_such_parameter" in message
+    assert "\n" not in message and training.get_model is before
+
+
+def test_version_check(monkeypatch, tmp_path, capsys):
+    """check_version accepts the 0.19 minor and refuses another one: apply() then patches nothing
+    and the launcher stops before the script with one `error:` line, exit code 2."""
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.7")
+    check_version()
+    from megatron.training import training
+
+    before = training.get_model
+    for version in ("0.20.0", "0.190.1", "1.19.0"):
+        monkeypatch.setattr(megatron.core, "__version__", version)
+        with pytest.raises(PatchError, match=rf"found {re.escape(version)}: install megatron-core>=0\.19,<0\.20"):
+            apply()
+    assert training.get_model is before
+    script = tmp_path / "script.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    capsys.readouterr()
+    assert launch.main([str(script), "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: megatron-hetero's patches target megatron-core 0.19.x") and err.count("\n") == 1
