@@ -5,12 +5,42 @@ With a HeteroModel, each trainable module this rank holds gets megatron-core's o
 DDP chunk and groups; megatron-core's MimoOptimizer chains them: the gradient norm is global over
 every module (each module's norm over its own model-parallel groups, then shared over the world),
 every module is clipped by it and stepped.
+
+megatron-core aligns an optimizer's parameter groups over the whole world (`_get_param_groups`
+all-gathers their keys over the default group): that collective then pairs different modules'
+builds, and hangs where a rank builds none (a non-colocated frozen encoder). While a module's
+optimizer is built, the alignment runs over that module's ranks.
 """
 
+import contextlib
+
+import torch.distributed as dist
+from megatron.core import optimizer as mcore_optimizer
 from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
 
 from megatron_hetero.patches._patch import replace
 from megatron_hetero.runtime.model import HeteroModel
+
+
+@contextlib.contextmanager
+def _param_groups_aligned_within(group):
+    """megatron-core's `_get_param_groups` with its world collectives taken over `group`."""
+    get_param_groups = mcore_optimizer._get_param_groups
+
+    def within_group(*args, **kwargs):
+        world_size, all_gather_object = dist.get_world_size, dist.all_gather_object
+        dist.get_world_size = lambda group_=None: world_size(group_ or group)
+        dist.all_gather_object = lambda out, obj, group_=None: all_gather_object(out, obj, group=group_ or group)
+        try:
+            return get_param_groups(*args, **kwargs)
+        finally:
+            dist.get_world_size, dist.all_gather_object = world_size, all_gather_object
+
+    mcore_optimizer._get_param_groups = within_group
+    try:
+        yield
+    finally:
+        mcore_optimizer._get_param_groups = get_param_groups
 
 
 def _get_megatron_optimizer(original):
@@ -23,7 +53,8 @@ def _get_megatron_optimizer(original):
         for name, module in model_chunks[0].run.modules.items():
             optimizer = None
             if module.ddp is not None:
-                optimizer = original(config, [module.ddp], *args, pg_collection=module.pgs, **kwargs)
+                with _param_groups_aligned_within(module.pgs.intra_dist_opt):
+                    optimizer = original(config, [module.ddp], *args, pg_collection=module.pgs, **kwargs)
             infos[name] = ModuleOptimizerInfo(optimizer, module.groups.grid, module.pgs, optimizer is not None)
         run = model_chunks[0].run
         run.optimizer = MimoOptimizer(infos, config)
