@@ -97,7 +97,7 @@ def _check_stages(args, layout) -> None:
     if seq < needed:
         raise ArgsError(f"--seq-length {seq} cannot hold <bos>, {media} image/audio tokens, the longest "
                         f"caption and <eos>; use --seq-length {needed} or more")
-    if seq % (2 * llm.cp):
+    if llm.cp > 1 and seq % (2 * llm.cp):  # without CP, any length (models/context_parallel.py)
         raise ArgsError(f"--seq-length {seq} is not divisible by 2 x the llm's cp = {2 * llm.cp} "
                         f"(load-balanced CP chunks); use a multiple of {2 * llm.cp}")
     if llm.sp and (seq // llm.cp) % llm.tp:
