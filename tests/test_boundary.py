@@ -234,7 +234,7 @@ def test_same_layout_moves_nothing_off_rank():
 @pytest.mark.parametrize("encoder, llm_layout, seq_len, field", [
     (enc(dp=2), llm(dp=2), SEQ, None),
     (enc(dp=3), llm(), SEQ, "dp=3"),
-    (enc(), llm(cp=2), 30, "2*cp = 4"),
+    (enc(), llm(cp=2), 30, "2 x the llm's cp = 4"),
     (enc(), llm(tp=4, sp=True), 30, "tp=4"),
 ])
 def test_plan_rejects_what_it_cannot_serve(encoder, llm_layout, seq_len, field):

@@ -100,9 +100,11 @@ def test_layout_rules_refuse_what_the_trainer_refuses():
     vision, llm = W1.encoders[0], W1.llm
     assert "heads" in layout_problem(vision, ModuleLayout("vision", "encoder", tp=3), "colocated", cluster)
     assert "layers" in layout_problem(llm, ModuleLayout("llm", "llm", pp=3), "colocated", cluster)
-    assert "cp 1" in layout_problem(vision, ModuleLayout("vision", "encoder", cp=2), "colocated", cluster)
-    assert "pp 1" in layout_problem(vision, ModuleLayout("vision", "encoder", pp=3), "colocated", cluster)
-    assert layout_problem(vision, ModuleLayout("vision", "encoder", pp=3), "non_colocated", cluster) is None
+    encoder_cp2, encoder_pp3 = ModuleLayout("vision", "encoder", cp=2), ModuleLayout("vision", "encoder", pp=3)
+    assert "encoders train with cp=1" in layout_problem(vision, encoder_cp2, "colocated", cluster)
+    assert layout_problem(vision, encoder_cp2, "homogeneous", cluster) is None  # replicated over the LLM's CP
+    assert "encoder runs unpipelined" in layout_problem(vision, encoder_pp3, "colocated", cluster)
+    assert layout_problem(vision, encoder_pp3, "non_colocated", cluster) is None
     assert "node" in layout_problem(llm, ModuleLayout("llm", "llm", tp=16), "colocated", cluster)
     odd = replace(llm, seq_length=16386)
     assert "chunks" in layout_problem(odd, ModuleLayout("llm", "llm", cp=2), "colocated", cluster)

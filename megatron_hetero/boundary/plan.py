@@ -39,6 +39,7 @@ from itertools import zip_longest
 
 import numpy as np
 
+from megatron_hetero import rules
 from megatron_hetero.layout import ModuleLayout
 
 
@@ -164,33 +165,15 @@ class RankPlan:
 
 def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
     """Layout pairs the boundary cannot serve; raises BoundaryError naming the field to change."""
-    if encoder.role != "encoder" or llm.role != "llm":
-        raise BoundaryError(
-            f"edge {encoder.name} -> {llm.name}: an edge goes from an encoder into the llm; "
-            f"fix the edges list"
-        )
+    rules.check(BoundaryError, rules.edge_problem(encoder, llm))
 
 
 def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout) -> None:
-    check_edge_layouts(encoder, llm)
-    for module in (encoder, llm):
-        if batch.num_samples % module.dp:
-            raise BoundaryError(
-                f"the batch ({batch.num_samples} samples) is not divisible by module "
-                f"{module.name}'s dp={module.dp}; use a batch size that is a multiple of {module.dp}"
-            )
-    if llm.cp > 1 and batch.seq_len % (2 * llm.cp):
-        raise BoundaryError(
-            f"the fused sequence length {batch.seq_len} is not divisible by 2*cp = {2 * llm.cp} "
-            f"(module {llm.name}: cp={llm.cp}); pad the sequence (--seq-length) to a multiple of "
-            f"{2 * llm.cp}"
-        )
-    if llm.sp and (batch.seq_len // llm.cp) % llm.tp:
-        multiple = (2 if llm.cp > 1 else 1) * llm.cp * llm.tp
-        raise BoundaryError(
-            f"the fused sequence length {batch.seq_len} does not split over cp={llm.cp} and tp={llm.tp} "
-            f"with sp (module {llm.name}); pad the sequence (--seq-length) to a multiple of {multiple}"
-        )
+    """Samples split over both modules' DP ranks, the sequence over the LLM's CP chunks and SP parts."""
+    what = f"the batch ({batch.num_samples} samples)"
+    rules.check(BoundaryError, rules.edge_problem(encoder, llm),
+                *(rules.dp_split_problem(what, batch.num_samples, module) for module in (encoder, llm)),
+                rules.sequence_problem(batch.seq_len, llm))
 
 
 @dataclass(frozen=True)

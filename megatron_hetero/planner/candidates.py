@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import product
 
+from megatron_hetero import rules
 from megatron_hetero.layout import AXES, Edge, HeteroLayout, ModuleLayout
 from megatron_hetero.planner.shapes import Cluster, ModuleShape, Workload
 
@@ -71,28 +72,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def layout_problem(shape: ModuleShape, layout: ModuleLayout, placement: str, cluster: Cluster) -> str | None:
-    """Why megatron-core or the trainer would refuse this module layout, or None."""
-    where = f"module {shape.name}"
-    if layout.tp > cluster.gpus_per_node:
-        return f"{where}: tp {layout.tp} spans more than a node's {cluster.gpus_per_node} GPUs"
-    if shape.heads % layout.tp or shape.kv_groups % layout.tp:
-        return f"{where}: {shape.heads} heads ({shape.kv_groups} key/value heads) do not split over tp {layout.tp}"
-    if shape.layers % layout.pp:
-        return f"{where}: {shape.layers} layers do not split over pp {layout.pp}"
+    """Why megatron-core or the trainer would refuse this module layout, or None: the trainer's
+    rules (megatron_hetero.rules) for the workload's sizes, with TP within a node, and the
+    homogeneous baseline's encoder CP a replication."""
+    problems = [rules.node_problem(layout, cluster.gpus_per_node),
+                rules.heads_problem(layout, shape.heads, "heads"),
+                rules.heads_problem(layout, shape.kv_groups, "kv_heads"),
+                rules.stages_problem(layout, shape.layers, "layers")]
     if shape.role == "encoder":
-        # The homogeneous baseline's encoder "cp" is a replication (Megatron runs it on every CP rank).
-        if layout.cp > 1 and placement != "homogeneous":
-            return f"{where}: encoders run with cp 1 (an image is one sequence)"
-        if layout.pp > 1 and placement != "non_colocated":
-            return f"{where}: an encoder runs with pp 1 unless non-colocated"
-        if layout.sp:
-            return f"{where}: sequence parallelism is for the llm"
-        return None
-    if layout.cp > 1 and shape.seq_length % (2 * layout.cp):
-        return f"{where}: seq_length {shape.seq_length} does not split into 2 x cp = {2 * layout.cp} chunks"
-    if layout.sp and (shape.seq_length // layout.cp) % layout.tp:
-        return f"{where}: seq_length {shape.seq_length} / cp {layout.cp} does not split into tp {layout.tp} parts"
-    return None
+        problems += [rules.encoder_cp_problem(layout, replicated=placement == "homogeneous"),
+                     rules.encoder_pp_problem(layout, placement)]
+    else:
+        problems.append(rules.sequence_problem(shape.seq_length, layout))
+    return rules.first_problem(*problems)
 
 
 def _factorizations(gpus: int, axes: tuple[str, ...]):
@@ -132,14 +124,10 @@ def homogeneous_encoder(shape: ModuleShape, llm: ModuleLayout, cluster: Cluster)
 
 
 def micro_batches(workload: Workload, layouts: tuple[ModuleLayout, ...]) -> list[int]:
-    """Micro batch sizes the trainer accepts for these layouts: micro batch x llm dp divides the
-    global batch and splits evenly over every encoder's DP ranks."""
-    llm_dp = layouts[-1].dp
-    if workload.global_batch % llm_dp:
-        return []
-    sizes = [workload.micro_batch] if workload.micro_batch else _divisors(workload.global_batch // llm_dp)
-    return [b for b in sizes
-            if workload.global_batch % (b * llm_dp) == 0 and all(b * llm_dp % e.dp == 0 for e in layouts[:-1])]
+    """Micro batch sizes the trainer accepts for these layouts (rules.batch_problem)."""
+    llm, encoders, batch = layouts[-1], layouts[:-1], workload.global_batch
+    sizes = [workload.micro_batch] if workload.micro_batch else _divisors(batch // llm.dp)
+    return [b for b in sizes if rules.batch_problem(batch, b, llm, encoders) is None]
 
 
 def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, ...]) -> list[Candidate]:

@@ -1,9 +1,11 @@
 """examples/pretrain_vlm.py's own flags (beside Megatron's), argument files, and the checks of what
-that script can train: every mistake one line naming the flag or field and the fix."""
+that script can train (the rules of megatron_hetero.rules applied to its flags): every mistake one
+line naming the flag or field and the fix."""
 
 import argparse
 from dataclasses import fields
 
+from megatron_hetero import rules
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
@@ -68,59 +70,34 @@ def check_trainable(layout) -> None:
             encoder_kind(module)
         except UnknownKindError as error:
             raise ArgsError(str(error)) from None
-        if module.cp != 1:
-            raise ArgsError(f"module {module.name}: encoders train with cp=1 (a sequence is one image "
-                            f"or clip); set cp: 1 and use dp for its ranks")
-        if layout.placement == "colocated" and module.pp != 1:
-            raise ArgsError(f"module {module.name}: a colocated encoder runs unpipelined beside every "
-                            f"LLM stage; set pp: 1 and use dp or tp for its ranks")
-    if layout.llm.freeze:
-        raise ArgsError(f"module {layout.llm.name}: freeze is for encoders here; remove it from the llm")
+        rules.check(ArgsError, rules.encoder_cp_problem(module),
+                    rules.encoder_pp_problem(module, layout.placement))
+    rules.check(ArgsError, rules.llm_freeze_problem(layout.llm))
 
 
 def _check_stages(args, layout) -> None:
-    """Layers split evenly over pipeline stages; sequences split evenly over CP chunks and SP parts."""
+    """Layers split evenly over pipeline stages; sequences fit a sample and split evenly over CP
+    chunks and SP parts."""
     layers = {layout.llm.name: ("num-layers", args.num_layers)}
     layers.update({m.name: encoder_kind(m).size_flags(args)[0] for m in layout.encoders})
     for module in layout.modules:
         flag, n = layers[module.name]
-        if n < module.pp:
-            raise ArgsError(f"module {module.name}: pp={module.pp} is more pipeline stages than "
-                            f"--{flag} {n}; use pp <= {n}")
-        if n % module.pp:
-            raise ArgsError(f"--{flag} {n} is not divisible by module {module.name}'s pp={module.pp}; "
-                            f"use a multiple of {module.pp}")
-    llm, seq = layout.llm, args.seq_length
+        rules.check(ArgsError, rules.stages_problem(module, n, f"--{flag}"))
     sizes = model_sizes(args)
     media = sum(encoder_kind(m).tokens_per_item(sizes) for m in layout.encoders)
-    needed = 1 + media + max(len(CaptionTokenizer().encode(c)) for c in all_captions()) + 1
-    if seq < needed:
-        raise ArgsError(f"--seq-length {seq} cannot hold <bos>, {media} image/audio tokens, the longest "
-                        f"caption and <eos>; use --seq-length {needed} or more")
-    if seq % (2 * llm.cp):
-        raise ArgsError(f"--seq-length {seq} is not divisible by 2 x the llm's cp = {2 * llm.cp} "
-                        f"(load-balanced CP chunks); use a multiple of {2 * llm.cp}")
-    if llm.sp and (seq // llm.cp) % llm.tp:
-        raise ArgsError(f"--seq-length {seq} / cp={llm.cp} is not divisible by the llm's tp={llm.tp} "
-                        f"(sequence parallelism); use a multiple of {llm.cp * llm.tp}")
+    caption = max(len(CaptionTokenizer().encode(c)) for c in all_captions())
+    rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption),
+                rules.sequence_problem(args.seq_length, layout.llm))
 
 
 def _check_sizes(args, layout) -> None:
-    pairs = [("hidden-size", "num-attention-heads", args.hidden_size, args.num_attention_heads, layout.llm.tp)]
-    for module in layout.encoders:
-        _, (hidden_flag, hidden), (heads_flag, heads) = encoder_kind(module).size_flags(args)
-        pairs.append((hidden_flag, heads_flag, hidden, heads, module.tp))
-    for hidden_flag, heads_flag, hidden, heads, tp in pairs:
-        if heads < 1 or hidden % heads:
-            raise ArgsError(f"--{hidden_flag} {hidden} is not divisible by --{heads_flag} {heads}")
-        if heads % tp:
-            raise ArgsError(f"--{heads_flag} {heads} is not divisible by the module's tp={tp}; "
-                            f"use a multiple of {tp}")
-    if args.audio_frames < 4 or args.audio_frames % 4:
-        raise ArgsError(f"--audio-frames {args.audio_frames} is not a positive multiple of 4 (the "
-                        f"audio front end halves the frames twice)")
-    if args.patch_size < 1 or args.image_size % args.patch_size:
-        raise ArgsError(f"--image-size {args.image_size} is not a multiple of --patch-size {args.patch_size}")
+    sizes = [(layout.llm, ("hidden-size", args.hidden_size), ("num-attention-heads", args.num_attention_heads))]
+    sizes += [(m, *encoder_kind(m).size_flags(args)[1:]) for m in layout.encoders]
+    for module, (hidden_flag, hidden), (heads_flag, heads) in sizes:
+        rules.check(ArgsError, rules.head_width_problem(hidden, f"--{hidden_flag}", heads, f"--{heads_flag}"),
+                    rules.heads_problem(module, heads, f"--{heads_flag}"))
+    rules.check(ArgsError, rules.audio_frames_problem(args.audio_frames),
+                rules.patch_problem(args.image_size, args.patch_size))
 
 
 def check_args(args, layout) -> None:
@@ -131,30 +108,17 @@ def check_args(args, layout) -> None:
         # megatron-core's linear layers re-enter autocast in backward for CUDA only.
         raise ArgsError("--bf16 needs GPUs (megatron-core's layers run bf16 autocast on CUDA only); "
                         "drop --bf16 on CPU")
-    llm_dp, encoder_dps = layout.llm.dp, [m.dp for m in layout.encoders]
     _check_sizes(args, layout)
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
-    per_step = args.micro_batch_size * llm_dp
-    if args.global_batch_size % per_step:
-        raise ArgsError(
-            f"--global-batch-size {args.global_batch_size} is not a multiple of "
-            f"--micro-batch-size x llm dp = {per_step}; use a multiple of {per_step}"
-        )
+    rules.check(ArgsError, rules.batch_problem(args.global_batch_size, args.micro_batch_size, layout.llm,
+                                               layout.encoders))
     _check_stages(args, layout)
-    # Each microbatch (micro batch size x llm dp samples) is split over the encoder's DP ranks.
-    for dp in encoder_dps:
-        if per_step % dp:
-            raise ArgsError(
-                f"--micro-batch-size x llm dp = {per_step} is not divisible by the encoder's "
-                f"dp={dp}; make it a multiple of {dp}"
-            )
-    if args.eval_samples:
-        for dp in (llm_dp, *encoder_dps):
-            if args.eval_samples % dp:
-                raise ArgsError(f"--eval-samples {args.eval_samples} is not divisible by dp={dp}; "
-                                f"use a multiple of {dp}")
+    samples = args.eval_samples
+    if samples:
+        rules.check(ArgsError, *(rules.dp_split_problem(f"--eval-samples {samples}", samples, m)
+                                 for m in (layout.llm, *layout.encoders)))
 
 
 def check_script_args(args) -> None:

@@ -1,0 +1,182 @@
+"""What megatron-hetero can run, each rule once: module layouts, model sizes, sequence lengths and
+batch sizes.
+
+Pure Python (no torch). Every rule returns the problem, one line naming the flag or layout field and
+the fix, or None; `check` raises a caller's own error for the first problem. Callers:
+training/args.py (the example script's flags), the planner (which layouts it lists) and the
+boundary (which batches it plans). A layout file's own consistency is checked where it is parsed
+(megatron_hetero.layout); the encoder kinds a script builds, by their registry (models/kinds.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.models.sizes import AUDIO_FRAMES_PER_TOKEN
+
+__all__ = [
+    "audio_frames_problem",
+    "batch_problem",
+    "check",
+    "dp_split_problem",
+    "edge_problem",
+    "encoder_cp_problem",
+    "encoder_pp_problem",
+    "first_problem",
+    "head_width_problem",
+    "heads_problem",
+    "llm_freeze_problem",
+    "node_problem",
+    "patch_problem",
+    "prompt_problem",
+    "sequence_multiple",
+    "sequence_problem",
+    "stages_problem",
+]
+
+
+def first_problem(*problems: str | None) -> str | None:
+    return next((problem for problem in problems if problem), None)
+
+
+def check(error: type[Exception], *problems: str | None) -> None:
+    """Raises error(the first problem), if there is one."""
+    problem = first_problem(*problems)
+    if problem:
+        raise error(problem)
+
+
+# ---- module layouts ------------------------------------------------------------------------------
+
+
+def edge_problem(encoder: ModuleLayout, llm: ModuleLayout) -> str | None:
+    if encoder.role != "encoder" or llm.role != "llm":
+        return f"edge {encoder.name} -> {llm.name}: an edge goes from an encoder into the llm; fix the edges list"
+    return None
+
+
+def node_problem(module: ModuleLayout, gpus_per_node: int) -> str | None:
+    """TP communicates in every layer: its ranks share a node's NVLink."""
+    if module.tp > gpus_per_node:
+        return (f"module {module.name}: tp={module.tp} spans more than a node's {gpus_per_node} GPUs; "
+                f"use tp <= {gpus_per_node}")
+    return None
+
+
+def encoder_cp_problem(encoder: ModuleLayout, replicated: bool = False) -> str | None:
+    """An encoder does not split its sequence (one image or clip) over CP. `replicated`: the planner's
+    homogeneous baseline, where the encoder's cp is Megatron running it whole on each of the LLM's
+    CP ranks (a prediction; the trainer does not run it, see planner Candidate.runnable)."""
+    if encoder.cp != 1 and not replicated:
+        return (f"module {encoder.name}: encoders train with cp=1 (a sequence is one image or clip); "
+                f"set cp: 1 and use dp for its ranks")
+    return None
+
+
+def encoder_pp_problem(encoder: ModuleLayout, placement: str) -> str | None:
+    """Only an encoder on ranks of its own is pipelined; a colocated one (also the planner's
+    "homogeneous" placement) runs whole before the LLM's stages."""
+    if encoder.pp != 1 and placement != "non_colocated":
+        return (f"module {encoder.name}: a colocated encoder runs unpipelined beside every LLM stage; "
+                f"set pp: 1 and use dp or tp for its ranks")
+    return None
+
+
+def llm_freeze_problem(llm: ModuleLayout) -> str | None:
+    if llm.freeze:
+        return f"module {llm.name}: freeze is for encoders here; remove it from the llm"
+    return None
+
+
+# ---- model sizes (`flag`: the flag or workload field that sets the size) --------------------------
+
+
+def stages_problem(module: ModuleLayout, layers: int, flag: str) -> str | None:
+    """The module's layers split evenly over its pipeline stages."""
+    if layers < module.pp:
+        return (f"module {module.name}: pp={module.pp} is more pipeline stages than {flag} {layers}; "
+                f"use pp <= {layers}")
+    if layers % module.pp:
+        return (f"{flag} {layers} is not divisible by module {module.name}'s pp={module.pp}; "
+                f"use a multiple of {module.pp}")
+    return None
+
+
+def heads_problem(module: ModuleLayout, heads: int, flag: str) -> str | None:
+    """Attention heads (or key/value heads) split evenly over TP."""
+    if heads % module.tp:
+        return (f"{flag} {heads} is not divisible by module {module.name}'s tp={module.tp}; "
+                f"use a multiple of {module.tp}")
+    return None
+
+
+def head_width_problem(hidden: int, hidden_flag: str, heads: int, heads_flag: str) -> str | None:
+    if heads < 1 or hidden % heads:
+        return f"{hidden_flag} {hidden} is not divisible by {heads_flag} {heads}; make it a multiple of the heads"
+    return None
+
+
+def audio_frames_problem(frames: int) -> str | None:
+    if frames < AUDIO_FRAMES_PER_TOKEN or frames % AUDIO_FRAMES_PER_TOKEN:
+        return (f"--audio-frames {frames} is not a positive multiple of {AUDIO_FRAMES_PER_TOKEN} (the audio "
+                f"front end halves the frames twice)")
+    return None
+
+
+def patch_problem(image_size: int, patch_size: int) -> str | None:
+    if patch_size < 1 or image_size % patch_size:
+        return (f"--image-size {image_size} is not a multiple of --patch-size {patch_size}; "
+                f"use a patch size that divides it")
+    return None
+
+
+# ---- sequence lengths ----------------------------------------------------------------------------
+
+
+def sequence_multiple(llm: ModuleLayout) -> int:
+    """The sequence lengths `llm` splits are the multiples of this: 2 x cp load-balanced CP chunks
+    (with CP), and each CP rank's part into tp parts (with sequence parallelism)."""
+    return math.lcm(2 * llm.cp if llm.cp > 1 else 1, llm.cp * llm.tp if llm.sp else 1)
+
+
+def sequence_problem(seq_length: int, llm: ModuleLayout) -> str | None:
+    """The fused sequence (--seq-length) splits over the LLM's CP chunks and SP parts."""
+    if llm.cp > 1 and seq_length % (2 * llm.cp):
+        return (f"--seq-length {seq_length} is not divisible by 2 x the llm's cp = {2 * llm.cp} (load-balanced "
+                f"CP chunks); use a multiple of {sequence_multiple(llm)}")
+    if llm.sp and (seq_length // llm.cp) % llm.tp:
+        return (f"--seq-length {seq_length} / cp={llm.cp} is not divisible by the llm's tp={llm.tp} (sequence "
+                f"parallelism); use a multiple of {sequence_multiple(llm)}")
+    return None
+
+
+def prompt_problem(seq_length: int, media_tokens: int, text_tokens: int) -> str | None:
+    """A sample is <bos>, its image/audio tokens, its text and <eos> (data/batches.py)."""
+    needed = 1 + media_tokens + text_tokens + 1
+    if seq_length < needed:
+        return (f"--seq-length {seq_length} cannot hold <bos>, {media_tokens} image/audio tokens, the longest "
+                f"caption and <eos>; use --seq-length {needed} or more")
+    return None
+
+
+# ---- batch sizes ---------------------------------------------------------------------------------
+
+
+def dp_split_problem(what: str, samples: int, module: ModuleLayout) -> str | None:
+    """`samples` (described by `what`, e.g. '--eval-samples 6') split evenly over the module's DP ranks."""
+    if samples % module.dp:
+        return f"{what} is not divisible by module {module.name}'s dp={module.dp}; use a multiple of {module.dp}"
+    return None
+
+
+def batch_problem(global_batch: int, micro_batch: int, llm: ModuleLayout,
+                  encoders: tuple[ModuleLayout, ...]) -> str | None:
+    """A step is whole microbatches of micro_batch samples per LLM DP rank, and each microbatch
+    (micro batch x llm dp samples) splits evenly over every encoder's DP ranks."""
+    per_step = micro_batch * llm.dp
+    if global_batch % per_step:
+        return (f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size x llm dp = "
+                f"{per_step}; use a multiple of {per_step}")
+    return first_problem(*(dp_split_problem(f"--micro-batch-size x llm dp = {per_step}", per_step, encoder)
+                           for encoder in encoders))
