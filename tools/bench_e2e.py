@@ -4,13 +4,13 @@
     python tools/bench_e2e.py --report r.jsonl [--png chart.png]
 
 A run trains the workload's synthetic global batch (fixed, so data costs nothing) for --warmup +
---steps steps with megatron.training's train_step on our runtime (examples/pretrain_vlm.py's model and
-forward step, megatron_hetero.training.bench), and appends one JSON line: tokens/s, model TFLOPS per GPU
-(FLOPs counted per module: encoder and projector, LLM with attention and logits; x3 for a trained
-module's forward and backward, x1 for a frozen one), a step-time breakdown from phase timers in a
-separate pass (encoder forward/backward, boundary, LLM forward/backward, optimizer, waiting: each
-phase synchronized, so the breakdown sums to more than the free-running step; each phase's
-slowest rank is reported), and peak memory per GPU. On GPUs the weights are bf16 with fp32 main
+--steps steps with megatron.training's train_step on our runtime (examples/pretrain_vlm.py's model,
+forward step and flags: megatron_hetero.training.bench), and appends one JSON line: tokens/s, model
+TFLOPS per GPU (FLOPs counted per module: encoder and projector, LLM with attention and logits; x3
+for a trained module's forward and backward, x1 for a frozen one), a step-time breakdown from phase
+timers in a separate pass (encoder forward/backward, boundary, LLM forward/backward, optimizer,
+waiting: each phase synchronized, so the breakdown sums to more than the free-running step; each
+phase's slowest rank is reported), and peak memory per GPU. On GPUs the weights are bf16 with fp32 main
 params in megatron-core's optimizer (Megatron's --bf16; the record's `precision` says so; records
 from before the move to megatron.training kept fp32 weights under bf16 autocast); --fp32 and CPUs:
 fp32.

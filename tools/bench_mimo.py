@@ -98,7 +98,8 @@ class TimedMimo(MimoModel):
             param = next(vision.part.parameters())
             share = module_slice(len(input_ids), vision.layout.dp, vision.coords()["dp"])
             pixels = images[share].flatten(0, 1).to(param.device, param.dtype)
-            kwargs.update(modality_inputs={VISION: {"vit": {"x": pixels}}}, input_ids=input_ids[share].to(param.device))
+            kwargs.update(modality_inputs={VISION: {"vit": {"x": pixels}}},
+                          input_ids=input_ids[share].to(param.device))
         if llm.held:
             device = next(llm.part.parameters()).device
             share = module_slice(len(input_ids), llm.layout.dp, llm.coords()["dp"])
@@ -158,6 +159,8 @@ class TimedCommunicator(MultiModulePipelineCommunicator):
 
 
 class _Off:
+    """A timer that times nothing."""
+
     def start(self, barrier=False):
         pass
 
@@ -201,18 +204,19 @@ class UpstreamMimo:
             special_token_ids={VISION: CaptionTokenizer().image_id},
             module_to_grid_map={VISION: vision.groups.grid, MIMO_LANGUAGE_MODULE_KEY: llm.groups.grid},
         ))
-        self.mimo.run, self.mimo.timers = run, hetero.timers
+        self.mimo.run, self.mimo.timers = run, hetero.timers  # the schedules' finalize_hetero_grads reads run
         self.mimo.model_type = ModelType.encoder_or_decoder  # as megatron.training's get_model sets it
         if vision.held:  # MimoModel calls its submodule's forward() directly: no hooks there
             _timed_forward(hetero.timers, "encoder-forward", vision.part, vision.part)
         if llm.held:
             _timed_forward(hetero.timers, "llm-forward", llm.part.embedding, llm.part)
         backward = "llm-backward" if llm.held else "encoder-backward" if vision.ddp is not None else None
+        colocated = run.layout.placement == "colocated"
+        # Upstream's colocated schedule times its backward steps; the multi-module one's backward
+        # step has no timer: the communicator times it.
+        self.backward_timer = _BackwardTimer(hetero.timers, backward if colocated else None)
         self.p2p = self.pgs = None
-        if run.layout.placement == "colocated":
-            self.backward_timer = _BackwardTimer(hetero.timers, backward)
-        else:
-            self.backward_timer = _BackwardTimer(hetero.timers, None)  # the communicator times it
+        if not colocated:
             self.p2p = TimedCommunicator(
                 self.mimo.mimo_config.module_to_grid_map,
                 {VISION: [MIMO_LANGUAGE_MODULE_KEY], MIMO_LANGUAGE_MODULE_KEY: []}, config,

@@ -186,7 +186,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool):
             dist.destroy_process_group()
 
 
-def stage_name(run) -> str:
+def _stage_name(run) -> str:
     """What this rank runs, for the per-rank records: e.g. 'llm pp1' or 'vision+llm pp0'."""
     held = [m for m in run.modules.values() if m.held]
     return "+".join(m.name for m in held) + f" pp{held[-1].coords()['pp']}"
@@ -250,7 +250,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(), frozen)
-    mine = dict(rank=run.rank, stage=stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases)
+    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     bf16 = session.args.bf16
