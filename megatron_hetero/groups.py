@@ -2,10 +2,14 @@
 
 Group creation is collective over the whole world: every rank builds every module's groups, in the
 layout's module order, also for modules it does not hold (it then gets None groups for them).
+`init_distributed` starts the world itself where megatron.training does not (the tools).
 """
 
+import datetime
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -15,6 +19,22 @@ from megatron_hetero.layout import HeteroLayout, ModuleLayout
 # tp fastest: Megatron's tp-cp-dp-pp order. "ep" has size 1 (dense modules) so that the expert
 # groups megatron-core asks for come from the grid, collectively, like the others.
 GRID_AXES = ["tp", "cp", "ep", "dp", "pp"]
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> torch.device:
+    """torchrun's environment -> the default process group, and this rank's device: NCCL on the
+    LOCAL_RANK GPU where GPUs are present, else gloo on the CPU (`backend` overrides the choice)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend != "nccl":
+        dist.init_process_group(backend, timeout=timeout)
+        return torch.device("cpu")
+    # NVLink multicast stays off (shared hosts); set before NCCL reads the environment.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    return device
 
 
 @dataclass

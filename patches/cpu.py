@@ -9,13 +9,16 @@ Active only while no GPU is present (apply() does nothing with CUDA). Targets me
 - the CUDA RNG the tensor-parallel RNG tracker saves, seeds and restores: the CPU generator;
 - RoPE with CP slices its table with CUDA index tensors;
 - the distributed init and the seeding skip model-parallel setup when no GPU is counted: they see one;
-- the JIT warm-up's random "CUDA" tensors must not draw from the CPU generator weights come from.
+- the JIT warm-up's random "CUDA" tensors must not draw from the CPU generator weights come from;
+- process groups asked for by backend name (MIMO's bridge communicators want "nccl") are created on
+  the default backend, gloo.
 """
 
 import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from megatron_hetero.patches._patch import replace
@@ -111,6 +114,12 @@ def _keeping_cpu_rng(original):
     return wrapper
 
 
+def _on_default_backend(create):
+    def wrapper(*args, backend=None, **kwargs):
+        return create(*args, **kwargs)
+    return wrapper
+
+
 def _counting_one_device(original):
     def wrapper(*args, **kwargs):
         with _one_device_counted():
@@ -153,5 +162,7 @@ def apply() -> None:
     replace("megatron.training.initialize._initialize_distributed", _counting_one_device)
     replace("megatron.training.initialize._set_random_seed", _counting_one_device)
     replace("megatron.training.initialize._warmup_jit_function", _keeping_cpu_rng)
+    dist.new_group = _on_default_backend(dist.new_group)
+    dist.new_subgroups_by_enumeration = _on_default_backend(dist.new_subgroups_by_enumeration)
     _mode = _CudaToCpu()
     _mode.__enter__()  # for the life of the process

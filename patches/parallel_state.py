@@ -5,12 +5,15 @@ arguments everywhere in megatron-hetero). Megatron-LM's scripts and parts of meg
 read `parallel_state` (the tensor-parallel broadcast of a batch, `is_pipeline_first_stage()` in a
 model provider, data-parallel rank and size, checkpoint file names). Each rank's global state is set
 to its primary module's groups (the LLM where it holds it, else its encoder), so those reads mean
-"this rank in the module it serves". This is the only place that writes megatron-core's globals.
+"this rank in the module it serves". Code that runs megatron-core modules outside megatron.training
+(tools, tests) sets the little they need with `init_outside_training`. This is the only place that
+writes megatron-core's globals.
 """
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 # parallel_state global -> ProcessGroupCollection field (and the global that lists its ranks).
 _GROUPS = {
@@ -47,5 +50,17 @@ def point_at(pgs: ProcessGroupCollection) -> None:
         setattr(ps, name, group)
         if ranks_name is not None:
             setattr(ps, ranks_name, dist.get_process_group_ranks(group) if group is not None else None)
+    _ensure_memory_buffer()
+
+
+def _ensure_memory_buffer() -> None:
     if ps._GLOBAL_MEMORY_BUFFER is None:  # megatron-core's local attention borrows from it
         ps._set_global_memory_buffer()
+
+
+def init_outside_training(seed: int, tp_rank: int) -> None:
+    """What megatron-core modules need when they run without megatron.training's initialization:
+    the memory buffer, and the tensor-parallel RNG tracker seeded for this TP rank (dropout inside
+    TP regions; weights come from the builders' own seeds). Module groups are never set here."""
+    _ensure_memory_buffer()
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0)

@@ -26,9 +26,10 @@ def _sample_major(slots: torch.Tensor, seq: int, samples: int) -> torch.Tensor:
 
 
 def _bench_cases(rank, world_size, json_path):
+    from megatron_hetero.patches import cpu
+
     tool = _load_tool()
-    tool.apply_cpu_compat()
-    tool.pin_upstream_groups_to_default_backend()
+    cpu.apply()
     env = tool.Env()
     payload = tool.make_payload(0.25, 64, torch.bfloat16)  # 2 samples of 1024 rows per rank
     assert (payload.samples, payload.rows_per_sample) == (2, 1024)

@@ -1,16 +1,19 @@
-"""bench_e2e's workload sizing (megatron_hetero.training.bench, pure): overrides, and the smallest
-micro batch a layout accepts (the trainer's rule, which check_args enforces)."""
+"""bench_e2e's workload sizing (megatron_hetero.training.bench, pure): overrides, the smallest micro
+batch a layout accepts (the rule check_args enforces on the script's flags), the synthetic batch;
+and the phase timers' accounting of nested phases."""
 
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.training.args import ArgsError, check_args
-from megatron_hetero.training.bench import sized_workload, synthetic_batch, trainer_args
+from megatron_hetero.training.bench import global_microbatches, sized_workload, synthetic_batch, workload_args
+from megatron_hetero.training.timers import PhaseTimers
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "examples" / "layouts"
@@ -23,7 +26,7 @@ LAYOUTS = ROOT / "examples" / "layouts"
     ("gpu8_colocated_vdp8_ltp4pp2", 8),  # vision DP8 over LLM DP1
     ("gpu8_non_colocated_v2_l6", 2),  # vision DP2 over LLM DP3
 ])
-def test_smallest_micro_batch_is_the_smallest_the_trainer_accepts(name, micro_batch):
+def test_smallest_micro_batch_is_the_smallest_the_script_accepts(name, micro_batch):
     layout = load_layout(str(LAYOUTS / f"{name}.yaml"), 8)
     w = sized_workload(BENCH_WORKLOADS["W1"], layout, 32, 24, 0)
     assert (w.layers, w.global_batch, w.micro_batch) == (32, 24, micro_batch)
@@ -31,7 +34,7 @@ def test_smallest_micro_batch_is_the_smallest_the_trainer_accepts(name, micro_ba
     for b, accepted in ((micro_batch, True), (micro_batch - 1, False)):
         if b == 0:
             continue
-        args = trainer_args(replace(w, micro_batch=b), file, bf16=False)
+        args = workload_args(replace(w, micro_batch=b), file, bf16=False)
         if accepted:
             check_args(args, layout)
         else:
@@ -49,8 +52,8 @@ def test_defaults_and_a_batch_no_micro_batch_splits():
 
 @pytest.mark.parametrize("name", sorted(BENCH_WORKLOADS))
 def test_bench_workloads_train_the_presets_shapes(name):
-    """What bench_e2e trains is the preset of the shared table as the trainer builds it: the same
-    widths, depths, heads, images and sequence, with MLPs 4 x hidden and the trainer's vocabulary."""
+    """What bench_e2e trains is the preset of the shared table as the model is built: the same
+    widths, depths, heads, images and sequence, with MLPs 4 x hidden and the demo's vocabulary."""
     planned = PRESETS[name].workload
     trained = trainer_workload(BENCH_WORKLOADS[name], 128, planned.encoders[0].frozen)
     for plan, built in zip(planned.modules, trained.modules):
@@ -59,15 +62,40 @@ def test_bench_workloads_train_the_presets_shapes(name):
 
 
 @pytest.mark.parametrize("name", sorted(BENCH_WORKLOADS))
-def test_the_trainer_accepts_every_bench_workload(name):
-    """bench_e2e --workload NAME --llm-layers 8 on the 2-GPU colocated layout: the trainer's flag
-    checks pass, and the synthetic batch holds every image's tokens before the text."""
+def test_the_script_accepts_every_bench_workload(name):
+    """bench_e2e --workload NAME --llm-layers 8 on the 2-GPU colocated layout: the script's flag
+    checks pass, and the synthetic batch holds every image's tokens before the text, in the global
+    microbatches the loader would yield (micro batch x LLM DP samples each)."""
     file = str(LAYOUTS / "gpu2_colocated.yaml")
     layout = load_layout(file, 2)
     w = sized_workload(BENCH_WORKLOADS[name], layout, llm_layers=8)
-    check_args(trainer_args(w, file, bf16=False), layout)
+    check_args(workload_args(w, file, bf16=False), layout)
     batch = synthetic_batch(w, CaptionTokenizer())
-    images = batch.samples[0].image
-    assert images.shape == (w.images_per_sample, 3, w.image_size, w.image_size)
-    rows = w.images_per_sample * w.tokens_per_image
-    assert int(batch.loss_mask[0].sum()) == w.seq_length - 1 - rows
+    b, rows = w.global_batch, w.images_per_sample * w.tokens_per_image
+    assert batch["images"].shape == (b, w.images_per_sample, 3, w.image_size, w.image_size)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["loss_mask"].shape == (b, w.seq_length)
+    assert batch["vision_positions"].tolist() == [list(range(1, 1 + rows))] * b
+    assert (batch["input_ids"][:, 1 : 1 + rows] == CaptionTokenizer().image_id).all()
+    assert int(batch["loss_mask"][0].sum()) == w.seq_length - 1 - rows
+    micro = global_microbatches(batch, w.micro_batch * layout.llm.dp)
+    assert len(micro) == b // (w.micro_batch * layout.llm.dp)
+    assert torch.equal(torch.cat([m["images"] for m in micro]), batch["images"])
+
+
+def test_nested_phases_count_once_and_switch_relabels():
+    """A phase inside another counts as itself only; switch() moves the rest of the open phase to
+    another name; off, nothing is counted."""
+    ticks = iter(range(100))
+    timers = PhaseTimers(torch.device("cpu"), enabled=True)
+    timers._now = lambda: next(ticks)  # one second per reading
+    with timers("llm-forward"):  # reads 0
+        with timers("encoder-forward"):  # reads 1, 2
+            pass
+        timers.switch("boundary")  # reads 3
+    # closes at 4
+    counted = {"llm-forward": 2, "encoder-forward": 1, "boundary": 1}
+    assert timers.seconds == counted
+    timers.enabled = False
+    with timers("optimizer"):
+        timers.switch("llm-backward")
+    assert timers.seconds == counted

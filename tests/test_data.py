@@ -268,11 +268,8 @@ def test_audio_follows_the_image(tokenizer):
     # The caption moves by the clip's length; the last audio token predicts its first word.
     assert torch.equal(batch.input_ids[:, prompt:], vision_only.input_ids[:, 1 + patches : seq - clip])
     assert torch.equal(batch.loss_mask[:, prompt - 1 :], vision_only.loss_mask[:, patches : seq - clip])
-    assert batch.num_loss_tokens == vision_only.num_loss_tokens
+    assert batch.loss_mask.sum() == vision_only.loss_mask.sum()
     assert torch.equal(batch.audio(slice(1, 3)), torch.stack([dataset[4].audio, dataset[5].audio]))
-    selected = batch.select([2, 0])
-    assert selected.indices == [5, 3]
-    assert np.array_equal(selected.boundaries[AUDIO].positions, audio.positions[:2 * clip])
     with pytest.raises(ValueError, match="--seq-length"):
         caption_batch(dataset, [3], tokenizer, patches, 32, tokens_per_clip=clip)
 

@@ -62,15 +62,14 @@ def _check_pipeline(stage, whole, pgs, first, later, hidden_shape):
 
 
 def _check_stages(rank, world_size):
-    from megatron_hetero.cpu_compat import apply_cpu_compat
     from megatron_hetero.groups import build_module_groups
-    from megatron_hetero.mcore_globals import init_mcore_globals
     from megatron_hetero.models.init import build_stage
     from megatron_hetero.models.vlm import build_audio_encoder, build_llm, build_vision_encoder, causal_mask
+    from megatron_hetero.patches import cpu, parallel_state
 
-    apply_cpu_compat()
+    cpu.apply()
     pgs = build_module_groups(ModuleLayout("module", "encoder", tp=TP, pp=PP)).pgs
-    init_mcore_globals(SEED, tp_rank=pgs.tp.rank())
+    parallel_state.init_outside_training(SEED, tp_rank=pgs.tp.rank())
 
     def stage_and_whole(build):
         stage = build_stage(lambda whole: build(SIZES, TP, pgs, whole=whole), SEED, PP)

@@ -72,12 +72,12 @@ def _sequence_part(full: torch.Tensor, seq_dim: int, tp, cp, sp, pgs):
 
 def _run_llm(pgs, tp, cp, sp, num_query_groups):
     """Per-token losses, input-slot gradients and whole parameter gradients of this rank's part."""
-    from megatron_hetero.mcore_globals import init_mcore_globals
     from megatron_hetero.models.vlm import build_llm, llm_forward
+    from megatron_hetero.patches.parallel_state import init_outside_training
     from megatron_hetero.training.full_state import full_tensors
 
     sizes = _sizes()
-    init_mcore_globals(SEED, tp_rank=pgs.tp.rank())
+    init_outside_training(SEED, tp_rank=pgs.tp.rank())
     torch.manual_seed(SEED)
     llm = build_llm(sizes, tp, pgs, sp=sp, num_query_groups=num_query_groups)
     ids, labels, slots, mask = _inputs(sizes.hidden_size)
@@ -138,12 +138,12 @@ def _megatron_local_pairs(ref_pgs):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_hetero.mcore_globals import init_mcore_globals
     from megatron_hetero.models.attention import SDPAttention
     from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
     from megatron_hetero.models.vlm import _config, causal_mask
+    from megatron_hetero.patches.parallel_state import init_outside_training
 
-    init_mcore_globals(SEED, tp_rank=0)
+    init_outside_training(SEED, tp_rank=0)
     torch.manual_seed(SEED)
     results = {}
 
@@ -175,11 +175,11 @@ def _megatron_local_pairs(ref_pgs):
 
 
 def _worker(rank, world_size):
-    from megatron_hetero.cpu_compat import apply_cpu_compat
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
+    from megatron_hetero.patches import cpu
 
-    apply_cpu_compat()
+    cpu.apply()
     # Every rank its own 1-process reference (tp = cp = 1).
     ref_pgs = build_module_groups(ModuleLayout("reference", "llm", dp=world_size)).pgs
     results = {case: _parallel_llm_pairs(case, ref_pgs) for case in CASES}

@@ -14,43 +14,31 @@ upstream's gathered (s*b, h) tensor and our LLM input hold the same rows. Per pa
 - ours: boundary_exchange forward+backward for LLM tp2, cp2 and tp2+sp; forward_sends,
   forward_recvs, backward_sends, backward_recvs for rank 0 -> rank 1 and back.
 Without CUDA it runs on gloo as a smoke test: megatron-core's CUDA assumptions are redirected to
-the CPU (megatron_hetero.cpu_compat) and upstream's NCCL groups are created on gloo.
+the CPU and upstream's NCCL groups are created on gloo (megatron_hetero.patches.cpu).
 """
-
-import os
-
-# NVLink multicast must stay off on shared hosts; set before NCCL reads the environment.
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import argparse
 import datetime
 import json
 import math
+import os
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+import megatron.core
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.models.mimo.comm.colocated_communicator import ColocatedBridgeCommunicator
+from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
 
-# Runnable from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import megatron.core  # noqa: E402
-from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
-from megatron.core.models.mimo.comm.colocated_communicator import (  # noqa: E402
-    ColocatedBridgeCommunicator,
-)
-from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator  # noqa: E402
-
-from megatron_hetero.boundary import BoundaryBatch, BoundaryError, RankPlan, boundary_exchange, plan_edge  # noqa: E402
-from megatron_hetero.boundary.exchange import (  # noqa: E402
+from megatron_hetero.boundary import BoundaryBatch, BoundaryError, RankPlan, boundary_exchange, plan_edge
+from megatron_hetero.boundary.exchange import (
     backward_recvs,
     backward_sends,
     complete,
@@ -58,8 +46,9 @@ from megatron_hetero.boundary.exchange import (  # noqa: E402
     forward_sends,
     post,
 )
-from megatron_hetero.cpu_compat import apply_cpu_compat  # noqa: E402
-from megatron_hetero.layout import AXES, ModuleLayout  # noqa: E402
+from megatron_hetero.groups import init_distributed
+from megatron_hetero.layout import AXES, ModuleLayout
+from megatron_hetero.patches import cpu
 
 WORLD_SIZE = 2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -393,7 +382,7 @@ def header(env: Env, args) -> dict:
         "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
         "nccl": nccl,
-        "NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"],
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "-"),
         "command": command,
         "rows": f"hidden {args.hidden} x {args.dtype} = {args.hidden * DTYPES[args.dtype].itemsize} bytes",
         "iters": args.iters,
@@ -431,32 +420,17 @@ def parse_args(argv):
     return args
 
 
-def init_distributed(backend: str | None) -> None:
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    # A hang fails in minutes, well inside the time a GPU run has.
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=3))
-
-
-def pin_upstream_groups_to_default_backend() -> None:
-    """Upstream asks for backend='nccl' groups; on gloo, create them on the default backend."""
-    for name in ("new_group", "new_subgroups_by_enumeration"):
-        create = getattr(dist, name)
-        setattr(dist, name, lambda *a, backend=None, _create=create, **kw: _create(*a, **kw))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     owns_process_group = not dist.is_initialized()
     if owns_process_group:
-        init_distributed(args.backend)
+        # A hang fails in minutes, well inside the time a GPU run has.
+        init_distributed(args.backend, timeout=datetime.timedelta(minutes=3))
     if dist.get_world_size() != WORLD_SIZE:
         raise SystemExit(f"error: run on {WORLD_SIZE} ranks (torchrun --nproc-per-node {WORLD_SIZE})")
     env = Env()
     if not env.nccl:
-        apply_cpu_compat()
-        pin_upstream_groups_to_default_backend()
+        cpu.apply()
     say = print if env.rank == 0 else (lambda *a, **kw: None)
 
     info = header(env, args)

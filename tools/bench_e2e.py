@@ -4,12 +4,16 @@
     python tools/bench_e2e.py --report r.jsonl [--png chart.png]
 
 A run trains the workload's synthetic global batch (fixed, so data costs nothing) for --warmup +
---steps steps with the real trainer, and appends one JSON line: tokens/s, model TFLOPS per GPU
-(FLOPs counted per module: encoder and projector, LLM with attention and logits; x3 for a trained
-module's forward and backward, x1 for a frozen one), a step-time breakdown from phase timers in a
-separate pass (encoder forward/backward, boundary, LLM forward/backward, optimizer, waiting: each
-phase synchronized, so the breakdown sums to more than the free-running step; each phase's
-slowest rank is reported), and peak memory per GPU.
+--steps steps with megatron.training's train_step on our runtime (examples/pretrain_vlm.py's model,
+forward step and flags: megatron_hetero.training.bench), and appends one JSON line: tokens/s, model
+TFLOPS per GPU (FLOPs counted per module: encoder and projector, LLM with attention and logits; x3
+for a trained module's forward and backward, x1 for a frozen one), a step-time breakdown from phase
+timers in a separate pass (encoder forward/backward, boundary, LLM forward/backward, optimizer,
+waiting: each phase synchronized, so the breakdown sums to more than the free-running step; each
+phase's slowest rank is reported), and peak memory per GPU. On GPUs the weights are bf16 with fp32 main
+params in megatron-core's optimizer (Megatron's --bf16; the record's `precision` says so; records
+from before the move to megatron.training kept fp32 weights under bf16 autocast); --fp32 and CPUs:
+fp32.
 
 Workloads: the presets of megatron_hetero.planner.presets, the table plan_layout.py plans (bf16;
 images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27 layers, 16 heads;
@@ -27,95 +31,36 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from megatron_hetero.planner import BENCH_WORKLOADS, BenchWorkload, model_flops
-from megatron_hetero.training.bench import run_reporting_errors, sized_workload, synthetic_batch, trainer_args
-
-
-def _steps(trainer, batch, n: int) -> float:
-    """Seconds per step over n steps (forward, backward, optimizer)."""
-    start = time.perf_counter()
-    for _ in range(n):
-        trainer.zero_grad()
-        trainer.train_step(batch)
-        with trainer.timers("optimizer"):
-            trainer.optimizer.step(1e-5)
-    if trainer.device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / max(n, 1)
+from megatron_hetero.planner import BENCH_WORKLOADS
+from megatron_hetero.training.bench import (
+    PHASES,
+    measure,
+    megatron_session,
+    run_reporting_errors,
+    sized_workload,
+    workload_args,
+)
 
 
 def run(opts) -> dict:
-    import torch.distributed as dist
-
     from megatron_hetero.layout import load_layout
     from megatron_hetero.training.args import ArgsError, check_args, check_trainable
-    from megatron_hetero.training.trainer import Trainer, init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     layout = load_layout(opts.hetero_layout, world)
     w = sized_workload(BENCH_WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
-    args = trainer_args(w, opts.hetero_layout, not opts.fp32 and torch.cuda.is_available())
+    bf16 = not opts.fp32 and torch.cuda.is_available()
     check_trainable(layout)
     if w.frozen and not all(m.freeze for m in layout.encoders):
         raise ArgsError(f"workload {w.name} freezes the encoder: use a layout with freeze: true on it "
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
-    check_args(args, layout)
-    device = init_distributed()
-    trainer = Trainer(args, layout, device)
-    record = measure(trainer, w, Path(opts.hetero_layout).stem, any(m.freeze for m in layout.encoders), opts)
-    dist.destroy_process_group()
-    return record
-
-
-def measure(trainer, w: BenchWorkload, layout_name: str, frozen: bool, opts) -> dict:
-    """Train the workload's synthetic batch: opts.warmup steps, opts.steps timed free-running, then
-    opts.steps with the phase timers; returns the record (rank 0 also appends it to opts.out)."""
-    import torch.distributed as dist
-
-    from megatron_hetero.models.vlm import padded_vocab_size
-
-    device, world = trainer.device, dist.get_world_size()
-    batch = synthetic_batch(w, trainer.tokenizer)
-    _steps(trainer, batch, opts.warmup)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    waited = trainer.clock.waiting_s
-    step_s = _steps(trainer, batch, opts.steps)
-    waiting_s = (trainer.clock.waiting_s - waited) / opts.steps
-    trainer.timers.enabled = True  # the breakdown pass: phases synchronized
-    _steps(trainer, batch, opts.steps)
-    phases = {k: v / opts.steps for k, v in trainer.timers.seconds.items()}
-    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-    flops = model_flops(w, padded_vocab_size(trainer.sizes), frozen)
-    mine = dict(rank=trainer.rank, stage=trainer.stage_name(), peak_gb=peak_gb, waiting_s=waiting_s,
-                phases=phases)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    record = dict(
-        workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
-        micro_batch=w.micro_batch,
-        step_s=step_s, tokens_per_s=w.global_batch * w.seq_length / step_s,
-        tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
-        encoder_flops_share=flops["encoder"] / sum(flops.values()),
-        peak_gb_max=max(r["peak_gb"] for r in gathered),
-        waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
-        phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
-        date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        torch=torch.__version__, bf16=trainer.args.bf16,
-    )
-    if trainer.rank == 0:
-        with open(opts.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
-    return record
-
-
-PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
+    check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
+    with megatron_session(w, opts.hetero_layout, bf16) as session:
+        return measure(session, w, Path(opts.hetero_layout).stem, opts.warmup, opts.steps, opts.out)
 
 
 def report(path: str, png: str | None) -> None:
@@ -162,7 +107,9 @@ def main() -> int:
                              "smallest the layout accepts)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--fp32", action="store_true", help="fp32 compute (default: bf16 autocast on GPUs)")
+    parser.add_argument("--fp32", action="store_true",
+                        help="fp32 weights and compute (default on GPUs: Megatron's --bf16, bf16 weights with "
+                             "fp32 main params in the optimizer)")
     parser.add_argument("--out", default="bench_e2e.jsonl")
     parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
     parser.add_argument("--png", help="with --report: write a bar chart")

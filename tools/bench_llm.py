@@ -52,16 +52,15 @@ def llm_flops(opts) -> float:
 def run(opts) -> dict:
     import torch.distributed as dist
 
-    from megatron_hetero.groups import build_module_groups
+    from megatron_hetero.groups import build_module_groups, init_distributed
     from megatron_hetero.layout import ModuleLayout
-    from megatron_hetero.mcore_globals import init_mcore_globals
     from megatron_hetero.models.context_parallel import cp_positions
     from megatron_hetero.models.vlm import llm_forward
-    from megatron_hetero.training.trainer import init_distributed
+    from megatron_hetero.patches.parallel_state import init_outside_training
 
     device = init_distributed()
     pgs = build_module_groups(ModuleLayout("llm", "llm", tp=opts.tp, cp=opts.cp, sp=opts.sp)).pgs
-    init_mcore_globals(1234, tp_rank=pgs.tp.rank())
+    init_outside_training(1234, tp_rank=pgs.tp.rank())
     dtype = torch.bfloat16 if opts.params == "bf16" else torch.float32
     llm = build(opts, pgs, dtype)
     s_local = opts.seq // opts.cp

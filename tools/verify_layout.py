@@ -15,24 +15,22 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge  # noqa: E402
-from megatron_hetero.boundary.exchange import (  # noqa: E402
+from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge
+from megatron_hetero.boundary.exchange import (
     backward_recvs,
     backward_sends,
     complete,
     forward_recvs,
     forward_sends,
 )
-from megatron_hetero.boundary.reference import encoder_share, llm_share, row_samples  # noqa: E402
-from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout  # noqa: E402
+from megatron_hetero.boundary.reference import encoder_share, llm_share, row_samples
+from megatron_hetero.groups import init_distributed
+from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout
 
 
 def parse_args(argv=None):
@@ -149,12 +147,8 @@ def main(argv=None) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = init_distributed()
+    cuda = device.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     row_bytes = args.hidden_size * torch.finfo(dtype).bits // 8
     dist.barrier()  # the first collective on the world group includes every rank (NCCL P2P needs it)

@@ -78,13 +78,6 @@ class BoundaryBatch:
     def num_samples(self) -> int:
         return len(self.rows_per_sample)
 
-    def select(self, samples) -> "BoundaryBatch":
-        """The batch of `samples` (indices into this one), in that order: e.g. one microbatch."""
-        starts = np.concatenate([[0], np.cumsum(self.rows_per_sample)])
-        positions = [self.positions[starts[s] : starts[s + 1]] for s in samples]
-        return BoundaryBatch(self.rows_per_sample[list(samples)],
-                             np.concatenate([np.empty(0, np.int64)] + positions), self.seq_len)
-
     @property
     def num_rows(self) -> int:
         return len(self.positions)

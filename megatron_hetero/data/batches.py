@@ -38,24 +38,9 @@ class GlobalBatch:
     loss_mask: torch.Tensor
     boundaries: dict[str, BoundaryBatch]
 
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    @property
-    def seq_len(self) -> int:
-        return self.input_ids.shape[1]
-
-    def select(self, samples: list[int]) -> "GlobalBatch":
-        """The batch of `samples` (indices into this one), in that order."""
-        return GlobalBatch([self.indices[s] for s in samples], [self.samples[s] for s in samples],
-                           self.input_ids[samples], self.labels[samples], self.loss_mask[samples],
-                           {medium: b.select(samples) for medium, b in self.boundaries.items()})
-
     def images(self, samples: slice) -> torch.Tensor:
-        """[n, 3, H, W]: the images of samples[samples], in sample order (a sample's `image` is one
-        [3, H, W] image, or [k, 3, H, W] for k images in order)."""
-        return torch.stack([s.image for s in self.samples[samples]]).flatten(0, -4)
+        """[n, 3, H, W]: the images of samples[samples], in sample order (one per sample)."""
+        return torch.stack([s.image for s in self.samples[samples]])
 
     def audio(self, samples: slice) -> torch.Tensor:
         """[n, mel_bins, frames]: the clips of samples[samples], in sample order (one per sample)."""

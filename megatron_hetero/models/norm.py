@@ -3,10 +3,10 @@ sequence parallelism on its own.
 
 With sequence parallelism each TP rank normalizes its own part of the sequence, so each rank's
 weight (and bias) gradient covers only its tokens. Megatron leaves the TP sum of those partial
-gradients to `finalize_model_grads` (params marked `sequence_parallel=True`); our trainer does not
-call it. Here the sum happens in the backward pass itself: the parameters enter the norm through
-megatron's `copy_to_tensor_model_parallel_region` (forward: identity, backward: all-reduce over TP),
-one all-reduce of 2*hidden (LayerNorm) or hidden (RMSNorm) values per norm and microbatch.
+gradients to `finalize_model_grads` (params marked `sequence_parallel=True`). Here the sum happens
+in the backward pass itself: the parameters enter the norm through megatron's
+`copy_to_tensor_model_parallel_region` (forward: identity, backward: all-reduce over TP), one
+all-reduce of 2*hidden (LayerNorm) or hidden (RMSNorm) values per norm and microbatch.
 After backward the gradients are whole and equal on every TP rank; DDP then sums them over DP/CP.
 
 The parameters are deliberately NOT marked `sequence_parallel=True`: that attribute only tells

@@ -1,8 +1,9 @@
-"""examples/pretrain_vlm.py's own flags (beside Megatron's), argument files, and the checks of what
-that script can train (the rules of megatron_hetero.rules applied to its flags): every mistake one
-line naming the flag or field and the fix."""
+"""examples/pretrain_vlm.py's own flags (beside Megatron's) and defaults, argument files, its parsing
+of Megatron's arguments, and the checks of what that script can train (the rules of
+megatron_hetero.rules applied to its flags): every mistake one line naming the flag or field and the fix."""
 
 import argparse
+import sys
 from dataclasses import fields
 
 from megatron_hetero import rules
@@ -13,6 +14,16 @@ from megatron_hetero.models.sizes import ModelSizes
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
 MEGATRON_SIZE_FLAGS = ("hidden_size", "num_layers", "num_attention_heads", "seq_length")
+
+# The script's defaults (flags given on the command line come later and win).
+DEFAULT_FLAGS = [
+    "--transformer-impl", "local", "--position-embedding-type", "rope",
+    "--calculate-per-token-loss",  # the loss: sum over caption tokens / their number in the global batch
+    "--train-iters", "100", "--global-batch-size", "32", "--micro-batch-size", "4",
+    "--lr", "1e-3", "--lr-decay-style", "cosine", "--weight-decay", "0.0", "--clip-grad", "1.0",
+    "--hidden-size", "64", "--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "32",
+    "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0", "--log-interval", "1",
+]
 
 
 class ArgsError(ValueError):
@@ -59,6 +70,32 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def model_sizes(args) -> ModelSizes:
     names = [f.name for f in _own_size_fields()] + list(MEGATRON_SIZE_FLAGS)
     return ModelSizes(vocab_size=CaptionTokenizer().vocab_size, **{name: getattr(args, name) for name in names})
+
+
+def parse_script_args(argv: list[str], validate: bool = True):
+    """Megatron's arguments for the script: DEFAULT_FLAGS, then `argv` (`@file`s expanded), with the
+    script's own flags. Validated (megatron_hetero.patches applied): the script's checks first (one
+    `error:` line, exit 2), then Megatron's validation, set as megatron.training's global args.
+    Without validation, parsed only: nothing global is set (flag checks before a run)."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    from megatron_hetero.patches import arguments
+
+    arguments.apply()  # --hetero-layout & co. join Megatron's parser
+    argv_before, sys.argv = sys.argv, [sys.argv[0], *DEFAULT_FLAGS, *expand_arg_files(argv)]
+    try:
+        args = parse_args(extra_args_provider=add_model_args)
+    finally:
+        sys.argv = argv_before
+    if not validate:
+        return args
+    check_script_args(args)
+    validate_args(args, {"tokenizer_type": "NullTokenizer", "vocab_size": CaptionTokenizer().vocab_size,
+                         # unused by this model (RoPE): only checked by Megatron
+                         "max_position_embeddings": 1 << 16})
+    set_global_variables(args)
+    return args
 
 
 def check_trainable(layout) -> None:
@@ -137,5 +174,5 @@ def check_script_args(args) -> None:
         hetero_args.fail(str(error))
 
 
-__all__ = ["ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",
-           "check_trainable", "expand_arg_files", "model_sizes"]
+__all__ = ["DEFAULT_FLAGS", "ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",
+           "check_trainable", "expand_arg_files", "model_sizes", "parse_script_args"]

@@ -1,22 +1,36 @@
 """What the benchmarks (tools/bench_e2e.py, bench_mimo.py) and the planner's check
-(tools/check_planner.py) share about running a workload preset on the trainer: its sizes, its
-flags, its synthetic batch and its vocabulary."""
+(tools/check_planner.py) share about training a workload preset: its sizes and flags, its synthetic
+batch, megatron.training set up for it as `pretrain()` sets itself up (the reference model of
+training/providers.py under our patches), and the timed measurement that makes one JSON line.
 
+A measured step is megatron.training's `train_step` (zero the gradient buffers, the forward-backward
+function, the optimizer step, the learning-rate step) on the workload's fixed synthetic global batch;
+the forward-backward function is ours (runtime/forward_backward.py) unless a benchmark passes another
+with Megatron's signature (bench_mimo: upstream MIMO's schedules).
+"""
+
+import itertools
+import json
 import sys
-from dataclasses import replace
-from types import SimpleNamespace
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
-from megatron_hetero.boundary import BoundaryBatch
-from megatron_hetero.data.batches import VISION, GlobalBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
 from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import BenchWorkload, trainer_workload
-from megatron_hetero.training.args import ArgsError, build_parser
+from megatron_hetero.training.args import ArgsError, parse_script_args
+
+PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
+# Megatron's --bf16: bf16 weights, fp32 main params and Adam in megatron-core's optimizer (the
+# records before the move to megatron.training kept fp32 weights under bf16 autocast).
+PRECISION = {True: "bf16 weights, fp32 main params (megatron-core optimizer)", False: "fp32"}
 
 
 def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: int = 0,
@@ -34,40 +48,229 @@ def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: 
     return replace(w, micro_batch=micro_batch or w.micro_batch)
 
 
-def trainer_args(w: BenchWorkload, layout_file: str, bf16: bool):
-    """The trainer's parsed flags for the workload under the layout file."""
+def workload_flags(w: BenchWorkload, layout_file: str, bf16: bool) -> list[str]:
+    """examples/pretrain_vlm.py's flags (Megatron's and its own) that train the workload under the
+    layout file; `bf16`: Megatron's --bf16."""
     flags = ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch),
              "--micro-batch-size", str(w.micro_batch), "--image-size", str(w.image_size),
              "--patch-size", str(w.patch_size), "--enc-hidden-size", str(w.enc_hidden),
              "--enc-num-layers", str(w.enc_layers), "--enc-num-attention-heads", str(w.enc_heads),
              "--hidden-size", str(w.hidden), "--num-layers", str(w.layers),
              "--num-attention-heads", str(w.heads), "--seq-length", str(w.seq_length)]
-    return build_parser().parse_args(flags + (["--bf16"] if bf16 else []))
+    return flags + (["--bf16"] if bf16 else [])
+
+
+def workload_args(w: BenchWorkload, layout_file: str, bf16: bool):
+    """The script's flags for the workload, parsed but not validated (what check_args checks)."""
+    return parse_script_args(workload_flags(w, layout_file, bf16), validate=False)
 
 
 def trainer_vocab_size() -> int:
-    """The padded vocabulary the trainer builds (the demo tokenizer's), whatever the workload."""
+    """The padded vocabulary the model is built with (the demo tokenizer's), whatever the workload."""
     from megatron_hetero.models.vlm import padded_vocab_size  # imports megatron-core: only when asked
 
     return padded_vocab_size(ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
 
 
-def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0):
-    """A global batch of the workload's shapes: images first in each sequence, then random text, the
-    text positions carrying the loss."""
+def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0) -> dict:
+    """A global batch of the workload's shapes as the model takes it (models/vlm_parts.py): images
+    first in each sequence, then random text, the text positions carrying the loss; `images`
+    [B, k, 3, H, W] (k images per sample), `vision_positions` [B, k x tokens per image]."""
     g = torch.Generator().manual_seed(seed)
     b, s, rows = w.global_batch, w.seq_length, w.images_per_sample * w.tokens_per_image
     if 1 + rows >= s:
         raise ValueError(f"{w.name}: {rows} image tokens do not fit a {s}-token sequence")
     ids = torch.randint(tokenizer.image_id + 1, tokenizer.vocab_size, (b, s), generator=g)
     ids[:, 0], ids[:, 1 : 1 + rows] = tokenizer.bos_id, tokenizer.image_id
-    labels = torch.roll(ids, -1, dims=1)
     loss_mask = torch.zeros(b, s)
     loss_mask[:, rows : s - 1] = 1.0
-    images = torch.rand(b, w.images_per_sample, 3, w.image_size, w.image_size, generator=g)
-    samples = [SimpleNamespace(image=images[i]) for i in range(b)]
-    boundary = BoundaryBatch(np.full(b, rows), np.tile(np.arange(1, 1 + rows), b), s)
-    return GlobalBatch(list(range(b)), samples, ids, labels, loss_mask, {VISION: boundary})
+    return dict(input_ids=ids, labels=torch.roll(ids, -1, dims=1), loss_mask=loss_mask,
+                images=torch.rand(b, w.images_per_sample, 3, w.image_size, w.image_size, generator=g),
+                vision_positions=torch.arange(1, 1 + rows).repeat(b, 1))
+
+
+def global_microbatches(batch: dict, size: int) -> list[dict]:
+    """The global microbatches of `batch` in order, `size` samples each (micro batch x LLM DP), as
+    every rank's loader yields them under --hetero-layout (patches/hetero_data.py)."""
+    samples = batch["input_ids"].shape[0]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, samples, size)]
+
+
+@dataclass
+class Session:
+    """megatron.training set up for one workload: the model (one HeteroModel chunk), its optimizer
+    (megatron-core's MimoOptimizer, whose step counts as phase "optimizer"), the learning-rate
+    scheduler, and the workload's global microbatches, over and over."""
+
+    args: object
+    model: list
+    optimizer: object
+    scheduler: object
+    batches: object
+
+    @property
+    def hetero(self):
+        return self.model[0]
+
+    def train_step(self, forward_backward_func=None) -> dict:
+        """megatron.training's train_step on the next global batch; its loss report (empty off the
+        LLM's last stage)."""
+        from megatron.training.training import train_step
+
+        from megatron_hetero.runtime.forward_backward import forward_backward
+        from megatron_hetero.training.providers import forward_step
+
+        loss, *_ = train_step(forward_step, self.batches, self.model, self.optimizer, self.scheduler,
+                              self.hetero.config, forward_backward_func or forward_backward)
+        return loss
+
+
+class _TimedStep:
+    """An optimizer whose step counts as phase "optimizer" (train_step calls it inside)."""
+
+    def __init__(self, optimizer, timers):
+        self.optimizer, self.timers = optimizer, timers
+
+    def step(self):
+        with self.timers("optimizer"):
+            return self.optimizer.step()
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+
+@contextmanager
+def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool):
+    """megatron.training initialized for the workload as pretrain() initializes itself (our patches,
+    the script's validated arguments, initialize_megatron, JIT options, setup_model_and_optimizer
+    with the reference model's provider, then what train() sets before its first step), yielding a
+    Session; megatron.training's globals are unset afterwards, so that a process can hold several
+    sessions in turn. The process group is started here unless it is already (then it is left
+    running). The learning rate is 1e-5, constant: the steps are timed, not trained."""
+    import megatron_hetero.patches
+
+    megatron_hetero.patches.apply()
+    from megatron.core.enums import ModelType
+    from megatron.core.parallel_state import destroy_model_parallel
+    from megatron.core.rerun_state_machine import RerunDataIterator, destroy_rerun_state_machine
+    from megatron.training.global_vars import get_timers, unset_global_variables
+    from megatron.training.initialize import set_jit_fusion_options
+    from megatron.training.training import initialize_megatron, setup_model_and_optimizer
+
+    from megatron_hetero.groups import init_distributed
+    from megatron_hetero.training.providers import model_provider
+
+    owns_process_group = not dist.is_initialized()
+    if owns_process_group:  # megatron.training then takes the process group as it is
+        init_distributed()
+    timed = ["--train-iters", "1000000", "--lr", "1e-5", "--lr-decay-style", "constant"]
+    args = parse_script_args(workload_flags(w, layout_file, bf16) + timed)
+    try:
+        initialize_megatron()
+        set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
+        model, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder,
+                                                                model_provider_func=model_provider)
+        hetero = model[0]
+        hetero.train()
+        hetero.config.grad_scale_func = optimizer.scale_loss
+        hetero.config.timers = get_timers()
+        batch = synthetic_batch(w, CaptionTokenizer())
+        micro = global_microbatches(batch, w.micro_batch * hetero.run.layout.llm.dp)
+        yield Session(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
+                      RerunDataIterator(itertools.cycle(micro)))
+    finally:
+        destroy_rerun_state_machine()
+        destroy_model_parallel()
+        unset_global_variables()
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def _stage_name(run) -> str:
+    """What this rank runs, for the per-rank records: e.g. 'llm pp1' or 'vision+llm pp0'."""
+    held = [m for m in run.modules.values() if m.held]
+    return "+".join(m.name for m in held) + f" pp{held[-1].coords()['pp']}"
+
+
+class _BackwardPhases:
+    """The model's adapter, marking where one backward moves between modules (colocated, LLM
+    pp=1: one autograd graph through the LLM, the boundary and the encoder): when the gradient of
+    the boundary's slots is ready the LLM's backward is done, when the encoder rows' is ready the
+    boundary's is."""
+
+    def __init__(self, adapter, timers):
+        self.adapter, self.timers = adapter, timers
+
+    def __getattr__(self, name):
+        return getattr(self.adapter, name)
+
+    def _switch_at_grad(self, tensor, phase: str) -> None:
+        if self.timers.enabled and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self.timers.switch(phase))
+
+    def encoder_forward(self, module, call, share, hidden):
+        rows = self.adapter.encoder_forward(module, call, share, hidden)
+        if module.last_stage:
+            self._switch_at_grad(rows, "encoder-backward")
+        return rows
+
+    def llm_forward(self, module, call, share, media, hidden):
+        for m in media.values():
+            if m.slots.grad_fn is not None:  # exchanged in this graph, not received as a leaf
+                self._switch_at_grad(m.slots, "boundary")
+        return self.adapter.llm_forward(module, call, share, media, hidden)
+
+
+def _steps(session: Session, n: int, forward_backward_func) -> float:
+    """Seconds per training step over n steps."""
+    start = time.perf_counter()
+    for _ in range(n):
+        session.train_step(forward_backward_func)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / max(n, 1)
+
+
+def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
+            forward_backward_func=None) -> dict:
+    """Train the workload's batch: `warmup` steps, `steps` timed free-running, then `steps` with the
+    phase timers on; returns the record (rank 0 also appends it to `out` and prints it)."""
+    hetero, world = session.hetero, dist.get_world_size()
+    run, cuda = hetero.run, torch.cuda.is_available()
+    _steps(session, warmup, forward_backward_func)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    waited = hetero.clock.waiting_s
+    step_s = _steps(session, steps, forward_backward_func)
+    waiting_s = (hetero.clock.waiting_s - waited) / steps
+    hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
+    hetero.timers.enabled = True  # the breakdown pass: phases synchronized
+    _steps(session, steps, forward_backward_func)
+    phases = {k: v / steps for k, v in hetero.timers.seconds.items()}
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    frozen = any(m.freeze for m in run.layout.encoders)
+    flops = model_flops(w, trainer_vocab_size(), frozen)
+    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    bf16 = session.args.bf16
+    record = dict(
+        workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
+        micro_batch=w.micro_batch,
+        step_s=step_s, tokens_per_s=w.global_batch * w.seq_length / step_s,
+        tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
+        encoder_flops_share=flops["encoder"] / sum(flops.values()),
+        peak_gb_max=max(r["peak_gb"] for r in gathered),
+        waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
+        phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
+        date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
+        torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
+    )
+    if run.rank == 0:
+        with open(out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
+    return record
 
 
 def run_reporting_errors(run_fn, opts) -> int:

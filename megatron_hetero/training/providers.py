@@ -1,0 +1,30 @@
+"""The reference model's providers for megatron.training: the model provider (this rank's parts of
+models/vlm_parts.py, with its adapter), the forward step and the loss function. examples/pretrain_vlm.py
+hands them to `pretrain()`; the benchmarks (training/bench.py) to `setup_model_and_optimizer()` and
+`train_step()`."""
+
+from functools import partial
+
+import torch
+from megatron.training import get_args
+
+from megatron_hetero.models.vlm_parts import build_vlm_parts
+from megatron_hetero.training.args import model_sizes
+
+
+def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
+    args = get_args()
+    return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype)
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """(sum of token losses, number of loss tokens, Megatron's report) of one microbatch."""
+    mask = loss_mask.float()
+    loss = (output.float() * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), mask.sum()])}
+
+
+def forward_step(data_iterator, model):
+    output, loss_mask = model(**next(data_iterator))
+    return output, partial(loss_func, loss_mask)
