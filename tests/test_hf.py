@@ -149,13 +149,13 @@ def _case_pairs(name: str, layout: str, pgs) -> dict:
 
 
 def _worker(rank, world_size):
-    from megatron_hetero.cpu_compat import apply_cpu_compat
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
-    from megatron_hetero.mcore_globals import init_mcore_globals
+    from megatron_hetero.patches import cpu
+    from megatron_hetero.patches.parallel_state import init_outside_training
 
-    apply_cpu_compat()
-    init_mcore_globals(0, tp_rank=0)
+    cpu.apply()
+    init_outside_training(0, tp_rank=0)
     results = {}
     for name, layout in CASES:
         role = "llm" if name in LLMS else "encoder"
