@@ -352,7 +352,8 @@ def test_disagreement_names_two_ranks_and_the_first_sample():
     assert "rank 6 has 2 rows at positions" in line and "\n" not in line
     moved = metadata_summary({"vision": _corrupted(good, 2, more_rows=False)})
     assert "first at sample 2" in disagreement([moved, summary, summary, summary], [0, 1, 2, 3])
-    shorter = metadata_summary({"vision": good.select(range(6))})
+    first_six = int(good.rows_per_sample[:6].sum())
+    shorter = metadata_summary({"vision": BoundaryBatch(good.rows_per_sample[:6], good.positions[:first_six], SEQ)})
     line = disagreement([summary, shorter], [0, 1])
     assert "first at sample 6" in line and "rank 1 has no such sample" in line
     longer = metadata_summary({"vision": BoundaryBatch(good.rows_per_sample, good.positions, 2 * SEQ)})
