@@ -41,7 +41,9 @@ def _apply_layout(args, layout: HeteroLayout) -> None:
         raise ArgsError(f"--sequence-parallel conflicts with module {llm.name}'s sp: false in "
                         f"{args.hetero_layout}; set sp: true there or drop the flag")
     args.sequence_parallel = llm.sp
-    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+    for flag in ("overlap_grad_reduce", "overlap_param_gather",
+                 # An encoder's gradients are scaled by 1 / the LLM's dp before a summing reduction.
+                 "ddp_average_in_collective"):
         if getattr(args, flag):
             # megatron-hetero's schedules do not yet hold DDP's reduction back until a step's last
             # microbatch (Megatron's no_sync), which overlapping needs.
