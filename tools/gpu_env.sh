@@ -2,10 +2,8 @@
 # (the tools import it), megatron-core from .whl/ when carried there, $out for results, and the
 # hardware line.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-# The package as setup.py installs it (patches/ is megatron_hetero.patches), linked to this checkout.
-src=/tmp/megatron_hetero_src; rm -rf "$src"; mkdir -p "$src/megatron_hetero"
-ln -s "$PWD"/megatron_hetero/* "$src/megatron_hetero/" && ln -s "$PWD/patches" "$src/megatron_hetero/patches" || exit 1
-export PYTHONPATH=$src${PYTHONPATH:+:$PYTHONPATH}
+# This checkout's package (megatron_hetero/__init__.py makes patches/ its megatron_hetero.patches).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PYTHONPATH

@@ -86,7 +86,7 @@ class HeteroModel(torch.nn.Module):
         self.config = primary.part.config
         self.pg_collection = primary.pgs
         self.force_all_reduce = False
-        device = next(iter(self.parts.values())).parameters().__next__().device
+        device = next(next(iter(self.parts.values())).parameters()).device
         self.clock = Clock(device)  # time spent waiting on other ranks' data
         self.timers = PhaseTimers(device)  # step-time breakdowns (tools/bench_e2e.py turns them on)
         self.plan_caches = {}  # encoder name -> PlanCache
