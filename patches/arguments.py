@@ -33,11 +33,12 @@ def _validate_args(original):
         startup.disable_unavailable_fusions(args)
         if not torch.cuda.is_available() and args.distributed_backend == "nccl":
             args.distributed_backend = "gloo"
-        args.hetero_layout_spec = None
         args.hetero_run = None  # built once torch.distributed is up (patches/hetero_init.py)
         if getattr(args, "hetero_layout", None) is None:
+            args.hetero_layout_spec = None
             return original(args, defaults)
-        args.hetero_layout_spec = hetero_args.load(args)
+        if getattr(args, "hetero_layout_spec", None) is None:  # a script's own checks may have loaded it
+            args.hetero_layout_spec = hetero_args.load(args)
         return hetero_args.validate(original, args, defaults)
     return validate_args
 

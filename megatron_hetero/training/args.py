@@ -166,7 +166,7 @@ def check_script_args(args) -> None:
     if args.hetero_layout is None:
         hetero_args.fail("--hetero-layout is required: this script trains per-module layouts (see "
                          "examples/layouts/ and the README)")
-    layout = hetero_args.load(args)
+    layout = args.hetero_layout_spec = hetero_args.load(args)  # Megatron's validation reuses it
     try:
         check_trainable(layout)
         check_args(args, layout)
