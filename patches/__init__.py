@@ -25,6 +25,7 @@ from megatron_hetero.patches import (  # noqa: E402
     hetero_schedule,
     layer_specs,
     metrics,
+    rerun,
     startup,
 )
 from megatron_hetero.patches._patch import PatchError, check_version  # noqa: E402
@@ -41,6 +42,7 @@ def apply() -> None:
     hetero_data.apply()
     hetero_schedule.apply()
     metrics.apply()
+    rerun.apply()
     layer_specs.apply()
 
 

@@ -47,12 +47,16 @@ def wrap_parts(run, built: ModelParts, args) -> HeteroModel:
         module.part = part
         if not any(p.requires_grad for p in part.parameters()):
             continue
-        module.ddp = DistributedDataParallel(part.config, get_megatron_ddp_config(args), part,
-                                             pg_collection=module.pgs)
+        ddp_config = get_megatron_ddp_config(args)  # one each: DDP sets some of its fields
+        # finalize_hetero_grads checks each module's gradients itself, naming the module (DDP's own
+        # check names a bucket only).
+        ddp_config.check_for_nan_in_grad = False
+        module.ddp = DistributedDataParallel(part.config, ddp_config, part, pg_collection=module.pgs)
         if module.layout.role == "encoder" and not args.calculate_per_token_loss:
             _scale_reduced_gradients(module.ddp, 1.0 / run.layout.llm.dp)
     model = HeteroModel(run, built.adapter)
     model.config.finalize_model_grads_func = finalize_hetero_grads
+    model.check_for_nan_in_grad = args.check_for_nan_in_loss_and_grad
     run.model = model
     return model
 

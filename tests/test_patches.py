@@ -24,6 +24,7 @@ TARGETS = [
     "megatron.training.training.get_megatron_optimizer",
     "megatron.training.training.build_pretraining_data_loader",
     "megatron.training.training.get_forward_backward_func",
+    "megatron.training.training.save_checkpoint_and_time",
 ]
 CPU_TARGETS = [
     "megatron.training.arguments.get_device_arch_version",

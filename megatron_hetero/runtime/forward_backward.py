@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 
 from megatron_hetero.boundary import BoundaryMismatch
 from megatron_hetero.runtime.model import HeteroModel
@@ -63,6 +64,22 @@ def finalize_hetero_grads(model, num_tokens=None, pg_collection=None, force_all_
     for module in run.modules.values():
         if module.ddp is None:
             continue
+        if hetero.check_for_nan_in_grad:
+            check_finite_grads(module)
         finalize_model_grads([module.ddp], None, pg_collection=module.pgs, force_all_reduce=force_all_reduce)
         if total is not None:
             module.ddp.scale_gradients(1.0 / total.clamp(min=1).item())
+
+
+def check_finite_grads(module) -> None:
+    """megatron-core DDP's check of this rank's gradients before their data-parallel reduction
+    (`--check-for-nan-in-loss-and-grad`, through Megatron's rerun state machine: rerun, then stop),
+    with a message naming the module."""
+    ddp = module.ddp
+    norm = torch.linalg.vector_norm(torch.stack(
+        [buffer.grad_data.norm(p=2) for buffer in ddp.buffers + ddp.expert_parallel_buffers]))
+    for rejected, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+        get_rerun_state_machine().validate_result(
+            result=norm, rejection_func=rejected, tolerance=0.001, fatal=True,
+            message=f"found {what} in the gradients of module {module.name} on this rank, before their "
+                    f"data-parallel reduction")

@@ -90,6 +90,8 @@ class HeteroModel(torch.nn.Module):
         self.clock = Clock(device)  # time spent waiting on other ranks' data
         self.timers = PhaseTimers(device)  # step-time breakdowns (tools/bench_e2e.py turns them on)
         self.plan_caches = {}  # encoder name -> PlanCache
+        # Megatron's --check-for-nan-in-loss-and-grad for gradients, per module (finalize_hetero_grads)
+        self.check_for_nan_in_grad = False
 
     def _trainable(self):
         return [m.ddp for m in self.run.modules.values() if m.ddp is not None]

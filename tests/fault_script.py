@@ -1,0 +1,53 @@
+"""examples/pretrain_vlm.py with a fault injected, for the failure tests (test-side only).
+
+    HETERO_TEST_FAULT=nan-grad:vision:3 torchrun ... tests/fault_script.py <the script's flags>
+
+nan-grad:MODULE:ITER  gradients of MODULE's parameters are NaN from iteration ITER on
+nan-output:MODULE:ITER  MODULE's forward output is NaN from iteration ITER on
+"""
+
+import os
+import runpy
+from pathlib import Path
+
+import torch
+from megatron.training import get_args
+
+from megatron_hetero.training import providers
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "pretrain_vlm.py"
+
+
+def _from_iteration(start: int) -> bool:
+    return get_args().curr_iteration + 1 >= start  # Megatron counts iterations from 1 in its logs
+
+
+def _inject(parts, kind: str, module: str, start: int) -> None:
+    part = parts.parts.get(module)
+    if part is None:  # held on other ranks
+        return
+    nan = torch.tensor(float("nan"))
+    if kind == "nan-grad":
+        for param in part.parameters():
+            param.register_hook(lambda grad: grad * nan if _from_iteration(start) else grad)
+    elif kind == "nan-output":
+        part.register_forward_hook(lambda _m, _i, out: out * nan if _from_iteration(start) else None)
+    else:
+        raise ValueError(kind)
+
+
+def main() -> None:
+    kind, module, start = os.environ["HETERO_TEST_FAULT"].split(":")
+    original = providers.model_provider
+
+    def model_provider(*args, **kwargs):
+        parts = original(*args, **kwargs)
+        _inject(parts, kind, module, int(start))
+        return parts
+
+    providers.model_provider = model_provider
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
