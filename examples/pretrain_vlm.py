@@ -5,8 +5,9 @@
 A Megatron-style script: model provider, datasets provider and forward step for megatron.training's
 `pretrain()`, with megatron-hetero's patches applied first (the model provider and forward step are
 the package's, training/providers.py, which the benchmarks train too). It trains this project's
-reference model (models/vlm.py: our TE-free layers) on the synthetic shapes dataset, then reports
-caption accuracy on held-out images (--eval-samples). Every Megatron flag works; the script's own
+reference model (models/vlm.py: our TE-free layers) on LLaVA-style conversation files (--data-path,
+see the README's "Data") or else the synthetic shapes dataset, then reports caption accuracy on
+held-out images (--eval-samples). Every Megatron flag works; the script's own
 defaults are training/args.py's DEFAULT_FLAGS.
 """
 
@@ -26,7 +27,7 @@ from megatron_hetero.models.kinds import encoder_kind  # noqa: E402
 from megatron_hetero.patches.metrics import write_record  # noqa: E402
 from megatron_hetero.training.args import model_sizes, parse_script_args  # noqa: E402
 from megatron_hetero.training.evaluation import evaluate_captions, report_waiting  # noqa: E402
-from megatron_hetero.training.providers import forward_step, model_provider  # noqa: E402
+from megatron_hetero.training.providers import conversation_dataset, forward_step, model_provider  # noqa: E402
 
 
 def _shapes(args, split: str) -> ShapesDataset:
@@ -36,6 +37,10 @@ def _shapes(args, split: str) -> ShapesDataset:
 
 def datasets_provider(num_samples):
     args = get_args()
+    if args.data_path:
+        dataset = conversation_dataset(args, num_samples[0])
+        args.data_report = dataset.report  # filled as batches arrive, summarized after training
+        return dataset, None, None
     kinds = [encoder_kind(m) for m in args.hetero_layout_spec.encoders]
     return CaptionSamples(_shapes(args, "train"), model_sizes(args), kinds, num_samples[0]), None, None
 
@@ -48,6 +53,8 @@ def main() -> None:
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider)
     print_rank_0(report_waiting(args.hetero_run.model))
+    if args.data_path:
+        print_rank_0(args.data_report.summary())
     if args.eval_samples:
         accuracy = evaluate_captions(args.hetero_run.model, model_sizes(args), _shapes(args, "heldout"),
                                      args.eval_samples)

@@ -4,12 +4,17 @@ Modules split a microbatch differently (the LLM over its data-parallel ranks, ea
 own), so under `--hetero-layout` every rank's loader yields the global microbatch i: the samples
 microbatch i of every LLM data-parallel rank takes, in rank order (micro batch size x LLM dp samples,
 the same samples and order upstream's sampler gives those ranks). Each module takes its share.
+
+A dataset with a `collate` (data/conversations.py) batches its samples itself (items ragged over
+samples) and reports the bad samples it passed over: counted in its `report` with a warning, or with
+--strict-data the run stops with one line naming the file and sample (every rank reads the same
+global microbatch, so every rank stops at the same one).
 """
 
 import contextlib
 
 from megatron.core import parallel_state
-from megatron.training import get_args
+from megatron.training import get_args, print_rank_0
 
 from megatron_hetero.patches._patch import replace
 
@@ -32,13 +37,40 @@ def _one_data_parallel_rank(args, llm_dp: int):
             args.eval_micro_batch_size = eval_mbs
 
 
+class _ReportingLoader:
+    """The loader's batches without their `skipped` entry, which goes to the dataset's report."""
+
+    def __init__(self, loader, report, strict: bool):
+        self.loader, self.report, self.strict = loader, report, strict
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        from megatron_hetero.patches.hetero_args import fail
+
+        for batch in self.loader:
+            skipped = batch.pop("skipped")
+            if skipped and self.strict:
+                fail(f"--strict-data: {skipped[0].line()}")
+            self.report.record(skipped)
+            for bad in skipped:
+                print_rank_0(f"warning: skipped {bad.line()}; {self.report.counts[bad.reason]} {bad.reason} "
+                             f"so far (--strict-data stops instead)")
+            yield batch
+
+
 def _build_loader(original):
     def build_pretraining_data_loader(dataset, consumed_samples):
         args = get_args()
         if args.hetero_run is None:
             return original(dataset, consumed_samples)
         with _one_data_parallel_rank(args, args.hetero_run.layout.llm.dp):
-            return original(dataset, consumed_samples)
+            loader = original(dataset, consumed_samples)
+        if loader is None or not hasattr(dataset, "collate"):
+            return loader
+        loader.collate_fn = dataset.collate  # read when iteration starts, by the workers too
+        return _ReportingLoader(loader, dataset.report, args.strict_data)
     return build_pretraining_data_loader
 
 

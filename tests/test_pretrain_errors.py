@@ -47,6 +47,9 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", DEMO, "--patch-size", "5"], None, "--patch-size 5"),
     (["--hetero-layout", DEMO, "--seq-length", "20"], None, "use --seq-length"),
     (["--hetero-layout", DEMO, "--bf16"], None, "--bf16 needs GPUs"),
+    (["--hetero-layout", DEMO, "--data-path", "a.txt"], None, "--data-path a.txt: give one LLaVA-style .json"),
+    (["--hetero-layout", DEMO, "--data-path", "a.json", "--tokenizer-type", "HuggingFaceTokenizer",
+      "--tokenizer-model", "nowhere"], None, "--tokenizer-model nowhere: nowhere is not a Hugging Face tokenizer"),
     (["--hetero-layout", "layout.yaml"],
      "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 2, ranks: 0-1}\n"
      "  llm: {role: llm, dp: 2, ranks: 2-3}\n",

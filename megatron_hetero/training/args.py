@@ -7,6 +7,8 @@ import sys
 from dataclasses import fields
 
 from megatron_hetero import rules
+from megatron_hetero.data.chat import TokenizerError, chat_tokenizer
+from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
@@ -62,14 +64,31 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--eval-samples", type=int, default=0,
                        help="caption accuracy on this many held-out images after training")
     group.add_argument("--data-seed", type=int, default=1234)
+    group.add_argument("--image-root", default=None,
+                       help="the directory image paths of --data-path are relative to (default: the file's own)")
+    group.add_argument("--strict-data", action="store_true",
+                       help="stop at the first bad sample (one line naming file and sample) instead of skipping it")
+    group.add_argument("--image-normalization", choices=tuple(NORMALIZATION), default="none",
+                       help="the vision encoder's pixel normalization (none: pixels in [0, 1], as the "
+                            "reference encoder takes them)")
+    group.add_argument("--max-tiles", type=int, default=1,
+                       help="split a larger image into up to this many tiles plus a thumbnail (1: no tiling)")
     for f in _own_size_fields():
         group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
     return parser
 
 
+def tokenizer(args):
+    """The tokenizer of --tokenizer-type / --tokenizer-model (data/chat.py)."""
+    try:
+        return chat_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    except (TokenizerError, OSError) as error:
+        raise ArgsError(f"--tokenizer-model {args.tokenizer_model}: {error}") from None
+
+
 def model_sizes(args) -> ModelSizes:
     names = [f.name for f in _own_size_fields()] + list(MEGATRON_SIZE_FLAGS)
-    return ModelSizes(vocab_size=CaptionTokenizer().vocab_size, **{name: getattr(args, name) for name in names})
+    return ModelSizes(vocab_size=tokenizer(args).vocab_size, **{name: getattr(args, name) for name in names})
 
 
 def parse_script_args(argv: list[str], validate: bool = True):
@@ -91,7 +110,7 @@ def parse_script_args(argv: list[str], validate: bool = True):
     if not validate:
         return args
     check_script_args(args)
-    validate_args(args, {"tokenizer_type": "NullTokenizer", "vocab_size": CaptionTokenizer().vocab_size,
+    validate_args(args, {"tokenizer_type": "NullTokenizer", "vocab_size": tokenizer(args).vocab_size,
                          # unused by this model (RoPE): only checked by Megatron
                          "max_position_embeddings": 1 << 16})
     set_global_variables(args)
@@ -120,11 +139,34 @@ def _check_stages(args, layout) -> None:
     for module in layout.modules:
         flag, n = layers[module.name]
         rules.check(ArgsError, rules.stages_problem(module, n, f"--{flag}"))
+    rules.check(ArgsError, rules.sequence_problem(args.seq_length, layout.llm))
+    if args.data_path:  # a sample longer than --seq-length is skipped (data/conversations.py)
+        return
     sizes = model_sizes(args)
     media = sum(encoder_kind(m).tokens_per_item(sizes) for m in layout.encoders)
     caption = max(len(CaptionTokenizer().encode(c)) for c in all_captions())
-    rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption),
-                rules.sequence_problem(args.seq_length, layout.llm))
+    rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption))
+
+
+def _check_data(args, layout) -> None:
+    """--data-path names one conversation file (images only); held-out captions need the shapes tokenizer."""
+    tokenizer(args)
+    if args.eval_samples and args.tokenizer_type not in (None, "NullTokenizer"):
+        raise ArgsError(f"--eval-samples captions held-out shapes with the shipped tokenizer; drop it or "
+                        f"--tokenizer-type {args.tokenizer_type}")
+    if not args.data_path:
+        if args.tokenizer_type not in (None, "NullTokenizer"):
+            raise ArgsError(f"--tokenizer-type {args.tokenizer_type} needs --data-path: the shapes data is "
+                            f"tokenized with the shipped tokenizer")
+        return
+    if len(args.data_path) != 1 or not args.data_path[0].endswith((".json", ".jsonl")):
+        raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one LLaVA-style .json or .jsonl file")
+    for module in layout.encoders:
+        if encoder_kind(module).name != "vision":
+            raise ArgsError(f"--data-path: conversation data carries images only; module {module.name} is a "
+                            f"{module.kind} encoder (drop it from the layout or train on the shapes data)")
+    if args.max_tiles < 1:
+        raise ArgsError("--max-tiles must be at least 1")
 
 
 def _check_sizes(args, layout) -> None:
@@ -146,6 +188,7 @@ def check_args(args, layout) -> None:
         raise ArgsError("--bf16 needs GPUs (megatron-core's layers run bf16 autocast on CUDA only); "
                         "drop --bf16 on CPU")
     _check_sizes(args, layout)
+    _check_data(args, layout)
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")

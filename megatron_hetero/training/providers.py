@@ -1,20 +1,38 @@
 """The reference model's providers for megatron.training: the model provider (this rank's parts of
-models/vlm_parts.py, with its adapter), the forward step and the loss function. examples/pretrain_vlm.py
+models/vlm_parts.py, with its adapter), the conversation dataset of --data-path, the forward step and
+the loss function. examples/pretrain_vlm.py
 hands them to `pretrain()`; the benchmarks (training/bench.py) to `setup_model_and_optimizer()` and
 `train_step()`."""
 
+import os
 from functools import partial
 
 import torch
 from megatron.training import get_args
 
+from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
+from megatron_hetero.data.images import ImageSpec
+from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.vlm_parts import build_vlm_parts
-from megatron_hetero.training.args import model_sizes
+from megatron_hetero.training.args import model_sizes, tokenizer
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
     return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype)
+
+
+def conversation_dataset(args, num_samples: int) -> ConversationSamples:
+    """--data-path's samples; only ranks holding a vision encoder's first stage decode images (their
+    DP rank's share)."""
+    sizes, path = model_sizes(args), args.data_path[0]
+    vision = ENCODER_KINDS["vision"]
+    spec = ConversationSpec(path, args.image_root or os.path.dirname(path), args.seq_length,
+                            vision.tokens_per_item(sizes),
+                            ImageSpec(sizes.image_size, args.max_tiles, args.image_normalization),
+                            decode_shares=tuple((m.layout.dp, m.coords()["dp"])
+                                                for m in args.hetero_run.encoders.values() if m.first_stage))
+    return ConversationSamples(spec, tokenizer(args), num_samples, vision.input_key)
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
