@@ -30,8 +30,14 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-demo: setup
-	$(VENV)/bin/torchrun --nproc-per-node 4 examples/pretrain_vlm.py @examples/demo_args.txt
+# The demo's data: PNG files + LLaVA JSON written from the shapes generator (once).
+DEMO_DATA := out/shapes_data/conversations.json
+
+$(DEMO_DATA): $(STAMP) megatron_hetero/data/make_dataset.py megatron_hetero/data/shapes.py
+	$(PY) tools/make_dataset.py --out $(dir $(DEMO_DATA)) --num-samples 16384
+
+demo: setup $(DEMO_DATA)
+	$(VENV)/bin/torchrun --nproc-per-node 4 examples/pretrain_vlm.py @examples/demo_args.txt --data-path $(DEMO_DATA)
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -1,8 +1,8 @@
 """A conversation dataset on disk from the shapes generator (tools/make_dataset.py): PNG files and a
 LLaVA-style JSON (or JSONL) file, as data/conversations.py reads them.
 
-A sample with k images (1..max_images) is k turns: the user sends `<image>`, the assistant answers
-its caption. A text-only sample (probability text_only) asks the assistant to repeat a caption.
+A sample with k images (min_images..max_images) is k turns: the user sends `<image>`, the assistant
+answers its caption. A text-only sample (probability text_only) asks the assistant to repeat a caption.
 Which samples have how many images is drawn from `seed`, each image is shapes sample j of the split,
 so the files are a pure function of the arguments.
 """
@@ -26,7 +26,8 @@ def write_png(image, path: Path) -> None:
 
 
 def write_conversations(out_dir, num_samples: int, seed: int = 1234, split: str = "train", image_size: int = 32,
-                        max_images: int = 1, text_only: float = 0.0, jsonl: bool = False) -> Path:
+                        max_images: int = 1, text_only: float = 0.0, jsonl: bool = False,
+                        min_images: int = 1) -> Path:
     """Write the dataset under out_dir; returns the path of its JSON file."""
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -41,7 +42,7 @@ def write_conversations(out_dir, num_samples: int, seed: int = 1234, split: str 
         else:
             names = []
             turns = []
-            for _ in range(rng.integers(1, max_images + 1)):
+            for _ in range(rng.integers(min_images, max_images + 1)):
                 sample, name = shapes[j], f"images/{split}-{j:07d}.png"
                 write_png(sample.image, out / name)
                 names.append(name)

@@ -60,6 +60,7 @@ class SampleBatch:
             if len(counts) > 1:
                 raise ValueError(f"the runtime takes the same number of {kind} items in every sample of a "
                                  f"microbatch; this one has {media.counts.tolist()}")
-            out[input_keys[kind]] = media.items.reshape(b, -1, *media.items.shape[1:])
-            out[f"{kind}_positions"] = media.positions.reshape(b, -1)
+            k = int(counts[0])
+            out[input_keys[kind]] = media.items.reshape(b, k, *media.items.shape[1:])
+            out[f"{kind}_positions"] = media.positions.reshape(b, len(media.positions) // b)
         return out
