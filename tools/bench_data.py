@@ -8,7 +8,9 @@ global batches through torch's DataLoader as a rank does (data/conversations.py:
 every sample; a rank holding a vision encoder's first stage decodes its DP share of the images,
 others none). Training consumes a global batch per step: the workload's fastest recorded step
 (docs/runs/bench_e2e/results.jsonl), so a rank's loader keeps up when it reads at least
-global batch / step time samples/s. CPU figures; the loader runs beside the step in its workers.
+global batch / step time samples/s. The wall rates depend on how loaded the CPU is; the CPU seconds
+per sample (without workers) do not: times the consumption, they are the cores a rank's DataLoader
+workers need to keep up.
 """
 
 import argparse
@@ -35,16 +37,18 @@ def consumed_per_s(workload: str) -> tuple[float, dict]:
     return BENCH_WORKLOADS[workload].global_batch / best["step_s"], best
 
 
-def loader_per_s(dataset: ConversationSamples, global_batch: int, workers: int, batches: int) -> float:
-    """Samples/s through a DataLoader of global batches, after one warm-up batch (workers started)."""
+def loader_per_s(dataset: ConversationSamples, global_batch: int, workers: int, batches: int) -> tuple[float, float]:
+    """(samples/s, CPU seconds per sample of this process) through a DataLoader of global batches,
+    after one warm-up batch (workers started). With workers, the CPU time is theirs, not counted."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=global_batch, num_workers=workers,
                                          collate_fn=dataset.collate, persistent_workers=workers > 0)
     it = iter(loader)
     next(it)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(batches):
         next(it)
-    return batches * global_batch / (time.perf_counter() - start)
+    samples = batches * global_batch
+    return samples / (time.perf_counter() - start), (time.process_time() - cpu) / samples
 
 
 def main() -> None:
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--encoder-dp", type=int, default=2, help="the vision encoder's DP size (its share)")
     parser.add_argument("--out", help="append one JSON line per configuration")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as in DataLoader workers and under torchrun (OMP_NUM_THREADS=1)
     w = BENCH_WORKLOADS[args.workload]
     need, record = consumed_per_s(args.workload)
     print(f"{args.workload}: training consumes {need:.2f} samples/s (global batch {w.global_batch} per "
@@ -72,14 +77,18 @@ def main() -> None:
                                     ImageSpec(w.image_size), decode_shares=shares)
             dataset = ConversationSamples(spec, CaptionChatTokenizer(), args.samples * 1000)
             for workers in args.workers:
-                rate = loader_per_s(dataset, w.global_batch, workers, args.batches)
-                print(f"  rank that {role}, {workers} workers: {rate:.2f} samples/s = {rate / need:.1f}x "
-                      f"what training consumes")
+                rate, cpu = loader_per_s(dataset, w.global_batch, workers, args.batches)
+                line = dict(workload=args.workload, role=role, workers=workers, samples_per_s=rate,
+                            consumed_per_s=need, step_s=record["step_s"], layout=record["layout"])
+                text = f"  rank that {role}, {workers} workers: {rate:.2f} samples/s = {rate / need:.1f}x what " \
+                       f"training consumes"
+                if not workers:  # the load-independent figure: cores a rank's loader needs at that rate
+                    line.update(cpu_s_per_sample=cpu, cores_needed=cpu * need)
+                    text += f"; {cpu:.3f} CPU s per sample: {cpu * need:.2f} cores keep up"
+                print(text)
                 if args.out:
                     with open(args.out, "a") as f:
-                        f.write(json.dumps(dict(workload=args.workload, role=role, workers=workers,
-                                                samples_per_s=rate, consumed_per_s=need,
-                                                step_s=record["step_s"], layout=record["layout"])) + "\n")
+                        f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":
