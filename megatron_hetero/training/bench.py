@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from megatron_hetero.data.sample_batch import Media, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
 from megatron_hetero.models.sizes import ModelSizes
@@ -84,9 +85,10 @@ def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0) -> dict:
     ids[:, 0], ids[:, 1 : 1 + rows] = tokenizer.bos_id, tokenizer.image_id
     loss_mask = torch.zeros(b, s)
     loss_mask[:, rows : s - 1] = 1.0
-    return dict(input_ids=ids, labels=torch.roll(ids, -1, dims=1), loss_mask=loss_mask,
-                images=torch.rand(b, w.images_per_sample, 3, w.image_size, w.image_size, generator=g),
-                vision_positions=torch.arange(1, 1 + rows).repeat(b, 1))
+    images = Media(torch.rand(b * w.images_per_sample, 3, w.image_size, w.image_size, generator=g),
+                   torch.full((b,), w.images_per_sample), torch.arange(1, 1 + rows).repeat(b))
+    return SampleBatch(ids, torch.roll(ids, -1, dims=1), loss_mask, {"vision": images}, []).model_kwargs(
+        {"vision": "images"})
 
 
 def global_microbatches(batch: dict, size: int) -> list[dict]:
