@@ -152,7 +152,8 @@ def test_hf_tokenizer_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("template, image_token, message", [
-    (None, True, "no chat template"), (TEMPLATE, False, "has no <image> token")])
+    (None, True, "no chat template"), (TEMPLATE, False, "has no <image> token"),
+    ("{{ messages|length }}" + TEMPLATE, True, "does not render a conversation's prefix")])
 def test_hf_tokenizer_refused(tmp_path, template, image_token, message):
     with pytest.raises(TokenizerError, match=message):
         HFChatTokenizer(_hf_tokenizer(tmp_path, template, image_token))

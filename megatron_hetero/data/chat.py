@@ -48,6 +48,7 @@ class HFChatTokenizer:
         self.eos_id = self._tok.eos_token_id
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self._tok)
+        self.pieces([Turn("user", "a"), Turn("assistant", "b")] * 2)  # a template that cannot serve fails here
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
