@@ -5,6 +5,7 @@ layout's module order, also for modules it does not hold (it then gets None grou
 `init_distributed` starts the world itself where megatron.training does not (the tools).
 """
 
+import copy
 import datetime
 import os
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.layout import HeteroLayout, ModuleLayout
 
-# tp fastest: Megatron's tp-cp-dp-pp order. "ep" has size 1 (dense modules) so that the expert
-# groups megatron-core asks for come from the grid, collectively, like the others.
+# tp fastest: Megatron's tp-cp-dp-pp order. "ep" has size 1 here: expert parallelism has a grid of
+# its own over the same ranks (Megatron's expert rank order, expert tp fastest, then ep, dp, pp).
 GRID_AXES = ["tp", "cp", "ep", "dp", "pp"]
+EXPERT_GRID_AXES = ["tp", "ep", "dp", "pp"]
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> torch.device:
@@ -44,6 +46,15 @@ class ModuleGroups:
     layout: ModuleLayout
     grid: HyperCommGrid
     pgs: ProcessGroupCollection | None
+    alone: dist.ProcessGroup | None = None  # this rank by itself (the dense grid's size-1 ep axis)
+
+    def all_experts_here(self) -> ProcessGroupCollection:
+        """The module's groups with expert parallelism folded into this rank (ep 1: every expert,
+        on this rank's expert-tp slice): what building the whole module for layout-independent
+        weights takes (models/init.py)."""
+        pgs = copy.copy(self.pgs)
+        pgs.ep, pgs.tp_ep = self.alone, self.pgs.expt_tp
+        return pgs
 
 
 def _first_and_last_stage_groups(grid: HyperCommGrid, rank: int):
@@ -79,19 +90,28 @@ def build_module_groups(module: ModuleLayout, backend: str | None = None) -> Mod
         intra_dist_opt=grid.create_pg(GRID_AXES),
     )
     embd, pos_embd = _first_and_last_stage_groups(grid, rank)
+    experts = _expert_groups(module, groups, backend)
     if not grid.is_current_rank_in_grid():
         return ModuleGroups(module, grid, None)
-    # Dense modules: the expert groups are the dense ones (ep=1, expert tp = tp, expert dp = dp).
-    pgs = ProcessGroupCollection(
-        **groups,
-        embd=embd,
-        pos_embd=pos_embd,
-        expt_tp=groups["tp"],
-        expt_dp=groups["dp"],
-        tp_ep=groups["tp"],
-        tp_ep_pp=groups["mp"],
+    pgs = ProcessGroupCollection(**{**groups, **experts}, embd=embd, pos_embd=pos_embd)
+    return ModuleGroups(module, grid, pgs, alone=groups["ep"])
+
+
+def _expert_groups(module: ModuleLayout, dense: dict, backend: str | None) -> dict:
+    """Collective: the expert groups megatron-core's MoE layers, DDP and optimizer take. Without
+    an expert layout of its own (ep 1, etp = tp) they are the dense groups, an expert replicated
+    like a dense weight over dp x cp."""
+    if not module.has_expert_grid:
+        return dict(expt_tp=dense["tp"], expt_dp=dense["dp_cp"], tp_ep=dense["tp"], tp_ep_pp=dense["mp"])
+    grid = HyperCommGrid(module.expert_grid_shape(), EXPERT_GRID_AXES, rank_offset=module.first_rank,
+                         backend=backend)
+    return dict(
+        ep=grid.create_pg("ep"),
+        expt_tp=grid.create_pg("tp"),
+        expt_dp=grid.create_pg("dp"),
+        tp_ep=grid.create_pg(["tp", "ep"]),
+        tp_ep_pp=grid.create_pg(["tp", "ep", "pp"]),
     )
-    return ModuleGroups(module, grid, pgs)
 
 
 def build_groups(layout: HeteroLayout, backend: str | None = None) -> dict[str, ModuleGroups]:

@@ -16,6 +16,7 @@ import yaml
 
 __all__ = [
     "AXES",
+    "EXPERT_AXES",
     "Edge",
     "HeteroLayout",
     "LayoutError",
@@ -26,6 +27,8 @@ __all__ = [
 
 # Megatron order inside a module: tp fastest, then cp, then dp, then pp.
 AXES = ("tp", "cp", "dp", "pp")
+# Expert layers' order over the same ranks: expert tp fastest, then ep, expert dp, pp.
+EXPERT_AXES = ("etp", "ep", "edp", "pp")
 ROLES = ("encoder", "llm")
 PLACEMENTS = ("colocated", "non_colocated")
 TOP_KEYS = ("placement", "modules", "edges")
@@ -62,6 +65,11 @@ class ModuleLayout:
     # What an encoder encodes (e.g. vision, audio: a script's registry of encoder kinds decides what
     # it builds); without `kind:` in the file, the module's name.
     kind: str = ""
+    # Expert parallelism (the llm's MoE layers): ep ranks split the experts, etp ranks each expert's
+    # weights; 0 = Megatron's default, etp = tp. The expert grid (etp, ep, expert dp, pp) covers the
+    # same ranks as the dense one: ep x etp divides tp x cp x dp.
+    ep: int = 1
+    etp: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -89,6 +97,53 @@ class ModuleLayout:
             object.__setattr__(self, "kind", self.name)
         if not _is_int(self.first_rank) or self.first_rank < 0:
             raise LayoutError(f"{where}: first rank must be a non-negative integer, got {self.first_rank!r}")
+        self._check_experts(where)
+
+    def _check_experts(self, where: str) -> None:
+        if self.etp == 0:
+            object.__setattr__(self, "etp", self.tp)
+        for key in ("ep", "etp"):
+            value = getattr(self, key)
+            if not _is_int(value) or value < 1:
+                raise LayoutError(f"{where}: {key} must be a positive integer, got {value!r}; set {key}: 1 or more")
+        if self.role != "llm" and self.has_expert_grid:
+            raise LayoutError(f"{where}: ep/etp split the llm's experts and encoders are dense; remove ep and etp")
+        dense = self.tp * self.cp * self.dp
+        if dense % (self.ep * self.etp):
+            raise LayoutError(
+                f"{where}: ep x etp = {self.ep * self.etp} does not divide tp x cp x dp = {dense} (the expert "
+                f"groups share a pipeline stage's ranks); use ep x etp dividing {dense}")
+
+    @property
+    def has_expert_grid(self) -> bool:
+        """Whether the experts are laid out other than the dense layers (ep > 1 or etp != tp)."""
+        return self.ep > 1 or self.etp != self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard: the ranks of a stage over ep x etp."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    def expert_grid_shape(self) -> list[int]:
+        """Shape for megatron-core HyperCommGrid(shape, list(EXPERT_AXES)): Megatron's expert order,
+        expert tp fastest, then ep, expert dp, pp (parallel_state's expert rank generator)."""
+        return [self.etp, self.ep, self.expert_dp, self.pp]
+
+    def expert_groups(self, axis: str) -> list[list[int]]:
+        """The global ranks of each `axis` group (an EXPERT_AXES name) of the expert grid."""
+        groups: dict[tuple, list[int]] = {}
+        for rank in self.ranks:
+            coords = self.expert_coords(rank)
+            groups.setdefault(tuple(v for k, v in coords.items() if k != axis), []).append(rank)
+        return list(groups.values())
+
+    def expert_coords(self, rank: int) -> dict[str, int] | None:
+        if rank not in self.ranks:
+            return None
+        offset, result = rank - self.first_rank, {}
+        for axis, extent in zip(EXPERT_AXES, self.expert_grid_shape()):
+            offset, result[axis] = divmod(offset, extent)
+        return result
 
     @property
     def size(self) -> int:
@@ -257,14 +312,25 @@ class HeteroLayout:
             sizes = " ".join(f"{axis}{getattr(m, axis)}" for axis in AXES)
             flags = "".join([", sp" if m.sp else "", ", frozen" if m.freeze else ""])
             role = m.role if m.kind == m.name or m.role == "llm" else f"{m.role}, kind {m.kind}"
+            if m.has_expert_grid:
+                sizes += " | experts " + " ".join(
+                    f"{axis}{n}" for axis, n in zip(EXPERT_AXES, m.expert_grid_shape()))
             lines.append(f"{m.name} ({role}): {sizes}, ranks {_span(m.ranks)}{flags}")
+            if m.has_expert_grid:
+                lines += [f"{m.name} {axis} groups: " + " ".join(
+                    "{" + ",".join(map(str, group)) + "}" for group in m.expert_groups(axis))
+                    for axis in ("ep", "etp", "edp") if m.expert_grid_shape()[EXPERT_AXES.index(axis)] > 1]
         if self.edges:
             lines.append("edges: " + ", ".join(str(edge) for edge in self.edges))
         for rank in range(self.world_size):
             held = []
             for m in self.modules_on(rank):
                 coords = m.coords(rank)
-                held.append(f"{m.name}[" + " ".join(f"{axis}{coords[axis]}" for axis in AXES) + "]")
+                text = " ".join(f"{axis}{coords[axis]}" for axis in AXES)
+                if m.has_expert_grid:
+                    expert = m.expert_coords(rank)
+                    text += " | " + " ".join(f"{axis}{expert[axis]}" for axis in EXPERT_AXES[:-1])
+                held.append(f"{m.name}[{text}]")
             lines.append(f"rank {rank}: " + " ".join(held))
         return "\n".join(lines)
 
@@ -298,11 +364,6 @@ def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
             raise LayoutError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(MODULE_KEYS)}")
     if "role" not in spec:
         raise LayoutError(f"{where}: role missing; add role: encoder or role: llm")
-    for key in ("ep", "etp"):
-        if key in spec and not (_is_int(spec[key]) and spec[key] == 1):
-            raise LayoutError(
-                f"{where}: {key} = {spec[key]!r}: expert parallelism is not supported yet; set {key}: 1 or remove it"
-            )
     if placement == "non_colocated" and "ranks" not in spec:
         raise LayoutError(f"{where}: ranks missing; a non_colocated layout needs ranks: START-END on every module")
     ranks = _parse_ranks(name, spec["ranks"]) if "ranks" in spec else range(world_size)
@@ -314,7 +375,7 @@ def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
     module = ModuleLayout(
         name=name,
         first_rank=ranks.start,
-        **{key: spec[key] for key in ("role", "kind", *AXES, "sp", "freeze") if key in spec},
+        **{key: spec[key] for key in ("role", "kind", *AXES, "sp", "freeze", "ep", "etp") if key in spec},
     )
     # Colocated sizes are checked against the world by HeteroLayout; here only the explicit range.
     if placement == "non_colocated" and module.size != len(ranks):

@@ -23,6 +23,7 @@ __all__ = [
     "edge_problem",
     "encoder_cp_problem",
     "encoder_pp_problem",
+    "experts_problem",
     "first_problem",
     "head_width_problem",
     "heads_problem",
@@ -86,6 +87,25 @@ def encoder_pp_problem(encoder: ModuleLayout, placement: str) -> str | None:
 def llm_freeze_problem(llm: ModuleLayout) -> str | None:
     if llm.freeze:
         return f"module {llm.name}: freeze is for encoders here; remove it from the llm"
+    return None
+
+
+def experts_problem(llm: ModuleLayout, num_experts: int | None, topk: int) -> str | None:
+    """Expert parallelism splits an MoE LLM's experts evenly; megatron-core's MoE layer trains
+    tensor parallelism only with sequence parallelism."""
+    if num_experts is None:
+        if llm.has_expert_grid:
+            return (f"module {llm.name}: ep={llm.ep} etp={llm.etp} lay out experts but the llm is dense; "
+                    f"add --num-experts (a multiple of {llm.ep}) or remove ep and etp")
+        return None
+    if num_experts % llm.ep:
+        return (f"--num-experts {num_experts} is not divisible by module {llm.name}'s ep={llm.ep}; "
+                f"use a multiple of {llm.ep}")
+    if not 1 <= topk <= num_experts:
+        return f"--moe-router-topk {topk} must be between 1 and --num-experts {num_experts}"
+    if llm.tp > 1 and not llm.sp:
+        return (f"module {llm.name}: an MoE llm with tp={llm.tp} needs sequence parallelism (megatron-core's "
+                f"MoE layer); set sp: true")
     return None
 
 

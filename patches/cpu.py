@@ -11,7 +11,12 @@ Active only while no GPU is present (apply() does nothing with CUDA). Targets me
 - the distributed init and the seeding skip model-parallel setup when no GPU is counted: they see one;
 - the JIT warm-up's random "CUDA" tensors must not draw from the CPU generator weights come from;
 - process groups asked for by backend name (MIMO's bridge communicators want "nccl") are created on
-  the default backend, gloo.
+  the default backend, gloo;
+- the MoE all-to-all dispatcher's token counts: megatron-core copies CUDA counts to host numpy arrays
+  (the split sizes all_to_all_single takes) and leaves host tensors as they are, which it refuses;
+- its gather and reduce-scatter of unevenly split tokens over expert-tensor-parallel ranks: gloo
+  gathers only equal sizes (padded here to the largest split) and reduce-scatters none (an
+  all-reduce and this rank's rows here).
 """
 
 import contextlib
@@ -114,6 +119,37 @@ def _keeping_cpu_rng(original):
     return wrapper
 
 
+def _host_split_sizes(original):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy, record_stream)
+    return maybe_move_tensor_to_cpu
+
+
+def _uneven_gather(original):
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+    return gather_along_first_dim
+
+
+def _uneven_reduce_scatter(original):
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone()
+        dist.all_reduce(total, group=group)
+        return torch.split(total, [int(n) for n in input_split_sizes])[group.rank()].contiguous()
+    return reduce_scatter_along_first_dim
+
+
 def _on_default_backend(create):
     def wrapper(*args, backend=None, **kwargs):
         return create(*args, **kwargs)
@@ -162,6 +198,12 @@ def apply() -> None:
     replace("megatron.training.initialize._initialize_distributed", _counting_one_device)
     replace("megatron.training.initialize._set_random_seed", _counting_one_device)
     replace("megatron.training.initialize._warmup_jit_function", _keeping_cpu_rng)
+    replace("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu", _host_split_sizes,
+            params=("tensor", "as_numpy", "record_stream"))
+    replace("megatron.core.tensor_parallel.mappings._gather_along_first_dim", _uneven_gather,
+            params=("input_", "group", "output_split_sizes", "use_global_buffer"))
+    replace("megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim", _uneven_reduce_scatter,
+            params=("input_", "group", "input_split_sizes", "use_global_buffer"))
     dist.new_group = _on_default_backend(dist.new_group)
     dist.new_subgroups_by_enumeration = _on_default_backend(dist.new_subgroups_by_enumeration)
     _mode = _CudaToCpu()

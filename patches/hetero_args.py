@@ -1,6 +1,6 @@
 """`--hetero-layout` inside Megatron's argument validation (megatron.training 0.19 `validate_args`).
 
-The layout file is the source of the parallel sizes: the LLM's tp/cp/pp/sp become Megatron's
+The layout file is the source of the parallel sizes: the LLM's tp/cp/pp/sp/ep/etp become Megatron's
 `--tensor-model-parallel-size` & co. (a conflicting flag is an error), the data-parallel size is the
 LLM's dp (microbatches are counted per LLM data-parallel rank), and upstream validation sees the
 LLM's share of the world, so a non-colocated layout whose encoder has ranks of its own validates.
@@ -14,11 +14,13 @@ from megatron_hetero.boundary import BoundaryError, check_edge_layouts
 from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout
 from megatron_hetero.training.args import ArgsError
 
-# Megatron flag, args attribute, llm layout field.
+# Megatron flag, args attribute, llm layout field, the flag's default.
 _LLM_SIZES = (
-    ("--tensor-model-parallel-size", "tensor_model_parallel_size", "tp"),
-    ("--context-parallel-size", "context_parallel_size", "cp"),
-    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "pp"),
+    ("--tensor-model-parallel-size", "tensor_model_parallel_size", "tp", 1),
+    ("--context-parallel-size", "context_parallel_size", "cp", 1),
+    ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "pp", 1),
+    ("--expert-model-parallel-size", "expert_model_parallel_size", "ep", 1),
+    ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", "etp", None),
 )
 
 
@@ -31,9 +33,9 @@ def fail(message: str) -> None:
 
 def _apply_layout(args, layout: HeteroLayout) -> None:
     llm = layout.llm
-    for flag, attr, axis in _LLM_SIZES:
+    for flag, attr, axis, default in _LLM_SIZES:
         given, wanted = getattr(args, attr), getattr(llm, axis)
-        if given not in (1, wanted):
+        if given not in (default, wanted):
             raise ArgsError(f"{flag} {given} conflicts with module {llm.name}'s {axis}={wanted} in "
                             f"{args.hetero_layout}; drop the flag (the layout file sets each module's sizes)")
         setattr(args, attr, wanted)

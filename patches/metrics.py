@@ -2,8 +2,10 @@
 (megatron.training 0.19 `training.training_log`, called every iteration on every rank).
 
 Each line: step, loss (Megatron's reported `lm loss`: the global mean over loss tokens), grad_norm,
-lr, elapsed_s, tokens_per_s (samples x sequence length per second), and under --hetero-layout the
-writing rank's waiting_share (the share of the step it spent blocked on other ranks' data). Written by
+lr, elapsed_s, tokens_per_s (samples x sequence length per second), under --hetero-layout the
+writing rank's waiting_share (the share of the step it spent blocked on other ranks' data), and with
+--num-experts the step's MoE losses as Megatron logs them (megatron-core's MoE metrics tracker:
+load_balancing_loss, z_loss, ...; the mean over layers, microbatches and data-parallel ranks). Written by
 the rank that holds the loss: the LLM's last stage at tp = cp = dp = 0 (the last rank without a layout).
 """
 
@@ -48,10 +50,28 @@ def write_record(record: dict) -> None:
         _writer.write(record)
 
 
+def _keeping_moe_scalars(original):
+    """The tracker's per-step scalars, kept where the metrics record reads them."""
+    def aggregate(self, *args, **kwargs):
+        scalars = original(self, *args, **kwargs)
+        self.last_scalars = {name: float(value) for name, value in scalars.items()}
+        return scalars
+    return aggregate
+
+
+def _moe_losses() -> dict:
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    scalars = getattr(get_moe_metrics_tracker(), "last_scalars", {})
+    return {name: value for name, value in scalars.items() if name.endswith("loss")}
+
+
 def _training_log(original):
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs):
         global _writer
         run_args = get_args()
+        # Megatron's MoE metrics are reduced (collectively) inside: the record comes after.
+        result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs)
         if run_args.metrics_file and _writes_metrics(run_args):
             if _writer is None:
                 _writer = MetricsWriter(run_args.metrics_file)
@@ -68,12 +88,15 @@ def _training_log(original):
                 clock = run_args.hetero_run.model.clock
                 record["waiting_share"] = (clock.waiting_s - _writer.waited) / step_s if step_s else None
                 _writer.waited = clock.waiting_s
+            if run_args.num_experts is not None:
+                record.update(_moe_losses())
             _writer.write(record)
-        return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs)
+        return result
     return training_log
 
 
 def apply() -> None:
+    replace("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker._aggregate", _keeping_moe_scalars)
     replace("megatron.training.training.training_log", _training_log,
             params=("loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale",
                     "report_memory_flag", "skipped_iter", "grad_norm"))

@@ -19,6 +19,20 @@ class TransformerArch:
 
 
 @dataclass(frozen=True)
+class MoEArch:
+    """Mixture-of-experts MLPs (megatron-core MoELayer in every LLM layer), from Megatron's flags
+    --num-experts, --moe-router-topk, --moe-ffn-hidden-size, --moe-aux-loss-coeff, --moe-z-loss-coeff,
+    --moe-token-dispatcher-type."""
+
+    num_experts: int
+    topk: int = 2
+    ffn_hidden_size: int | None = None  # per expert; None: the dense ffn size
+    aux_loss_coeff: float = 0.0  # load-balancing loss ("aux_loss": per microbatch)
+    z_loss_coeff: float | None = None
+    dispatcher: str = "alltoall"
+
+
+@dataclass(frozen=True)
 class LLMArch(TransformerArch):
     num_query_groups: int | None = None  # None: one per attention head
     head_dim: int | None = None  # None: hidden size / attention heads
@@ -26,6 +40,7 @@ class LLMArch(TransformerArch):
     rope_theta: float = 10000.0
     qkv_bias: bool = False
     tied_embeddings: bool = False  # the output layer is the input embedding
+    moe: MoEArch | None = None  # None: dense MLPs
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,13 @@ def _norm_spec(pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
     return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group})
 
 
-def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
+def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_experts: int | None = None) -> ModuleSpec:
     """Causal decoder layer for the LLM. pg_collection: the LLM's groups, needed (for the norms'
-    TP group) with sequence parallelism and without Transformer Engine."""
+    TP group) with sequence parallelism and without Transformer Engine; num_experts: megatron-core's
+    MoE layer (SequentialMLP experts) for the MLP."""
     if HAVE_TE:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return with_our_layers(get_gpt_layer_local_spec(), pg_collection)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
+    return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts), pg_collection)
 
 
 def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:

@@ -17,7 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.audio import AudioEncoder
-from megatron_hetero.models.sizes import ModelSizes, TransformerArch
+from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
@@ -126,12 +126,14 @@ def build_llm(
     pp, first, last = _stage(pgs, whole)
     arch = sizes.llm_arch
     fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
-                  gated_linear_unit=arch.gated_linear_unit, add_qkv_bias=arch.qkv_bias)
+                  gated_linear_unit=arch.gated_linear_unit, add_qkv_bias=arch.qkv_bias,
+                  **_moe_fields(arch.moe, pgs))
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
                      cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
+    num_experts = arch.moe.num_experts if arch.moe else None
     return GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs), config, pgs),
+        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts), config, pgs),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
         pre_process=first,
@@ -140,6 +142,25 @@ def build_llm(
         rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tied_embeddings,
         pg_collection=pgs,
+    )
+
+
+def _moe_fields(moe: MoEArch | None, pgs: ProcessGroupCollection) -> dict:
+    """TransformerConfig fields of megatron-core's MoE layers; expert parallel sizes from the
+    module's expert groups (SequentialMLP experts: grouped GEMM needs Transformer Engine)."""
+    if moe is None:
+        return {}
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff,
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=pgs.ep.size(),
+        expert_tensor_parallel_size=pgs.expt_tp.size(),
     )
 
 

@@ -33,12 +33,13 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
             continue
         layout, pgs = module.layout, module.pgs
         if layout.role == "llm":
-            def build(whole, layout=layout, pgs=pgs):
+            def build(whole, layout=layout, module=module):
+                pgs = module.groups.all_experts_here() if whole else module.pgs
                 return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp)
         else:
             def build(whole, layout=layout, pgs=pgs):
                 return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole)
-        parts[module.name] = build_stage(build, seed + index, layout.pp)
+        parts[module.name] = build_stage(build, seed + index, layout.pp, ep=layout.ep)
     return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision, dtype))
 
 

@@ -12,7 +12,7 @@ from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
 MEGATRON_SIZE_FLAGS = ("hidden_size", "num_layers", "num_attention_heads", "seq_length")
@@ -86,9 +86,24 @@ def tokenizer(args):
         raise ArgsError(f"--tokenizer-model {args.tokenizer_model}: {error}") from None
 
 
+def _first(value):
+    """Megatron keeps a one-element `nargs='+'` flag as a list until its validation unwraps it."""
+    return value[0] if isinstance(value, list) else value
+
+
+def moe_arch(args) -> MoEArch | None:
+    """The LLM's MoE layers from Megatron's flags (--num-experts & co.); None without --num-experts."""
+    if args.num_experts is None:
+        return None
+    return MoEArch(num_experts=args.num_experts, topk=args.moe_router_topk,
+                   ffn_hidden_size=args.moe_ffn_hidden_size, aux_loss_coeff=_first(args.moe_aux_loss_coeff),
+                   z_loss_coeff=args.moe_z_loss_coeff, dispatcher=args.moe_token_dispatcher_type)
+
+
 def model_sizes(args) -> ModelSizes:
     names = [f.name for f in _own_size_fields()] + list(MEGATRON_SIZE_FLAGS)
-    return ModelSizes(vocab_size=tokenizer(args).vocab_size, **{name: getattr(args, name) for name in names})
+    return ModelSizes(vocab_size=tokenizer(args).vocab_size, llm_arch=LLMArch(moe=moe_arch(args)),
+                      **{name: getattr(args, name) for name in names})
 
 
 def parse_script_args(argv: list[str], validate: bool = True):
@@ -193,7 +208,8 @@ def check_args(args, layout) -> None:
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
     rules.check(ArgsError, rules.batch_problem(args.global_batch_size, args.micro_batch_size, layout.llm,
-                                               layout.encoders))
+                                               layout.encoders),
+                rules.experts_problem(layout.llm, args.num_experts, args.moe_router_topk))
     _check_stages(args, layout)
     samples = args.eval_samples
     if samples:
