@@ -212,6 +212,24 @@ def test_rank_map_non_colocated():
     assert "rank 3: llm[tp0 cp0 dp2 pp0]" in lines
 
 
+def test_rank_map_expert_groups():
+    """Megatron's expert order over a stage's ranks: expert tp fastest, then ep, expert dp."""
+    lines = parse_layout(colocated(sp=True, ep=2, etp=1), 4).rank_map().splitlines()
+    assert "llm (llm): tp2 cp1 dp2 pp1 | experts etp1 ep2 edp2 pp1, ranks 0-3, sp" in lines
+    assert "llm ep groups: {0,1} {2,3}" in lines
+    assert "llm edp groups: {0,2} {1,3}" in lines
+    assert "rank 1: vision[tp0 cp0 dp1 pp0] llm[tp1 cp0 dp0 pp0 | etp0 ep1 edp0]" in lines
+    lines = parse_layout(colocated(sp=True, ep=2), 4).rank_map().splitlines()  # etp = tp by default
+    assert "llm (llm): tp2 cp1 dp2 pp1 | experts etp2 ep2 edp1 pp1, ranks 0-3, sp" in lines
+    assert "llm etp groups: {0,1} {2,3}" in lines and "llm ep groups: {0,2} {1,3}" in lines
+    pp = ModuleLayout("llm", "llm", cp=2, pp=2, ep=2, first_rank=1)
+    assert pp.expert_groups("ep") == [[1, 2], [3, 4]] and pp.expert_dp == 1
+    assert pp.expert_coords(4) == {"etp": 0, "ep": 1, "edp": 0, "pp": 1}
+    dense = ModuleLayout("llm", "llm", tp=2, dp=2)  # no expert grid of its own: not printed
+    assert not dense.has_expert_grid and dense.etp == 2
+    assert "experts" not in parse_layout(colocated(), 4).rank_map()
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 def with_module(data, name, **changes):
@@ -245,8 +263,13 @@ def with_module(data, name, **changes):
         ({**colocated(), "modules": {"vision": 4, "llm": {"role": "llm", "dp": 4}}}, 4,
          ["module vision", "expected a mapping"]),
         ({**colocated(), "modules": {"my vision": {"role": "encoder"}}}, 1, ["module name 'my vision'"]),
-        (with_module(colocated(), "llm", ep=2), 4, ["module llm", "ep", "expert parallelism is not supported yet"]),
-        (with_module(colocated(), "llm", etp=2), 4, ["module llm", "etp", "expert parallelism is not supported yet"]),
+        (with_module(colocated(), "llm", ep=8), 4, ["module llm", "ep x etp = 16 does not divide tp x cp x dp = 4",
+                                                    "use ep x etp dividing 4"]),
+        (with_module(colocated(), "llm", ep=2, etp=4), 4, ["module llm", "ep x etp = 8 does not divide"]),
+        (with_module(colocated(), "llm", ep=0), 4, ["module llm", "ep must be a positive integer"]),
+        (with_module(colocated(), "llm", etp="2"), 4, ["module llm", "etp must be a positive integer"]),
+        (with_module(colocated(), "vision", ep=2), 4, ["module vision", "encoders are dense", "remove ep and etp"]),
+        (with_module(colocated(), "vision", etp=2), 4, ["module vision", "encoders are dense"]),
         (with_module(colocated(), "llm", tp=1, dp=4, sp=True), 4, ["module llm", "set tp > 1 or sp: false"]),
         (with_module(colocated(), "vision", tp=2, dp=2, sp=True), 4,
          ["module vision", "sp is only supported on the llm"]),

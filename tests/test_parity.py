@@ -48,20 +48,25 @@ SCRIPT = Path(__file__).parent.parent / "examples" / "pretrain_vlm.py"
 
 
 def _save(out: Path, run, kinds, grads_too: bool = False):
-    """Each held module's whole tensors (one copy per pipeline stage): `kinds` of ("init", "params")
-    from its parameters, and with `grads_too` its DP-reduced gradients."""
+    """Each held module's whole tensors (one copy per pipeline stage and expert-parallel rank):
+    `kinds` of ("init", "params") from its parameters, and with `grads_too` its DP-reduced
+    gradients."""
     for name, module in run.modules.items():
         if not module.held:
             continue  # non-colocated: held elsewhere
-        coords = module.coords()
+        coords, expert = module.coords(), module.layout.expert_coords(run.rank)
         todo = [(kind, False) for kind in kinds]
         if grads_too and module.ddp is not None:  # frozen: no gradients
             gather_grad_shards(module.ddp)  # distributed optimizer: each DP rank reduced its own shard
             todo.append(("grads", True))
         for kind, grads in todo:
-            tensors = full_tensors(module.part, module.pgs.tp, grads=grads)
-            if coords["tp"] == coords["cp"] == coords["dp"] == 0:
-                torch.save(tensors, out / f"{name}_{kind}_pp{coords['pp']}.pt")
+            tensors = {}
+            for experts, saver in ((False, coords["tp"] == coords["cp"] == coords["dp"] == 0),
+                                   (True, expert["etp"] == expert["edp"] == 0)):
+                part = full_tensors(module.part, module.pgs.tp, grads, module.pgs.expt_tp, experts=experts)
+                tensors.update(part if saver else {})
+            if tensors:
+                torch.save(tensors, out / f"{name}_{kind}_pp{coords['pp']}_ep{expert['ep']}.pt")
 
 
 def _train_and_capture(rank, world_size, layout_file, out_dir, flags):
@@ -98,18 +103,22 @@ def _save_state_sizes(run, path):
         info = infos[name]
         if not info.is_active:
             continue
-        inner = info.optimizer.optimizer  # megatron-core's optimizer wraps torch's
+        # megatron-core's optimizers (one for dense, one for expert parameters) wrap torch's
+        inners = [o.optimizer for o in info.optimizer.chained_optimizers]
         coords = module.coords()
         sizes[name] = dict(
-            state=sum(t.numel() for s in inner.state.values() for k, t in s.items() if k != "step"),
+            state=sum(t.numel() for inner in inners for s in inner.state.values() for k, t in s.items()
+                      if k != "step"),
             replicated=2 * sum(p.numel() for p in module.part.parameters() if p.requires_grad),
             dp=module.layout.dp * module.layout.cp, replica=[coords["tp"], coords["pp"]])
     path.write_text(json.dumps(sizes))
 
 
-def _run(out: Path, layout_file: Path, world_size: int, flags: list[str]):
+def _run(out: Path, layout_file: Path, world_size: int, flags: list[str], train=_train_and_capture):
+    """(metrics per step, whole tensors per module and kind) of `train` (_train_and_capture or a
+    function calling it) in world_size processes."""
     out.mkdir()
-    run_distributed(_train_and_capture, world_size, layout_file, str(out), flags)
+    run_distributed(train, world_size, layout_file, str(out), flags)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tensors = {}
     for f in sorted(out.glob("*.pt")):  # merge the pipeline stages of each module
@@ -137,11 +146,12 @@ def references(tmp_path_factory):
     return reference
 
 
-def _assert_reproduces(run, reference):
+def _assert_reproduces(run, reference, keys=("loss", "grad_norm")):
+    """`keys`: the metrics compared per step."""
     (metrics, tensors), (ref_metrics, ref_tensors) = run, reference
     assert len(metrics) == len(ref_metrics) == STEPS
     for got, want in zip(metrics, ref_metrics):
-        for key in ("loss", "grad_norm"):
+        for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-4), (got["step"], key)
     assert tensors.keys() == ref_tensors.keys()
     for key, want_tensors in ref_tensors.items():

@@ -318,3 +318,46 @@ def test_cli_bad_input_is_one_error_line(argv, message):
     result = run_tool("plan_layout", *argv)
     assert result.returncode == 2
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+
+
+# ---- mixture of experts ---------------------------------------------------------------------------
+
+MOE = PRESETS["moe"].workload
+
+
+def test_moe_flops_count_the_active_experts():
+    moe = ModuleShape("llm", "llm", hidden=8, layers=1, heads=4, ffn=16, seq_length=8, vocab=1, experts=6, topk=2)
+    # Q, K, V, O 8x8 each; the router 8 x 6; six experts of 2 x 8x16 held, two computed per token.
+    assert layer_params(moe) == 4 * 64 + 8 * 6 + 6 * 2 * 8 * 16
+    assert layer_params(moe, active=True) == 4 * 64 + 8 * 6 + 2 * 2 * 8 * 16
+    assert layer_forward_flops_per_token(moe) == 2 * (4 * 64 + 8 * 6 + 2 * 2 * 8 * 16) + 4 * (8 / 2) * 8
+    # Qwen3-30B-A3B's shape: about 30B parameters, about 3B active.
+    llm = MOE.llm
+    total = llm.layers * layer_params(llm) + 2 * llm.vocab * llm.hidden
+    active = llm.layers * layer_params(llm, active=True) + 2 * llm.vocab * llm.hidden
+    assert 28e9 < total < 32e9 and 2.5e9 < active < 3.5e9
+    with pytest.raises(ValueError, match="topk 0 must be between 1 and experts 6"):
+        replace(moe, topk=0)
+
+
+def test_plan_ranks_moe_layouts_by_expert_parallelism():
+    """On 8 GPUs the MoE LLM's experts fit only split (over EP, or TP / PP); the fastest splits
+    them over EP. More EP costs more all-to-all traffic per token and holds fewer experts per GPU;
+    the written layout file carries ep."""
+    cluster = Cluster(8, 150)
+    result = plan(MOE, cluster, Calibration())
+    unsplit = [p for p in result.ranked + result.over_memory if p.candidate.llm.tp == p.candidate.llm.pp == 1]
+    assert not any(p.fits for p in unsplit if p.candidate.llm.ep == 1)
+    assert any(p.fits for p in unsplit if p.candidate.llm.ep > 1)
+    assert result.best().candidate.llm.ep > 1
+    model = CostModel(MOE, cluster, Calibration())
+    vision = ModuleLayout("vision", "encoder", dp=8)
+    by_ep = {ep: model.predict(Candidate("colocated", (vision, ModuleLayout("llm", "llm", dp=8, ep=ep)), 1))
+             for ep in (2, 8)}
+    assert 0 < by_ep[2].busy["llm"].ep_comm < by_ep[8].busy["llm"].ep_comm
+    assert by_ep[8].memory_gb < by_ep[2].memory_gb
+    dense = model.predict(Candidate("colocated", (vision, ModuleLayout("llm", "llm", dp=8)), 1))
+    assert dense.busy["llm"].ep_comm == 0 and dense.memory_gb > by_ep[2].memory_gb
+    best = result.best()
+    written = parse_layout(yaml.safe_load(layout_yaml(best, MOE, cluster)), 8)
+    assert written.llm.ep == best.candidate.llm.ep

@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 DEMO = str(ROOT / "examples" / "layouts" / "demo_colocated.yaml")
+MOE_EP2 = str(ROOT / "examples" / "layouts" / "moe_colocated_vdp4_ldp4ep2.yaml")
 
 
 def _run(args, tmp_path, layout_text=None):
@@ -50,6 +51,12 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", DEMO, "--data-path", "a.txt"], None, "--data-path a.txt: give one LLaVA-style .json"),
     (["--hetero-layout", DEMO, "--data-path", "a.json", "--tokenizer-type", "HuggingFaceTokenizer",
       "--tokenizer-model", "nowhere"], None, "--tokenizer-model nowhere: nowhere is not a Hugging Face tokenizer"),
+    # MoE: expert layouts against Megatron's flags
+    (["--hetero-layout", MOE_EP2], None, "module llm: ep=2 etp=1 lay out experts but the llm is dense"),
+    (["--hetero-layout", MOE_EP2, "--num-experts", "5"], None, "--num-experts 5 is not divisible by module llm's ep=2"),
+    (["--hetero-layout", MOE_EP2, "--num-experts", "4", "--expert-model-parallel-size", "4"], None,
+     "--expert-model-parallel-size 4 conflicts with module llm's ep=2"),
+    (["--hetero-layout", DEMO, "--num-experts", "4"], None, "an MoE llm with tp=2 needs sequence parallelism"),
     (["--hetero-layout", "layout.yaml"],
      "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 2, ranks: 0-1}\n"
      "  llm: {role: llm, dp: 2, ranks: 2-3}\n",

@@ -48,7 +48,7 @@ class Candidate:
     def describe(self) -> str:
         parts = []
         for layout in self.layouts:
-            sizes = " ".join(f"{axis}{getattr(layout, axis)}" for axis in AXES if getattr(layout, axis) > 1)
+            sizes = " ".join(f"{axis}{getattr(layout, axis)}" for axis in (*AXES, "ep") if getattr(layout, axis) > 1)
             flags = "".join([" sp" if layout.sp else "", " frozen" if layout.freeze else ""])
             where = f" @{layout.ranks.start}-{layout.ranks.stop - 1}" if self.placement == "non_colocated" else ""
             parts.append(f"{layout.name} {sizes or 'x1'}{flags}{where}")
@@ -83,7 +83,8 @@ def layout_problem(shape: ModuleShape, layout: ModuleLayout, placement: str, clu
         problems += [rules.encoder_cp_problem(layout, replicated=placement == "homogeneous"),
                      rules.encoder_pp_problem(layout, placement)]
     else:
-        problems.append(rules.sequence_problem(shape.seq_length, layout))
+        problems += [rules.sequence_problem(shape.seq_length, layout),
+                     rules.experts_problem(layout, shape.experts or None, shape.topk)]
     return rules.first_problem(*problems)
 
 
@@ -99,12 +100,15 @@ def _factorizations(gpus: int, axes: tuple[str, ...]):
 
 def llm_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Cluster):
     """Every LLM layout on `gpus` GPUs that megatron-core and the trainer accept. Sequence
-    parallelism is on whenever TP > 1 (it saves memory for the same communication)."""
+    parallelism is on whenever TP > 1 (it saves memory for the same communication). An MoE LLM
+    splits its experts over every EP size within DP x CP (expert TP = TP)."""
     for sizes in _factorizations(gpus, ("tp", "cp", "pp")):
         dp = gpus // (sizes["tp"] * sizes["cp"] * sizes["pp"])
-        layout = ModuleLayout(shape.name, "llm", dp=dp, sp=sizes["tp"] > 1, first_rank=first_rank, **sizes)
-        if layout_problem(shape, layout, "colocated", cluster) is None:
-            yield layout
+        for ep in _divisors(dp * sizes["cp"]) if shape.experts else [1]:
+            layout = ModuleLayout(shape.name, "llm", dp=dp, sp=sizes["tp"] > 1, first_rank=first_rank, ep=ep,
+                                  **sizes)
+            if layout_problem(shape, layout, "colocated", cluster) is None:
+                yield layout
 
 
 def encoder_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Cluster, placement: str):

@@ -14,6 +14,7 @@ from megatron_hetero.planner.counts import (
     LOGIT_BYTES,
     WEIGHT_BYTES,
     activation_bytes_per_token_layer,
+    expert_layer_params,
     head_forward_flops_per_sample,
     head_params,
     layer_forward_flops_per_token,
@@ -52,6 +53,7 @@ class Seconds:
     p2p: float = 0.0  # pipeline sends between stages
     boundary: float = 0.0  # encoder rows to the LLM and their gradients back
     dp_sync: float = 0.0  # gradient all-reduce over DP x CP
+    ep_comm: float = 0.0  # an MoE layer's token all-to-alls over EP (dispatch and combine)
 
     def __add__(self, other: Seconds) -> Seconds:
         return Seconds(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -116,6 +118,22 @@ class CostModel:
         gbps = self._gbps(size, stride, self.calibration.nvlink_gbps)
         return self._latency() + (size - 1) / size * out_bytes / (gbps * GB)
 
+    def all_to_all_s(self, nbytes: float, size: int, stride: int) -> float:
+        """All-to-all of `nbytes` per GPU: (size-1)/size of it leaves the GPU."""
+        if size == 1:
+            return 0.0
+        gbps = self._gbps(size, stride, self.calibration.nvlink_gbps)
+        return self._latency() + (size - 1) / size * nbytes / (gbps * GB)
+
+    def expert_dispatch(self, shape: ModuleShape, layout: ModuleLayout, tokens: float) -> Seconds:
+        """An MoE layer's forward all-to-alls over `tokens` tokens of one GPU: every token's topk
+        copies to the EP ranks of their experts and back (megatron-core's alltoall dispatcher;
+        tokens split over TP with sequence parallelism). EP groups are strided by expert TP (= tp)."""
+        if not shape.experts:
+            return Seconds()
+        nbytes = tokens * shape.topk * shape.hidden * self.workload.dtype_bytes / (layout.tp if layout.sp else 1)
+        return Seconds(ep_comm=2 * self.all_to_all_s(nbytes, layout.ep, layout.etp))
+
     def send_s(self, nbytes: float, distance: int) -> float:
         """One point-to-point send to a rank `distance` away."""
         gbps = self._gbps(2, distance, self.calibration.p2p_gbps)
@@ -157,7 +175,7 @@ class CostModel:
         communication. Backward: 2 x the forward FLOPs (input and weight gradients) and the same
         collectives in reverse (TP: two per layer; CP: a reduce-scatter of dK and dV); with
         recomputation, the layers' forward once more."""
-        key = (shape.name, layout.tp, layout.cp, samples, recompute)
+        key = (shape.name, layout.tp, layout.cp, layout.ep, samples, recompute)
         if key not in self._passes:
             cp = split_cp(shape, layout)
             tokens = samples * shape.tokens_per_sample / cp
@@ -168,8 +186,10 @@ class CostModel:
                 kv_bytes = cp * tokens * 2 * shape.kv_dim / layout.tp * self.workload.dtype_bytes
                 layer = self.layer_forward(shape, layout.tp, tokens) + Seconds(
                     cp_comm=self.all_gather_s(kv_bytes, cp, layout.tp))
+            layer += self.expert_dispatch(shape, layout, tokens)
             forward = shape.layers * layer + Seconds(compute=self.head_forward_s(shape, layout, samples))
-            backward = Seconds(compute=2 * forward.compute, tp_comm=forward.tp_comm, cp_comm=forward.cp_comm)
+            backward = Seconds(compute=2 * forward.compute, tp_comm=forward.tp_comm, cp_comm=forward.cp_comm,
+                               ep_comm=forward.ep_comm)
             if recompute and not shape.frozen:
                 backward += shape.layers * layer
             self._passes[key] = (forward, backward)
@@ -190,11 +210,14 @@ class CostModel:
 
     def dp_sync_s(self, shape: ModuleShape, layout: ModuleLayout) -> float:
         """The fp32 gradient all-reduce of a trainable module over its DP x CP group, once per step
-        (reduce-scatter + all-gather with the distributed optimizer: the same bytes)."""
+        (reduce-scatter + all-gather with the distributed optimizer: the same bytes); an MoE
+        layer's experts over their expert DP group instead."""
         if shape.frozen:
             return 0.0
-        params = self.stage_params(shape, layout)
-        return self.all_reduce_s(params * GRADIENT_BYTES, layout.dp * layout.cp, layout.tp)
+        experts = self.stage_expert_params(shape, layout)
+        dense = self.stage_params(shape, layout) - experts
+        return (self.all_reduce_s(dense * GRADIENT_BYTES, layout.dp * layout.cp, layout.tp)
+                + self.all_reduce_s(experts * GRADIENT_BYTES, layout.expert_dp, layout.etp * layout.ep))
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -204,16 +227,25 @@ class CostModel:
         head = head_params(shape, self.workload.llm.hidden)
         if shape.role == "llm" and layout.pp > 1:
             head /= 2
-        return (shape.layers // layout.pp * layer_params(shape) + head) / layout.tp
+        dense = shape.layers // layout.pp * (layer_params(shape) - expert_layer_params(shape)) + head
+        return dense / layout.tp + self.stage_expert_params(shape, layout)
+
+    def stage_expert_params(self, shape: ModuleShape, layout: ModuleLayout) -> float:
+        """The experts' parameters on one GPU of a stage: split over EP and expert TP."""
+        return shape.layers // layout.pp * expert_layer_params(shape) / (layout.ep * layout.etp)
 
     def static_bytes(self, shape: ModuleShape, layout: ModuleLayout) -> float:
         """Weights, gradients and optimizer state on one GPU (the distributed optimizer shards the
-        Adam moments over DP x CP; a frozen module keeps its weights only)."""
+        Adam moments over DP x CP, an MoE layer's experts' over expert DP; a frozen module keeps
+        its weights only)."""
         params = self.stage_params(shape, layout)
         if shape.frozen:
             return params * WEIGHT_BYTES
-        shards = layout.dp * layout.cp if self.workload.distributed_optimizer else 1
-        return params * (WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES / shards)
+        experts = self.stage_expert_params(shape, layout)  # sharded over their expert DP group
+        sharded = self.workload.distributed_optimizer
+        dense_shards, expert_shards = (layout.dp * layout.cp, layout.expert_dp) if sharded else (1, 1)
+        return ((params - experts) * (WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES / dense_shards)
+                + experts * (WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES / expert_shards))
 
     def activation_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float, recompute: bool) -> float:
         """Activations one microbatch leaves on one GPU of a stage for its backward (none for a

@@ -1,4 +1,5 @@
-"""Standard dense-transformer counts: parameters, FLOPs and activation bytes of a module shape."""
+"""Standard transformer counts: parameters, FLOPs and activation bytes of a module shape (an MoE
+LLM's layers hold every expert and compute with the `topk` each token goes to)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,26 @@ ADAM_BYTES = 8
 LOGIT_BYTES = 4  # the loss reads fp32 logits
 
 
-def layer_params(shape: ModuleShape) -> int:
+def mlp_params(shape: ModuleShape) -> int:
+    """One MLP (one expert of an MoE layer): 2 or, gated, 3 hidden x ffn matrices."""
+    return (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
+
+
+def expert_layer_params(shape: ModuleShape) -> int:
+    """The experts of one MoE layer (0 for a dense layer): split over EP and expert TP."""
+    return shape.experts * mlp_params(shape)
+
+
+def layer_params(shape: ModuleShape, active: bool = False) -> int:
     """Weights of one transformer layer: Q and output projections (hidden^2 each), K and V
-    (hidden x kv_dim each), the MLP (2 or, gated, 3 hidden x ffn matrices). Biases and norms are
-    left out (well under 1%)."""
+    (hidden x kv_dim each), the MLP, or an MoE layer's router (hidden x experts) and its experts
+    (every one; with `active`, the topk a token computes with). Biases and norms are left out
+    (well under 1%)."""
     attention = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * shape.kv_dim
-    mlp = (3 if shape.gated_mlp else 2) * shape.hidden * shape.ffn
-    return attention + mlp
+    if not shape.experts:
+        return attention + mlp_params(shape)
+    experts = shape.topk if active else shape.experts
+    return attention + shape.hidden * shape.experts + experts * mlp_params(shape)
 
 
 def head_params(shape: ModuleShape, llm_hidden: int) -> int:
@@ -45,9 +59,9 @@ def attended_tokens(shape: ModuleShape) -> float:
 
 
 def layer_forward_flops_per_token(shape: ModuleShape) -> float:
-    """2 FLOPs (one multiply-add) per weight, plus attention: Q K^T and the weighted sum of V, each
-    2 x attended keys x hidden."""
-    return 2 * layer_params(shape) + 4 * attended_tokens(shape) * shape.hidden
+    """2 FLOPs (one multiply-add) per weight a token computes with (an MoE layer: its topk experts),
+    plus attention: Q K^T and the weighted sum of V, each 2 x attended keys x hidden."""
+    return 2 * layer_params(shape, active=True) + 4 * attended_tokens(shape) * shape.hidden
 
 
 def head_forward_flops_per_sample(shape: ModuleShape, llm_hidden: int) -> float:
@@ -81,5 +95,6 @@ def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtyp
       whole on every TP rank unless sequence parallelism splits them;
     - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP."""
     replicated = 4 * shape.hidden
-    split = 2 * shape.hidden + 2 * shape.kv_dim + (3 if shape.gated_mlp else 2) * shape.ffn
+    # An MoE layer keeps its topk experts' MLP activations per token.
+    split = 2 * shape.hidden + 2 * shape.kv_dim + (3 if shape.gated_mlp else 2) * shape.ffn * max(shape.topk, 1)
     return dtype_bytes * ((replicated / tp if sp else replicated) + split / tp)

@@ -11,13 +11,14 @@ from megatron_hetero.planner.shapes import Cluster, Workload
 def _components(prediction: Prediction, workload: Workload) -> dict[str, float]:
     """Seconds per step of the critical GPU by what it does (encoders together)."""
     result = {"encoder compute": 0.0, "encoder TP comm": 0.0, "LLM compute": 0.0, "LLM TP comm": 0.0,
-              "CP comm": 0.0, "pipeline sends": 0.0, "boundary": 0.0, "DP sync": 0.0,
+              "CP comm": 0.0, "EP all-to-all": 0.0, "pipeline sends": 0.0, "boundary": 0.0, "DP sync": 0.0,
               "pipeline wait": prediction.idle_s}
     for name, seconds in prediction.busy.items():
         who = "LLM" if name == workload.llm.name else "encoder"
         result[f"{who} compute"] += seconds.compute
         result[f"{who} TP comm"] += seconds.tp_comm
         result["CP comm"] += seconds.cp_comm
+        result["EP all-to-all"] += seconds.ep_comm
         result["pipeline sends"] += seconds.p2p
         result["boundary"] += seconds.boundary
         result["DP sync"] += seconds.dp_sync
@@ -25,7 +26,7 @@ def _components(prediction: Prediction, workload: Workload) -> dict[str, float]:
 
 
 def _axes(layout: ModuleLayout) -> str:
-    sizes = [f"{axis.upper()}{getattr(layout, axis)}" for axis in AXES if getattr(layout, axis) > 1]
+    sizes = [f"{axis.upper()}{getattr(layout, axis)}" for axis in (*AXES, "ep") if getattr(layout, axis) > 1]
     return "/".join(sizes or ["TP1"]) + ("+SP" if layout.sp else "")
 
 
@@ -109,6 +110,8 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
     for module in layout.modules:
         lines += [f"  {module.name}:", f"    role: {module.role}"]
         lines += [f"    {axis}: {getattr(module, axis)}" for axis in AXES]
+        if module.ep > 1:
+            lines.append(f"    ep: {module.ep}")
         if module.sp:
             lines.append("    sp: true")
         if module.freeze:

@@ -91,6 +91,18 @@ PRESETS = {
                     seq_length=8192, vocab=128256),
         global_batch=128, distributed_optimizer=True),
         "6B ViT (12 tiles x 1024 tokens, 256 rows each into the LLM) into a 70B LLM at 8K, global batch 128", 64),
+    # An MoE VLM shaped like Qwen3-VL-30B-A3B: SigLIP-so400m (8 images of 729 patches per sample,
+    # projector 4 x the LLM's hidden) into Qwen3-30B-A3B's LLM (48 layers, hidden 2048, 32 heads
+    # with 4 key/value groups, 128 SwiGLU experts of width 768 with top-8 routing: 30B parameters,
+    # 3B active) at 8K. 8 GPUs hold its experts only split over expert parallelism.
+    "moe": Preset(Workload(
+        (ModuleShape("vision", "encoder", hidden=1152, layers=27, heads=16, ffn=4304, tokens_per_item=729,
+                     items_per_sample=8, projector_ffn=4 * 2048),),
+        ModuleShape("llm", "llm", hidden=2048, layers=48, heads=32, kv_heads=4, ffn=768, gated_mlp=True,
+                    seq_length=8192, vocab=151936, experts=128, topk=8),
+        global_batch=32, distributed_optimizer=True),
+        "SigLIP ViT (8 images x 729 tokens per sample) into a Qwen3-30B-A3B-shaped MoE LLM (128 experts, "
+        "top-8) at 8K, global batch 32", 8),
 }
 
 

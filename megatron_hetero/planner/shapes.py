@@ -36,7 +36,9 @@ class ModuleShape:
     Encoders: `tokens_per_item` tokens run through the encoder per image or clip, `items_per_sample`
     items per sample, `output_tokens_per_item` rows per item enter the LLM (fewer than the tokens
     with pixel shuffle; 0: as many), through an MLP projector of hidden width `projector_ffn` (0: a
-    linear projection). The LLM: `seq_length` tokens per sample, `vocab` output classes."""
+    linear projection). The LLM: `seq_length` tokens per sample, `vocab` output classes; with
+    `experts` > 0 its MLPs are mixture-of-experts layers: `experts` MLPs of width `ffn` each, every
+    token through `topk` of them."""
 
     name: str
     role: str
@@ -53,6 +55,8 @@ class ModuleShape:
     seq_length: int = 0
     vocab: int = 0
     frozen: bool = False
+    experts: int = 0  # 0: a dense MLP
+    topk: int = 0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -67,10 +71,14 @@ class ModuleShape:
             if not positive_int(getattr(self, key)):
                 raise ValueError(f"{where}: {key} must be a positive integer, got {getattr(self, key)!r}")
         for key in ("kv_heads", "tokens_per_item", "items_per_sample", "output_tokens_per_item",
-                    "projector_ffn", "seq_length", "vocab"):
+                    "projector_ffn", "seq_length", "vocab", "experts", "topk"):
             value = getattr(self, key)
             if not (positive_int(value) or value == 0):
                 raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+        if self.experts and not 1 <= self.topk <= self.experts:
+            raise ValueError(f"{where}: topk {self.topk} must be between 1 and experts {self.experts}")
+        if self.experts and self.role != "llm":
+            raise ValueError(f"{where}: experts are for the llm; encoders are dense")
         if self.hidden % self.heads:
             raise ValueError(f"{where}: hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.heads % self.kv_groups:

@@ -4,7 +4,8 @@ exports and loading weights (e.g. imported from Hugging Face) into any layout.
 A TP-split parameter is cut the way megatron-core cuts it at initialization: along its
 `partition_dim` into tp * `partition_stride` pieces, rank r holding pieces r, r + tp, ... (stride 2
 is a gated MLP's fc1: the whole [gate; up] leaves [gate_r; up_r] on rank r). CP and DP ranks hold
-whole copies; a pipeline stage holds its layers under their global numbers (init.whole_names).
+whole copies; a pipeline stage holds its layers under their global numbers, an expert-parallel rank
+its experts under theirs (init.whole_names).
 """
 
 import torch
@@ -33,16 +34,27 @@ def tp_whole(parts: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
     return torch.cat([rank_pieces[s] for s in range(stride) for rank_pieces in pieces], dim)
 
 
-def full_tensors(model: torch.nn.Module, tp_group, grads: bool = False) -> dict[str, torch.Tensor]:
-    """name -> the whole parameter (or its DP-reduced main_grad), gathered over `tp_group`; names
-    are those of the pp=1 module, so that the stages' dictionaries merge into the whole module's.
-    Collective over the TP group."""
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """An MoE expert's parameter (megatron-core marks them: reduced over expert DP, not DP)."""
+    return not getattr(param, "allreduce", True)
+
+
+def full_tensors(model: torch.nn.Module, tp_group, grads: bool = False, expert_tp_group=None,
+                 experts: bool | None = None) -> dict[str, torch.Tensor]:
+    """name -> the whole parameter (or its DP-reduced main_grad), gathered over `tp_group` (an
+    expert's over `expert_tp_group`, by default the same); names are those of the pp=1, ep=1 module,
+    so that the stages' and expert-parallel ranks' dictionaries merge into the whole module's.
+    `experts`: only the experts' parameters (True), only the others (False), all (None).
+    Collective over the TP and expert-TP groups."""
     result, names = {}, whole_names(model)
     for name, param in model.named_parameters():
+        if experts is not None and is_expert(param) != experts:
+            continue
+        group = expert_tp_group if is_expert(param) and expert_tp_group is not None else tp_group
         local = (param.main_grad if grads else param).detach()
-        if getattr(param, "tensor_model_parallel", False) and tp_group.size() > 1:
-            parts = [torch.empty_like(local) for _ in range(tp_group.size())]
-            dist.all_gather(parts, local.contiguous(), group=tp_group)
+        if getattr(param, "tensor_model_parallel", False) and group.size() > 1:
+            parts = [torch.empty_like(local) for _ in range(group.size())]
+            dist.all_gather(parts, local.contiguous(), group=group)
             local = tp_whole(parts, *_split(param))
         result[names[name]] = local.float().cpu().clone()
     return result
@@ -79,7 +91,7 @@ def gather_grad_shards(ddp) -> None:
     without it. Collective over that group."""
     if not ddp.ddp_config.use_distributed_optimizer:
         return
-    for buffer in ddp.buffers:
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:  # experts' over the expert DP group
         group = buffer.data_parallel_group
         for bucket in buffer.buckets:
             shard = bucket.grad_data.chunk(group.size())[group.rank()].clone()
