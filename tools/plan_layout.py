@@ -9,8 +9,8 @@ homogeneous one and the predicted gain, and write a layout file for the best.
 Every figure is a prediction of the cost model in megatron_hetero/planner/ (its docstring states
 the model, megatron_hetero.planner.calibration's the calibration JSON format), not a measurement.
 Presets: W1, W2, W3 (a SigLIP-so400m ViT into a 7B LLM on 2 GPUs), W4 (encoder-heavy: an
-InternViT-6B-wide ViT into a 7B LLM on 2 GPUs), tiny (a CPU-sized check) and paper (a 6B ViT into a
-70B LLM on 64 GPUs); see megatron_hetero.planner.presets. A workload file is JSON:
+InternViT-6B-wide ViT into a 7B LLM on 2 GPUs), tiny (a CPU-sized check), paper (a 6B ViT into a
+70B LLM on 64 GPUs) and moe (a ViT into a Qwen3-30B-A3B-shaped MoE LLM on 8 GPUs); see megatron_hetero.planner.presets. A workload file is JSON:
 
     {"encoders": [{"name": "vision", "hidden": 1152, "layers": 27, "heads": 16, "ffn": 4304,
                    "tokens_per_item": 729, "items_per_sample": 16, "projector_ffn": 16384}],
@@ -18,7 +18,8 @@ InternViT-6B-wide ViT into a 7B LLM on 2 GPUs), tiny (a CPU-sized check) and pap
              "seq_length": 16384, "vocab": 32000},
      "global_batch": 16}
 
-(further shape keys: kv_heads, gated_mlp, output_tokens_per_item, frozen; workload keys:
+(further shape keys: kv_heads, gated_mlp, output_tokens_per_item, frozen, experts and topk (an
+MoE LLM: experts MLPs of width ffn, topk per token); workload keys:
 micro_batch, dtype_bytes, distributed_optimizer, allow_recompute).
 """
 
