@@ -10,6 +10,7 @@ Every mistake is one `error:` line and exit code 2, before any process group exi
 import os
 import sys
 
+from megatron_hetero import rules
 from megatron_hetero.boundary import BoundaryError, check_edge_layouts
 from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout
 from megatron_hetero.training.args import ArgsError
@@ -43,6 +44,8 @@ def _apply_layout(args, layout: HeteroLayout) -> None:
         raise ArgsError(f"--sequence-parallel conflicts with module {llm.name}'s sp: false in "
                         f"{args.hetero_layout}; set sp: true there or drop the flag")
     args.sequence_parallel = llm.sp
+    # Megatron's own checks of these are asserts (a traceback): every script gets our line first.
+    rules.check(ArgsError, rules.experts_problem(llm, args.num_experts, args.moe_router_topk))
     for flag in ("overlap_grad_reduce", "overlap_param_gather",
                  # An encoder's gradients are scaled by 1 / the LLM's dp before a summing reduction.
                  "ddp_average_in_collective"):

@@ -3,7 +3,7 @@ experts top-2, load-balancing and z-loss, the all-to-all dispatcher) reproduces 
 10 steps under every layout below (loss, load-balancing loss, z-loss and gradient norm per step
 within 1e-4 relative; gradients after the first backward and parameters after the last, expert by
 expert, as test_parity checks them), and the router sends every token to the same experts under
-every layout (the routing of the first step, token by token)."""
+every layout (the routing of the first step, token by token); with the distributed optimizer too."""
 
 import json
 from pathlib import Path
@@ -122,3 +122,13 @@ def test_moe_layout_reproduces_one_process(reference, tmp_path, layout_name):
     batch = 6 if flags == EP3 else 8
     assert len(ref_routes) == 2 * batch * 32  # layers x samples x positions
     assert routes == ref_routes
+
+
+def test_moe_distributed_optimizer(reference, tmp_path):
+    """--use-distributed-optimizer with experts sharded over their own expert DP group (ETP1/EP2
+    under TP2: expert dp 2, dense dp 2) reproduces the 1-process run; gradients are compared after
+    all-gathering the reduced shards of both the dense and the expert buffers."""
+    name = "moe_colocated_vdp4_ltp2dp2sp_ep2etp1"
+    metrics, tensors, _ = _run_moe(tmp_path / name, LAYOUTS / f"{name}.yaml", 4, ["--use-distributed-optimizer"])
+    ref_metrics, ref_tensors, _ = reference([])
+    _assert_reproduces((metrics, tensors), (ref_metrics, ref_tensors), keys=METRICS)

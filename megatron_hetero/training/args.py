@@ -208,8 +208,7 @@ def check_args(args, layout) -> None:
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
     rules.check(ArgsError, rules.batch_problem(args.global_batch_size, args.micro_batch_size, layout.llm,
-                                               layout.encoders),
-                rules.experts_problem(layout.llm, args.num_experts, args.moe_router_topk))
+                                               layout.encoders))
     _check_stages(args, layout)
     samples = args.eval_samples
     if samples:
