@@ -21,9 +21,11 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
 
+from megatron_hetero.data.bad_data import DataError  # noqa: E402
 from megatron_hetero.data.megatron_data import CaptionSamples  # noqa: E402
 from megatron_hetero.data.shapes import ShapesDataset  # noqa: E402
 from megatron_hetero.models.kinds import encoder_kind  # noqa: E402
+from megatron_hetero.patches.hetero_args import fail  # noqa: E402
 from megatron_hetero.patches.metrics import write_record  # noqa: E402
 from megatron_hetero.training.args import model_sizes, parse_script_args  # noqa: E402
 from megatron_hetero.training.evaluation import evaluate_captions, report_waiting  # noqa: E402
@@ -38,7 +40,10 @@ def _shapes(args, split: str) -> ShapesDataset:
 def datasets_provider(num_samples):
     args = get_args()
     if args.data_path:
-        dataset = conversation_dataset(args, num_samples[0])
+        try:
+            dataset = conversation_dataset(args, num_samples[0])
+        except DataError as error:
+            fail(str(error))
         args.data_report = dataset.report  # filled as batches arrive, summarized after training
         return dataset, None, None
     kinds = [encoder_kind(m) for m in args.hetero_layout_spec.encoders]

@@ -47,17 +47,21 @@ class _ReportingLoader:
         return len(self.loader)
 
     def __iter__(self):
+        from megatron_hetero.data.bad_data import DataError, one_line
         from megatron_hetero.patches.hetero_args import fail
 
-        for batch in self.loader:
-            skipped = batch.pop("skipped")
-            if skipped and self.strict:
-                fail(f"--strict-data: {skipped[0].line()}")
-            self.report.record(skipped)
-            for bad in skipped:
-                print_rank_0(f"warning: skipped {bad.line()}; {self.report.counts[bad.reason]} {bad.reason} "
-                             f"so far (--strict-data stops instead)")
-            yield batch
+        try:
+            for batch in self.loader:
+                skipped = batch.pop("skipped")
+                if skipped and self.strict:
+                    fail(f"--strict-data: {skipped[0].line()}")
+                self.report.record(skipped)
+                for bad in skipped:
+                    print_rank_0(f"warning: skipped {bad.line()}; {self.report.counts[bad.reason]} {bad.reason} "
+                                 f"so far (--strict-data stops instead)")
+                yield batch
+        except DataError as error:  # every rank reads the same batch, so every rank stops here
+            fail(one_line(error))
 
 
 def _build_loader(original):

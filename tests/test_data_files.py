@@ -17,9 +17,9 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron_hetero.data.bad_data import REASONS
+from megatron_hetero.data.bad_data import REASONS, DataError
 from megatron_hetero.data.chat import CaptionChatTokenizer, HFChatTokenizer, TokenizerError, Turn, encode_conversation
-from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec, DataFileError
+from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
 from megatron_hetero.data.images import NORMALIZATION, ImageSpec, load_tiles, tile_grid, tiles_of
 from megatron_hetero.data.make_dataset import write_conversations
 from megatron_hetero.data.megatron_data import samples_dict
@@ -101,7 +101,7 @@ def test_variable_images_and_text_only(tmp_path):
     batch = SampleBatch.collate([s for s, _ in samples])
     assert batch.media["vision"].counts.tolist() == counts
     assert len(batch.media["vision"].items) == sum(counts)
-    with pytest.raises(ValueError, match="same number of vision items"):
+    with pytest.raises(DataError, match="same number of vision items"):
         batch.model_kwargs({"vision": "images"})
 
 
@@ -241,10 +241,10 @@ def test_bad_json_list(tmp_path):
     sample, _ = _dataset(tmp_path / "mixed.json")[1]
     assert [b.reason for b in sample.skipped] == ["non_utf8"]
     (tmp_path / "broken.json").write_text("[{")
-    with pytest.raises(DataFileError, match="broken.json: not JSON"):
+    with pytest.raises(DataError, match="broken.json: not JSON"):
         _dataset(tmp_path / "broken.json")
     (tmp_path / "none.jsonl").write_text(b'{"id": 1}\n'.decode())
-    with pytest.raises(DataFileError, match="no usable sample"):
+    with pytest.raises(DataError, match="no usable sample"):
         _dataset(tmp_path / "none.jsonl")[0]
 
 
@@ -304,17 +304,27 @@ def test_train_from_files(tmp_path, data_file):
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
 
 
-def test_strict_data_stops(tmp_path, data_file):
-    """--strict-data: one line naming the file and the sample, exit 2, no traceback (one process,
-    without torchrun, whose own report of a failed worker is a traceback)."""
+@pytest.mark.parametrize("case", ["strict", "variable images"])
+def test_data_errors_are_one_line(tmp_path, data_file, case):
+    """--strict-data at a bad sample, or images per sample the runtime cannot batch yet (raised in a
+    DataLoader worker): one line naming the file and sample or the fix, exit 2, no traceback (one
+    process, without torchrun, whose own report of a failed worker is a traceback)."""
+    if case == "strict":
+        flags, expected = ["--data-path", str(data_file), "--strict-data"], \
+            r"--strict-data: .*gone\.png: sample gone: missing image"
+    else:
+        path = write_conversations(tmp_path / "data", 8, seed=1, max_images=2)  # 2, 2, 1, 1, ... images
+        flags, expected = ["--data-path", str(path), "--num-workers", "1", "--seq-length", "64",
+                           "--micro-batch-size", "4"], \
+            r"same number of vision items in every sample of a microbatch; this one has \[2, 2, 1, 1\]"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(ENV, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "pretrain_vlm.py"), *FLAGS, "--hetero-layout",
-                             str(LAYOUTS / "single.yaml"), "--data-path", str(data_file), "--strict-data"],
+                             str(LAYOUTS / "single.yaml"), *flags],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-    assert re.search(r"--strict-data: .*gone\.png: sample gone: missing image", lines[0]), lines
+    assert re.search(expected, lines[0]), lines
     assert "Traceback" not in result.stderr

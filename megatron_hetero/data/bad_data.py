@@ -13,6 +13,18 @@ REASONS = ("missing_image", "corrupt_image", "too_long", "image_count_mismatch",
            "non_utf8", "malformed")
 
 
+class DataError(ValueError):
+    """Data no skipping can serve (an unreadable file, no usable sample, images the runtime cannot
+    batch); one line naming the file and the fix."""
+
+
+def one_line(error: DataError) -> str:
+    """The DataError's message, also when a DataLoader worker raised it (torch re-raises it with the
+    worker's traceback as its message, the original `module.DataError: message` last)."""
+    text = str(error)
+    return text.splitlines()[-1].split(": ", 1)[1] if "Original Traceback" in text else text
+
+
 @dataclass(frozen=True)
 class BadSample:
     reason: str  # one of REASONS

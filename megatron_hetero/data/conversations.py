@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_hetero.data.bad_data import BadSample, SkipReport
+from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.data.batches import module_slice
 from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
 from megatron_hetero.data.images import ImageError, ImageSpec, check_image, load_tiles, tiles_of
@@ -22,10 +22,6 @@ from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import IMAGE_TOKEN
 
 VISION = "vision"  # the encoder kind whose items these samples carry
-
-
-class DataFileError(ValueError):
-    """A data file that cannot be read at all; one line naming it and the fix."""
 
 
 class SkipSample(Exception):
@@ -39,7 +35,7 @@ def read_records(path: str) -> list:
     try:
         text = Path(path).read_bytes().decode("utf-8", "surrogateescape")
     except OSError as error:
-        raise DataFileError(f"--data-path {path}: cannot read it ({error.strerror})") from None
+        raise DataError(f"--data-path {path}: cannot read it ({error.strerror})") from None
     if path.endswith(".jsonl"):
         records = []
         for n, line in enumerate(text.splitlines()):
@@ -52,10 +48,10 @@ def read_records(path: str) -> list:
     try:
         records = json.loads(text)
     except json.JSONDecodeError as error:
-        raise DataFileError(f"--data-path {path}: not JSON ({error.msg} at line {error.lineno}); "
+        raise DataError(f"--data-path {path}: not JSON ({error.msg} at line {error.lineno}); "
                             f"give a JSON list of samples, or JSON lines in a .jsonl file") from None
     if not isinstance(records, list):
-        raise DataFileError(f"--data-path {path}: a JSON list of samples expected, got {type(records).__name__}")
+        raise DataError(f"--data-path {path}: a JSON list of samples expected, got {type(records).__name__}")
     return records
 
 
@@ -123,7 +119,7 @@ class ConversationSamples(torch.utils.data.Dataset):
         self.records = read_records(spec.path)
         self.report = SkipReport()  # the training process's count (patches/hetero_data.py fills it)
         if not self.records:
-            raise DataFileError(f"--data-path {spec.path} holds no sample")
+            raise DataError(f"--data-path {spec.path} holds no sample")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -171,14 +167,14 @@ class ConversationSamples(torch.utils.data.Dataset):
                 continue
             sample.skipped = skipped
             return sample, paths
-        raise DataFileError(f"--data-path {self.spec.path}: no usable sample (first problem: {skipped[0].line()}); "
+        raise DataError(f"--data-path {self.spec.path}: no usable sample (first problem: {skipped[0].line()}); "
                             f"run with --strict-data to stop at each")
 
     def _decode(self, sample: Sample, paths: list[Path]) -> None:
         try:
             tiles = [load_tiles(p, self.spec.image) for p in paths]
         except ImageError as error:  # checked in encode: only a file changed or broken past its structure
-            raise DataFileError(f"{self.spec.path}: cannot decode an image of a sample ({error}); "
+            raise DataError(f"{self.spec.path}: cannot decode an image of a sample ({error}); "
                                 f"fix or remove it") from None
         if tiles:
             sample.media[VISION].items = torch.cat(tiles)

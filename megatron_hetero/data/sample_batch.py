@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_hetero.data.bad_data import BadSample
+from megatron_hetero.data.bad_data import BadSample, DataError
 
 
 @dataclass
@@ -58,8 +58,9 @@ class SampleBatch:
         for kind, media in self.media.items():
             b, counts = len(self.input_ids), media.counts.unique()
             if len(counts) > 1:
-                raise ValueError(f"the runtime takes the same number of {kind} items in every sample of a "
-                                 f"microbatch; this one has {media.counts.tolist()}")
+                raise DataError(f"the runtime takes the same number of {kind} items in every sample of a "
+                                f"microbatch; this one has {media.counts.tolist()} (give every sample as many "
+                                f"images, and tiles)")
             k = int(counts[0])
             out[input_keys[kind]] = media.items.reshape(b, k, *media.items.shape[1:])
             out[f"{kind}_positions"] = media.positions.reshape(b, len(media.positions) // b)

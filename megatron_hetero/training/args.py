@@ -3,6 +3,7 @@ of Megatron's arguments, and the checks of what that script can train (the rules
 megatron_hetero.rules applied to its flags): every mistake one line naming the flag or field and the fix."""
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -174,6 +175,9 @@ def _check_data(args, layout) -> None:
             raise ArgsError(f"--tokenizer-type {args.tokenizer_type} needs --data-path: the shapes data is "
                             f"tokenized with the shipped tokenizer")
         return
+    if len(args.data_path) == 1 and os.path.isdir(args.data_path[0]):
+        raise ArgsError(f"--data-path {args.data_path[0]}: megatron-energon datasets are not read yet (the "
+                        f"package is not installed here); give a LLaVA-style .json or .jsonl file")
     if len(args.data_path) != 1 or not args.data_path[0].endswith((".json", ".jsonl")):
         raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one LLaVA-style .json or .jsonl file")
     for module in layout.encoders:
