@@ -21,6 +21,7 @@ setup(
         "PyYAML",
         "Pillow",
         "numpy",
+        "psutil",  # megatron-core's distributed-checkpoint writer needs it
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

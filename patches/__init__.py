@@ -17,6 +17,7 @@ quiet.install()  # before megatron-core is imported
 
 from megatron_hetero.patches import (  # noqa: E402
     arguments,
+    checkpointing,
     cpu,
     hetero_data,
     hetero_init,
@@ -41,6 +42,7 @@ def apply() -> None:
     hetero_optimizer.apply()
     hetero_data.apply()
     hetero_schedule.apply()
+    checkpointing.apply()
     metrics.apply()
     rerun.apply()
     layer_specs.apply()

@@ -53,9 +53,27 @@ def _apply_layout(args, layout: HeteroLayout) -> None:
             # megatron-hetero's schedules do not yet hold DDP's reduction back until a step's last
             # microbatch (Megatron's no_sync), which overlapping needs.
             raise ArgsError(f"--{flag.replace('_', '-')} is not supported with --hetero-layout yet; drop it")
+    _checkpoint_flags(args)
     if args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank:
         raise ArgsError("virtual pipeline stages are not supported with --hetero-layout; drop "
                         "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
+
+
+def _checkpoint_flags(args) -> None:
+    """Checkpoints of a heterogeneous run are megatron-core distributed checkpoints whose every
+    tensor is stored in a layout-independent form (patches/checkpointing.py)."""
+    if (args.save or args.load) and args.ckpt_format != "torch_dist":
+        raise ArgsError(f"--ckpt-format {args.ckpt_format} is not supported with --hetero-layout; use "
+                        f"--ckpt-format torch_dist (the default)")
+    for flag in ("async_save", "ckpt_fully_parallel_load"):
+        if getattr(args, flag):
+            raise ArgsError(f"--{flag.replace('_', '-')} is not supported with --hetero-layout yet; drop it")
+    # Fully parallel saving splits the writes over the primary module's data-parallel group, which
+    # does not hold every replica of another module's tensors.
+    args.ckpt_fully_parallel_save = False
+    # Megatron compares only the LLM's TP/PP sizes before loading the distributed optimizer's state;
+    # an encoder's layout may change too: always the format that loads under any layout.
+    args.dist_ckpt_optim_fully_reshardable = True
 
 
 def load(args) -> HeteroLayout:

@@ -4,7 +4,7 @@
 With a HeteroModel, each trainable module this rank holds gets megatron-core's own optimizer over its
 DDP chunk and groups; megatron-core's MimoOptimizer chains them: the gradient norm is global over
 every module (each module's norm over its own model-parallel groups, then shared over the world),
-every module is clipped by it and stepped.
+every module is clipped by it and stepped (runtime/optimizer.py: with checkpoint state that reshards).
 
 megatron-core aligns an optimizer's parameter groups over the whole world (`_get_param_groups`
 all-gathers their keys over the default group): that collective then pairs different modules'
@@ -16,10 +16,11 @@ import contextlib
 
 import torch.distributed as dist
 from megatron.core import optimizer as mcore_optimizer
-from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+from megatron.core.models.mimo.optimizer import ModuleOptimizerInfo
 
 from megatron_hetero.patches._patch import replace
 from megatron_hetero.runtime.model import HeteroModel
+from megatron_hetero.runtime.optimizer import HeteroOptimizer
 
 
 @contextlib.contextmanager
@@ -57,7 +58,7 @@ def _get_megatron_optimizer(original):
                     optimizer = original(config, [module.ddp], *args, pg_collection=module.pgs, **kwargs)
             infos[name] = ModuleOptimizerInfo(optimizer, module.groups.grid, module.pgs, optimizer is not None)
         run = model_chunks[0].run
-        run.optimizer = MimoOptimizer(infos, config)
+        run.optimizer = HeteroOptimizer(infos, config, run.primary.pgs)
         return run.optimizer
     return get_megatron_optimizer
 

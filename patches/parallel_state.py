@@ -10,6 +10,8 @@ to its primary module's groups (the LLM where it holds it, else its encoder), so
 writes megatron-core's globals.
 """
 
+import contextlib
+
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -51,6 +53,18 @@ def point_at(pgs: ProcessGroupCollection) -> None:
         if ranks_name is not None:
             setattr(ps, ranks_name, dist.get_process_group_ranks(group) if group is not None else None)
     _ensure_memory_buffer()
+
+
+@contextlib.contextmanager
+def pointed_at(pgs: ProcessGroupCollection, then: ProcessGroupCollection):
+    """parallel_state answering with `pgs` inside, with `then` after: megatron-core's checkpoint code
+    falls back to it for submodules without group attributes of their own, and a rank's other
+    modules must not be saved with its primary module's tensor-parallel or data-parallel rank."""
+    point_at(pgs)
+    try:
+        yield
+    finally:
+        point_at(then)
 
 
 def _ensure_memory_buffer() -> None:

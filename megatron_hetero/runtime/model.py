@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, RankPlan
+from megatron_hetero.patches.parallel_state import pointed_at
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.schedules.pipeline import Clock
 from megatron_hetero.training.timers import PhaseTimers
@@ -92,6 +93,35 @@ class HeteroModel(torch.nn.Module):
         self.plan_caches = {}  # encoder name -> PlanCache
         # Megatron's --check-for-nan-in-loss-and-grad for gradients, per module (finalize_hetero_grads)
         self.check_for_nan_in_grad = False
+
+    def _held(self) -> list[ModuleRuntime]:
+        return [m for m in self.run.modules.values() if m.held]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """What Megatron's torch_dist checkpoint stores of the model: each held module's megatron-core
+        sharded state dict under `<module name>.`, built with the module's own groups (its tensor
+        slices, its stages' global layer numbers, replicas over its dp x cp), so keys and global
+        shapes do not depend on the layout that saved them."""
+        assert not sharded_offsets, "a heterogeneous model is one chunk"
+        out = {}
+        for m in self._held():
+            with pointed_at(m.pgs, self.run.primary.pgs):
+                out.update(m.part.sharded_state_dict(prefix=f"{prefix}{m.name}.",
+                                                     metadata={**(metadata or {}), "dp_cp_group": m.pgs.dp_cp}))
+        return out
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        out = {} if destination is None else destination
+        for m in self._held():
+            m.part.state_dict(destination=out, prefix=f"{prefix}{m.name}.", keep_vars=keep_vars)
+        return out
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """The inverse of state_dict / sharded_state_dict: keys `<module name>.<key in the module>`."""
+        for m in self._held():
+            head = m.name + "."
+            m.part.load_state_dict({k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)},
+                                   strict=strict)
 
     def _trainable(self):
         return [m.ddp for m in self.run.modules.values() if m.ddp is not None]

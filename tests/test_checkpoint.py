@@ -1,0 +1,169 @@
+"""Checkpoints through Megatron's --save/--load (torch_dist) of examples/pretrain_vlm.py.
+
+Resume: 10 iterations straight equal 5 + save + resume for 5, to the last bit (fp32, CPU).
+Reshard: a checkpoint saved under layout A at iteration 5 and loaded under layout B continues as
+the uninterrupted run under A does (loss and gradient norm per step within 1e-5 relative), for each
+pair the issue names; the reference of each pair is that uninterrupted run (one run of A serves
+several pairs: saving does not change its trajectory).
+"""
+
+import json
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+
+SCRIPT = Path(__file__).parent.parent / "examples" / "pretrain_vlm.py"
+LAYOUTS = Path(__file__).parent.parent / "examples" / "layouts"
+FLAGS = ["--train-iters", "10", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3",
+         "--seed", "7", "--log-interval", "100", "--save-interval", "5"]
+RTOL = 1e-5
+
+# Layouts of the pairs, beside examples/layouts' (world size 4 unless the name says).
+EXTRA_LAYOUTS = {
+    "vtp2dp2_ltp2dp2": "placement: colocated\nmodules:\n  vision: {role: encoder, tp: 2, dp: 2}\n"
+                       "  llm: {role: llm, tp: 2, dp: 2}\nedges: [vision -> llm]\n",
+    "vdp4_ltp1dp4": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n"
+                    "  llm: {role: llm, dp: 4}\nedges: [vision -> llm]\n",
+    "vdp4_lpp2dp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n"
+                    "  llm: {role: llm, pp: 2, dp: 2}\nedges: [vision -> llm]\n",
+    "vdp4_lcp2dp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n"
+                    "  llm: {role: llm, cp: 2, dp: 2}\nedges: [vision -> llm]\n",
+    "w2_vdp2_ltp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n"
+                    "  llm: {role: llm, tp: 2}\nedges: [vision -> llm]\n",
+    "w6_vdp2_ltp2dp2": "placement: non_colocated\nmodules:\n  vision: {role: encoder, dp: 2, ranks: 0-1}\n"
+                       "  llm: {role: llm, tp: 2, dp: 2, ranks: 2-5}\n",
+}
+
+
+def _train(rank, world_size, argv):
+    sys.argv = [str(SCRIPT), *argv]
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
+def _layout(name: str, tmp: Path) -> Path:
+    if name in EXTRA_LAYOUTS:
+        path = tmp / f"{name}.yaml"
+        path.write_text(EXTRA_LAYOUTS[name])
+        return path
+    return LAYOUTS / f"{name}.yaml"
+
+
+def run(tmp: Path, tag: str, layout: str, world: int, flags=()) -> dict[int, dict]:
+    """examples/pretrain_vlm.py under `layout` on `world` processes; its metrics per step."""
+    out = tmp / tag
+    out.mkdir()
+    run_distributed(_train, world, ["--hetero-layout", str(_layout(layout, tmp)),
+                                    "--metrics-file", str(out / "metrics.jsonl"), *FLAGS, *flags])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def assert_continues(reference: dict, resumed: dict, first: int = 6, exact: bool = False):
+    assert sorted(resumed) == list(range(first, 11)), sorted(resumed)
+    for step in resumed:
+        for key in ("loss", "grad_norm"):
+            want, got = reference[step][key], resumed[step][key]
+            if exact:
+                assert got == want, (step, key, got, want)
+            else:
+                assert got == pytest.approx(want, rel=RTOL), (step, key, got, want)
+
+
+class Saved:
+    """An uninterrupted 10-step run that saved at 5 and 10: its metrics and checkpoint directory."""
+
+    def __init__(self, tmp: Path, tag: str, layout: str, world: int, flags=()):
+        self.dir = tmp / f"{tag}_ckpt"
+        self.metrics = run(tmp, tag, layout, world, ["--save", str(self.dir), *flags])
+        self.tmp = tmp
+
+    def resume(self, tag: str, layout: str, world: int, flags=(), iteration: int = 5) -> dict:
+        return run(self.tmp, tag, layout, world, ["--load", str(at(self.dir, iteration, tag)), *flags])
+
+
+def at(directory: Path, iteration: int, tag: str) -> Path:
+    """A copy of a checkpoint directory whose tracker names `iteration`."""
+    copy = directory.parent / f"{directory.name}_{tag}_at{iteration}"
+    shutil.copytree(directory, copy)
+    (copy / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp):  # vision TP1/DP4 -> LLM TP2/DP2
+    return Saved(tmp, "colocated", "demo_colocated", 4)
+
+
+@pytest.fixture(scope="module")
+def non_colocated(tmp):  # vision DP2 on ranks 0-1 -> LLM TP2 on ranks 2-3
+    return Saved(tmp, "non_colocated", "non_colocated_2_2", 4)
+
+
+def test_resume_is_bit_identical(colocated):
+    assert_continues(colocated.metrics, colocated.resume("resume", "demo_colocated", 4), exact=True)
+
+
+def test_resume_non_colocated_is_bit_identical(non_colocated):
+    assert_continues(non_colocated.metrics, non_colocated.resume("resume_nc", "non_colocated_2_2", 4), exact=True)
+
+
+def test_reshard_encoder_tp_dp(colocated):
+    assert_continues(colocated.metrics, colocated.resume("enc_tp", "vtp2dp2_ltp2dp2", 4))
+
+
+def test_reshard_llm_tp(colocated):
+    assert_continues(colocated.metrics, colocated.resume("llm_tp", "vdp4_ltp1dp4", 4))
+
+
+def test_reshard_llm_pp(colocated):
+    assert_continues(colocated.metrics, colocated.resume("llm_pp", "vdp4_lpp2dp2", 4))
+
+
+def test_reshard_llm_cp(colocated):
+    assert_continues(colocated.metrics, colocated.resume("llm_cp", "vdp4_lcp2dp2", 4))
+
+
+def test_reshard_colocated_to_non_colocated(colocated):
+    assert_continues(colocated.metrics, colocated.resume("to_nc", "non_colocated_2_2", 4))
+
+
+def test_reshard_non_colocated_to_colocated(non_colocated):
+    assert_continues(non_colocated.metrics, non_colocated.resume("to_co", "demo_colocated", 4))
+
+
+def test_reshard_world_4_to_2_to_6(colocated, tmp):
+    """4 processes save at 5; 2 processes load it and save at 8; 6 processes load that."""
+    two = colocated.resume("w2", "w2_vdp2_ltp2", 2, ["--save", str(tmp / "w2_ckpt"), "--save-interval", "4"])
+    assert_continues(colocated.metrics, two)
+    six = run(tmp, "w6", "w6_vdp2_ltp2dp2", 6, ["--load", str(at(tmp / "w2_ckpt", 8, "w6"))])
+    assert sorted(six) == [9, 10], sorted(six)
+    for step in six:
+        assert six[step]["loss"] == pytest.approx(colocated.metrics[step]["loss"], rel=RTOL)
+        assert six[step]["grad_norm"] == pytest.approx(colocated.metrics[step]["grad_norm"], rel=RTOL)
+
+
+def test_reshard_distributed_optimizer_off_and_dp(tmp):
+    """Saved with --use-distributed-optimizer (LLM DP2, vision DP4), loaded without it at LLM DP4."""
+    saved = Saved(tmp, "distopt", "demo_colocated", 4, ["--use-distributed-optimizer"])
+    assert_continues(saved.metrics, saved.resume("distopt_off", "vdp4_ltp1dp4", 4))
+
+
+def test_frozen_encoder_into_trainable(tmp):
+    """A checkpoint of a frozen-encoder run loaded with the encoder trained: the encoder's weights come
+    from the checkpoint and its optimizer starts anew; the continuation equals one process doing the
+    same (the single layout, loading the same checkpoint)."""
+    saved = Saved(tmp, "frozen", "demo_colocated_frozen", 4)
+    four = saved.resume("unfrozen4", "demo_colocated", 4)
+    one = saved.resume("unfrozen1", "single", 1)
+    assert_continues(one, four)
+    assert four[6]["grad_norm"] != pytest.approx(saved.metrics[6]["grad_norm"], rel=1e-3)  # the encoder trains
