@@ -19,6 +19,7 @@ problem stops every rank with one line naming the checkpoint, the module and wha
 """
 
 import copy
+import json
 import os
 import shutil
 from pathlib import Path
@@ -41,10 +42,14 @@ def _group_kwargs(run) -> dict:
                 expt_dp_group=getattr(pgs, "expt_dp", None) or pgs.dp, rng_state_key_prefix=f"{run.primary.name}.")
 
 
-def hetero_record(layout) -> dict:
-    """What a checkpoint says about the run that wrote it."""
-    return dict(layout=repr(layout), rank_map=layout.rank_map(),
-                optimizer_modules=[m.name for m in (*layout.encoders, layout.llm) if not m.freeze])
+def hetero_record(layout, model_file: str | None = None) -> dict:
+    """What a checkpoint says about the run that wrote it; `model_file`: the model description the
+    run was built from (`--model-sizes`, e.g. an import's model.json: an export needs it)."""
+    record = dict(layout=repr(layout), rank_map=layout.rank_map(),
+                  optimizer_modules=[m.name for m in (*layout.encoders, layout.llm) if not m.freeze])
+    if model_file:
+        record["model"] = json.loads(Path(model_file).read_text())
+    return record
 
 
 def _fsync_tree(path: Path) -> None:
@@ -125,7 +130,7 @@ def _generate_state_dict(original):
             saved = copy.copy(args)
             saved.hetero_run = saved.hetero_layout_spec = None
             state_dict["args"] = saved
-            state_dict["hetero"] = hetero_record(args.hetero_layout_spec)
+            state_dict["hetero"] = hetero_record(args.hetero_layout_spec, getattr(args, "model_sizes", None))
         return state_dict
     return generate_state_dict
 

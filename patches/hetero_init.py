@@ -24,6 +24,7 @@ def _initialize_distributed(original):
         original(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=True)
         args.hetero_run = build_run(args.hetero_layout_spec)
         parallel_state.point_at(args.hetero_run.primary.pgs)
+        parallel_state.count_samples_over(args.hetero_layout_spec.llm.dp)
     return initialize_distributed
 
 

@@ -55,6 +55,14 @@ def point_at(pgs: ProcessGroupCollection) -> None:
     _ensure_memory_buffer()
 
 
+def count_samples_over(llm_dp: int) -> None:
+    """megatron.training counts consumed samples (the data position a checkpoint stores) as
+    parallel_state's data-parallel world size x micro batch x microbatches, on every rank: in a
+    heterogeneous run that size is the LLM's dp everywhere, also on ranks serving only an encoder,
+    whose own data-parallel group has another size. (megatron-core reads no other size from here.)"""
+    ps._MPU_DATA_PARALLEL_WORLD_SIZE = llm_dp
+
+
 @contextlib.contextmanager
 def pointed_at(pgs: ProcessGroupCollection, then: ProcessGroupCollection):
     """parallel_state answering with `pgs` inside, with `then` after: megatron-core's checkpoint code

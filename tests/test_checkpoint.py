@@ -8,14 +8,17 @@ several pairs: saving does not change its trajectory).
 """
 
 import json
+import os
 import runpy
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_distributed
+from tests.distributed import _free_port, run_distributed
 
 SCRIPT = Path(__file__).parent.parent / "examples" / "pretrain_vlm.py"
 LAYOUTS = Path(__file__).parent.parent / "examples" / "layouts"
@@ -54,7 +57,8 @@ def _layout(name: str, tmp: Path) -> Path:
 
 
 def run(tmp: Path, tag: str, layout: str, world: int, flags=()) -> dict[int, dict]:
-    """examples/pretrain_vlm.py under `layout` on `world` processes; its metrics per step."""
+    """examples/pretrain_vlm.py under `layout` (a name in EXTRA_LAYOUTS or examples/layouts) on
+    `world` processes (FLAGS, then `flags`); its metrics per step."""
     out = tmp / tag
     out.mkdir()
     run_distributed(_train, world, ["--hetero-layout", str(_layout(layout, tmp)),
@@ -167,3 +171,68 @@ def test_frozen_encoder_into_trainable(tmp):
     one = saved.resume("unfrozen1", "single", 1)
     assert_continues(one, four)
     assert four[6]["grad_norm"] != pytest.approx(saved.metrics[6]["grad_norm"], rel=1e-3)  # the encoder trains
+
+
+def _one_process(argv, cwd: Path) -> subprocess.CompletedProcess:
+    """The script in one plain process (no torchrun: its own exit code and stderr)."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(SCRIPT), "--hetero-layout", str(LAYOUTS / "single.yaml"),
+                           *FLAGS, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def _damaged(colocated, tag: str, damage) -> Path:
+    directory = at(colocated.dir, 5, tag)
+    damage(directory / "iter_0000005")
+    return directory
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("tag, damage, flags, expected", [
+    ("missing_shard", lambda d: (d / "__1_0.distcp").unlink(), [], "shard file __1_0.distcp is missing"),
+    ("truncated", lambda d: _truncate(d / "__2_0.distcp"), [], "shard file __2_0.distcp is truncated"),
+    ("sizes", lambda d: None, ["--hidden-size", "128"], "in this run's model (model sizes differ"),
+    ("no_metadata", lambda d: (d / ".metadata").unlink(), [], "cannot be read"),
+])
+def test_damaged_checkpoint_is_one_line(colocated, tmp, tag, damage, flags, expected):
+    directory = _damaged(colocated, tag, damage)
+    result = _one_process(["--load", str(directory), *flags], tmp)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(errors) == 1 and f"checkpoint {directory / 'iter_0000005'}: " in errors[0] and expected in errors[0], errors
+    assert "module " in errors[0] or tag == "no_metadata"
+    assert "Traceback" not in result.stderr
+
+
+def _train_killed_mid_save(rank, world_size, argv, kill_rank, kill_iteration):
+    """The script, with rank `kill_rank` SIGKILLed right after writing its part of the save at
+    `kill_iteration` (the other ranks are still saving or waiting for it)."""
+    from megatron.core import dist_checkpointing
+
+    save = dist_checkpointing.save
+
+    def save_then_die(state_dict, checkpoint_dir, *args, **kwargs):
+        result = save(state_dict, checkpoint_dir, *args, **kwargs)
+        if rank == kill_rank and str(checkpoint_dir).endswith(f"iter_{kill_iteration:07d}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    dist_checkpointing.save = save_then_die
+    _train(rank, world_size, argv)
+
+
+def test_rank_killed_mid_save_keeps_previous_checkpoint(colocated, tmp):
+    directory = tmp / "killed_ckpt"
+    argv = ["--hetero-layout", str(LAYOUTS / "demo_colocated.yaml"), *FLAGS, "--save", str(directory)]
+    with pytest.raises(Exception):  # torch.multiprocessing: a process was killed
+        run_distributed(_train_killed_mid_save, 4, argv, 1, 10)
+    assert (directory / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert not (directory / "iter_0000010").exists()
+    resumed = run(tmp, "after_kill", "demo_colocated", 4, ["--load", str(directory), "--save", str(directory)])
+    assert_continues(colocated.metrics, resumed, exact=True)
+    assert (directory / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert not (directory / ".staging" / "iter_0000010").exists()  # the killed save's leftovers are gone

@@ -1,7 +1,7 @@
 """Model sizes and architecture choices, importable without megatron-core (flag parsing happens
 before any heavy import)."""
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 # The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
 AUDIO_FRAMES_PER_TOKEN = 4
@@ -82,3 +82,19 @@ class ModelSizes:
     @property
     def tokens_per_clip(self) -> int:
         return self.audio_frames // AUDIO_FRAMES_PER_TOKEN
+
+
+def sizes_to_dict(sizes: ModelSizes) -> dict:
+    """Plain values (JSON) of `sizes`, architectures included; sizes_from_dict's inverse."""
+    return asdict(sizes)
+
+
+def sizes_from_dict(values: dict) -> ModelSizes:
+    known = {f.name for f in fields(ModelSizes)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown model size fields {', '.join(unknown)}")
+    llm = dict(values.get("llm_arch", {}))
+    if llm.get("moe") is not None:
+        llm["moe"] = MoEArch(**llm["moe"])
+    return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": VisionArch(**values.get("vision_arch", {}))})

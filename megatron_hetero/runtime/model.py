@@ -15,7 +15,6 @@ from typing import Protocol
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, RankPlan
-from megatron_hetero.patches.parallel_state import pointed_at
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.schedules.pipeline import Clock
 from megatron_hetero.training.timers import PhaseTimers
@@ -102,6 +101,10 @@ class HeteroModel(torch.nn.Module):
         sharded state dict under `<module name>.`, built with the module's own groups (its tensor
         slices, its stages' global layer numbers, replicas over its dp x cp), so keys and global
         shapes do not depend on the layout that saved them."""
+        # Imported here: importing the patches package applies nothing but imports every patch,
+        # some of which import this module.
+        from megatron_hetero.patches.parallel_state import pointed_at
+
         assert not sharded_offsets, "a heterogeneous model is one chunk"
         out = {}
         for m in self._held():

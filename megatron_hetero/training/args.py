@@ -5,7 +5,7 @@ megatron_hetero.rules applied to its flags): every mistake one line naming the f
 import argparse
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from megatron_hetero import rules
 from megatron_hetero.data.chat import TokenizerError, chat_tokenizer
@@ -13,7 +13,7 @@ from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
-from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch
+from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
 MEGATRON_SIZE_FLAGS = ("hidden_size", "num_layers", "num_attention_heads", "seq_length")
@@ -76,6 +76,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="split a larger image into up to this many tiles plus a thumbnail (1: no tiling)")
     for f in _own_size_fields():
         group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+    group.add_argument("--model-sizes", default=None,
+                       help="a model description (the model.json `python -m megatron_hetero.hf import` "
+                            "writes): sizes and architecture of every module, over the size flags")
     return parser
 
 
@@ -101,10 +104,34 @@ def moe_arch(args) -> MoEArch | None:
                    z_loss_coeff=args.moe_z_loss_coeff, dispatcher=args.moe_token_dispatcher_type)
 
 
+def _sizes_file(path: str) -> ModelSizes:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return sizes_from_dict(json.load(f)["sizes"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ArgsError(f"--model-sizes {path}: {error}; give the model.json written by "
+                        f"`python -m megatron_hetero.hf import`") from None
+
+
 def model_sizes(args) -> ModelSizes:
+    if args.model_sizes:  # the sequence length is the run's; the rest the described model's
+        return replace(_sizes_file(args.model_sizes), seq_length=args.seq_length)
     names = [f.name for f in _own_size_fields()] + list(MEGATRON_SIZE_FLAGS)
     return ModelSizes(vocab_size=tokenizer(args).vocab_size, llm_arch=LLMArch(moe=moe_arch(args)),
                       **{name: getattr(args, name) for name in names})
+
+
+def _take_sizes_file(args) -> None:
+    """--model-sizes sets the size flags (Megatron's and ours), so every check sees the model's."""
+    sizes = _sizes_file(args.model_sizes)
+    for name in [f.name for f in _own_size_fields()] + [n for n in MEGATRON_SIZE_FLAGS if n != "seq_length"]:
+        setattr(args, name, getattr(sizes, name))
+    vocab = tokenizer(args).vocab_size
+    if vocab > sizes.vocab_size:
+        raise ArgsError(f"--model-sizes {args.model_sizes}: a vocabulary of {sizes.vocab_size} is smaller than "
+                        f"the tokenizer's {vocab}")
 
 
 def parse_script_args(argv: list[str], validate: bool = True):
@@ -230,6 +257,8 @@ def check_script_args(args) -> None:
                          "examples/layouts/ and the README)")
     layout = args.hetero_layout_spec = hetero_args.load(args)  # Megatron's validation reuses it
     try:
+        if args.model_sizes:
+            _take_sizes_file(args)
         check_trainable(layout)
         check_args(args, layout)
     except ArgsError as error:

@@ -142,13 +142,14 @@ class _TimedStep:
 
 
 @contextmanager
-def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool):
+def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
     """megatron.training initialized for the workload as pretrain() initializes itself (our patches,
     the script's validated arguments, initialize_megatron, JIT options, setup_model_and_optimizer
     with the reference model's provider, then what train() sets before its first step), yielding a
     Session; megatron.training's globals are unset afterwards, so that a process can hold several
     sessions in turn. The process group is started here unless it is already (then it is left
-    running). The learning rate is 1e-5, constant: the steps are timed, not trained."""
+    running). The learning rate is 1e-5, constant: the steps are timed, not trained. `extra_flags`:
+    further flags of the script."""
     import megatron_hetero.patches
 
     megatron_hetero.patches.apply()
@@ -166,7 +167,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool):
     if owns_process_group:  # megatron.training then takes the process group as it is
         init_distributed()
     timed = ["--train-iters", "1000000", "--lr", "1e-5", "--lr-decay-style", "constant"]
-    args = parse_script_args(workload_flags(w, layout_file, bf16) + timed)
+    args = parse_script_args(workload_flags(w, layout_file, bf16) + timed + list(extra_flags))
     try:
         initialize_megatron()
         set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
@@ -283,3 +284,47 @@ def run_reporting_errors(run_fn, opts) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def measure_checkpoint(session: Session, w: BenchWorkload, layout_name: str, directory: str, out: str,
+                       repeats: int = 2) -> dict:
+    """After one training step (so that the optimizer holds state), Megatron's save_checkpoint and
+    load_checkpoint of the session's model and optimizer into `directory`, `repeats` times each:
+    seconds per save and per load (the fastest), bytes on disk. Rank 0 appends the record to `out`."""
+    from pathlib import Path
+
+    from megatron.training import training
+
+    session.train_step()
+    args, model, optimizer, scheduler = session.args, session.model, session.optimizer.optimizer, session.scheduler
+    args.save = args.load = directory
+    saves = [_timed(lambda: training.save_checkpoint(1, model, optimizer, scheduler, 0, {})) for _ in range(repeats)]
+    loads = [_timed(lambda: training.load_checkpoint(model, optimizer, scheduler)) for _ in range(repeats)]
+    files = [f for f in (Path(directory) / "iter_0000001").rglob("*") if f.is_file()]
+    params = sum(p.numel() for m in session.hetero.run.modules.values() if m.held for p in m.part.parameters())
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, params)
+    cuda = torch.cuda.is_available()
+    record = dict(workload=w.name, layout=layout_name, gpus=dist.get_world_size(), llm_layers=w.layers,
+                  parameters_held=counts, save_s=min(saves), load_s=min(loads), saves_s=saves, loads_s=loads,
+                  checkpoint_bytes=sum(f.stat().st_size for f in files), files=len(files),
+                  distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
+                  date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
+                  torch=torch.__version__)
+    if dist.get_rank() == 0:
+        with open(out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record))
+    return record

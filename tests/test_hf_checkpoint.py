@@ -1,0 +1,79 @@
+"""`python -m megatron_hetero.hf import / export` through Megatron checkpoints: tiny random
+Hugging Face models (tests/test_hf.py's) imported into a checkpoint, exported back bit for bit; the
+import trains under any layout (the first steps under vision DP2 -> LLM TP2 on 2 processes equal one
+process's); a checkpoint saved by that 2-process run exports to directories transformers loads."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_checkpoint import run
+from tests.test_hf import _hf_model
+
+LLM, VISION = "llama", "siglip"
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_hetero.hf", *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf_ckpt")
+    _hf_model(LLM).save_pretrained(tmp / "llm")
+    _hf_model(VISION).save_pretrained(tmp / "vision")
+    result = _cli("import", "--vision", tmp / "vision", "--llm", tmp / "llm", "--save", tmp / "ckpt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_import_then_export_is_bit_identical(imported):
+    out = imported / "exported"
+    result = _cli("export", "--load", imported / "ckpt", "--vision-out", out / "vision", "--llm-out", out / "llm")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("vision", "llm"):
+        original, exported = _tensors(imported / name), _tensors(out / name)
+        assert exported.keys() == original.keys(), name
+        for key, tensor in original.items():
+            assert torch.equal(exported[key], tensor), (name, key)
+
+
+def test_import_trains_under_any_layout_and_exports(imported):
+    """The same first steps from the import under one process and under vision DP2 -> LLM TP2;
+    the 2-process run's checkpoint exports to directories transformers loads."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    flags = ["--load", str(imported / "ckpt"), "--model-sizes", str(imported / "ckpt" / "model.json"),
+             "--train-iters", "3", "--save-interval", "3"]
+    one = run(imported, "one", "single", 1, flags)
+    two = run(imported, "two", "w2_vdp2_ltp2", 2, [*flags, "--save", str(imported / "trained")])
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        for key in ("loss", "grad_norm"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), (step, key)
+    out = imported / "trained_hf"
+    result = _cli("export", "--load", imported / "trained", "--vision-out", out / "vision", "--llm-out", out / "llm")
+    assert result.returncode == 0, result.stderr[-3000:]
+    llm = AutoModelForCausalLM.from_pretrained(out / "llm")
+    AutoModel.from_pretrained(out / "vision")
+    trained, original = _tensors(out / "llm"), _tensors(imported / "llm")
+    assert trained.keys() == original.keys()
+    assert not torch.equal(trained["model.norm.weight"], original["model.norm.weight"])  # it trained
+    assert json.loads((out / "llm" / "config.json").read_text())["num_key_value_heads"] == llm.config.num_key_value_heads
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    result = _cli("import", "--vision", tmp_path / "none", "--llm", tmp_path / "none", "--save", tmp_path / "c")
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    result = _cli("export", "--load", tmp_path, "--llm-out", tmp_path / "o")
+    assert result.returncode == 2 and "holds no checkpoint" in result.stderr
