@@ -103,7 +103,7 @@ def _save_checkpoint(original):
                         checkpointing_context=None, *args, **kwargs):
         megatron_args = get_args()
         run = megatron_args.hetero_run
-        if run is None or kwargs.get("non_persistent_ckpt"):
+        if run is None:
             return original(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                             checkpointing_context, *args, **kwargs)
         save_dir = Path(megatron_args.save)

@@ -65,7 +65,7 @@ def _checkpoint_flags(args) -> None:
     if (args.save or args.load) and args.ckpt_format != "torch_dist":
         raise ArgsError(f"--ckpt-format {args.ckpt_format} is not supported with --hetero-layout; use "
                         f"--ckpt-format torch_dist (the default)")
-    for flag in ("async_save", "ckpt_fully_parallel_load"):
+    for flag in ("async_save", "ckpt_fully_parallel_load", "non_persistent_save_interval"):
         if getattr(args, flag):
             raise ArgsError(f"--{flag.replace('_', '-')} is not supported with --hetero-layout yet; drop it")
     # Fully parallel saving splits the writes over the primary module's data-parallel group, which

@@ -72,8 +72,13 @@ def test_import_trains_under_any_layout_and_exports(imported):
     assert json.loads((out / "llm" / "config.json").read_text())["num_key_value_heads"] == llm.config.num_key_value_heads
 
 
-def test_cli_errors_are_one_line(tmp_path):
-    result = _cli("import", "--vision", tmp_path / "none", "--llm", tmp_path / "none", "--save", tmp_path / "c")
-    assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
-    result = _cli("export", "--load", tmp_path, "--llm-out", tmp_path / "o")
-    assert result.returncode == 2 and "holds no checkpoint" in result.stderr
+@pytest.mark.parametrize("command, expected", [
+    ("import --vision {t}/none --llm {t}/none --save {t}/c", "holds no *.safetensors file"),
+    ("export --load {t} --llm-out {t}/o", "holds no checkpoint"),
+    ("export --load {t}", "give --vision-out and/or --llm-out"),
+])
+def test_cli_errors_are_one_line(tmp_path, command, expected):
+    result = _cli(*command.format(t=tmp_path).split())
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

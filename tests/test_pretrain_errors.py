@@ -58,6 +58,10 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", MOE_EP2, "--num-experts", "4", "--expert-model-parallel-size", "4"], None,
      "--expert-model-parallel-size 4 conflicts with module llm's ep=2"),
     (["--hetero-layout", DEMO, "--num-experts", "4"], None, "an MoE llm with tp=2 needs sequence parallelism"),
+    (["--hetero-layout", DEMO, "--save", "ckpt", "--ckpt-format", "torch"], None,
+     "--ckpt-format torch is not supported with --hetero-layout; use --ckpt-format torch_dist"),
+    (["--hetero-layout", DEMO, "--async-save"], None, "--async-save is not supported"),
+    (["--hetero-layout", DEMO, "--non-persistent-save-interval", "5"], None, "--non-persistent-save-interval"),
     (["--hetero-layout", "layout.yaml"],
      "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 2, ranks: 0-1}\n"
      "  llm: {role: llm, dp: 2, ranks: 2-3}\n",
