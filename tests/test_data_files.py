@@ -232,6 +232,29 @@ def test_bad_samples_skipped(tmp_path):
     assert ds.collate([ds[1], ds[5]])["skipped"] == ds[1][0].skipped + ds[5][0].skipped
 
 
+def test_resume_reads_the_same_samples(tmp_path):
+    """The data position is Megatron's consumed-samples count: a loader started at k samples (a
+    resumed run, Megatron's sampler over global microbatches as patches/hetero_data.py builds it)
+    yields what the uninterrupted one yields from k on, bad samples passed over alike."""
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    lines = _bad_records(tmp_path)
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(r if isinstance(r, bytes) else json.dumps(r).encode() for r, _ in lines) + b"\n")
+    ds, micro, total = _dataset(path, num_samples=40), 4, 40
+
+    def batches(consumed):
+        sampler = MegatronPretrainingSampler(total, consumed, micro, data_parallel_rank=0, data_parallel_size=1)
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=ds.collate, num_workers=1)
+        return list(loader)
+
+    whole, resumed = batches(0), batches(12)
+    assert len(resumed) == len(whole) - 3
+    for a, b in zip(whole[3:], resumed):
+        assert a["skipped"] == b["skipped"] and all(torch.equal(a[k], b[k]) for k in a if k != "skipped")
+    assert any(batch["skipped"] for batch in resumed)
+
+
 def test_bad_json_list(tmp_path):
     """In a JSON list, non-UTF-8 text skips that sample only; a file that is not JSON is one error."""
     good = json.loads(write_conversations(tmp_path, 2, seed=4).read_text())
