@@ -156,10 +156,19 @@ def test_reshard_world_4_to_2_to_6(colocated, tmp):
         assert six[step]["grad_norm"] == pytest.approx(colocated.metrics[step]["grad_norm"], rel=RTOL)
 
 
-def test_reshard_distributed_optimizer_off_and_dp(tmp):
+@pytest.fixture(scope="module")
+def distributed_optimizer(tmp):  # vision TP1/DP4 -> LLM TP2/DP2, each DP rank holding its optimizer shard
+    return Saved(tmp, "distopt", "demo_colocated", 4, ["--use-distributed-optimizer"])
+
+
+def test_resume_distributed_optimizer_is_bit_identical(distributed_optimizer):
+    resumed = distributed_optimizer.resume("distopt_on", "demo_colocated", 4, ["--use-distributed-optimizer"])
+    assert_continues(distributed_optimizer.metrics, resumed, exact=True)
+
+
+def test_reshard_distributed_optimizer_off_and_dp(distributed_optimizer):
     """Saved with --use-distributed-optimizer (LLM DP2, vision DP4), loaded without it at LLM DP4."""
-    saved = Saved(tmp, "distopt", "demo_colocated", 4, ["--use-distributed-optimizer"])
-    assert_continues(saved.metrics, saved.resume("distopt_off", "vdp4_ltp1dp4", 4))
+    assert_continues(distributed_optimizer.metrics, distributed_optimizer.resume("distopt_off", "vdp4_ltp1dp4", 4))
 
 
 def test_frozen_encoder_into_trainable(tmp):

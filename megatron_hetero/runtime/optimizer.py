@@ -36,7 +36,8 @@ def _own_param_groups(loaded, current) -> None:
                     raise ValueError(f"the checkpoint has {len(value)} optimizer parameter groups, this run "
                                      f"{len(current[key])}: the optimizer flags (weight decay, lr multipliers) differ")
                 for saved, own in zip(value, current[key]):
-                    saved["params"] = own["params"]
+                    if "params" in own:  # the distributed optimizer maps its groups itself
+                        saved["params"] = own["params"]
             elif key in current:
                 _own_param_groups(value, current[key])
     elif isinstance(loaded, list) and isinstance(current, list):
