@@ -26,6 +26,7 @@ CASES = {
     "moe_non_colocated_1_ep3": (4, EP3),  # vision 1 rank -> LLM EP3 on 3 ranks
     "moe_non_colocated_vdp2_lcp2ep2": (4, []),  # vision DP2 -> LLM CP2/EP2
     "moe_colocated_vdp4_ltp2dp2sp_ep2etp1": (4, []),  # ETP1 under TP2
+    "moe_non_colocated_2_2_frozen": (4, []),  # a frozen vision DP2 -> LLM EP2
 }
 
 
@@ -88,14 +89,20 @@ def _routes(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The 1-process runs (no expert parallelism), per flags, with their routes."""
+    """The 1-process runs (no expert parallelism), per flags and frozen vision or not, with their
+    routes."""
     cache = {}
 
-    def run(flags: list[str]):
-        key = tuple(flags)
+    def run(flags: list[str], frozen: bool = False):
+        key = (tuple(flags), frozen)
         if key not in cache:
-            out = tmp_path_factory.mktemp("reference") / "run"
-            cache[key] = _run_moe(out, LAYOUTS / "single.yaml", 1, flags)
+            tmp = tmp_path_factory.mktemp("reference")
+            layout = LAYOUTS / "single.yaml"
+            if frozen:
+                layout = tmp / "single_frozen.yaml"
+                layout.write_text((LAYOUTS / "single.yaml").read_text()
+                                  .replace("role: encoder", "role: encoder\n    freeze: true"))
+            cache[key] = _run_moe(tmp / "run", layout, 1, flags)
         return cache[key]
 
     return run
@@ -112,12 +119,14 @@ def test_moe_layout_reproduces_one_process(reference, tmp_path, layout_name):
     layout = load_layout(LAYOUTS / f"{layout_name}.yaml", world_size)
     assert layout.llm.has_expert_grid
     metrics, tensors, routes = _run_moe(tmp_path / layout_name, LAYOUTS / f"{layout_name}.yaml", world_size, flags)
-    ref_metrics, ref_tensors, ref_routes = reference(flags)
+    frozen = layout.encoders[0].freeze
+    ref_metrics, ref_tensors, ref_routes = reference(flags, frozen)
     _assert_reproduces((metrics, tensors), (ref_metrics, ref_tensors), keys=METRICS)
     # Every expert's weights were compared (6 per layer), and the aux losses were really trained.
     assert sum(".local_experts." in name and name.endswith("linear_fc1.weight")
                for name in tensors["llm_grads"]) == 6 * 2
     assert all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in metrics)
+    assert ("vision_grads" in tensors) == (not frozen)
     # Router determinism: every token of the first step, at every layer, went to the same experts.
     batch = 6 if flags == EP3 else 8
     assert len(ref_routes) == 2 * batch * 32  # layers x samples x positions
