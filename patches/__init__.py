@@ -28,6 +28,7 @@ from megatron_hetero.patches import (  # noqa: E402
     metrics,
     rerun,
     startup,
+    torch_adam,
 )
 from megatron_hetero.patches._patch import PatchError, check_version  # noqa: E402
 
@@ -43,6 +44,7 @@ def apply() -> None:
     hetero_data.apply()
     hetero_schedule.apply()
     checkpointing.apply()
+    torch_adam.apply()
     metrics.apply()
     rerun.apply()
     layer_specs.apply()
