@@ -19,6 +19,7 @@ from megatron_hetero.patches import (  # noqa: E402
     arguments,
     checkpointing,
     cpu,
+    faults,
     hetero_data,
     hetero_init,
     hetero_model,
@@ -46,6 +47,7 @@ def apply() -> None:
     checkpointing.apply()
     torch_adam.apply()
     metrics.apply()
+    faults.apply()
     rerun.apply()
     layer_specs.apply()
 

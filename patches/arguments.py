@@ -19,6 +19,12 @@ def add_hetero_flags(parser):
                        help="YAML file declaring each module's parallel layout (megatron-hetero)")
     group.add_argument("--metrics-file", default=None, metavar="FILE",
                        help="write one JSON object per iteration (step, loss, grad_norm, lr, ...) here")
+    group.add_argument("--hetero-heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="each rank's heartbeat period on the job's store (a lost rank is named "
+                            "within a few of them)")
+    group.add_argument("--hetero-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a rank whose heartbeat stands still this long is lost (default: "
+                            "--distributed-timeout-minutes)")
     return parser
 
 

@@ -9,7 +9,7 @@ HyperCommGrid), and megatron-core's parallel_state is pointed at this rank's pri
 
 from megatron.training import get_args
 
-from megatron_hetero.patches import parallel_state
+from megatron_hetero.patches import faults, parallel_state
 from megatron_hetero.patches._patch import replace
 from megatron_hetero.runtime.context import build_run
 
@@ -25,6 +25,7 @@ def _initialize_distributed(original):
         args.hetero_run = build_run(args.hetero_layout_spec)
         parallel_state.point_at(args.hetero_run.primary.pgs)
         parallel_state.count_samples_over(args.hetero_layout_spec.llm.dp)
+        faults.start(args)
     return initialize_distributed
 
 

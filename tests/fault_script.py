@@ -4,10 +4,15 @@
 
 nan-grad:MODULE:ITER  gradients of MODULE's parameters are NaN from iteration ITER on
 nan-output:MODULE:ITER  MODULE's forward output is NaN from iteration ITER on
+kill:MODULE:ITER:RANK   rank RANK SIGKILLs itself in MODULE's forward at iteration ITER, after two
+                        heartbeats there (so that its last heartbeat names the phase) and after
+                        writing the time to $HETERO_TEST_KILLED
 """
 
 import os
 import runpy
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -32,12 +37,22 @@ def _inject(parts, kind: str, module: str, start: int) -> None:
             param.register_hook(lambda grad: grad * nan if _from_iteration(start) else grad)
     elif kind == "nan-output":
         part.register_forward_hook(lambda _m, _i, out: out * nan if _from_iteration(start) else None)
+    elif kind == "kill":
+        part.register_forward_hook(lambda *_: _kill() if _from_iteration(start) else None)
     else:
         raise ValueError(kind)
 
 
+def _kill() -> None:
+    time.sleep(2 * get_args().hetero_heartbeat_interval)
+    Path(os.environ["HETERO_TEST_KILLED"]).write_text(str(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
-    kind, module, start = os.environ["HETERO_TEST_FAULT"].split(":")
+    kind, module, start, *rank = os.environ["HETERO_TEST_FAULT"].split(":")
+    if rank and rank != [os.environ["RANK"]]:
+        return runpy.run_path(str(SCRIPT), run_name="__main__")
     original = providers.model_provider
 
     def model_provider(*args, **kwargs):

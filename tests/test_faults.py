@@ -2,8 +2,11 @@
 gradients name their module; a dead rank ends every other rank, named with its phase."""
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ LAYOUTS = ROOT / "examples" / "layouts"
 FLAGS = ["--train-iters", "5", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
 
 
-def torchrun(args: list, env: dict | None = None, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+def torchrun(args: list, env: dict | None = None, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
     """tests/fault_script.py (examples/pretrain_vlm.py with a fault injected) under torchrun."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -35,3 +38,63 @@ def test_nan_gradients_name_the_module(layout):
     assert "iteration        2/" in out and "iteration        3/" not in out  # stopped at the NaN
     assert "no --save given" in out and "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
     assert "exitcode  : 16" in out  # the state machine's exit code (torchrun may end the other rank first)
+
+
+def _direct(args: list, env: dict, nproc: int) -> list[subprocess.Popen]:
+    """The script in `nproc` processes started directly (no torchrun: srun-style launches)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_script.py"), *args],
+                             env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), **env),
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for r in range(nproc)]
+
+
+def _left_running(mark: str) -> list[int]:
+    """Processes whose environment carries `mark`."""
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes():
+                left.append(int(entry.name))
+        except OSError:
+            pass
+    return left
+
+
+@pytest.mark.parametrize("layout, module, rank, phase, launcher", [
+    ("demo_colocated", "llm", 2, "the LLM pipeline", "torchrun"),
+    ("non_colocated_2_2", "vision", 1, "an encoder's forward", "direct"),
+])
+def test_dead_rank_stops_every_rank(tmp_path, layout, module, rank, phase, launcher):
+    """Rank `rank` is SIGKILLed in `module`'s forward at iteration 3 of 4 processes: every other rank
+    exits non-zero within a bounded time, with a line naming the lost rank and the phase its last
+    heartbeat was in; no process is left. Under torchrun (which ends the other workers with SIGTERM)
+    and started directly (each rank finds out itself)."""
+    mark = f"HETERO_TEST_MARK_{tmp_path.name}"
+    killed = tmp_path / "killed"
+    env = {"HETERO_TEST_FAULT": f"kill:{module}:3:{rank}", "HETERO_TEST_KILLED": str(killed), mark: "1"}
+    args = ["--hetero-layout", str(LAYOUTS / f"{layout}.yaml"), *FLAGS, "--hetero-heartbeat-interval", "0.5"]
+    if launcher == "torchrun":
+        result = torchrun(args, env, nproc=4)
+        out, codes = result.stdout + result.stderr, [result.returncode]
+    else:
+        procs = _direct(args, env, 4)
+        try:
+            outs = [p.communicate(timeout=600)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        out, codes = "\n".join(outs), [p.returncode for p in procs]
+        assert codes[rank] == -signal.SIGKILL and all(c != 0 for c in codes), codes
+    ended = time.time()
+    assert all(c != 0 for c in codes), codes
+    assert ended - float(killed.read_text()) < 60, "the other ranks took too long to stop"
+    lines = [line for line in out.splitlines() if line.startswith("error: rank ")]
+    survivors = {int(line.split()[2]) for line in lines}
+    assert survivors == set(range(4)) - {rank}, out[-4000:]
+    assert all(f"rank {rank} (last heard in {phase} at iteration 3)" in line for line in lines), lines
+    assert "Traceback" not in "\n".join(l for l in out.splitlines() if l.startswith("[rank"))
+    assert not _left_running(mark)

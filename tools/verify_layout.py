@@ -46,6 +46,9 @@ def parse_args(argv=None):
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--iters", type=int, default=5, help="timed repetitions after the check")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the layout and plan every rank's boundaries for WORLD_SIZE ranks "
+                             "in this one process; nothing is exchanged")
     return parser.parse_args(argv)
 
 
@@ -141,11 +144,16 @@ def main(argv=None) -> int:
         layout = load_layout(args.layout, world_size)
         batches = make_batches(layout, args)
         for (edge, batch) in zip(layout.edges, batches):
-            plan_edge(batch, layout.module(edge.src), layout.llm, rank, world_size)
+            for r in range(world_size) if args.dry_run else [rank]:
+                plan_edge(batch, layout.module(edge.src), layout.llm, r, world_size)
     except (LayoutError, BoundaryError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print(layout.rank_map())
+        print(f"layout and every rank's boundary plans ok on {world_size} ranks (dry run: nothing exchanged)")
+        return 0
 
     device = init_distributed()
     cuda = device.type == "cuda"

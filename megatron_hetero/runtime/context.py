@@ -58,6 +58,8 @@ class HeteroRun:
     modules: dict[str, ModuleRuntime] = field(default_factory=dict)
     model: torch.nn.Module | None = None  # the HeteroModel megatron.training trains, once built
     optimizer: object = None  # its per-module optimizers (megatron-core MimoOptimizer), once built
+    phase: str = "setup"  # what this rank is doing, outside the schedules' named phases (failure reports)
+    watchdog: object = None  # this rank's heartbeats (runtime/watchdog.py), once started
 
     @property
     def llm(self) -> ModuleRuntime:

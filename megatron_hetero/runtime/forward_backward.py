@@ -29,6 +29,7 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         raise NotImplementedError("collect_non_loss_data is not supported with --hetero-layout")
     (hetero,) = model
     assert isinstance(hetero, HeteroModel), type(hetero)
+    hetero.run.phase = "the pipeline's transfers"
     start = time.perf_counter()
     items = [next(data_iterator) if data_iterator is not None else None for _ in range(num_microbatches)]
     ctx = StepContext(hetero.run, hetero.adapter, forward_step_func, items, hetero.config, forward_only,
@@ -41,11 +42,24 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         sys.exit(1)
     SCHEDULES[hetero.run.layout.placement](ctx)
     if not forward_only:
+        hetero.run.phase = "the gradient reduction"
         per_token = hetero.config.calculate_per_token_loss
         hetero.config.finalize_model_grads_func(
             [hetero], ctx.num_tokens if per_token else None, force_all_reduce=force_all_reduce)
         hetero.clock.step_s += time.perf_counter() - start
+    hetero.run.phase = "the optimizer step"  # and Megatron's logging, up to the next step
     return ctx.losses
+
+
+# The schedules' phases (PhaseTimers names) as a failure report says them.
+PHASE_WORDS = {"encoder-forward": "an encoder's forward", "encoder-backward": "an encoder's backward",
+               "boundary": "the boundary", "llm-forward": "the LLM pipeline", "llm-backward": "the LLM pipeline"}
+
+
+def current_phase(run) -> str:
+    """What this rank is doing now, in words: a schedule's phase, else the run's coarse phase."""
+    phase = run.model.timers.current if run.model is not None else None
+    return PHASE_WORDS.get(phase, phase) if phase else run.phase
 
 
 def finalize_hetero_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):

@@ -5,11 +5,14 @@ start and end, so that the time is the phase's own (this serializes what would o
 use it to see where time goes, not to measure peak throughput). Phases nest, and a phase's time
 excludes the phases inside it (an encoder's forward called from within the LLM's forward step
 counts as the encoder's only); `switch` relabels the running phase where one call spans several
-(one autograd backward through the LLM, the boundary and the encoder)."""
+(one autograd backward through the LLM, the boundary and the encoder).
+
+On or off, the innermost open phase is `current` (a failure report names it; a phase an exception
+leaves stays current)."""
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -46,8 +49,18 @@ class PhaseTimers:
             if self._running:  # and resumes
                 self._running[-1][1] = now
 
+    @contextmanager
+    def _named(self, name: str):
+        self._running.append([name, None])
+        yield
+        self._running.pop()
+
     def __call__(self, name: str):
-        return self._timed(name) if self.enabled else nullcontext()
+        return self._timed(name) if self.enabled else self._named(name)
+
+    @property
+    def current(self) -> str | None:
+        return self._running[-1][0] if self._running else None
 
     def switch(self, name: str) -> None:
         """From now on the innermost open phase counts as `name` (nothing when off or none is open)."""

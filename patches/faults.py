@@ -1,0 +1,49 @@
+"""A lost rank stops the job with a line naming it (megatron.training 0.19 `train_step`).
+
+Under `--hetero-layout` every rank starts a heartbeat watchdog once its groups exist
+(runtime/watchdog.py; `--hetero-heartbeat-interval`, `--hetero-heartbeat-timeout`, by default
+`--distributed-timeout-minutes`), and an error out of a training step is checked against it: if a
+rank is lost (gloo reports a dead peer as a connection reset) or another rank recorded a fault, this
+rank stops with one `error:` line naming the lost rank, its last phase and this rank's own;
+otherwise (an error of this rank's own) it is raised as before.
+"""
+
+import datetime
+
+from megatron.training import get_args
+
+from megatron_hetero.patches._patch import replace
+from megatron_hetero.runtime.forward_backward import current_phase
+from megatron_hetero.runtime.watchdog import Watchdog, first_line, job_store
+
+
+def start(args) -> None:
+    """This rank's watchdog, after torch.distributed and the run's groups are up."""
+    import torch.distributed as dist
+
+    run = args.hetero_run
+    timeout = args.hetero_heartbeat_timeout or 60.0 * args.distributed_timeout_minutes
+    store, where = job_store(datetime.timedelta(seconds=timeout))
+
+    def status():
+        return getattr(args, "curr_iteration", -1) + 1, current_phase(run)
+
+    run.watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), args.hetero_heartbeat_interval,
+                            timeout, status, where)
+    run.watchdog.start()
+
+
+def _train_step(original):
+    def train_step(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError as error:
+            run = get_args().hetero_run
+            if run is not None and run.watchdog is not None:
+                run.watchdog.fail(first_line(error), unless_all_alive=True)
+            raise
+    return train_step
+
+
+def apply() -> None:
+    replace("megatron.training.training.train_step", _train_step)
