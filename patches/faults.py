@@ -5,7 +5,8 @@ Under `--hetero-layout` every rank starts a heartbeat watchdog once its groups e
 `--distributed-timeout-minutes`), and an error out of a training step is checked against it: if a
 rank is lost (gloo reports a dead peer as a connection reset) or another rank recorded a fault, this
 rank stops with one `error:` line naming the lost rank, its last phase and this rank's own;
-otherwise (an error of this rank's own) it is raised as before.
+otherwise (an error of this rank's own) it is raised as before. The watchdog stops when `train`
+returns (what follows, e.g. an evaluation, runs without it).
 """
 
 import datetime
@@ -45,5 +46,16 @@ def _train_step(original):
     return train_step
 
 
+def _train(original):
+    def train(*args, **kwargs):
+        result = original(*args, **kwargs)
+        run = get_args().hetero_run
+        if run is not None and run.watchdog is not None:
+            run.watchdog.stop()  # ranks end one by one from here; the store's host may be first
+        return result
+    return train
+
+
 def apply() -> None:
     replace("megatron.training.training.train_step", _train_step)
+    replace("megatron.training.training.train", _train)

@@ -4,6 +4,7 @@
 
 nan-grad:MODULE:ITER  gradients of MODULE's parameters are NaN from iteration ITER on
 nan-output:MODULE:ITER  MODULE's forward output is NaN from iteration ITER on
+(unset)                 no fault
 kill:MODULE:ITER:RANK   rank RANK SIGKILLs itself in MODULE's forward at iteration ITER, after two
                         heartbeats there (so that its last heartbeat names the phase) and after
                         writing the time to $HETERO_TEST_KILLED
@@ -50,8 +51,8 @@ def _kill() -> None:
 
 
 def main() -> None:
-    kind, module, start, *rank = os.environ["HETERO_TEST_FAULT"].split(":")
-    if rank and rank != [os.environ["RANK"]]:
+    kind, module, start, *rank = os.environ.get("HETERO_TEST_FAULT", "none:-:0:-").split(":")
+    if kind == "none" or rank and rank != [os.environ["RANK"]]:
         return runpy.run_path(str(SCRIPT), run_name="__main__")
     original = providers.model_provider
 

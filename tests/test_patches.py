@@ -25,6 +25,8 @@ TARGETS = [
     "megatron.training.training.build_pretraining_data_loader",
     "megatron.training.training.get_forward_backward_func",
     "megatron.training.training.save_checkpoint_and_time",
+    "megatron.training.training.train_step",
+    "megatron.training.training.train",
 ]
 CPU_TARGETS = [
     "megatron.training.arguments.get_device_arch_version",

@@ -43,6 +43,7 @@ class Watchdog:
         self._count = 0
         self._reporting = threading.Lock()
         self._wakeup = None
+        self._stopped = False
 
     # ---- the heartbeat thread ---------------------------------------------------------------------
     def start(self) -> None:
@@ -56,6 +57,14 @@ class Watchdog:
             self._wakeup = read
         threading.Thread(target=self._run, name="megatron-hetero-watchdog", daemon=True).start()
 
+    def stop(self) -> None:
+        """Training is over: no more heartbeats or reports (the store's host may end before this rank
+        does); SIGTERM as before (call from the main thread)."""
+        self._stopped = True
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     def _beat(self) -> None:
         iteration, phase = self.status()
         self.store.set(f"{PREFIX}beat/{self.rank}", f"{self._count} {iteration} {phase}")
@@ -66,7 +75,10 @@ class Watchdog:
         last, since = None, time.monotonic()
         try:
             while True:
-                if self._sleep():
+                sigterm = self._sleep()
+                if self._stopped:
+                    return
+                if sigterm:
                     self.fail("stopped by SIGTERM (the launcher ends the job: another rank failed)")
                 self._beat()
                 fault = self._fault()
@@ -82,7 +94,8 @@ class Watchdog:
                     self._report(f"rank {successor} is lost: no heartbeat for {self.timeout:.0f} s "
                                  f"(last {describe(beat)})")
         except Exception as error:  # noqa: BLE001 (any store failure means the job is gone)
-            self._unreachable(error)
+            if not self._stopped:
+                self._unreachable(error)
 
     def _sleep(self) -> bool:
         """Wait one interval; True if SIGTERM arrived."""
