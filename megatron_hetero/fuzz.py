@@ -1,7 +1,7 @@
 """Random layouts for the layout fuzzer (tests/test_fuzz_layouts.py, tools/fuzz_layouts.py).
 
 `random_case(rng)` draws what a user could hand tools/verify_layout.py: a layout file (placement,
-1-3 encoders, TP/CP/DP/PP/EP sizes, rank ranges, frozen flags, sp), a world size of 1-12, and the
+1-3 encoders, TP/CP/DP/PP sizes, the LLM's EP/ETP, rank ranges, frozen flags, sp), a world size of 1-12, and the
 batch: images per sample (0 included), tokens per image, global batch size. Sizes are mostly drawn
 so that they fit (products that divide the world, contiguous rank ranges) and then, with some
 probability, broken in one of the ways users break them, so that both valid and invalid layouts
@@ -54,7 +54,11 @@ def _module(rng: random.Random, role: str, size: int) -> dict:
         spec["freeze"] = True
     if role == "llm" and spec.get("tp", 1) > 1 and rng.random() < 0.5:
         spec["sp"] = True
-    if rng.random() < 0.05:
+    if role == "llm" and rng.random() < 0.3:  # experts over the dense ranks: ep x etp divides tp x cp x dp
+        dense = spec.get("tp", 1) * spec.get("cp", 1) * spec.get("dp", 1)
+        spec["ep"] = rng.choice([d for d in range(1, dense + 1) if dense % d == 0])
+        spec["etp"] = rng.choice([d for d in range(1, dense // spec["ep"] + 1) if dense // spec["ep"] % d == 0])
+    elif rng.random() < 0.05:  # encoders are dense: refused unless 1
         spec[rng.choice(["ep", "etp"])] = rng.choice([1, 2])
     return spec
 
