@@ -18,6 +18,7 @@ In each case: one `error:` line on stderr, the fault recorded for the others, th
 (a process blocked in a collective cannot unwind; nothing is left running).
 """
 
+import atexit
 import datetime
 import os
 import select
@@ -42,28 +43,35 @@ class Watchdog:
         self.interval, self.timeout, self.status, self.where = interval, timeout, status, where
         self._count = 0
         self._reporting = threading.Lock()
-        self._wakeup = None
-        self._stopped = False
+        self._wakeup = self._wake = None  # the pipe that wakes the thread: SIGTERM, or stop()
+        self._stopped = self._sigterm = False
+        self._thread = threading.Thread(target=self._run, name="megatron-hetero-watchdog", daemon=True)
 
     # ---- the heartbeat thread ---------------------------------------------------------------------
     def start(self) -> None:
         """Start the thread and route SIGTERM to it (call from the main thread)."""
         self._beat()
+        self._wakeup, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)
         if threading.current_thread() is threading.main_thread():
-            read, write = os.pipe()
-            os.set_blocking(write, False)
             signal.signal(signal.SIGTERM, lambda *_: None)  # the thread reports; see the pipe
-            signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-            self._wakeup = read
-        threading.Thread(target=self._run, name="megatron-hetero-watchdog", daemon=True).start()
+            signal.set_wakeup_fd(self._wake, warn_on_full_buffer=False)
+            self._sigterm = True
+        self._thread.start()
+        atexit.register(self.stop)  # before the interpreter ends its daemon threads
 
     def stop(self) -> None:
         """Training is over: no more heartbeats or reports (the store's host may end before this rank
-        does); SIGTERM as before (call from the main thread)."""
+        does); SIGTERM as before (call from the main thread). The thread is joined: a daemon thread
+        still inside a store call when the interpreter ends aborts the process."""
+        if self._stopped:
+            return
         self._stopped = True
-        if self._wakeup is not None:
+        if self._sigterm:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.write(self._wake, b"\0")
+        self._thread.join(timeout=2 * self.interval + 5)
 
     def _beat(self) -> None:
         iteration, phase = self.status()
@@ -98,10 +106,7 @@ class Watchdog:
                 self._unreachable(error)
 
     def _sleep(self) -> bool:
-        """Wait one interval; True if SIGTERM arrived."""
-        if self._wakeup is None:
-            time.sleep(self.interval)
-            return False
+        """Wait one interval (or until woken); True if SIGTERM arrived."""
         ready, _, _ = select.select([self._wakeup], [], [], self.interval)
         return bool(ready) and signal.SIGTERM in os.read(self._wakeup, 64)
 
