@@ -8,6 +8,7 @@ nan-output:MODULE:ITER  MODULE's forward output is NaN from iteration ITER on
 kill:MODULE:ITER:RANK   rank RANK SIGKILLs itself in MODULE's forward at iteration ITER, after two
                         heartbeats there (so that its last heartbeat names the phase) and after
                         writing the time to $HETERO_TEST_KILLED
+hang:MODULE:ITER:RANK   the same with SIGSTOP: the rank stops, its sockets stay open (a hung rank)
 """
 
 import os
@@ -38,16 +39,16 @@ def _inject(parts, kind: str, module: str, start: int) -> None:
             param.register_hook(lambda grad: grad * nan if _from_iteration(start) else grad)
     elif kind == "nan-output":
         part.register_forward_hook(lambda _m, _i, out: out * nan if _from_iteration(start) else None)
-    elif kind == "kill":
-        part.register_forward_hook(lambda *_: _kill() if _from_iteration(start) else None)
+    elif kind in ("kill", "hang"):
+        part.register_forward_hook(lambda *_: _kill(kind) if _from_iteration(start) else None)
     else:
         raise ValueError(kind)
 
 
-def _kill() -> None:
+def _kill(kind: str) -> None:
     time.sleep(2 * get_args().hetero_heartbeat_interval)
     Path(os.environ["HETERO_TEST_KILLED"]).write_text(str(time.time()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
 def main() -> None:
