@@ -11,7 +11,12 @@ per-parameter step; torch's Adam does, and two load paths then fail:
 - Loading a `fully_reshardable` checkpoint copies every tensor of a parameter's state from the
   checkpoint's per-parameter tensors, which hold no step (the format stores it once, with the
   parameter groups, and load_state_dict has already set it): KeyError 'step'. The copy skips it.
+- load_state_dict gives every parameter's state the same step tensor object, which torch's Adam
+  then increments in place once per parameter: every later step's bias correction is wrong. Each
+  parameter gets its own copy.
 """
+
+import torch
 
 from megatron_hetero.patches._patch import replace
 
@@ -32,8 +37,18 @@ def _set_states(original):
     return _set_main_param_and_optimizer_states
 
 
+def _load_state_dict(original):
+    def load_state_dict(self, state_dict):
+        original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+    return load_state_dict
+
+
 def apply() -> None:
     owner = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
     replace(f"{owner}.sharded_state_dict", _sharded_state_dict,
             params=("self", "model_sharded_state_dict", "is_loading"))
+    replace(f"{owner}.load_state_dict", _load_state_dict, params=("self", "state_dict"))
     replace(f"{owner}._set_main_param_and_optimizer_states", _set_states, params=("self", "model_param", "tensors"))

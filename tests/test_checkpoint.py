@@ -121,24 +121,19 @@ def test_resume_non_colocated_is_bit_identical(non_colocated):
     assert_continues(non_colocated.metrics, non_colocated.resume("resume_nc", "non_colocated_2_2", 4), exact=True)
 
 
-def test_reshard_encoder_tp_dp(colocated):
-    assert_continues(colocated.metrics, colocated.resume("enc_tp", "vtp2dp2_ltp2dp2", 4))
+# Layout B of each pair whose A is `colocated` (vision TP1/DP4 -> LLM TP2/DP2), by what changes.
+FROM_COLOCATED = {
+    "encoder_tp_dp": "vtp2dp2_ltp2dp2",
+    "llm_tp": "vdp4_ltp1dp4",
+    "llm_pp": "vdp4_lpp2dp2",
+    "llm_cp": "vdp4_lcp2dp2",
+    "colocated_to_non_colocated": "non_colocated_2_2",
+}
 
 
-def test_reshard_llm_tp(colocated):
-    assert_continues(colocated.metrics, colocated.resume("llm_tp", "vdp4_ltp1dp4", 4))
-
-
-def test_reshard_llm_pp(colocated):
-    assert_continues(colocated.metrics, colocated.resume("llm_pp", "vdp4_lpp2dp2", 4))
-
-
-def test_reshard_llm_cp(colocated):
-    assert_continues(colocated.metrics, colocated.resume("llm_cp", "vdp4_lcp2dp2", 4))
-
-
-def test_reshard_colocated_to_non_colocated(colocated):
-    assert_continues(colocated.metrics, colocated.resume("to_nc", "non_colocated_2_2", 4))
+@pytest.mark.parametrize("change", FROM_COLOCATED)
+def test_reshard_from_colocated(colocated, change):
+    assert_continues(colocated.metrics, colocated.resume(change, FROM_COLOCATED[change], 4))
 
 
 def test_reshard_non_colocated_to_colocated(non_colocated):
@@ -206,7 +201,7 @@ def _truncate(path: Path) -> None:
     ("truncated", lambda d: _truncate(d / "__2_0.distcp"), [], "shard file __2_0.distcp is truncated"),
     ("sizes", lambda d: None, ["--hidden-size", "128"], "in this run's model (model sizes differ"),
     ("no_metadata", lambda d: (d / ".metadata").unlink(), [], "cannot be read"),
-])
+], ids=["missing_shard", "truncated", "sizes", "no_metadata"])
 def test_damaged_checkpoint_is_one_line(colocated, tmp, tag, damage, flags, expected):
     directory = _damaged(colocated, tag, damage)
     result = _one_process(["--load", str(directory), *flags], tmp)

@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing import load_common_state_dict
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -68,7 +69,7 @@ def _local_problem(path: Path, model, names) -> tuple[str | None, dict | None]:
     try:
         common = load_common_state_dict(path)
         metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as error:  # any unreadable file: reported, the same on every rank
+    except (Exception, CheckpointException) as error:  # any unreadable file (torch's error is a BaseException)
         return f"cannot be read ({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''})", None
     problems = _file_problems(path, metadata, names) + _tensor_problems(path, model, metadata, names)
     return (problems[0] if problems else None), common
