@@ -28,6 +28,6 @@ setup(
         "flash": ["flash-attn"],
         # Hugging Face weights (megatron_hetero/hf): configs through transformers, tensors in safetensors.
         "hf": ["transformers>=5", "safetensors"],
-        "test": ["pytest", "transformers>=5", "safetensors"],
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors"],
     },
 )
