@@ -95,10 +95,15 @@ def inspect_checkpoint(load_dir: Path, model, optimizer, load_optimizer: bool) -
     saved_args = common.get("args")
     fresh = []
     if load_optimizer and optimizer is not None and not release:
-        if getattr(saved_args, "use_distributed_optimizer", False) < optimizer.config.use_distributed_optimizer:
+        saved_distributed = getattr(saved_args, "use_distributed_optimizer", False)
+        if saved_distributed < optimizer.config.use_distributed_optimizer:
             raise CheckpointError(f"checkpoint {path}: saved without --use-distributed-optimizer, whose state "
                                   f"lacks the distributed optimizer's main weights; drop the flag, or add "
                                   f"--no-load-optim to start the optimizer anew")
+        if saved_distributed > optimizer.config.use_distributed_optimizer and optimizer.config.bf16:
+            raise CheckpointError(f"checkpoint {path}: saved with --use-distributed-optimizer, whose state "
+                                  f"loads into megatron-core's fp32 optimizer but not its bf16 one; keep the "
+                                  f"flag, or add --no-load-optim to start the optimizer anew")
         stateful = record.get("optimizer_modules", [])
         fresh = [m.name for m in run.modules.values() if not m.layout.freeze and m.name not in stateful]
     return Found(path, record.get("rank_map", "(not recorded)"), record.get("layout") == repr(run.layout), fresh)

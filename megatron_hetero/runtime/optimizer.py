@@ -11,6 +11,7 @@ object per module, written by the module's first rank and read by all of its ran
 membership is always this run's own (a pipeline stage's parameters depend on the layout).
 """
 
+import torch
 from megatron.core.dist_checkpointing.dict_utils import merge
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
@@ -43,6 +44,19 @@ def _own_param_groups(loaded, current) -> None:
     elif isinstance(loaded, list) and isinstance(current, list):
         for saved, own in zip(loaded, current):
             _own_param_groups(saved, own)
+
+
+def _distributed_to_plain(common: dict) -> None:
+    """The distributed optimizer's common state (its parameter groups under `optimizer`, each with
+    the step) as megatron-core's fp32 optimizer keeps it (torch's `param_groups`, the step as
+    `state.common_step`): its per-parameter state has the same keys in both (`fully_reshardable`)."""
+    groups = common.pop("optimizer")["param_groups"]
+    common.pop("param_state_sharding_type", None)
+    steps = {group.pop("step") for group in groups if "step" in group}
+    assert len(steps) <= 1, steps
+    common["param_groups"] = groups
+    if steps:  # torch's Adam keeps it as a tensor
+        common.setdefault("state", {})["common_step"] = torch.tensor(float(steps.pop()))
 
 
 class HeteroOptimizer(MimoOptimizer):
@@ -80,6 +94,9 @@ class HeteroOptimizer(MimoOptimizer):
         for name, info in self._stateful():
             loaded = state_dict[name]
             common = loaded.pop(COMMON)
+            current = info.optimizer.state_dict()
+            if "optimizer" in common and "optimizer" not in current:
+                _distributed_to_plain(common)
             merge(loaded, common)
-            _own_param_groups(loaded, info.optimizer.state_dict())
+            _own_param_groups(loaded, current)
             info.optimizer.load_state_dict(loaded)
