@@ -87,6 +87,7 @@ class TimedMimo(MimoModel):
 
     run = None
     timers = None
+    check_for_nan_in_grad = False  # read by finalize_hetero_grads, as on a HeteroModel
 
     def forward(self, input_ids, labels, loss_mask, images, vision_positions):
         """MimoModel's forward on this rank's shares: the encoder's DP share of the images (a
