@@ -19,8 +19,11 @@ def _free_port() -> int:
 
 def _worker(rank, world_size, port, fn, args):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
+    # One compute thread per process: the processes of a test already share the cores (2 in CI).
+    torch.set_num_threads(1)
     # A collective that never matches fails after the timeout instead of hanging the suite.
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
