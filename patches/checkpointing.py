@@ -118,6 +118,7 @@ def _save_checkpoint(original):
             megatron_args.save = str(save_dir)
         if dist.get_rank() == 0:
             publish(save_dir, iteration)
+        print_rank_0(f"  checkpoint of iteration {iteration} complete: {save_dir / f'iter_{iteration:07d}'}")
         dist.barrier()
     return save_checkpoint
 
