@@ -21,6 +21,7 @@ problem stops every rank with one line naming the checkpoint, the module and wha
 import copy
 import json
 import os
+import queue
 import shutil
 from pathlib import Path
 
@@ -174,6 +175,21 @@ def _load_checkpoint(original):
     return load_checkpoint
 
 
+def _results_queue(original):
+    local = queue.Queue()
+
+    def get_write_results_queue(mp_mode: str = "spawn"):
+        """A synchronous save writes from threads of this process, so a thread queue carries the
+        results; upstream starts a multiprocessing Manager process per rank for it, a whole new
+        interpreter (tens of CPU seconds per save run on a small CPU machine). Asynchronous saves
+        (refused with --hetero-layout) keep upstream's."""
+        from megatron.training import global_vars
+
+        args = global_vars._GLOBAL_ARGS
+        return original(mp_mode) if args is None or args.async_save else local
+    return get_write_results_queue
+
+
 def apply() -> None:
     replace("megatron.training.training.save_checkpoint", _save_checkpoint,
             params=("iteration", "model", "optimizer", "opt_param_scheduler", "checkpointing_context",
@@ -182,3 +198,5 @@ def apply() -> None:
             params=("ddp_model", "optimizer", "opt_param_scheduler", "load_arg", "strict",
                     "tp_group", "pp_group", "dp_cp_group", "dp_group", "expt_dp_group", "rng_state_key_prefix"))
     replace("megatron.training.checkpointing.generate_state_dict", _generate_state_dict, params=("args",))
+    replace("megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue", _results_queue,
+            params=("mp_mode",))
