@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import _free_port, run_distributed
+from tests.distributed import _free_port, run_distributed, run_python
 
 SCRIPT = Path(__file__).parent.parent / "examples" / "pretrain_vlm.py"
 LAYOUTS = Path(__file__).parent.parent / "examples" / "layouts"
@@ -181,8 +181,8 @@ def _one_process(argv, cwd: Path) -> subprocess.CompletedProcess:
     """The script in one plain process (no torchrun: its own exit code and stderr)."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(SCRIPT), "--hetero-layout", str(LAYOUTS / "single.yaml"),
-                           *FLAGS, *argv], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return run_python([SCRIPT, "--hetero-layout", LAYOUTS / "single.yaml", *FLAGS, *argv], env=env, cwd=cwd,
+                      timeout=300)
 
 
 def _damaged(colocated, tag: str, damage) -> Path:

@@ -27,6 +27,7 @@ from megatron_hetero.data.shapes import ShapesDataset, all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.sizes import ModelSizes
+from tests.distributed import run_python
 
 ROOT = Path(__file__).parent.parent
 SIZES = ModelSizes()
@@ -301,8 +302,8 @@ def _pretrain(directory: Path, nproc: int, *flags: str, expect: int = 0) -> subp
 def data_file(tmp_path_factory) -> Path:
     """Tool output (1 image per sample, as the runtime takes today) with a missing image after sample 2."""
     directory = tmp_path_factory.mktemp("data")
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_dataset.py"), "--out", str(directory),
-                    "--num-samples", "24", "--seed", "5"], env=ENV, check=True, capture_output=True)
+    run_python([ROOT / "tools" / "make_dataset.py", "--out", directory, "--num-samples", "24", "--seed", "5"],
+               env=ENV).check_returncode()
     records = json.loads((directory / "conversations.json").read_text())
     records.insert(3, {**records[0], "id": "gone", "image": "images/gone.png"})
     (directory / "conversations.json").write_text(json.dumps(records))
@@ -344,9 +345,8 @@ def test_data_errors_are_one_line(tmp_path, data_file, case):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(ENV, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "pretrain_vlm.py"), *FLAGS, "--hetero-layout",
-                             str(LAYOUTS / "single.yaml"), *flags],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    result = run_python([ROOT / "examples" / "pretrain_vlm.py", *FLAGS, "--hetero-layout", LAYOUTS / "single.yaml",
+                         *flags], cwd=tmp_path, env=env, timeout=TIMEOUT)
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert re.search(expected, lines[0]), lines

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from megatron_hetero.fuzz import dry_run, one_error_line, random_case
 from megatron_hetero.layout import load_layout
 from megatron_hetero.training.args import ArgsError, check_args, check_trainable, parse_script_args
+from tests.distributed import run_python
 from tests.test_parity import FLAGS, LAYOUTS, TWO_ENCODERS, _assert_reproduces, _run, references  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,9 +62,10 @@ def _cli(case, tmp_path, nproc: int | None = None) -> subprocess.CompletedProces
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else []
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT),
                **({} if nproc else dict(WORLD_SIZE=str(case.world_size), RANK="0")))
-    return subprocess.run([sys.executable, *launch, str(ROOT / "tools" / "verify_layout.py"),
-                           str(tmp_path / "layout.yaml"), *case.flags, "--iters", "0"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    args = [*launch, ROOT / "tools" / "verify_layout.py", tmp_path / "layout.yaml", *case.flags, "--iters", "0"]
+    if nproc:
+        return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+    return run_python(args, env=env)
 
 
 def test_invalid_case_through_the_cli_process(cases, tmp_path):

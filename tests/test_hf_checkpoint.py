@@ -5,13 +5,13 @@ process's); a checkpoint saved by that 2-process run exports to directories tran
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.distributed import run_python
 from tests.test_checkpoint import run
 from tests.test_hf import _hf_model
 
@@ -19,8 +19,7 @@ LLM, VISION = "llama", "siglip"
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_hetero.hf", *map(str, args)], capture_output=True,
-                          text=True, timeout=600)
+    return run_python(["-m", "megatron_hetero.hf", *args])
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 
 import copy
 import itertools
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from megatron_hetero.layout import (
     load_layout,
     parse_layout,
 )
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "layouts"
@@ -390,9 +389,7 @@ def test_load_errors(tmp_path):
 # ---- CLI --------------------------------------------------------------------------------------
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_hetero.layout", *args], cwd=ROOT, capture_output=True, text=True
-    )
+    return run_python(["-m", "megatron_hetero.layout", *args], cwd=ROOT)
 
 
 def test_cli_valid_file():

@@ -1,11 +1,11 @@
 """Bad input to the pretrain script: one `error:` line naming the flag or field, exit 2, no traceback."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import run_python
 
 ROOT = Path(__file__).parent.parent
 DEMO = str(ROOT / "examples" / "layouts" / "demo_colocated.yaml")
@@ -16,8 +16,7 @@ def _run(args, tmp_path, layout_text=None):
     if layout_text is not None:
         (tmp_path / "layout.yaml").write_text(layout_text)
     env = dict(os.environ, WORLD_SIZE="4", RANK="0", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(ROOT / "examples" / "pretrain_vlm.py"), *args],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    return run_python([ROOT / "examples" / "pretrain_vlm.py", *args], env=env, cwd=tmp_path, timeout=120)
 
 
 @pytest.mark.parametrize("args, layout_text, expected", [

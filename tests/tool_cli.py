@@ -2,8 +2,9 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -11,5 +12,4 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_tool(name: str, *args) -> subprocess.CompletedProcess:
     """tools/<name>.py with `args`; stdout and stderr captured as text."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(ROOT / "tools" / f"{name}.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    return run_python([ROOT / "tools" / f"{name}.py", *args], env=env, cwd=ROOT, timeout=600)
