@@ -20,6 +20,7 @@ from megatron_hetero.patches import (  # noqa: E402
     checkpointing,
     cpu,
     faults,
+    grad_sync,
     hetero_data,
     hetero_init,
     hetero_model,
@@ -46,6 +47,7 @@ def apply() -> None:
     hetero_schedule.apply()
     checkpointing.apply()
     torch_adam.apply()
+    grad_sync.apply()
     metrics.apply()
     faults.apply()
     rerun.apply()

@@ -46,13 +46,9 @@ def _apply_layout(args, layout: HeteroLayout) -> None:
     args.sequence_parallel = llm.sp
     # Megatron's own checks of these are asserts (a traceback): every script gets our line first.
     rules.check(ArgsError, rules.experts_problem(llm, args.num_experts, args.moe_router_topk))
-    for flag in ("overlap_grad_reduce", "overlap_param_gather",
-                 # An encoder's gradients are scaled by 1 / the LLM's dp before a summing reduction.
-                 "ddp_average_in_collective"):
-        if getattr(args, flag):
-            # megatron-hetero's schedules do not yet hold DDP's reduction back until a step's last
-            # microbatch (Megatron's no_sync), which overlapping needs.
-            raise ArgsError(f"--{flag.replace('_', '-')} is not supported with --hetero-layout yet; drop it")
+    if args.ddp_average_in_collective:
+        # An encoder's gradients are scaled by 1 / the LLM's dp before a summing reduction.
+        raise ArgsError("--ddp-average-in-collective is not supported with --hetero-layout yet; drop it")
     _checkpoint_flags(args)
     if args.num_layers_per_virtual_pipeline_stage or args.num_virtual_stages_per_pipeline_rank:
         raise ArgsError("virtual pipeline stages are not supported with --hetero-layout; drop "

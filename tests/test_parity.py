@@ -3,6 +3,7 @@ loop, under every layout, reproduces a 1-process run with the same seed and glob
 gradient after the first backward within 1e-4 of its scale, parameters after the 10 steps within
 1e-3), whatever its placement, TP/CP/SP/DP/PP per module, frozen encoders or number of encoders."""
 
+import functools
 import json
 import runpy
 import sys
@@ -209,3 +210,51 @@ def test_distributed_optimizer(references, tmp_path, layout_name):
         assert sum(state for state, _, _ in ranks) == replicated, key
         for state, _, _ in ranks:
             assert state <= replicated / dp * 1.01, (key, state, replicated)
+
+
+
+def _train_and_record_overlap(rank, world_size, layout_file, out_dir, flags):
+    """_train_and_capture, recording for every bucket group's end-of-step wait whether its
+    reduction was already issued (by the gradient hooks of the module's last backward), and the
+    hooks' per-parameter counts in a last backward (DDP's "golden" counts)."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    from megatron.training import get_args
+
+    finish, issued = _ParamAndGradBucketGroup.finish_grad_sync, []
+
+    @functools.wraps(finish)  # megatron-hetero's patch of it checks the signature
+    def recording_finish(self, *args, **kwargs):
+        if not self.grad_reduce_finished:
+            issued.append([self.is_first_batch, self.grad_reduce_handle is not None])
+        return finish(self, *args, **kwargs)
+
+    _ParamAndGradBucketGroup.finish_grad_sync = recording_finish
+    _train_and_capture(rank, world_size, layout_file, out_dir, flags)
+    counts = sorted({n for m in get_args().hetero_run.modules.values() if m.ddp is not None
+                     for g in m.ddp.bucket_groups for n in g.golden_per_param_grad_ready_counts.values()})
+    (Path(out_dir) / f"overlap_rank{rank}.json").write_text(json.dumps(dict(issued=issued, counts=counts)))
+
+
+@pytest.mark.parametrize("layout_name, distributed_optimizer", [
+    ("demo_colocated", False), ("colocated_vdp2_lpp2", True), ("non_colocated_2_2", True)])
+def test_overlap_grad_reduce(references, tmp_path, layout_name, distributed_optimizer):
+    """--overlap-grad-reduce (and --overlap-param-gather with the distributed optimizer): each
+    module's DP reduction is issued from its last backward's gradient hooks (DDP's no_sync before
+    it) and the run still reproduces the 1-process one, colocated (LLM pp=1 and pp>1, the encoder's
+    backwards after the LLM's) and non-colocated."""
+    world_size, reference_name, flags = CASES[layout_name]
+    overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]  # several buckets per module
+    if distributed_optimizer:
+        overlap += ["--use-distributed-optimizer", "--overlap-param-gather"]
+    out = tmp_path / layout_name
+    run = _run(out, LAYOUTS / f"{layout_name}.yaml", world_size, [*flags, *overlap],
+               train=_train_and_record_overlap)
+    _assert_reproduces(run, references(reference_name, flags))
+    for f in out.glob("overlap_rank*.json"):
+        record = json.loads(f.read_text())
+        # Hooks count only in a module's last backward of the step (the others run under no_sync)...
+        assert record["counts"] == [1], f.name
+        # ...and after the first step (upstream's: it records those counts) every bucket's
+        # reduction was issued there, before the step's end: overlapped.
+        later = [hooked for first, hooked in record["issued"] if not first]
+        assert len(later) >= STEPS - 1 and all(later), f.name

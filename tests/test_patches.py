@@ -1,6 +1,7 @@
 """megatron-hetero's patches of megatron-core / megatron.training: what apply() replaces, that it
 replaces it once, and that a patch refuses upstream code it was not written for (one line)."""
 
+import contextlib
 import re
 
 import megatron.core
@@ -27,6 +28,8 @@ TARGETS = [
     "megatron.training.training.save_checkpoint_and_time",
     "megatron.training.training.train_step",
     "megatron.training.training.train",
+    "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.finish_grad_sync",
+    "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.reset",
 ]
 CPU_TARGETS = [
     "megatron.training.arguments.get_device_arch_version",
@@ -116,3 +119,58 @@ def test_version_check(monkeypatch, tmp_path, capsys):
     assert launch.main([str(script), "--seed", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: megatron-hetero's patches target megatron-core 0.19.x") and err.count("\n") == 1
+
+
+def _reduce_with_missing_gradients(rank, world_size):
+    """megatron-core DDP with --overlap-grad-reduce, microbatches under no_sync but the last: steps
+    whose last microbatch gives only some parameters a gradient (an encoder with no rows in it),
+    the first step included. Every bucket is reduced once per step: the gradients equal the
+    microbatches' autograd gradients averaged over the ranks."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    apply()
+    world = dist.group.WORLD
+    own = [dist.new_group([r]) for r in range(world_size)][rank]
+    pgs = ProcessGroupCollection(dp=world, dp_cp=world, intra_dp_cp=world, expt_dp=world,
+                                 intra_expt_dp=world, tp=own, pp=own, ep=own, cp=own)
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+    for distributed_optimizer in (False, True):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        reference = [p.detach().clone().requires_grad_() for p in module.parameters()]
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            overlap_grad_reduce=True, use_distributed_optimizer=distributed_optimizer, bucket_size=20),
+            module, pg_collection=pgs)
+        assert len(ddp.bucket_groups) > 1
+        # Per step, which layers the last microbatch reaches (0: the first only; 1: both).
+        for step, last_reaches in enumerate([0, 1, 0, 0]):
+            ddp.zero_grad_buffer()
+            for p in reference:
+                p.grad = None
+            for i in range(3):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(100 * step + 10 * i + rank))
+                last = i == 2
+                layers = 2 if not last or last_reaches else 1
+                with ddp.no_sync() if not last else contextlib.nullcontext():
+                    module[:layers](x).square().sum().backward()
+                y = x
+                for k in range(layers):
+                    y = torch.nn.functional.linear(y, reference[2 * k], reference[2 * k + 1])
+                y.square().sum().backward()
+            ddp.finish_grad_sync()
+            for p in reference:
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+            if distributed_optimizer:  # each rank reduced its own shard: gather them
+                for bucket in [b for group in ddp.bucket_groups for b in group.buckets]:
+                    shard = bucket.grad_data.chunk(world_size)[rank].clone()
+                    dist.all_gather_into_tensor(bucket.grad_data, shard)
+            for p, want in zip(module.parameters(), reference):
+                torch.testing.assert_close(p.main_grad, want.grad, msg=f"step {step}, {distributed_optimizer=}")
+
+
+def test_overlapped_reduction_of_missing_gradients():
+    run_distributed(_reduce_with_missing_gradients, 2)

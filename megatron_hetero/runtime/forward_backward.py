@@ -40,7 +40,12 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         if dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
-    SCHEDULES[hetero.run.layout.placement](ctx)
+    if not forward_only:
+        ctx.hold_grad_sync()
+    try:
+        SCHEDULES[hetero.run.layout.placement](ctx)
+    finally:
+        ctx.release_grad_sync()
     if not forward_only:
         hetero.run.phase = "the gradient reduction"
         per_token = hetero.config.calculate_per_token_loss

@@ -133,6 +133,24 @@ class HeteroModel(torch.nn.Module):
         for ddp in self._trainable():
             ddp.zero_grad_buffer()
 
+    # megatron.training's --overlap-param-gather calls, on each DDP (the distributed optimizer's
+    # parameter all-gather waits in forward pre-hooks).
+    def enable_forward_pre_hook(self):
+        for ddp in self._trainable():
+            ddp.enable_forward_pre_hook()
+
+    def disable_forward_pre_hook(self, param_sync: bool = True):
+        for ddp in self._trainable():
+            ddp.disable_forward_pre_hook(param_sync=param_sync)
+
+    def start_param_sync(self, *unused, force_sync: bool = False):
+        for ddp in self._trainable():
+            ddp.start_param_sync(force_sync=force_sync)
+
+    def free_overlap_buffers(self):
+        for ddp in self._trainable():
+            ddp.free_overlap_buffers()
+
     def set_input_tensor(self, input_tensor):
         raise RuntimeError("a heterogeneous model runs through megatron-hetero's schedules, which "
                            "call the script's forward step with a view of it")

@@ -46,6 +46,7 @@ class StepContext:
     plans: dict = field(default_factory=dict)  # encoder name -> [RankPlan per microbatch]
     losses: list = field(default_factory=list)  # Megatron's forward_data_store (last LLM stage)
     num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
+    held_sync: dict = field(default_factory=dict)  # module name -> its entered DDP no_sync context
 
     @property
     def num_microbatches(self) -> int:
@@ -97,6 +98,27 @@ class StepContext:
                 self.losses, self.config, llm.layout.cp, is_last_stage=llm.last_stage)
         self.num_tokens += num_tokens.to(self.num_tokens.device)
         return output
+
+    # ---- DDP gradient reduction (Megatron's no_sync convention) ---------------------------------
+    def hold_grad_sync(self) -> None:
+        """Every trainable module's backwards run under its DDP's no_sync until `last_backward`
+        releases it: with --overlap-grad-reduce its buckets' reductions are issued from the hooks of
+        its last backward of the step only, overlapping that backward."""
+        for name, module in self.run.modules.items():
+            if module.ddp is not None:
+                self.held_sync[name] = module.ddp.no_sync()
+                self.held_sync[name].__enter__()
+
+    def last_backward(self, *modules: ModuleRuntime) -> None:
+        """The next backward is the step's last one through `modules`: their hooks may reduce."""
+        for module in modules:
+            held = self.held_sync.pop(module.name, None)
+            if held is not None:
+                held.__exit__(None, None, None)
+
+    def release_grad_sync(self) -> None:
+        """End of the step (or a failure): every module still held is released."""
+        self.last_backward(*[self.run.modules[name] for name in list(self.held_sync)])
 
     def backward(self, inputs: list, outputs: list, output_grads: list) -> list:
         """Backpropagate a stage's output (the loss on the last LLM stage, scaled by Megatron's loss

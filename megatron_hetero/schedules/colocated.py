@@ -27,6 +27,8 @@ def colocated_step(ctx: StepContext) -> None:
             with torch.set_grad_enabled(not ctx.forward_only):
                 out = ctx.llm_forward_step(i, view)
             if not ctx.forward_only:
+                if i == ctx.num_microbatches - 1:
+                    ctx.last_backward(*ctx.run.modules.values())
                 with ctx.timers("llm-backward"):
                     ctx.backward(view.inputs, out, [None])
         return
@@ -51,5 +53,7 @@ def colocated_step(ctx: StepContext) -> None:
             rows = ctx.run_encoder(module, i)  # recomputed, with its graph
             with ctx.timers("boundary"):
                 grad_rows = exchange_gradients(grad_slots, ctx.plans[name][i])
+            if i == ctx.num_microbatches - 1:
+                ctx.last_backward(module)
             with ctx.timers("encoder-backward"):
                 ctx.backward([None], [rows], [grad_rows])

@@ -69,6 +69,8 @@ class EncoderStage:
 
     def backward(self, i, received):
         x, y = self.saved.pop(i)
+        if i == self.ctx.num_microbatches - 1:  # 1F1B's last backward
+            self.ctx.last_backward(self.module)
         with self.ctx.timers("encoder-backward"):
             grads = self.ctx.backward([x], [y], [received[0]])
         return _grads(grads, [x])
@@ -136,6 +138,8 @@ class LLMStage:
 
     def backward(self, i, received):
         inputs, out = self.saved.pop(i)
+        if i == self.ctx.num_microbatches - 1:  # 1F1B's last backward
+            self.ctx.last_backward(self.module)
         with self.ctx.timers("llm-backward"):
             grads = _grads(self.ctx.backward(inputs, out, [None if self.last else received[0]]), inputs)
         if self.first and self.media is not None:  # colocated: the schedule routes them back itself
