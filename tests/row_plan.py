@@ -42,7 +42,7 @@ class _Rows:
         else:
             self.llm_base = llm.first_rank + llm.tp * (llm_cp + llm.cp * llm_dp)
             self.llm_width = llm.tp
-        self.slot = local_pos * b_local + local_sample
+        self.slot = local_sample * (batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)) + local_pos
 
 
 def _index_within(keys: np.ndarray) -> np.ndarray:

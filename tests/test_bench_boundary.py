@@ -20,11 +20,6 @@ def _load_tool():
     return tool
 
 
-def _sample_major(slots: torch.Tensor, seq: int, samples: int) -> torch.Tensor:
-    """Our [seq * b, h] LLM input (sequence-first) as upstream's (b * s, h) rows."""
-    return slots.view(seq, samples, -1).transpose(0, 1).reshape(seq * samples, -1)
-
-
 def _bench_cases(rank, world_size, json_path):
     from megatron_hetero.patches import cpu
 
@@ -33,17 +28,16 @@ def _bench_cases(rank, world_size, json_path):
     env = tool.Env()
     payload = tool.make_payload(0.25, 64, torch.bfloat16)  # 2 samples of 1024 rows per rank
     assert (payload.samples, payload.rows_per_sample) == (2, 1024)
-    seq = payload.rows_per_sample
     all_rows = torch.cat([payload.encoder_rows(r, env.device) for r in range(world_size)])
 
     upstream = tool.Upstream(torch.bfloat16)
     assert upstream.colocated[tool.LLM_CP2].startswith("refused: dest CP must be 1")
 
-    # Colocated fan-in: upstream's gathered rows are our LLM input, reordered.
+    # Colocated fan-in: upstream's gathered rows are our LLM input slots (both sample-major).
     gathered, _ = tool.upstream_colocated(env, payload, upstream, tool.LLM_TP2).step()
     slots, _ = tool.ours_colocated(env, payload, tool.LLM_TP2).step()
     assert torch.equal(gathered, all_rows)
-    assert torch.equal(_sample_major(slots, seq, 2 * payload.samples), all_rows)
+    assert torch.equal(slots, all_rows)
 
     # Round trips: the LLM rank receives rank 0's rows; rank 0 gets gradients of their shape.
     rank0_rows = payload.encoder_rows(0, env.device)
@@ -51,8 +45,7 @@ def _bench_cases(rank, world_size, json_path):
         received = bench.step()
         assert received.shape == rank0_rows.shape, bench.method
         if rank == 1:
-            as_rows = received if bench.method.startswith("upstream") else _sample_major(received, seq, payload.samples)
-            assert torch.equal(as_rows, rank0_rows), bench.method
+            assert torch.equal(received, rank0_rows), bench.method
 
     tool.main(["--sizes-mb", "0.25", "--hidden", "64", "--iters", "1", "--warmup", "0", "--json", json_path])
 

@@ -16,8 +16,11 @@ Who consumes a row, and where (LLM input layout, Megatron's):
 - with sequence parallelism the CP-local sequence is cut again into tp contiguous parts, one per TP
   rank; without it every TP rank consumes the row;
 - only the first LLM PP stage consumes rows;
-- the row lands at flat index `local_position * b_local + j` of the rank's [seq_local, b_local, h]
-  input (Megatron's sequence-first layout).
+- the row lands at slot `j * seq_local + local_position` of the rank's [b_local, seq_local, h]
+  boundary input: sample-major, as the encoders' rows are, so that a sample's rows travel as one
+  contiguous block at both ends (no gather before sending, no scatter after receiving); the LLM
+  reads it transposed into Megatron's sequence-first [seq_local, b_local, h] in its merge with the
+  text embedding.
 
 Forward, each consumer receives the row once, from one encoder replica (itself if it holds one, else
 spread over the replicas by row). Backward, each encoder replica receives the row's gradient once,
@@ -234,7 +237,8 @@ class _Segments:
             base, width = llm.first_rank + llm_tp + llm.tp * (llm_cp + llm.cp * llm_dp), 1
         else:
             base, width = llm.first_rank + llm.tp * (llm_cp + llm.cp * llm_dp), llm.tp
-        self.llm = _Side(base, width, local_pos * b_local + local_sample, b_local, batch.seq_len * b_local)
+        seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
+        self.llm = _Side(base, width, local_sample * seq_local + local_pos, 1, batch.seq_len * b_local)
 
 
 def _lengths(starts: np.ndarray, end: int) -> np.ndarray:
@@ -317,8 +321,7 @@ def _side_of(d: _Deliveries, peer: np.ndarray, value: _Side, key: _Side, world_s
     order = np.argsort(d.index(key, peer).first, kind="stable")
     d, peer = d.take(order), peer[order]
     keys = d.index(key, peer)
-    # Rows need sorting only where two deliveries to one peer interleave (rows of several samples
-    # of one LLM DP rank: their slots step by b_local).
+    # Rows need sorting only where two deliveries to one peer interleave.
     interleaved = (keys.first[1:] <= (keys.first + keys.step * (keys.rows - 1))[:-1]).any()
     return counts, replace(d.index(value), by=keys if interleaved else None)
 

@@ -26,7 +26,8 @@ def at_addresses(full: torch.Tensor, batch: BoundaryBatch) -> torch.Tensor:
 
 
 def llm_share(full: torch.Tensor, layout: ModuleLayout, rank: int) -> torch.Tensor:
-    """What an LLM rank holds of a [seq, B, h] tensor, flattened to [seq_local * b_local, h]: its
+    """What an LLM rank holds of a [seq, B, h] tensor, as its boundary slots [b_local * seq_local, h]
+    (sample-major): its
     DP samples, its CP chunks r and 2cp-1-r (get_batch_on_this_cp_rank), its SP part; nothing off
     the first PP stage or outside the module."""
     c = layout.coords(rank)
@@ -39,7 +40,7 @@ def llm_share(full: torch.Tensor, layout: ModuleLayout, rank: int) -> torch.Tens
         x = torch.cat([chunks[c["cp"]], chunks[2 * layout.cp - 1 - c["cp"]]])
     if layout.sp:
         x = x.chunk(layout.tp)[c["tp"]]
-    return x.reshape(-1, full.shape[2])
+    return x.transpose(0, 1).reshape(-1, full.shape[2])
 
 
 def encoder_share(rows: torch.Tensor, batch: BoundaryBatch, layout: ModuleLayout, rank: int) -> torch.Tensor:

@@ -97,8 +97,10 @@ class VLMAdapter:
         ids, labels, loss_mask = (None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
                                   for key in ("input_ids", "labels", "loss_mask"))
         seq, b_local = self._llm_seq_local(), ids.shape[0]
-        views = [(m.slots.view(seq, b_local, -1), slot_mask(m.plan, _device()).view(seq, b_local))
-                 for m in media.values()]
+        # Slots are sample-major (plan.py); the merge reads them sequence-first. The mask is made
+        # sequence-first contiguous so that the merged input is (its layout leads torch.where's).
+        views = [(m.slots.view(b_local, seq, -1).transpose(0, 1),
+                  slot_mask(m.plan, _device()).view(b_local, seq).t().contiguous()) for m in media.values()]
         out = llm_forward(module.part, ids, positions.to(_device())[None].expand_as(ids), views,
                           labels, hidden)
         return out, loss_mask

@@ -23,7 +23,7 @@ from megatron_hetero.training.timers import PhaseTimers
 @dataclass
 class Media:
     """What the boundary delivered to this LLM rank for one encoder and microbatch: its input slots
-    [seq * b_local, h] (Megatron's sequence-first order) and the plan that says which are filled."""
+    [b_local * seq, h] (sample-major: plan.py) and the plan that says which are filled."""
 
     slots: torch.Tensor
     plan: RankPlan
