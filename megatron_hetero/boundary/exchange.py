@@ -2,7 +2,10 @@
 
 Rows a rank routes to itself are copied directly; the others move by point-to-point sends and
 receives with exactly the peers that have rows, grouped into one batch per direction (what NCCL's
-all-to-all does internally, without the self copy and without idle peers). Gloo and NCCL alike.
+all-to-all does internally, without the self copy and without idle peers). Gloo and NCCL alike. Where
+the plan's rows are contiguous at both ends (every layout whose rows are not spread over replicas)
+they go as messages from the source rows straight into the destination slots, one per run of
+rows; otherwise through a gathered send buffer and a scattered receive buffer.
 
 - colocated: `boundary_exchange` is an autograd function: forward re-lays rows into the LLM input
   slots, backward routes slot gradients back to the encoder rows;
@@ -48,6 +51,11 @@ class _Moves:
     local_src_range: tuple | None
     local_dst_range: tuple | None
     fills_dest: bool
+    # Remote rows as point-to-point messages straight from the source rows into the destination,
+    # (peer, start, count) each: no gather before sending, no scatter after receiving (plan.py's
+    # Routes.send_messages / recv_messages); None: the gather / scatter above.
+    send_messages: list | None = None
+    recv_messages: list | None = None
 
 
 def _as_range(index: np.ndarray) -> tuple | None:
@@ -59,6 +67,21 @@ def _as_range(index: np.ndarray) -> tuple | None:
 def _segments(counts: np.ndarray):
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     return [(int(p), int(starts[p]), int(counts[p])) for p in np.flatnonzero(counts)]
+
+
+# Most messages between two ranks in one transfer before rows go through one gathered buffer per
+# peer instead (each message is its own point-to-point op; a guess, for GPU runs to tune:
+# tools/verify_layout.py times images separated by text, tools/gpu_boundary_run.sh).
+MAX_PAIR_MESSAGES = 64
+
+
+def _messages(routes: Routes) -> tuple[list | None, list | None]:
+    """(sends, receives) as (peer, start, count): starts in the source (sends) and the destination
+    (receives). Every rank of the edge takes the same decision (pair_messages is the edge's)."""
+    if routes.send_messages is None or routes.pair_messages > MAX_PAIR_MESSAGES:
+        return None, None
+    return ([(int(p), int(s), int(n)) for p, s, _, n in routes.send_messages],
+            [(int(p), int(t), int(n)) for p, _, t, n in routes.recv_messages])
 
 
 def _moves(routes: Routes, rank: int, num_dest: int, device) -> _Moves:
@@ -80,11 +103,13 @@ def _moves(routes: Routes, rank: int, num_dest: int, device) -> _Moves:
     recv_index, recv_peers = remote(routes.recv_index, recvs)
     local_src, local_dst = pick(routes.send_index, send_self), pick(routes.recv_index, recv_self)
     on = lambda index: torch.as_tensor(index, device=device)  # noqa: E731
+    send_messages, recv_messages = _messages(routes)
     return _Moves(
         on(local_src), on(local_dst), on(send_index), send_peers, on(recv_index), recv_peers,
         num_dest, _as_range(send_index), _as_range(recv_index), _as_range(local_src),
         _as_range(local_dst),
         fills_dest=len(recv_index) + len(local_dst) == num_dest,  # each slot is written once
+        send_messages=send_messages, recv_messages=recv_messages,
     )
 
 
@@ -149,19 +174,24 @@ def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -
     destination; the local rows are copied once the transfers are posted, while they run."""
     hidden = like.shape[-1]
     ops, dest, scatter = [], None, None
-    if source is not None and moves.send_peers:
+    if source is not None and moves.send_messages is not None:
+        ops += [dist.P2POp(dist.isend, source[s : s + n], p, group) for p, s, n in moves.send_messages]
+    elif source is not None and moves.send_peers:
         send = _rows(source, moves.send_index, moves.send_range)
         ops += [dist.P2POp(dist.isend, send[s : s + n], p, group) for p, s, n in moves.send_peers]
     local = source is not None and receive and len(moves.local_src) > 0
     whole = local and moves.local_dst_range == (0, moves.num_dest)
     if receive and not whole:
         dest = (like.new_empty if moves.fills_dest else like.new_zeros)(moves.num_dest, hidden)
-        if moves.recv_range:
-            target = dest[moves.recv_range[0] : moves.recv_range[1]]
+        if moves.recv_messages is not None:
+            ops += [dist.P2POp(dist.irecv, dest[t : t + n], p, group) for p, t, n in moves.recv_messages]
         else:
-            target = like.new_empty(len(moves.recv_index), hidden)
-            scatter = (moves.recv_index, target)
-        ops += [dist.P2POp(dist.irecv, target[s : s + n], p, group) for p, s, n in moves.recv_peers]
+            if moves.recv_range:
+                target = dest[moves.recv_range[0] : moves.recv_range[1]]
+            else:
+                target = like.new_empty(len(moves.recv_index), hidden)
+                scatter = (moves.recv_index, target)
+            ops += [dist.P2POp(dist.irecv, target[s : s + n], p, group) for p, s, n in moves.recv_peers]
 
     def copy_local(dest):
         rows = _rows(source, moves.local_src, moves.local_src_range)

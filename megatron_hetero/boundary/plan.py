@@ -133,6 +133,13 @@ class Routes:
     recv_counts: np.ndarray
     sends: _Index = field(repr=False)
     recvs: _Index = field(repr=False)
+    # The off-rank rows as messages [peer, source index, destination index, rows], each a
+    # contiguous range at both ends, in the order both ends post them (the same list at the sender
+    # and the receiver of a pair); None where some rows are not contiguous at both ends.
+    # pair_messages: the most messages between two ranks of the edge (the same on every rank).
+    send_messages: np.ndarray | None = field(default=None, repr=False)
+    recv_messages: np.ndarray | None = field(default=None, repr=False)
+    pair_messages: int = 0
 
     @cached_property
     def send_index(self) -> np.ndarray:
@@ -326,13 +333,38 @@ def _side_of(d: _Deliveries, peer: np.ndarray, value: _Side, key: _Side, world_s
     return counts, replace(d.index(value), by=keys if interleaved else None)
 
 
+def _messages(d: _Deliveries, src: _Side, dst: _Side) -> np.ndarray | None:
+    """Every off-rank delivery of the edge as messages [source, dest, source index, destination
+    index, rows]: per pair in destination order (the order of _side_of), adjacent ones merged where
+    they continue at both ends. None where some rows are not contiguous at both ends (rows spread
+    over replicas). Computed from the whole edge, so that every rank takes the same decision."""
+    d = d.take(d.source != d.dest)
+    if (d.step * src.unit != 1).any() or (d.step * dst.unit != 1).any():
+        return None
+    s, t = d.index(src).first, d.index(dst).first
+    order = np.lexsort((t, d.dest, d.source))
+    d, s, t = d.take(order), s[order], t[order]
+    n = d.rows
+    same = (d.source[1:] == d.source[:-1]) & (d.dest[1:] == d.dest[:-1])
+    continues = same & (s[1:] == s[:-1] + n[:-1]) & (t[1:] == t[:-1] + n[:-1])
+    head = np.flatnonzero(np.concatenate([[True], ~continues]))[: len(n)]
+    rows = np.add.reduceat(n, head) if len(n) else n
+    return np.stack([d.source[head], d.dest[head], s[head], t[head], rows], axis=1).astype(np.int64)
+
+
 def _route(rank: int, world_size: int, segs: _Segments, src: _Side, dst: _Side) -> Routes:
     """`rank`'s side of one direction: rows it serves as a source and rows it takes as a destination."""
     d = _deliveries(segs.count, src, dst, world_size)
     sends, recvs = d.take(d.source == rank), d.take(d.dest == rank)
     send_counts, send_index = _side_of(sends, sends.dest, src, dst, world_size)
     recv_counts, recv_index = _side_of(recvs, recvs.source, dst, dst, world_size)
-    return Routes(send_counts, recv_counts, send_index, recv_index)
+    messages = _messages(d, src, dst)
+    if messages is None:
+        return Routes(send_counts, recv_counts, send_index, recv_index)
+    pairs = np.unique(messages[:, :2], axis=0, return_counts=True)[1]
+    return Routes(send_counts, recv_counts, send_index, recv_index,
+                  messages[messages[:, 0] == rank][:, [1, 2, 3, 4]], messages[messages[:, 1] == rank][:, [0, 2, 3, 4]],
+                  int(pairs.max(initial=0)))
 
 
 def plan_edge(
