@@ -70,8 +70,8 @@ def _segments(counts: np.ndarray):
 
 
 # Most messages between two ranks in one transfer before rows go through one gathered buffer per
-# peer instead (each message is its own point-to-point op; a guess, for GPU runs to tune:
-# tools/verify_layout.py times images separated by text, tools/gpu_boundary_run.sh).
+# peer instead (each message is its own point-to-point op; a guess, not measured yet:
+# tools/gpu_speed_run.sh times transfers of a few messages per pair).
 MAX_PAIR_MESSAGES = 64
 
 
