@@ -30,7 +30,7 @@ Megatron's TP backward, so summing replicas would multiply it by TP).
 Each rank computes only its own sends and receives, from metadata every rank has. It plans per
 segment, not per row: a run of rows at consecutive positions (one image's tokens), cut where the
 encoder CP part, the LLM CP chunk or the SP part changes, keeps one holder set and one consumer set
-and steps its encoder index by 1 and its slot by b_local. The cost grows with the segments (about
+and steps its encoder index and its slot by 1. The cost grows with the segments (about
 the images) plus the rank's own index arrays, which are spelled out per row at the end.
 """
 
@@ -195,7 +195,7 @@ class _Side:
 class _Segments:
     """The batch as segments: runs of rows cut again wherever the encoder CP part, the LLM CP
     chunk or the SP part changes. Within a segment every row has the same holders and consumers,
-    and its row i has encoder index `first + i` and LLM input slot `first + i * b_local`: the plan
+    and its row i has encoder index `first + i` and LLM input slot `first + i`: the plan
     is computed per segment."""
 
     def __init__(self, batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout):
