@@ -27,7 +27,7 @@ from megatron_hetero.data.shapes import ShapesDataset  # noqa: E402
 from megatron_hetero.models.kinds import encoder_kind  # noqa: E402
 from megatron_hetero.patches.hetero_args import fail  # noqa: E402
 from megatron_hetero.patches.metrics import write_record  # noqa: E402
-from megatron_hetero.training.args import model_sizes, parse_script_args  # noqa: E402
+from megatron_hetero.training.args import image_counts, model_sizes, parse_script_args  # noqa: E402
 from megatron_hetero.training.evaluation import evaluate_captions, report_waiting  # noqa: E402
 from megatron_hetero.training.providers import conversation_dataset, forward_step, model_provider  # noqa: E402
 
@@ -47,7 +47,8 @@ def datasets_provider(num_samples):
         args.data_report = dataset.report  # filled as batches arrive, summarized after training
         return dataset, None, None
     kinds = [encoder_kind(m) for m in args.hetero_layout_spec.encoders]
-    return CaptionSamples(_shapes(args, "train"), model_sizes(args), kinds, num_samples[0]), None, None
+    return (CaptionSamples(_shapes(args, "train"), model_sizes(args), kinds, num_samples[0], image_counts(args)),
+            None, None)
 
 
 datasets_provider.is_distributed = True  # every rank reads its global microbatches itself

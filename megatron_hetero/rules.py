@@ -190,13 +190,12 @@ def dp_split_problem(what: str, samples: int, module: ModuleLayout) -> str | Non
     return None
 
 
-def batch_problem(global_batch: int, micro_batch: int, llm: ModuleLayout,
-                  encoders: tuple[ModuleLayout, ...]) -> str | None:
-    """A step is whole microbatches of micro_batch samples per LLM DP rank, and each microbatch
-    (micro batch x llm dp samples) splits evenly over every encoder's DP ranks."""
+def batch_problem(global_batch: int, micro_batch: int, llm: ModuleLayout) -> str | None:
+    """A step is whole microbatches of micro_batch samples per LLM DP rank. The encoders take the
+    microbatch's items by cost (boundary/balance.py), so their dp need not divide it: an encoder DP
+    rank may get no item."""
     per_step = micro_batch * llm.dp
     if global_batch % per_step:
         return (f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size x llm dp = "
                 f"{per_step}; use a multiple of {per_step}")
-    return first_problem(*(dp_split_problem(f"--micro-batch-size x llm dp = {per_step}", per_step, encoder)
-                           for encoder in encoders))
+    return None

@@ -12,15 +12,15 @@ class _Rows:
     """Addresses of every row of the batch (vectorized over rows, in row order)."""
 
     def __init__(self, batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout):
-        n = batch.rows_per_sample
-        sample = np.repeat(np.arange(batch.num_samples), n)
-        first_row = np.concatenate([[0], np.cumsum(n)[:-1]])
-        k = np.arange(batch.num_rows) - first_row[sample]  # index of the row within its sample
+        sample = np.repeat(np.arange(batch.num_samples), batch.rows_per_sample)
+        item = np.repeat(np.arange(len(batch.item_rows)), batch.item_rows)
+        item_first = np.concatenate([[0], np.cumsum(batch.item_rows)[:-1]])
+        k = np.arange(batch.num_rows) - item_first[item]  # index of the row within its item
 
-        # Encoder: DP by sample, CP by contiguous parts of the sample's rows, last PP stage.
+        # Encoder: DP by item, CP by contiguous parts of the item's rows, last PP stage.
         e = encoder
-        enc_dp = sample // (batch.num_samples // e.dp)
-        enc_cp = ((k + 1) * e.cp - 1) // np.maximum(n[sample], 1)
+        enc_dp = sample // (batch.num_samples // e.dp) if batch.item_dp is None else batch.item_dp[item]
+        enc_cp = ((k + 1) * e.cp - 1) // np.maximum(batch.item_rows[item], 1)
         self.enc_group = enc_dp * e.cp + enc_cp  # (dp, cp) holding the row
         self.enc_base = e.first_rank + e.tp * (self.enc_group + e.cp * e.dp * (e.pp - 1))
         self.enc_width = e.tp

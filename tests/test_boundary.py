@@ -2,6 +2,7 @@
 single-process re-layout bit for bit, colocated (all-to-all) and non-colocated (point-to-point)."""
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from megatron_hetero.boundary import (
     BoundaryBatch,
+    assign_items,
     BoundaryError,
     BoundaryMismatch,
     boundary_exchange,
@@ -49,6 +51,20 @@ def edge_batches(counts_per_edge, seq_len, seed):
             for c, p in zip(counts_per_edge, positions)]
 
 
+def itemized(batch: BoundaryBatch, encoder_dp: int, seed: int) -> BoundaryBatch:
+    """`batch` with each sample's rows cut into items of 1-3 rows (images of a sample), assigned to
+    the encoder's DP ranks by cost as the runtime does (boundary.assign_items): any batch size, and
+    a rank may get no item."""
+    rng = np.random.default_rng(seed)
+    items = []
+    for n in batch.rows_per_sample:
+        while n:
+            items.append(min(n, int(rng.integers(1, 4))))
+            n -= items[-1]
+    return replace(batch, item_rows=np.array(items, dtype=np.int64),
+                   item_dp=assign_items(np.array(items), HIDDEN, encoder_dp))
+
+
 def _patterns(batch, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(batch.num_rows, HIDDEN, generator=gen).to(dtype)
@@ -81,10 +97,12 @@ def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype):
         assert torch.equal(local.grad, want), f"rank {rank}: edge {encoder.name} gradients differ"
 
 
-def _colocated_cases(rank, world_size, cases, batch_specs):
+def _colocated_cases(rank, world_size, cases, batch_specs, items=False):
     for encoders, llm_layout in cases:
         for seed, (counts, seq_len) in enumerate(batch_specs):
             batches = edge_batches([counts] * len(encoders), seq_len, seed)
+            if items:
+                batches = [itemized(b, e.dp, seed) for b, e in zip(batches, encoders)]
             for dtype in DTYPES:
                 _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype)
 
@@ -123,10 +141,13 @@ def _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, d
         assert torch.equal(grad_rows, want), f"rank {rank}: microbatch {m} edge {e} gradients differ"
 
 
-def _non_colocated_cases(rank, world_size, cases, batch_specs):
+def _non_colocated_cases(rank, world_size, cases, batch_specs, items=False):
     for encoders, llm_layout in cases:
         microbatches = [edge_batches([counts] * len(encoders), seq_len, seed)
                         for seed, (counts, seq_len) in enumerate(batch_specs)]
+        if items:
+            microbatches = [[itemized(b, e.dp, seed) for b, e in zip(batches, encoders)]
+                            for seed, batches in enumerate(microbatches)]
         for dtype in DTYPES:
             _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, dtype)
 
@@ -203,6 +224,21 @@ def test_non_colocated_4_ranks():
 
 def test_non_colocated_8_ranks():
     run_distributed(_non_colocated_cases, 8, NON_COLOCATED_8, BATCHES_24)
+
+
+# Items (several per sample) balanced over the encoder's DP ranks: the batch need not split over
+# them (4 samples over dp 4 with 1 row in all; 6 samples over dp 4 and 3), ranks without items.
+BATCHES_4 = [([3, 0, 1, 2], SEQ), ([0] * 4, SEQ), ([1, 0, 0, 0], SEQ), ([5, 4, 6, 3], SEQ)]
+COLOCATED_ITEMS_4 = [COLOCATED_4[i] for i in (0, 1, 6, 9, 11, 16)]
+
+
+def test_colocated_items_4_ranks():
+    run_distributed(_colocated_cases, 4, COLOCATED_ITEMS_4, BATCHES_4, True)
+
+
+def test_non_colocated_items_4_ranks():
+    cases = NON_COLOCATED_4 + [([enc(dp=3)], llm(dp=1, first=3))]
+    run_distributed(_non_colocated_cases, 4, cases, BATCHES_6 + [([1, 0, 0, 0, 0, 0], SEQ)], True)
 
 
 # ---- plan-only properties (no processes) -------------------------------------------------------
@@ -284,7 +320,8 @@ def _random_layouts(rng):
 def _random_batch(rng, encoder, llm_layout):
     """Samples with 0-3 images of 1-12 tokens each, a few text tokens apart (0: adjacent images
     make one run), or now and then at scattered positions in any order."""
-    b = np.lcm(encoder.dp, llm_layout.dp) * int(rng.integers(1, 4))
+    itemize = rng.random() < 0.5  # several items per sample, any DP rank for each
+    b = (llm_layout.dp if itemize else np.lcm(encoder.dp, llm_layout.dp)) * int(rng.integers(1, 4))
     tokens = [rng.integers(1, 13, size=rng.choice(4, p=[0.3, 0.3, 0.2, 0.2])) for _ in range(b)]
     multiple = 2 * llm_layout.cp * llm_layout.tp
     need = max(1 + int(t.sum()) + 3 * len(t) for t in tokens)
@@ -297,7 +334,12 @@ def _random_batch(rng, encoder, llm_layout):
         gaps = rng.integers(0, 4, size=len(t))
         starts = 1 + np.cumsum(gaps) + np.concatenate([[0], np.cumsum(t)[:-1]]).astype(int)
         positions.append(np.concatenate([[]] + [s + np.arange(n) for s, n in zip(starts, t)]))
-    return BoundaryBatch(np.array([t.sum() for t in tokens]), np.concatenate([[]] + positions), seq)
+    rows = np.array([t.sum() for t in tokens])
+    if not itemize:
+        return BoundaryBatch(rows, np.concatenate([[]] + positions), seq)
+    items = np.concatenate([[]] + tokens).astype(np.int64)
+    return BoundaryBatch(rows, np.concatenate([[]] + positions), seq, items,
+                         rng.integers(0, encoder.dp, len(items)))
 
 
 @pytest.mark.parametrize("chunk", range(4))

@@ -188,6 +188,26 @@ def test_layout_reproduces_one_process(references, tmp_path, layout_name):
         assert reference[0][-1]["loss"] != references("single", flags)[0][-1]["loss"]
 
 
+# Any number of images per sample (0 included), balanced over the encoder's DP ranks, which need
+# not divide the microbatch (a rank may get no image): layout -> (world size, reference, flags).
+VARIABLE = ["--images-per-sample", "0-2", "--seq-length", "64"]
+VARIABLE_CASES = {
+    "demo_colocated": (4, "single", VARIABLE),
+    # micro batch 2 x llm dp 1 = 2 samples over vision dp 4 (formerly refused)
+    "colocated_vdp4_lcp2pp2": (4, "single", [*VARIABLE, "--micro-batch-size", "2"]),
+    "non_colocated_vpp2_lpp2": (4, "single", VARIABLE),
+    "colocated_vdp2_lpp2": (2, "single", ["--images-per-sample", "0"]),  # text only
+    "non_colocated_2_2": (4, "single", ["--images-per-sample", "0"]),
+}
+
+
+@pytest.mark.parametrize("layout_name", list(VARIABLE_CASES))
+def test_variable_images_reproduce_one_process(references, tmp_path, layout_name):
+    world_size, reference_name, flags = VARIABLE_CASES[layout_name]
+    run = _run(tmp_path / layout_name, LAYOUTS / f"{layout_name}.yaml", world_size, flags)
+    _assert_reproduces(run, references(reference_name, flags))
+
+
 @pytest.mark.parametrize("layout_name", ["demo_colocated", "non_colocated_vdp2_ltp2pp2"])
 def test_distributed_optimizer(references, tmp_path, layout_name):
     """--use-distributed-optimizer reproduces the 1-process run. Gradients after the first backward

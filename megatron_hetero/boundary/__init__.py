@@ -1,5 +1,6 @@
 """Boundary communicators: a pure routing plan (plan.py) and its execution (exchange.py)."""
 
+from megatron_hetero.boundary.balance import assign_items
 from megatron_hetero.boundary.exchange import boundary_exchange, check_agreement, slot_mask
 from megatron_hetero.boundary.plan import (
     BoundaryBatch,
@@ -17,6 +18,7 @@ __all__ = [
     "BoundaryMismatch",
     "PlanCache",
     "RankPlan",
+    "assign_items",
     "boundary_exchange",
     "check_agreement",
     "check_edge_layouts",

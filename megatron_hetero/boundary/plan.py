@@ -4,10 +4,11 @@ A batch of B samples crosses an edge. Every encoder output row (one image token,
 LLM hidden size) has a global address: (sample, position in the fused LLM sequence).
 
 Who holds a row (encoder layout):
-- sample -> encoder DP rank (contiguous slices of the batch);
-- encoder CP splits each sample's rows into cp contiguous parts (rows [c*n//cp, (c+1)*n//cp));
+- item (an image or tile, a clip) -> encoder DP rank: the batch's `item_dp`, balanced by cost
+  (balance.py) and independent of the LLM's DP split; without it, contiguous slices of the samples;
+- encoder CP splits each item's rows into cp contiguous parts (rows [c*n//cp, (c+1)*n//cp));
 - only the last encoder PP stage produces rows; every encoder TP rank holds a replica;
-- a rank's output lists its rows in sample order, then row order.
+- a rank's output lists its items' rows in item order, then row order.
 
 Who consumes a row, and where (LLM input layout, Megatron's):
 - sample -> LLM DP rank (contiguous slices) and local sample j;
@@ -62,20 +63,34 @@ class BoundaryBatch:
     rows_per_sample: [B] encoder rows of each sample (0 for a sample without images).
     positions: [sum(rows_per_sample)] fused-sequence position of each row, samples in order.
     seq_len: the fused LLM sequence length (the same for every sample of the batch).
+    item_rows: [items] rows of each item the encoder runs on (an image or tile, a clip), a sample's
+      items in order; None: one item per sample.
+    item_dp: [items] the encoder DP rank that encodes each item (balance.assign_items); None: each
+      DP rank takes a contiguous slice of the samples, as Megatron splits a batch.
     """
 
     rows_per_sample: np.ndarray
     positions: np.ndarray
     seq_len: int
+    item_rows: np.ndarray | None = None
+    item_dp: np.ndarray | None = None
 
     def __post_init__(self):
         rows = np.asarray(self.rows_per_sample, dtype=np.int64)
         positions = np.asarray(self.positions, dtype=np.int64)
+        item_rows = rows if self.item_rows is None else np.asarray(self.item_rows, dtype=np.int64)
         object.__setattr__(self, "rows_per_sample", rows)
         object.__setattr__(self, "positions", positions)
+        object.__setattr__(self, "item_rows", item_rows)
         assert rows.ndim == 1 and (rows >= 0).all(), "rows_per_sample must be non-negative counts"
         assert positions.shape == (int(rows.sum()),), "one position per row"
         assert positions.size == 0 or (0 <= positions.min() and positions.max() < self.seq_len)
+        assert (item_rows >= 0).all() and np.isin(np.cumsum(rows), np.append(np.cumsum(item_rows), 0)).all(), \
+            "items lie within samples"
+        if self.item_dp is not None:
+            item_dp = np.asarray(self.item_dp, dtype=np.int64)
+            object.__setattr__(self, "item_dp", item_dp)
+            assert item_dp.shape == item_rows.shape and (item_dp >= 0).all(), "one DP rank per item"
 
     @property
     def num_samples(self) -> int:
@@ -85,21 +100,33 @@ class BoundaryBatch:
     def num_rows(self) -> int:
         return len(self.positions)
 
+    def items_of(self, dp_rank: int, dp: int) -> np.ndarray:
+        """Mask [items] of the items an encoder's DP rank `dp_rank` (of `dp`) encodes."""
+        if self.item_dp is None:  # one item per sample, contiguous slices of the samples
+            return np.arange(self.num_samples) // (self.num_samples // dp) == dp_rank
+        return self.item_dp == dp_rank
+
+    @cached_property
+    def item_starts(self) -> np.ndarray:
+        """First row of every item."""
+        return np.cumsum(self.item_rows) - self.item_rows
+
     @cached_property
     def run_starts(self) -> np.ndarray:
-        """First row of every run: rows of one sample at consecutive positions (one image's tokens,
-        or several adjacent images'). The one pass over all rows; the plan works on runs."""
-        sample_starts = np.cumsum(self.rows_per_sample) - self.rows_per_sample
+        """First row of every run: rows of one item at consecutive positions (one image's tokens).
+        The one pass over all rows; the plan works on runs."""
         breaks = np.flatnonzero(np.diff(self.positions) != 1) + 1
-        return np.union1d(sample_starts[sample_starts < self.num_rows], breaks)
+        return np.union1d(self.item_starts[self.item_starts < self.num_rows], breaks)
 
     @cached_property
     def key(self) -> bytes:
-        """The metadata, exactly, in O(samples + runs) bytes: a run's positions follow from its
-        first one (the sample count first, so that the arrays' lengths are known)."""
-        header = np.array([self.seq_len, self.num_samples], dtype=np.int64)
-        return b"".join(a.tobytes() for a in (header, self.rows_per_sample, self.run_starts,
-                                               self.positions[self.run_starts]))
+        """The metadata, exactly, in O(items + runs) bytes: a run's positions follow from its
+        first one (the counts first, so that the arrays' lengths are known)."""
+        item_dp = np.array([-1]) if self.item_dp is None else self.item_dp
+        header = np.array([self.seq_len, self.num_samples, len(self.item_rows), len(self.run_starts)],
+                          dtype=np.int64)
+        return b"".join(a.tobytes() for a in (header, self.rows_per_sample, self.item_rows, item_dp,
+                                               self.run_starts, self.positions[self.run_starts]))
 
 
 @dataclass(frozen=True)
@@ -172,10 +199,16 @@ def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
 
 
 def _check_batch(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout) -> None:
-    """Samples split over both modules' DP ranks, the sequence over the LLM's CP chunks and SP parts."""
+    """Samples split over the LLM's DP ranks (and the encoder's, without an item assignment), items
+    assigned to the encoder's DP ranks, the sequence over the LLM's CP chunks and SP parts."""
     what = f"the batch ({batch.num_samples} samples)"
-    rules.check(BoundaryError, rules.edge_problem(encoder, llm),
-                *(rules.dp_split_problem(what, batch.num_samples, module) for module in (encoder, llm)),
+    split = (llm,) if batch.item_dp is not None else (encoder, llm)
+    assigned = None
+    if batch.item_dp is not None and batch.item_dp.size and batch.item_dp.max() >= encoder.dp:
+        assigned = (f"the batch assigns items to DP rank {batch.item_dp.max()} of module {encoder.name}, which "
+                    f"has dp={encoder.dp}; assign items for dp={encoder.dp} (boundary.assign_items)")
+    rules.check(BoundaryError, rules.edge_problem(encoder, llm), assigned,
+                *(rules.dp_split_problem(what, batch.num_samples, module) for module in split),
                 rules.sequence_problem(batch.seq_len, llm))
 
 
@@ -200,11 +233,11 @@ class _Segments:
 
     def __init__(self, batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout):
         n, num_rows = batch.rows_per_sample, batch.num_rows
-        first = np.concatenate([[0], np.cumsum(n)[:-1]])  # first row of each sample
+        item_first, item_n = batch.item_starts, batch.item_rows
         runs = batch.run_starts
         cuts = [runs]
-        if encoder.cp > 1:  # encoder CP part c of a sample: its rows [c*n//cp, (c+1)*n//cp)
-            cuts.append((first[:, None] + np.arange(1, encoder.cp) * n[:, None] // encoder.cp).ravel())
+        if encoder.cp > 1:  # encoder CP part c of an item: its rows [c*n//cp, (c+1)*n//cp)
+            cuts.append((item_first[:, None] + np.arange(1, encoder.cp) * item_n[:, None] // encoder.cp).ravel())
         pieces, coord = runs, batch.positions[runs]
         chunk_len = batch.seq_len // (2 * llm.cp)
         if llm.cp > 1:
@@ -218,13 +251,14 @@ class _Segments:
         starts = starts[starts < num_rows]  # a trailing sample without rows cuts nothing
         self.count = _lengths(starts, num_rows)
         sample = np.searchsorted(np.cumsum(n), starts, side="right")
-        k = starts - first[sample]  # the segment's first row within its sample
+        item = np.searchsorted(np.cumsum(item_n), starts, side="right")
+        k = starts - item_first[item]  # the segment's first row within its item
         positions = batch.positions[starts]
 
-        # Encoder: DP by sample, CP by contiguous parts of the sample's rows, last PP stage.
+        # Encoder: DP by item, CP by contiguous parts of the item's rows, last PP stage.
         e = encoder
-        enc_dp = sample // (batch.num_samples // e.dp)
-        enc_cp = ((k + 1) * e.cp - 1) // np.maximum(n[sample], 1)
+        enc_dp = sample // (batch.num_samples // e.dp) if batch.item_dp is None else batch.item_dp[item]
+        enc_cp = ((k + 1) * e.cp - 1) // np.maximum(item_n[item], 1)
         self.enc_group = enc_dp * e.cp + enc_cp  # (dp, cp) holding the rows
         enc_index = _offset_within(self.enc_group, self.count)  # the group's rows in row order
         self.encoder = _Side(e.first_rank + e.tp * (self.enc_group + e.cp * e.dp * (e.pp - 1)), e.tp,
@@ -425,8 +459,9 @@ def _runs_text(positions: np.ndarray, most: int = 3) -> str:
 
 
 def metadata_summary(batches: dict[str, BoundaryBatch]) -> tuple:
-    """Per edge: (seq_len, per sample (rows, its positions as text, digest of its positions)), to
-    say where two ranks differ. One pass over the rows: only run once they do."""
+    """Per edge: (seq_len, per sample (rows, its positions as text, digest of its positions), the
+    items' rows and DP ranks), to say where two ranks differ. One pass over the rows: only run once
+    they do."""
     def sample(positions):
         text = _runs_text(positions) if len(positions) else ""
         return len(positions), text, hashlib.blake2b(positions.tobytes(), digest_size=8).digest()
@@ -435,7 +470,8 @@ def metadata_summary(batches: dict[str, BoundaryBatch]) -> tuple:
     for name in sorted(batches):
         batch = batches[name]
         bounds = np.cumsum(batch.rows_per_sample)
-        summary.append((name, (batch.seq_len, tuple(map(sample, np.split(batch.positions, bounds[:-1]))))))
+        items = (tuple(batch.item_rows.tolist()), None if batch.item_dp is None else tuple(batch.item_dp.tolist()))
+        summary.append((name, (batch.seq_len, tuple(map(sample, np.split(batch.positions, bounds[:-1]))), items)))
     return tuple(summary)
 
 
@@ -463,6 +499,9 @@ def disagreement(summaries: list, ranks: list[int]) -> str:
             return f"{where}: seq_len {x[0]} on rank {ranks[a]}, {y[0]} on rank {ranks[b]}; {fix}"
         if x == y:
             continue
+        if x[1] == y[1]:
+            return (f"{where}: the same rows, split into different items or assigned to different encoder "
+                    f"DP ranks; every rank must assign items the same way (boundary.assign_items)")
         s, (p, q) = next((i, pq) for i, pq in enumerate(zip_longest(x[1], y[1])) if pq[0] != pq[1])
         inside = " (alike in their first runs, not after)" if _sample_text(p) == _sample_text(q) else ""
         return (f"{where}, first at sample {s} of the batch: rank {ranks[a]} has {_sample_text(p)}, "

@@ -44,16 +44,17 @@ def llm_share(full: torch.Tensor, layout: ModuleLayout, rank: int) -> torch.Tens
 
 
 def encoder_share(rows: torch.Tensor, batch: BoundaryBatch, layout: ModuleLayout, rank: int) -> torch.Tensor:
-    """The rows an encoder rank outputs (row order): its DP samples, each sample's CP part
-    [c*n//cp, (c+1)*n//cp); nothing off the last PP stage or outside the module."""
+    """The rows an encoder rank outputs (row order): its DP rank's items (batch.item_dp, else the
+    items of its contiguous slice of samples), each item's CP part [c*n//cp, (c+1)*n//cp); nothing
+    off the last PP stage or outside the module."""
     c = layout.coords(rank)
     if c is None or c["pp"] != layout.pp - 1:
         return rows[:0]
-    starts = np.concatenate([[0], np.cumsum(batch.rows_per_sample)])
-    b = batch.num_samples // layout.dp
+    mine = batch.items_of(c["dp"], layout.dp)
+    starts = np.concatenate([[0], np.cumsum(batch.item_rows)])
     parts = [rows[:0]]
-    for s in range(c["dp"] * b, (c["dp"] + 1) * b):
-        n = int(batch.rows_per_sample[s])
+    for i in np.flatnonzero(mine):
+        n = int(batch.item_rows[i])
         lo, hi = c["cp"] * n // layout.cp, (c["cp"] + 1) * n // layout.cp
-        parts.append(rows[starts[s] + lo : starts[s] + hi])
+        parts.append(rows[starts[i] + lo : starts[i] + hi])
     return torch.cat(parts)

@@ -12,10 +12,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
-from megatron_hetero.data.batches import module_slice
+from megatron_hetero.boundary import assign_items
 from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
 from megatron_hetero.data.images import ImageError, ImageSpec, check_image, load_tiles, tiles_of
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
@@ -105,8 +106,9 @@ class ConversationSpec:
     rows_per_item: int  # encoder rows per image tile
     image: ImageSpec
     # (dp, dp rank) of each vision encoder whose first stage this rank holds: it decodes the images
-    # of that rank's samples (batches.module_slice of the global microbatch); others stay NaN.
+    # of the samples holding items (tiles) that DP rank encodes; others stay NaN.
     decode_shares: tuple[tuple[int, int], ...] = ((1, 0),)
+    item_shape: tuple[int, int] = (1, 1)  # (tokens, width) of a tile in the encoder (EncoderKind.item_shape)
 
 
 class ConversationSamples(torch.utils.data.Dataset):
@@ -182,8 +184,12 @@ class ConversationSamples(torch.utils.data.Dataset):
     def collate(self, samples: list[tuple[Sample, list[Path]]]) -> dict:
         """The model call's arguments for a global microbatch (this rank's encoder samples decoded),
         and `skipped`: the bad samples passed over."""
+        tiles = np.array([len(sample.media[VISION].items) for sample, _ in samples], dtype=np.int64)
+        owner = np.repeat(np.arange(len(samples)), tiles)  # the sample of each item
+        tokens, width = self.spec.item_shape
         for dp, rank in self.spec.decode_shares:
-            for sample, paths in samples[module_slice(len(samples), dp, rank)]:
-                self._decode(sample, paths)
+            mine = assign_items(np.full(len(owner), tokens), width, dp) == rank
+            for s in np.unique(owner[mine]):
+                self._decode(*samples[s])
         batch = SampleBatch.collate([sample for sample, _ in samples])
         return {**batch.model_kwargs({VISION: self.input_key}), "skipped": batch.skipped}

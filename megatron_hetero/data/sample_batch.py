@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_hetero.data.bad_data import BadSample, DataError
+from megatron_hetero.data.bad_data import BadSample
 
 
 @dataclass
@@ -52,16 +52,21 @@ class SampleBatch:
 
     def model_kwargs(self, input_keys: dict[str, str]) -> dict:
         """The model call's arguments (models/vlm_parts.py); input_keys: kind name -> its argument.
-        The runtime takes the same number of items k in every sample of a microbatch: items
-        [B, k, ...], positions [B, k x rows per item]."""
+        Per kind, ragged over the samples: every item `<input key>` [n, ...], the items per sample
+        `<kind>_counts` [B] and the positions their rows fill `<kind>_positions` [n x rows per item]."""
         out = dict(input_ids=self.input_ids, labels=self.labels, loss_mask=self.loss_mask)
         for kind, media in self.media.items():
-            b, counts = len(self.input_ids), media.counts.unique()
-            if len(counts) > 1:
-                raise DataError(f"the runtime takes the same number of {kind} items in every sample of a "
-                                f"microbatch; this one has {media.counts.tolist()} (give every sample as many "
-                                f"images, and tiles)")
-            k = int(counts[0])
-            out[input_keys[kind]] = media.items.reshape(b, k, *media.items.shape[1:])
-            out[f"{kind}_positions"] = media.positions.reshape(b, len(media.positions) // b)
+            out[input_keys[kind]] = media.items
+            out[counts_key(kind)] = media.counts
+            out[positions_key(kind)] = media.positions
         return out
+
+
+def counts_key(kind: str) -> str:
+    """The model call's argument holding a kind's items per sample."""
+    return f"{kind}_counts"
+
+
+def positions_key(kind: str) -> str:
+    """The model call's argument holding the sequence positions of a kind's rows."""
+    return f"{kind}_positions"

@@ -12,7 +12,6 @@ from megatron_hetero.models.sizes import ModelSizes
 class EncoderKind:
     name: str
     input_key: str  # the model call's argument (and the batch key) holding this kind's items
-    item_dims: int  # dimensions of one item (an image [3, H, W]: 3); a sample holds one or [k, ...]
     flag_prefix: str  # its size flags: --{prefix}-num-layers, --{prefix}-hidden-size, --{prefix}-num-attention-heads
     tokens_per_item: Callable[[ModelSizes], int]  # rows an item sends into the LLM sequence
     stage_tokens: Callable[[ModelSizes], int]  # tokens an item has between its pipeline stages
@@ -26,6 +25,11 @@ class EncoderKind:
     def hidden_size(self, sizes: ModelSizes) -> int:
         return getattr(sizes, f"{self.flag_prefix}_hidden_size")
 
+    def item_shape(self, sizes: ModelSizes) -> tuple[int, int]:
+        """(tokens, width) of an item in the encoder: what its cost is balanced by
+        (boundary.assign_items; the data loader assigns the same to decide which images to decode)."""
+        return self.stage_tokens(sizes), self.hidden_size(sizes)
+
     def build(self, *args, **kwargs):
         from megatron_hetero.models import vlm
 
@@ -34,9 +38,9 @@ class EncoderKind:
 
 ENCODER_KINDS = {
     # An imported CLIP tower's class token travels between stages, but is not projected into the LLM.
-    "vision": EncoderKind("vision", "images", 3, "enc", lambda s: s.patches_per_image,
+    "vision": EncoderKind("vision", "images", "enc", lambda s: s.patches_per_image,
                           lambda s: s.patches_per_image + int(s.vision_arch.class_token), "build_vision_encoder"),
-    "audio": EncoderKind("audio", "audio", 2, "audio", lambda s: s.tokens_per_clip, lambda s: s.tokens_per_clip,
+    "audio": EncoderKind("audio", "audio", "audio", lambda s: s.tokens_per_clip, lambda s: s.tokens_per_clip,
                          "build_audio_encoder"),
 }
 

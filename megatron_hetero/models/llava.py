@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary import BoundaryBatch
+from megatron_hetero.boundary import BoundaryBatch, assign_items
 from megatron_hetero.layout import ModuleLayout
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import ModelCall, ModelParts
@@ -88,7 +88,8 @@ class LLaVAParts(ModelParts):
 
 class LLaVAAdapter:
     """The script calls `model(images, input_ids, position_ids, attention_mask, labels, loss_mask,
-    ...)` on a global microbatch; each module takes its data-parallel rank's samples."""
+    ...)` on a global microbatch; the LLM takes its data-parallel rank's samples, the vision model's
+    data-parallel ranks take the images (one per sample) by cost (boundary.assign_items)."""
 
     PER_SAMPLE = ("images", "input_ids", "position_ids", "labels", "loss_mask")
 
@@ -96,13 +97,15 @@ class LLaVAAdapter:
         self.run = run
         self.vision = next(iter(run.encoders))
         self.hidden = kwargs["language_transformer_config"].hidden_size
+        self.vision_hidden = kwargs["vision_transformer_config"].hidden_size
         self.dtype = kwargs["language_transformer_config"].params_dtype
         self.seq_length = kwargs["language_max_sequence_length"]
         self.img_seq_len = next(iter(parts.values())).img_seq_len
         self._signature = inspect.signature(type(next(iter(parts.values()))).forward)
 
-    def _arguments(self, call: ModelCall, share: slice) -> dict:
-        """The call's arguments for samples `share`, images in the weights' dtype."""
+    def _arguments(self, call: ModelCall, share) -> dict:
+        """The call's arguments for samples `share` (a slice or an index tensor), images in the
+        weights' dtype."""
         bound = self._signature.bind(None, *call.args, **call.kwargs).arguments
         bound.pop("self")
         args = {k: v[share] if k in self.PER_SAMPLE and v is not None else v for k, v in bound.items()}
@@ -128,10 +131,11 @@ class LLaVAAdapter:
         """One image per sample: its img_seq_len rows, addressed by their index in the image."""
         samples = self.batch_size(call)
         rows = np.full(samples, self.img_seq_len)
-        return BoundaryBatch(rows, np.tile(np.arange(self.img_seq_len), samples), self.img_seq_len)
+        item_dp = assign_items(rows, self.vision_hidden, self.run.layout.module(name).dp)
+        return BoundaryBatch(rows, np.tile(np.arange(self.img_seq_len), samples), self.img_seq_len, rows, item_dp)
 
-    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, hidden):
-        embeddings, _ = module.part(**self._arguments(call, share))  # [img_seq, n, h]
+    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
+        embeddings, _ = module.part(**self._arguments(call, items))  # [img_seq, n, h]
         return embeddings.transpose(0, 1).reshape(-1, embeddings.shape[-1])
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):

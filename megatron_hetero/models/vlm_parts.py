@@ -1,18 +1,20 @@
 """This project's reference multimodal model (models/vlm.py: encoders of the registered kinds and a
 GPTModel on our TE-free layers) as per-module parts for megatron.training, and its adapter.
 
-The script calls `model(input_ids=, labels=, loss_mask=, <kind input>=, <kind>_positions=)` on a
-global microbatch (see data/megatron_data.py): per sample, the fused sequence's token ids, labels and
-loss mask [S], each kind's items (images [3, H, W], clips [mel, frames]) and the sequence positions
-their rows fill [tokens per item]. Each module takes its data-parallel rank's samples; the LLM its
-context-parallel positions (Megatron's load-balanced chunks). On the last LLM stage the model returns
+The script calls `model(input_ids=, labels=, loss_mask=, <kind input>=, <kind>_counts=,
+<kind>_positions=)` on a global microbatch (data/sample_batch.py): per sample, the fused sequence's
+token ids, labels and loss mask [S]; per kind, ragged over the samples, every item (images [3, H, W],
+clips [mel, frames]), the items per sample and the sequence positions their rows fill. The LLM takes
+its data-parallel rank's samples and its context-parallel positions (Megatron's load-balanced
+chunks); an encoder's data-parallel ranks take the items by cost (boundary.assign_items). On the last LLM stage the model returns
 (per-token losses [b, s_local], loss mask [b, s_local]) for the script's loss function.
 """
 
 import numpy as np
 import torch
 
-from megatron_hetero.boundary import BoundaryBatch, slot_mask
+from megatron_hetero.boundary import BoundaryBatch, assign_items, slot_mask
+from megatron_hetero.data.sample_batch import counts_key, positions_key
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.init import build_stage
 from megatron_hetero.models.kinds import encoder_kind
@@ -62,31 +64,32 @@ class VLMAdapter:
         llm = self.run.layout.llm
         return self.sizes.seq_length // llm.cp // (llm.tp if llm.sp else 1)
 
-    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share: slice) -> torch.Tensor:
-        n = share.stop - share.start
+    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share) -> torch.Tensor:
         if module.layout.role == "llm":
-            shape = (self._llm_seq_local(), n, self.sizes.hidden_size)
+            shape = (self._llm_seq_local(), share.stop - share.start, self.sizes.hidden_size)
         else:
             kind = encoder_kind(module.layout)
-            items = call.kwargs[kind.input_key][share]
-            n = items.shape[0] * (items.shape[1] if items.dim() == kind.item_dims + 2 else 1)
-            shape = (kind.stage_tokens(self.sizes), n, kind.hidden_size(self.sizes))
+            shape = (kind.stage_tokens(self.sizes), len(share), kind.hidden_size(self.sizes))
         return torch.empty(shape, dtype=self.dtype, device=_device())
 
     def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
-        positions = call.kwargs[f"{encoder_kind(self.run.layout.module(name)).name}_positions"]
-        samples, per_sample = positions.shape
-        return BoundaryBatch(np.full(samples, per_sample), positions.reshape(-1).cpu().numpy(),
-                             call.kwargs["input_ids"].shape[1])
+        """Every item sends tokens_per_item rows; items go to the encoder's DP ranks by the cost of
+        its tokens per item (all alike here: round robin)."""
+        module = self.run.layout.module(name)
+        kind = encoder_kind(module)
+        counts = call.kwargs[counts_key(kind.name)].cpu().numpy()
+        items = int(counts.sum())
+        tokens, width = kind.item_shape(self.sizes)
+        item_dp = assign_items(np.full(items, tokens), width, module.dp)
+        rows = kind.tokens_per_item(self.sizes)
+        return BoundaryBatch(counts * rows, call.kwargs[positions_key(kind.name)].cpu().numpy(),
+                             call.kwargs["input_ids"].shape[1], np.full(items, rows), item_dp)
 
-    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, hidden):
+    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
         kind = encoder_kind(module.layout)
-        if hidden is None:  # a sample's items ([k, ...] for k items per sample) in sample order
-            x = call.kwargs[kind.input_key][share]
-            x = x.flatten(0, 1) if x.dim() == kind.item_dims + 2 else x
-            hidden = x.to(device=_device(), dtype=self.dtype)
-        x = hidden
-        out = module.part(x)
+        if hidden is None:
+            hidden = call.kwargs[kind.input_key][items].to(device=_device(), dtype=self.dtype)
+        out = module.part(hidden)
         if module.last_stage and self.ablate_vision and kind.name == "vision":
             return out * 0  # the control run: no image information crosses the boundary
         return out

@@ -129,9 +129,9 @@ def homogeneous_encoder(shape: ModuleShape, llm: ModuleLayout, cluster: Cluster)
 
 def micro_batches(workload: Workload, layouts: tuple[ModuleLayout, ...]) -> list[int]:
     """Micro batch sizes the trainer accepts for these layouts (rules.batch_problem)."""
-    llm, encoders, batch = layouts[-1], layouts[:-1], workload.global_batch
+    llm, batch = layouts[-1], workload.global_batch
     sizes = [workload.micro_batch] if workload.micro_batch else _divisors(batch // llm.dp)
-    return [b for b in sizes if rules.batch_problem(batch, b, llm, encoders) is None]
+    return [b for b in sizes if rules.batch_problem(batch, b, llm) is None]
 
 
 def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, ...]) -> list[Candidate]:
@@ -199,5 +199,5 @@ def candidate_from_layout(layout: HeteroLayout, workload: Workload, cluster: Clu
     candidates = _variants(workload, placement, layouts)
     if not candidates:
         raise ValueError(f"no micro batch size splits global batch {workload.global_batch} over llm dp "
-                         f"{layouts[-1].dp} and every encoder's dp")
+                         f"{layouts[-1].dp}")
     return candidates

@@ -3,6 +3,7 @@ candidate (the model is stated in megatron_hetero.planner's docstring)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from megatron_hetero.layout import ModuleLayout
@@ -311,12 +312,15 @@ class CostModel:
         return self.workload.global_batch // (candidate.micro_batch * candidate.llm.dp)
 
     def encoder_samples(self, candidate: Candidate, layout: ModuleLayout) -> float:
-        """Samples one encoder DP replica runs per microbatch: the microbatch of every LLM DP rank
-        (micro batch x llm dp samples) split over the encoder's DP ranks; in the homogeneous
-        baseline, the micro batch of its own LLM DP replica."""
+        """Samples' worth of items the busiest encoder DP replica runs per microbatch: the items of
+        every LLM DP rank's microbatch (micro batch x llm dp samples) balanced over the encoder's DP
+        ranks, whole items each (boundary/balance.py); in the homogeneous baseline, the micro batch
+        of its own LLM DP replica."""
         if candidate.placement == "homogeneous":
             return candidate.micro_batch
-        return candidate.micro_batch * candidate.llm.dp / layout.dp
+        per_sample = self.shapes[layout.name].items_per_sample
+        items = candidate.micro_batch * candidate.llm.dp * per_sample
+        return math.ceil(items / layout.dp) / per_sample
 
     def predict(self, candidate: Candidate) -> Prediction:
         step = {"colocated": self._colocated, "non_colocated": self._non_colocated,

@@ -48,15 +48,18 @@ class Adapter(Protocol):
     def boundary_like(self) -> torch.Tensor:
         """An empty [0, llm hidden] tensor of the boundary's dtype and device."""
 
-    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share: slice) -> torch.Tensor:
-        """What `module`'s stages pass each other for samples `share` (shape, dtype, device)."""
+    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share) -> torch.Tensor:
+        """What `module`'s stages pass each other (shape, dtype, device) for `share`: the LLM's
+        samples (a slice), an encoder's items (an index tensor, possibly empty)."""
 
     def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
-        """Metadata of encoder `name`'s rows for the microbatch of `call` (identical on every rank)."""
+        """Metadata of encoder `name`'s rows for the microbatch of `call` (identical on every rank),
+        with its items assigned to the encoder's DP ranks (boundary.assign_items)."""
 
-    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, hidden):
-        """This rank's stage of an encoder on samples `share` of the microbatch (`hidden`: the input
-        from the previous stage, None on the first); the last stage returns its rows [n, h]."""
+    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
+        """This rank's stage of an encoder on `items` of the microbatch (indices into its items, at
+        least one; `hidden`: the input from the previous stage, None on the first); the last stage
+        returns its rows [n, h], items in order."""
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         """This rank's LLM stage on samples `share`; `media`: encoder name -> Media (first stage),

@@ -10,12 +10,15 @@ Megatron's.
 
 Data: every rank's iterator yields global microbatches (micro batch size x LLM dp samples; see
 patches/hetero_data.py). The step takes its microbatches from it once and replays microbatch i to the
-forward step whenever a view of it runs (an encoder forward, the LLM stage, a recomputation).
+forward step whenever a view of it runs (an encoder forward, the LLM stage, a recomputation). The
+LLM's DP ranks take contiguous slices of the samples; an encoder's DP ranks take the items (images,
+clips) the boundary metadata assigns them by cost (boundary/balance.py), possibly none.
 """
 
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
 
@@ -44,6 +47,7 @@ class StepContext:
     calls: list = field(default_factory=list)  # microbatch i's model arguments
     batch_size: int = 0  # samples in a global microbatch
     plans: dict = field(default_factory=dict)  # encoder name -> [RankPlan per microbatch]
+    batches: dict = field(default_factory=dict)  # (encoder name, microbatch) -> its BoundaryBatch
     losses: list = field(default_factory=list)  # Megatron's forward_data_store (last LLM stage)
     num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
     held_sync: dict = field(default_factory=dict)  # module name -> its entered DDP no_sync context
@@ -56,8 +60,27 @@ class StepContext:
         return None if self.items[i] is None else iter([self.items[i]])
 
     def share(self, module: ModuleRuntime) -> slice:
-        """The samples of a global microbatch that `module`'s data-parallel rank takes."""
+        """The samples of a global microbatch that the LLM's data-parallel rank takes."""
         return module_slice(self.batch_size, module.layout.dp, module.coords()["dp"])
+
+    def encoder_items(self, module: ModuleRuntime, i: int) -> torch.Tensor:
+        """The items of microbatch i that encoder `module`'s data-parallel rank encodes (indices into
+        the microbatch's items, in order)."""
+        batch, dp = self.batches[module.name, i], module.coords()["dp"]
+        return torch.from_numpy(np.flatnonzero(batch.items_of(dp, module.layout.dp)))
+
+    def encoder_forward(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
+        """Encoder stage forward on microbatch i through the adapter (rows on its last stage). A DP
+        rank without items runs nothing: its output is empty, on a trainable last stage a leaf that
+        needs grad, so that the colocated boundary's backward still runs its exchange."""
+        call, items = self.calls[i], self.encoder_items(module, i)
+        trainable = module.ddp is not None and torch.is_grad_enabled()
+        if len(items) == 0:
+            if module.last_stage:
+                return self.adapter.boundary_like().requires_grad_(trainable)
+            return self.adapter.stage_hidden_like(module, call, items)
+        with torch.set_grad_enabled(trainable):
+            return self.adapter.encoder_forward(module, call, items, hidden)
 
     def prepare(self) -> None:
         """Every microbatch's model arguments (one forward-step call each, through a capturing
@@ -68,8 +91,8 @@ class StepContext:
             self.calls.append(capture.call)
         self.batch_size = self.adapter.batch_size(self.calls[0])
         layout = self.run.layout
-        batches = {(e.name, i): self.adapter.boundary_batch(e.name, call)
-                   for e in layout.encoders for i, call in enumerate(self.calls)}
+        self.batches = batches = {(e.name, i): self.adapter.boundary_batch(e.name, call)
+                                  for e in layout.encoders for i, call in enumerate(self.calls)}
         device = self.adapter.boundary_like().device
         self.num_tokens = self.num_tokens.to(device)
         # Plans from metadata that differs between ranks would not pair up: check it first.
@@ -83,7 +106,7 @@ class StepContext:
     # ---- running parts of the model through the script's forward step --------------------------
     def run_encoder(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
         """Encoder stage forward on microbatch i (rows on its last stage)."""
-        view = EncoderView(self, module, hidden)
+        view = EncoderView(self, module, i, hidden)
         with self.timers("encoder-forward"):
             output, _ = self.forward_step_func(self.replay(i), view)
         return output
@@ -149,20 +172,17 @@ class _Capture:
 
 
 class EncoderView:
-    """`model` for one encoder stage: returns (rows or hidden, None)."""
+    """`model` for one encoder stage on microbatch i: returns (rows or hidden, None). The script's
+    call is microbatch i's (captured in prepare)."""
 
-    def __init__(self, ctx: StepContext, module: ModuleRuntime, hidden=None):
-        self.ctx, self.module, self.hidden = ctx, module, hidden
+    def __init__(self, ctx: StepContext, module: ModuleRuntime, i: int, hidden=None):
+        self.ctx, self.module, self.i, self.hidden = ctx, module, i, hidden
 
     def set_input_tensor(self, tensor):
         pass
 
     def __call__(self, *args, **kwargs):
-        call = ModelCall(args, kwargs)
-        share = self.ctx.share(self.module)
-        trainable = self.module.ddp is not None and torch.is_grad_enabled()
-        with torch.set_grad_enabled(trainable):
-            return self.ctx.adapter.encoder_forward(self.module, call, share, self.hidden), None
+        return self.ctx.encoder_forward(self.module, self.i, self.hidden), None
 
 
 class LLMView:
@@ -198,9 +218,8 @@ class ColocatedView:
         ctx, call = self.ctx, ModelCall(args, kwargs)
         media = {}
         for name, module in ctx.run.encoders.items():
-            trainable = module.ddp is not None and torch.is_grad_enabled()
-            with ctx.timers("encoder-forward"), torch.set_grad_enabled(trainable):
-                rows = ctx.adapter.encoder_forward(module, call, ctx.share(module), None)
+            with ctx.timers("encoder-forward"):
+                rows = ctx.encoder_forward(module, self.i)
             plan = ctx.plans[name][self.i]
             with ctx.timers("boundary"):
                 media[name] = Media(boundary_exchange(rows, plan), plan)

@@ -40,14 +40,15 @@ def one_f_one_b(stages_downstream: int, num_microbatches: int, backward: bool = 
 
 
 def stage_send(tensor: torch.Tensor, peer: int) -> Transfer:
-    """A tensor for the neighbouring stage `peer` (a global rank)."""
-    return Transfer([dist.P2POp(dist.isend, tensor.contiguous(), peer)])
+    """A tensor for the neighbouring stage `peer` (a global rank); nothing for an empty one (an
+    encoder DP rank without items in a microbatch: both stages know it from the metadata)."""
+    return Transfer([dist.P2POp(dist.isend, tensor.contiguous(), peer)] if tensor.numel() else [])
 
 
 def stage_recv(like: torch.Tensor, peer: int) -> Transfer:
     """A tensor shaped and typed like `like` from the neighbouring stage `peer`."""
     buffer = torch.empty_like(like)
-    return Transfer([dist.P2POp(dist.irecv, buffer, peer)], dest=buffer)
+    return Transfer([dist.P2POp(dist.irecv, buffer, peer)] if buffer.numel() else [], dest=buffer)
 
 
 class Stage(Protocol):

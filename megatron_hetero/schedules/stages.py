@@ -44,7 +44,7 @@ class EncoderStage:
 
     def _hidden_like(self, i):
         call = self.ctx.calls[i]
-        return self.ctx.adapter.stage_hidden_like(self.module, call, self.ctx.share(self.module))
+        return self.ctx.adapter.stage_hidden_like(self.module, call, self.ctx.encoder_items(self.module, i))
 
     def recv_forward(self, i):
         return [] if self.first else [stage_recv(self._hidden_like(i), self.prev)]

@@ -72,6 +72,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--image-normalization", choices=tuple(NORMALIZATION), default="none",
                        help="the vision encoder's pixel normalization (none: pixels in [0, 1], as the "
                             "reference encoder takes them)")
+    group.add_argument("--images-per-sample", default=None, metavar="N|A-B",
+                       help="images per sample of the shapes data: N, or A to B varying by sample (0: "
+                            "text-only samples); default 1")
     group.add_argument("--max-tiles", type=int, default=1,
                        help="split a larger image into up to this many tiles plus a thumbnail (1: no tiling)")
     for f in _own_size_fields():
@@ -174,6 +177,19 @@ def check_trainable(layout) -> None:
     rules.check(ArgsError, rules.llm_freeze_problem(layout.llm))
 
 
+def image_counts(args) -> tuple[int, int]:
+    """--images-per-sample as (fewest, most)."""
+    text = args.images_per_sample or "1"
+    low, _, high = text.partition("-")
+    try:
+        counts = int(low), int(high or low)
+    except ValueError:
+        counts = (-1, -1)
+    if not 0 <= counts[0] <= counts[1]:
+        raise ArgsError(f"--images-per-sample {text}: give a count N or a range A-B with 0 <= A <= B")
+    return counts
+
+
 def _check_stages(args, layout) -> None:
     """Layers split evenly over pipeline stages; sequences fit a sample and split evenly over CP
     chunks and SP parts."""
@@ -186,7 +202,8 @@ def _check_stages(args, layout) -> None:
     if args.data_path:  # a sample longer than --seq-length is skipped (data/conversations.py)
         return
     sizes = model_sizes(args)
-    media = sum(encoder_kind(m).tokens_per_item(sizes) for m in layout.encoders)
+    items = {"vision": image_counts(args)[1]}  # the most images; one clip
+    media = sum(encoder_kind(m).tokens_per_item(sizes) * items.get(encoder_kind(m).name, 1) for m in layout.encoders)
     caption = max(len(CaptionTokenizer().encode(c)) for c in all_captions())
     rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption))
 
@@ -197,6 +214,7 @@ def _check_data(args, layout) -> None:
     if args.eval_samples and args.tokenizer_type not in (None, "NullTokenizer"):
         raise ArgsError(f"--eval-samples captions held-out shapes with the shipped tokenizer; drop it or "
                         f"--tokenizer-type {args.tokenizer_type}")
+    image_counts(args)
     if not args.data_path:
         if args.tokenizer_type not in (None, "NullTokenizer"):
             raise ArgsError(f"--tokenizer-type {args.tokenizer_type} needs --data-path: the shapes data is "
@@ -205,6 +223,9 @@ def _check_data(args, layout) -> None:
     if len(args.data_path) == 1 and os.path.isdir(args.data_path[0]):
         raise ArgsError(f"--data-path {args.data_path[0]}: megatron-energon datasets are not read yet (the "
                         f"package is not installed here); give a LLaVA-style .json or .jsonl file")
+    if args.images_per_sample is not None:
+        raise ArgsError("--images-per-sample sets the shapes data's images; a conversation file (--data-path) "
+                        "says each sample's own: drop it")
     if len(args.data_path) != 1 or not args.data_path[0].endswith((".json", ".jsonl")):
         raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one LLaVA-style .json or .jsonl file")
     for module in layout.encoders:
@@ -238,13 +259,11 @@ def check_args(args, layout) -> None:
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
-    rules.check(ArgsError, rules.batch_problem(args.global_batch_size, args.micro_batch_size, layout.llm,
-                                               layout.encoders))
+    rules.check(ArgsError, rules.batch_problem(args.global_batch_size, args.micro_batch_size, layout.llm))
     _check_stages(args, layout)
     samples = args.eval_samples
     if samples:
-        rules.check(ArgsError, *(rules.dp_split_problem(f"--eval-samples {samples}", samples, m)
-                                 for m in (layout.llm, *layout.encoders)))
+        rules.check(ArgsError, rules.dp_split_problem(f"--eval-samples {samples}", samples, layout.llm))
 
 
 def check_script_args(args) -> None:
@@ -266,4 +285,4 @@ def check_script_args(args) -> None:
 
 
 __all__ = ["DEFAULT_FLAGS", "ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",
-           "check_trainable", "expand_arg_files", "model_sizes", "parse_script_args"]
+           "check_trainable", "expand_arg_files", "image_counts", "model_sizes", "parse_script_args"]

@@ -31,7 +31,8 @@ def conversation_dataset(args, num_samples: int) -> ConversationSamples:
                             vision.tokens_per_item(sizes),
                             ImageSpec(sizes.image_size, args.max_tiles, args.image_normalization),
                             decode_shares=tuple((m.layout.dp, m.coords()["dp"])
-                                                for m in args.hetero_run.encoders.values() if m.first_stage))
+                                                for m in args.hetero_run.encoders.values() if m.first_stage),
+                            item_shape=vision.item_shape(sizes))
     return ConversationSamples(spec, tokenizer(args), num_samples, vision.input_key)
 
 
