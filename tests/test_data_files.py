@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from megatron_hetero.boundary import assign_items
 from megatron_hetero.data.bad_data import REASONS, DataError
 from megatron_hetero.data.chat import CaptionChatTokenizer, HFChatTokenizer, TokenizerError, Turn, encode_conversation
 from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
@@ -74,9 +75,9 @@ def test_files_are_the_generators_samples(tmp_path):
         ds = _dataset(path)
         got = ds.collate([ds[i] for i in range(n)])
         assert got.pop("skipped") == []
-        for key in ("input_ids", "labels", "loss_mask", "vision_positions"):
+        for key in ("input_ids", "labels", "loss_mask", "vision_counts", "vision_positions"):
             assert torch.equal(got[key], reference[key]), key
-        assert got["images"].shape == (n, 1, 3, 32, 32)
+        assert got["images"].shape == (n, 3, 32, 32)
         torch.testing.assert_close(got["images"], reference["images"], atol=0.5 / 255 + 1e-6, rtol=0)
 
 
@@ -99,20 +100,29 @@ def test_variable_images_and_text_only(tmp_path):
         learned = ids[1:][sample.loss_mask[:-1].bool()].tolist()  # the tokens the loss predicts
         answers = [t["value"] for t in record["conversations"] if t["from"] == "gpt"]
         assert learned == sum((tok.encode(a) + [tok.eos_id] for a in answers), [])
-    batch = SampleBatch.collate([s for s, _ in samples])
-    assert batch.media["vision"].counts.tolist() == counts
-    assert len(batch.media["vision"].items) == sum(counts)
-    with pytest.raises(DataError, match="same number of vision items"):
-        batch.model_kwargs({"vision": "images"})
+    kwargs = SampleBatch.collate([s for s, _ in samples]).model_kwargs({"vision": "images"})
+    assert kwargs["vision_counts"].tolist() == counts
+    assert kwargs["images"].shape == (sum(counts), 3, 32, 32)
+    assert torch.equal(kwargs["vision_positions"], torch.cat([s.media["vision"].positions for s, _ in samples]))
 
 
-def test_only_encoding_ranks_decode(tmp_path):
-    """A rank decodes the images of its encoder DP share of the global microbatch; the rest stay NaN."""
-    path = write_conversations(tmp_path, 8, seed=1)
-    full, half = _dataset(path), _dataset(path, decode_shares=((2, 1),))
-    a, b = (d.collate([d[i] for i in range(8)])["images"] for d in (full, half))
-    assert torch.isnan(b[:4]).all() and not torch.isnan(a).any()
-    assert torch.equal(a[4:], b[4:])
+@pytest.mark.parametrize("dp", [2, 3])
+def test_only_encoding_ranks_decode(tmp_path, dp):
+    """A rank decodes the images of the samples holding items its encoder DP rank encodes (the
+    balanced assignment the model's boundary metadata carries); the rest stay NaN. Over the DP
+    ranks every image is decoded, each as the rank holding everything decodes it."""
+    path = write_conversations(tmp_path, 12, seed=1, max_images=3, text_only=0.25)
+    tokens, width = 17, 64
+    full = _dataset(path, seq_length=96, item_shape=(tokens, width))
+    want = full.collate([full[i] for i in range(12)])
+    owner = np.repeat(np.arange(12), want["vision_counts"].numpy())
+    assignment = assign_items(np.full(len(owner), tokens), width, dp)
+    assert not torch.isnan(want["images"]).any() and len(set(assignment)) == dp
+    for rank in range(dp):
+        part = _dataset(path, seq_length=96, item_shape=(tokens, width), decode_shares=((dp, rank),))
+        got = part.collate([part[i] for i in range(12)])["images"]
+        decoded = np.isin(owner, owner[assignment == rank])  # whole samples holding the rank's items
+        assert torch.isnan(got[~decoded]).all() and torch.equal(got[decoded], want["images"][decoded])
 
 
 def test_hf_tokenizer_chat_template(tmp_path):
@@ -278,7 +288,7 @@ TIMEOUT = 400
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 LAYOUTS = ROOT / "examples" / "layouts"
 FLAGS = ["--train-iters", str(ITERATIONS), "--global-batch-size", "8", "--micro-batch-size", "2",
-         "--lr-warmup-iters", "1", "--log-interval", "1"]
+         "--lr-warmup-iters", "1", "--log-interval", "1", "--seq-length", "64"]
 
 
 def _pretrain(directory: Path, nproc: int, *flags: str, expect: int = 0) -> subprocess.CompletedProcess:
@@ -300,10 +310,10 @@ def _pretrain(directory: Path, nproc: int, *flags: str, expect: int = 0) -> subp
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
-    """Tool output (1 image per sample, as the runtime takes today) with a missing image after sample 2."""
+    """Tool output (0-2 images per sample, a quarter text-only) with a missing image after sample 2."""
     directory = tmp_path_factory.mktemp("data")
-    run_python([ROOT / "tools" / "make_dataset.py", "--out", directory, "--num-samples", "24", "--seed", "5"],
-               env=ENV).check_returncode()
+    run_python([ROOT / "tools" / "make_dataset.py", "--out", directory, "--num-samples", "24", "--seed", "5",
+                "--max-images", "2", "--text-only", "0.25"], env=ENV).check_returncode()
     records = json.loads((directory / "conversations.json").read_text())
     records.insert(3, {**records[0], "id": "gone", "image": "images/gone.png"})
     (directory / "conversations.json").write_text(json.dumps(records))
@@ -328,19 +338,20 @@ def test_train_from_files(tmp_path, data_file):
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["strict", "variable images"])
+@pytest.mark.parametrize("case", ["strict", "no usable sample"])
 def test_data_errors_are_one_line(tmp_path, data_file, case):
-    """--strict-data at a bad sample, or images per sample the runtime cannot batch yet (raised in a
-    DataLoader worker): one line naming the file and sample or the fix, exit 2, no traceback (one
-    process, without torchrun, whose own report of a failed worker is a traceback)."""
+    """--strict-data at a bad sample, or a file without a usable sample (raised in a DataLoader
+    worker): one line naming the file and sample or the fix, exit 2, no traceback (one process,
+    without torchrun, whose own report of a failed worker is a traceback)."""
     if case == "strict":
         flags, expected = ["--data-path", str(data_file), "--strict-data"], \
             r"--strict-data: .*gone\.png: sample gone: missing image"
     else:
-        path = write_conversations(tmp_path / "data", 8, seed=1, max_images=2)  # 2, 2, 1, 1, ... images
-        flags, expected = ["--data-path", str(path), "--num-workers", "1", "--seq-length", "64",
-                           "--micro-batch-size", "4"], \
-            r"same number of vision items in every sample of a microbatch; this one has \[2, 2, 1, 1\]"
+        path = write_conversations(tmp_path / "data", 4, seed=1)
+        for image in (path.parent / "images").iterdir():
+            image.unlink()
+        flags, expected = ["--data-path", str(path), "--num-workers", "1"], \
+            r"conversations\.json: no usable sample \(first problem: .*missing image"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
