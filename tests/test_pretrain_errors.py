@@ -68,7 +68,9 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_1_3.yaml"),
       "--global-batch-size", "10", "--micro-batch-size", "1"], None, "use a multiple of 3"),
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_2_2.yaml"),
-      "--global-batch-size", "9", "--micro-batch-size", "1"], None, "--micro-batch-size x llm dp = 1"),
+      "--images-per-sample", "3-1"], None, "--images-per-sample 3-1: give a count N or a range A-B"),
+    (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_2_2.yaml"),
+      "--images-per-sample", "4"], None, "--seq-length 32 cannot hold <bos>, 64 image/audio tokens"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, layout_text, expected):
     result = _run(args, tmp_path, layout_text)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.data.sample_batch import Media, SampleBatch
+from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
 from megatron_hetero.models.sizes import ModelSizes
@@ -38,13 +38,13 @@ def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: 
                    micro_batch: int | None = None) -> BenchWorkload:
     """The workload with the LLM depth and global batch overridden (0: the workload's) and micro
     batch `micro_batch` (None: the workload's; 0: the smallest the layout accepts: micro batch x
-    LLM DP divides the global batch and splits evenly over every encoder's DP ranks)."""
+    LLM DP divides the global batch)."""
     w = replace(w, layers=llm_layers or w.layers, global_batch=global_batch or w.global_batch)
     if micro_batch == 0:
         sizes = micro_batches(replace(trainer_workload(w, 1, False), micro_batch=0), (*layout.encoders, layout.llm))
         if not sizes:
             raise ArgsError(f"--global-batch {w.global_batch}: no micro batch size splits it over the LLM's DP "
-                            f"{layout.llm.dp} and every encoder's DP; use a multiple of both")
+                            f"{layout.llm.dp}; use a multiple of {layout.llm.dp}")
         micro_batch = sizes[0]
     return replace(w, micro_batch=micro_batch or w.micro_batch)
 
@@ -57,7 +57,8 @@ def workload_flags(w: BenchWorkload, layout_file: str, bf16: bool) -> list[str]:
              "--patch-size", str(w.patch_size), "--enc-hidden-size", str(w.enc_hidden),
              "--enc-num-layers", str(w.enc_layers), "--enc-num-attention-heads", str(w.enc_heads),
              "--hidden-size", str(w.hidden), "--num-layers", str(w.layers),
-             "--num-attention-heads", str(w.heads), "--seq-length", str(w.seq_length)]
+             "--num-attention-heads", str(w.heads), "--seq-length", str(w.seq_length),
+             "--images-per-sample", str(w.images_per_sample)]
     return flags + (["--bf16"] if bf16 else [])
 
 
@@ -73,29 +74,29 @@ def trainer_vocab_size() -> int:
     return padded_vocab_size(ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
 
 
-def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0) -> dict:
-    """A global batch of the workload's shapes as the model takes it (models/vlm_parts.py): images
-    first in each sequence, then random text, the text positions carrying the loss; `images`
-    [B, k, 3, H, W] (k images per sample), `vision_positions` [B, k x tokens per image]."""
+def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0) -> list[Sample]:
+    """A global batch of the workload's shapes (data/sample_batch.py): in each sequence its k images'
+    tokens first, then random text, the text positions carrying the loss."""
     g = torch.Generator().manual_seed(seed)
-    b, s, rows = w.global_batch, w.seq_length, w.images_per_sample * w.tokens_per_image
+    b, s, k, rows = w.global_batch, w.seq_length, w.images_per_sample, w.images_per_sample * w.tokens_per_image
     if 1 + rows >= s:
         raise ValueError(f"{w.name}: {rows} image tokens do not fit a {s}-token sequence")
     ids = torch.randint(tokenizer.image_id + 1, tokenizer.vocab_size, (b, s), generator=g)
     ids[:, 0], ids[:, 1 : 1 + rows] = tokenizer.bos_id, tokenizer.image_id
     loss_mask = torch.zeros(b, s)
     loss_mask[:, rows : s - 1] = 1.0
-    images = Media(torch.rand(b * w.images_per_sample, 3, w.image_size, w.image_size, generator=g),
-                   torch.full((b,), w.images_per_sample), torch.arange(1, 1 + rows).repeat(b))
-    return SampleBatch(ids, torch.roll(ids, -1, dims=1), loss_mask, {"vision": images}, []).model_kwargs(
-        {"vision": "images"})
+    images = torch.rand(b, k, 3, w.image_size, w.image_size, generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    return [Sample(ids[i], labels[i], loss_mask[i],
+                   {"vision": Media(images[i], torch.tensor([k]), torch.arange(1, 1 + rows))}) for i in range(b)]
 
 
-def global_microbatches(batch: dict, size: int) -> list[dict]:
-    """The global microbatches of `batch` in order, `size` samples each (micro batch x LLM DP), as
-    every rank's loader yields them under --hetero-layout (patches/hetero_data.py)."""
-    samples = batch["input_ids"].shape[0]
-    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, samples, size)]
+def global_microbatches(samples: list[Sample], size: int) -> list[dict]:
+    """The model call's arguments of the global microbatches of `samples` in order, `size` samples
+    each (micro batch x LLM DP), as every rank's loader yields them under --hetero-layout
+    (patches/hetero_data.py)."""
+    return [SampleBatch.collate(samples[i : i + size]).model_kwargs({"vision": "images"})
+            for i in range(0, len(samples), size)]
 
 
 @dataclass
