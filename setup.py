@@ -28,6 +28,8 @@ setup(
         "flash": ["flash-attn"],
         # Hugging Face weights (megatron_hetero/hf): configs through transformers, tensors in safetensors.
         "hf": ["transformers>=5", "safetensors"],
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors"],
+        # megatron-energon datasets as --data-path (megatron_hetero/data/energon.py).
+        "energon": ["megatron-energon>=7"],
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7"],
     },
 )

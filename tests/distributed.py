@@ -6,6 +6,7 @@ per interpreter otherwise: most of a small test's time on 2 cores); each process
 fork with its own globals, environment, working directory, exit code and stdout/stderr.
 """
 
+import atexit
 import datetime
 import os
 import runpy
@@ -107,9 +108,13 @@ def _python_main(args, env, cwd, out_path, err_path):
     except BaseException:
         traceback.print_exc()
         code = 1
+    # At exit as an interpreter would: its exit functions, then (multiprocessing's own exit, on
+    # SystemExit) the finalizers that stop helper processes it started, e.g. megatron-core's
+    # checkpoint writer's Manager: skipped, they would outlive this process.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    sys.exit(code)
 
 
 def run_python(args, env=None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from megatron_hetero.data.bad_data import REASONS, DataError
 from megatron_hetero.data.chat import CaptionChatTokenizer, HFChatTokenizer, TokenizerError, Turn, encode_conversation
 from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
 from megatron_hetero.data.images import NORMALIZATION, ImageSpec, load_tiles, tile_grid, tiles_of
-from megatron_hetero.data.make_dataset import write_conversations
+from megatron_hetero.data.make_dataset import write_conversations, write_energon
 from megatron_hetero.data.megatron_data import samples_dict
 from megatron_hetero.data.shapes import ShapesDataset, all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
@@ -104,6 +104,30 @@ def test_variable_images_and_text_only(tmp_path):
     assert kwargs["vision_counts"].tolist() == counts
     assert kwargs["images"].shape == (sum(counts), 3, 32, 32)
     assert torch.equal(kwargs["vision_positions"], torch.cat([s.media["vision"].positions for s, _ in samples]))
+
+
+def test_energon_dataset_is_the_json(tmp_path):
+    """A LLaVA JSON file converted to a megatron-energon dataset (tar shards, `energon prepare`) reads
+    as the same samples, read by index through energon's indexed tar reader; a missing or corrupt
+    image part skips its sample as a missing or corrupt file does."""
+    path = write_conversations(tmp_path, 12, seed=3, max_images=3, text_only=0.25)
+    records = json.loads(path.read_text())
+    with_images = [i for i, r in enumerate(records) if r.get("image")]
+    missing, corrupt = (records[i]["image"] for i in with_images[:2])
+    (tmp_path / (missing if isinstance(missing, str) else missing[0])).unlink()
+    (tmp_path / (corrupt if isinstance(corrupt, str) else corrupt[0])).write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    energon = write_energon(path, tmp_path / "energon", samples_per_shard=5)
+    assert len(list(energon.glob("*.tar"))) == 3 and (energon / ".nv-meta" / "split.yaml").exists()
+    a, b = _dataset(path, seq_length=96), _dataset(energon, seq_length=96)
+    samples_a, samples_b = [a[i] for i in range(12)], [b[i] for i in range(12)]
+    want, got = a.collate(samples_a), b.collate(samples_b)
+    for key in want:
+        if key != "skipped":
+            assert torch.equal(got[key], want[key]), key
+    reasons = [[bad.reason for bad in s.skipped] for s, _ in samples_b]
+    assert reasons == [[bad.reason for bad in s.skipped] for s, _ in samples_a]
+    assert sorted(sum(reasons, [])) == ["corrupt_image", "missing_image"]
+    assert any(bad.file.startswith(f"{energon}/shard-00000.tar:") for s, _ in samples_b for bad in s.skipped)
 
 
 @pytest.mark.parametrize("dp", [2, 3])
@@ -321,13 +345,16 @@ def data_file(tmp_path_factory) -> Path:
 
 
 def test_train_from_files(tmp_path, data_file):
-    """2 ranks non-colocated (a DataLoader worker) and 4 ranks colocated train on the same samples:
-    the same loss per step (the layouts' parity), the skipped sample counted in the summary."""
+    """2 ranks non-colocated (a DataLoader worker) and 4 ranks colocated train on the same samples,
+    from the JSON file and (2 ranks) from the same samples as an energon dataset: the same loss per
+    step (the layouts' parity), the skipped sample counted in the summary."""
     losses = []
-    for name, nproc, flags in (("nc", 2, ["--hetero-layout", str(LAYOUTS / "gpu2_non_colocated.yaml"),
-                                          "--num-workers", "1"]),
-                               ("co", 4, ["--hetero-layout", str(LAYOUTS / "demo_colocated.yaml")])):
-        result = _pretrain(tmp_path / name, nproc, "--data-path", str(data_file), *flags)
+    energon = write_energon(data_file, tmp_path / "energon")
+    non_colocated = ["--hetero-layout", str(LAYOUTS / "gpu2_non_colocated.yaml"), "--num-workers", "1"]
+    for name, nproc, data, flags in (("nc", 2, data_file, non_colocated),
+                                     ("co", 4, data_file, ["--hetero-layout", str(LAYOUTS / "demo_colocated.yaml")]),
+                                     ("energon", 2, energon, non_colocated)):
+        result = _pretrain(tmp_path / name, nproc, "--data-path", str(data), *flags)
         # 32 samples read, records 0..24 once and 0..6 again: the missing image twice.
         assert "data: skipped samples: missing_image 2" in result.stdout, result.stdout[-2000:]
         assert result.stdout.count("warning: skipped") == 2
@@ -336,6 +363,7 @@ def test_train_from_files(tmp_path, data_file):
         losses.append([r["loss"] for r in records])
     assert all(math.isfinite(v) for v in losses[0]) and losses[0][-1] < losses[0][0], losses
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-4)
+    assert losses[2] == losses[0]  # the same samples, the same layout: bit for bit
 
 
 @pytest.mark.parametrize("case", ["strict", "no usable sample"])

@@ -48,7 +48,8 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", DEMO, "--seq-length", "20"], None, "use --seq-length"),
     (["--hetero-layout", DEMO, "--bf16"], None, "--bf16 needs GPUs"),
     (["--hetero-layout", DEMO, "--data-path", "a.txt"], None, "--data-path a.txt: give one LLaVA-style .json"),
-    (["--hetero-layout", DEMO, "--data-path", str(ROOT / "examples")], None, "energon datasets are not read yet"),
+    (["--hetero-layout", DEMO, "--data-path", str(ROOT / "examples")], None,
+     "a directory without .nv-meta/, not a prepared energon dataset; run `energon prepare"),
     (["--hetero-layout", DEMO, "--data-path", "a.json", "--tokenizer-type", "HuggingFaceTokenizer",
       "--tokenizer-model", "nowhere"], None, "--tokenizer-model nowhere: nowhere is not a Hugging Face tokenizer"),
     # MoE: expert layouts against Megatron's flags

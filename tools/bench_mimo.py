@@ -89,16 +89,18 @@ class TimedMimo(MimoModel):
     timers = None
     check_for_nan_in_grad = False  # read by finalize_hetero_grads, as on a HeteroModel
 
-    def forward(self, input_ids, labels, loss_mask, images, vision_positions):
-        """MimoModel's forward on this rank's shares: the encoder's DP share of the images (a
-        sample's k images in a row), the LLM's DP share of the text (these layouts have no CP).
-        MimoModel places the rows by their token ids, which mark `vision_positions`."""
+    def forward(self, input_ids, labels, loss_mask, images, vision_counts, vision_positions):
+        """MimoModel's forward on this rank's shares: the encoder's DP share of the samples and their
+        images (a sample's images in a row: vision_counts), the LLM's DP share of the text (these
+        layouts have no CP). MimoModel places the rows by their token ids, which mark
+        `vision_positions`."""
         vision, llm = self.run.encoders[VISION], self.run.llm
         kwargs = {}
         if vision.held:
             param = next(vision.part.parameters())
             share = module_slice(len(input_ids), vision.layout.dp, vision.coords()["dp"])
-            pixels = images[share].flatten(0, 1).to(param.device, param.dtype)
+            first = torch.cat([vision_counts.new_zeros(1), vision_counts.cumsum(0)])  # each sample's first image
+            pixels = images[first[share.start] : first[share.stop]].to(param.device, param.dtype)
             kwargs.update(modality_inputs={VISION: {"vit": {"x": pixels}}},
                           input_ids=input_ids[share].to(param.device))
         if llm.held:

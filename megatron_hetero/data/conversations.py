@@ -3,11 +3,13 @@
     {"id": ..., "image": "a.png" | ["a.png", ...] | absent,
      "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": "..."}, ...]}
 
-with image paths relative to an image root. Each sample becomes a fused sequence (chat.py: the loss
+with image paths relative to an image root, or the same records in a megatron-energon dataset
+(data/energon.py). Each sample becomes a fused sequence (chat.py: the loss
 on the assistant's tokens, each `<image>` tag expanded to its image's rows) and its images' tiles
 (images.py). A bad sample (bad_data.REASONS) is passed over to the next usable one.
 """
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.boundary import assign_items
 from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
+from megatron_hetero.data.energon import EnergonRecords, ImagePart, is_energon_dataset
 from megatron_hetero.data.images import ImageError, ImageSpec, check_image, load_tiles, tiles_of
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import IMAGE_TOKEN
@@ -98,6 +101,27 @@ def _parse(record, path: str, index: int) -> tuple[str, list[str], list[Turn]]:
     return sample, images, turns
 
 
+class JsonRecords(list):
+    """A JSON / JSONL file's records; their images are files under the image root."""
+
+    def __init__(self, path: str, image_root: str):
+        super().__init__(read_records(path))
+        self.root = Path(image_root)
+
+    def image(self, record: dict, name: str) -> Path:
+        return self.root / name
+
+
+def open_records(path: str, image_root: str):
+    """--data-path's records: an energon dataset directory, else a JSON / JSONL file."""
+    return EnergonRecords(path) if is_energon_dataset(path) else JsonRecords(path, image_root)
+
+
+def _openable(source):
+    """What Pillow opens: a file's path, or an energon image part's bytes (a fresh stream each time)."""
+    return io.BytesIO(source.data) if isinstance(source, ImagePart) else source
+
+
 @dataclass(frozen=True)
 class ConversationSpec:
     path: str
@@ -118,7 +142,7 @@ class ConversationSamples(torch.utils.data.Dataset):
 
     def __init__(self, spec: ConversationSpec, tokenizer, num_samples: int, input_key: str = "images"):
         self.spec, self.tokenizer, self.num_samples, self.input_key = spec, tokenizer, num_samples, input_key
-        self.records = read_records(spec.path)
+        self.records = open_records(spec.path, spec.image_root)
         self.report = SkipReport()  # the training process's count (patches/hetero_data.py fills it)
         if not self.records:
             raise DataError(f"--data-path {spec.path} holds no sample")
@@ -126,15 +150,16 @@ class ConversationSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def encode(self, index: int) -> tuple[Sample, list[Path]]:
-        """Record `index` as a sample, and its image files; raises SkipSample."""
+    def encode(self, index: int) -> tuple[Sample, list]:
+        """Record `index` as a sample, and its images (files or energon parts); raises SkipSample."""
         spec = self.spec
-        sample, images, turns = _parse(self.records[index], spec.path, index)
-        paths = [Path(spec.image_root) / image for image in images]
+        record = self.records[index]
+        sample, images, turns = _parse(record, spec.path, index)
+        paths = [self.records.image(record, image) for image in images]
         tiles = []
         for path in paths:
             try:
-                tiles.append(tiles_of(*check_image(path), spec.image))
+                tiles.append(tiles_of(*check_image(_openable(path)), spec.image))
             except ImageError as error:
                 reason = "missing_image" if str(error) == "missing image" else "corrupt_image"
                 raise SkipSample(BadSample(reason, str(path), sample, str(error))) from None
@@ -159,7 +184,7 @@ class ConversationSamples(torch.utils.data.Dataset):
         loss_mask[: n - 1] = torch.tensor(assistant[1:], dtype=torch.float)  # position t predicts token t+1
         return input_ids, labels, loss_mask
 
-    def __getitem__(self, index: int) -> tuple[Sample, list[Path]]:
+    def __getitem__(self, index: int) -> tuple[Sample, list]:
         n, skipped = len(self.records), []
         for step in range(n):
             try:
@@ -172,16 +197,16 @@ class ConversationSamples(torch.utils.data.Dataset):
         raise DataError(f"--data-path {self.spec.path}: no usable sample (first problem: {skipped[0].line()}); "
                             f"run with --strict-data to stop at each")
 
-    def _decode(self, sample: Sample, paths: list[Path]) -> None:
+    def _decode(self, sample: Sample, paths: list) -> None:
         try:
-            tiles = [load_tiles(p, self.spec.image) for p in paths]
+            tiles = [load_tiles(_openable(p), self.spec.image) for p in paths]
         except ImageError as error:  # checked in encode: only a file changed or broken past its structure
             raise DataError(f"{self.spec.path}: cannot decode an image of a sample ({error}); "
                                 f"fix or remove it") from None
         if tiles:
             sample.media[VISION].items = torch.cat(tiles)
 
-    def collate(self, samples: list[tuple[Sample, list[Path]]]) -> dict:
+    def collate(self, samples: list[tuple[Sample, list]]) -> dict:
         """The model call's arguments for a global microbatch (this rank's encoder samples decoded),
         and `skipped`: the bad samples passed over."""
         tiles = np.array([len(sample.media[VISION].items) for sample, _ in samples], dtype=np.int64)

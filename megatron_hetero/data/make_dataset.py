@@ -7,6 +7,8 @@ Which samples have how many images is drawn from `seed`, each image is shapes sa
 so the files are a pure function of the arguments.
 """
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -56,3 +58,52 @@ def write_conversations(out_dir, num_samples: int, seed: int = 1234, split: str 
         lines = [json.dumps(r) for r in records]
         f.write("\n".join(lines) + "\n" if jsonl else "[\n" + ",\n".join(lines) + "\n]\n")
     return path
+
+
+ENERGON_DIR = "energon"  # the energon dataset's directory in the output directory
+
+
+def write_energon(json_path, out_dir, samples_per_shard: int = 1000) -> Path:
+    """A LLaVA-style JSON / JSONL file and its images as a megatron-energon dataset under out_dir:
+    WebDataset tar shards, one sample per record (key: its index), parts `json` (the record, its
+    "image" naming the sample's own image parts) and `0.png`, `1.png`, ... (the image files' bytes,
+    their extensions kept); then `energon prepare` (all samples in the train split). An image file
+    that is missing is left out of its sample (the loader skips that sample, as it does from the
+    JSON). Returns the dataset's directory."""
+    import tarfile
+    import time
+
+    from megatron.energon.tools.prepare import command as energon_prepare
+
+    from megatron_hetero.data.conversations import read_records
+
+    json_path, out = Path(json_path), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records = read_records(str(json_path))
+    shard = None
+    for n, record in enumerate(records):
+        if n % samples_per_shard == 0:
+            if shard:
+                shard.close()
+            shard = tarfile.open(out / f"shard-{n // samples_per_shard:05d}.tar", "w")
+        images = record.get("image", []) if isinstance(record, dict) else []
+        images = [images] if isinstance(images, str) else images
+        parts = {}
+        for i, name in enumerate(images):
+            source = json_path.parent / name
+            if source.exists():
+                parts[f"{i}{source.suffix}"] = source.read_bytes()
+        if images:
+            record = {**record, "image": [f"{i}{Path(name).suffix}" for i, name in enumerate(images)]}
+        parts["json"] = json.dumps(record, ensure_ascii=False).encode("utf-8", "surrogateescape")
+        for part, data in parts.items():
+            info = tarfile.TarInfo(f"{n:08d}.{part}")
+            info.size, info.mtime = len(data), int(time.time())
+            shard.addfile(info, io.BytesIO(data))
+    if shard:
+        shard.close()
+    with contextlib.redirect_stdout(io.StringIO()):  # its report previews a sample
+        energon_prepare.main([str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
+                              "CrudeWebdataset", "--no-progress", "--num-workers", "1", "--force-overwrite"],
+                             standalone_mode=False)
+    return out

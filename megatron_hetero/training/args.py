@@ -9,6 +9,8 @@ from dataclasses import fields, replace
 
 from megatron_hetero import rules
 from megatron_hetero.data.chat import TokenizerError, chat_tokenizer
+from megatron_hetero.data.energon import META as ENERGON_META
+from megatron_hetero.data.energon import is_energon_dataset
 from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
@@ -209,7 +211,8 @@ def _check_stages(args, layout) -> None:
 
 
 def _check_data(args, layout) -> None:
-    """--data-path names one conversation file (images only); held-out captions need the shapes tokenizer."""
+    """--data-path names one conversation file or energon dataset (images only); held-out captions need
+    the shapes tokenizer."""
     tokenizer(args)
     if args.eval_samples and args.tokenizer_type not in (None, "NullTokenizer"):
         raise ArgsError(f"--eval-samples captions held-out shapes with the shipped tokenizer; drop it or "
@@ -220,14 +223,16 @@ def _check_data(args, layout) -> None:
             raise ArgsError(f"--tokenizer-type {args.tokenizer_type} needs --data-path: the shapes data is "
                             f"tokenized with the shipped tokenizer")
         return
-    if len(args.data_path) == 1 and os.path.isdir(args.data_path[0]):
-        raise ArgsError(f"--data-path {args.data_path[0]}: megatron-energon datasets are not read yet (the "
-                        f"package is not installed here); give a LLaVA-style .json or .jsonl file")
     if args.images_per_sample is not None:
         raise ArgsError("--images-per-sample sets the shapes data's images; a conversation file (--data-path) "
                         "says each sample's own: drop it")
-    if len(args.data_path) != 1 or not args.data_path[0].endswith((".json", ".jsonl")):
-        raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one LLaVA-style .json or .jsonl file")
+    if len(args.data_path) == 1 and os.path.isdir(args.data_path[0]):
+        if not is_energon_dataset(args.data_path[0]):
+            raise ArgsError(f"--data-path {args.data_path[0]}: a directory without {ENERGON_META}/, not a prepared "
+                            f"energon dataset; run `energon prepare {args.data_path[0]}` or give a .json file")
+    elif len(args.data_path) != 1 or not args.data_path[0].endswith((".json", ".jsonl")):
+        raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one LLaVA-style .json or .jsonl file or "
+                        f"one megatron-energon dataset directory")
     for module in layout.encoders:
         if encoder_kind(module).name != "vision":
             raise ArgsError(f"--data-path: conversation data carries images only; module {module.name} is a "
