@@ -47,8 +47,8 @@ def datasets_provider(num_samples):
         args.data_report = dataset.report  # filled as batches arrive, summarized after training
         return dataset, None, None
     kinds = [encoder_kind(m) for m in args.hetero_layout_spec.encoders]
-    return (CaptionSamples(_shapes(args, "train"), model_sizes(args), kinds, num_samples[0], image_counts(args)),
-            None, None)
+    return (CaptionSamples(_shapes(args, "train"), model_sizes(args), kinds, num_samples[0], image_counts(args),
+                           args.pack_samples), None, None)
 
 
 datasets_provider.is_distributed = True  # every rank reads its global microbatches itself

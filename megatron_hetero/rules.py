@@ -171,12 +171,14 @@ def sequence_problem(seq_length: int, llm: ModuleLayout) -> str | None:
     return None
 
 
-def prompt_problem(seq_length: int, media_tokens: int, text_tokens: int) -> str | None:
-    """A sample is <bos>, its image/audio tokens, its text and <eos> (data/batches.py)."""
-    needed = 1 + media_tokens + text_tokens + 1
+def prompt_problem(seq_length: int, media_tokens: int, text_tokens: int, per_sequence: int = 1) -> str | None:
+    """A sample is <bos>, its image/audio tokens, its text and <eos> (data/batches.py); a packed
+    sequence holds `per_sequence` of them (--pack-samples)."""
+    needed = per_sequence * (1 + media_tokens + text_tokens + 1)
     if seq_length < needed:
+        packed = f" {per_sequence} times (--pack-samples {per_sequence})" if per_sequence > 1 else ""
         return (f"--seq-length {seq_length} cannot hold <bos>, {media_tokens} image/audio tokens, the longest "
-                f"caption and <eos>; use --seq-length {needed} or more")
+                f"caption and <eos>{packed}; use --seq-length {needed} or more")
     return None
 
 

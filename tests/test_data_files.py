@@ -130,6 +130,36 @@ def test_energon_dataset_is_the_json(tmp_path):
     assert any(bad.file.startswith(f"{energon}/shard-00000.tar:") for s, _ in samples_b for bad in s.skipped)
 
 
+def test_packing_puts_samples_back_to_back(tmp_path):
+    """--pack-samples 2: each sequence is two samples' tokens back to back (padding after), their
+    images' rows at the packed positions, the documents marking each, and the same loss tokens
+    (targets) as unpacked; a pair longer than the sequence is one DataError naming the fix."""
+    path = write_conversations(tmp_path, 8, seed=3, max_images=2, text_only=0.25)
+    plain, packed = _dataset(path, seq_length=96), _dataset(path, seq_length=192, pack_samples=2)
+    a = plain.collate([plain[i] for i in range(8)])
+    b = packed.collate([packed[i] for i in range(8)])
+    pad = CaptionTokenizer().pad_id
+    assert b["input_ids"].shape == (4, 192) and b["document_ids"].shape == (4, 192)
+    assert torch.equal(b["images"], a["images"])
+    assert b["vision_counts"].tolist() == a["vision_counts"].view(4, 2).sum(1).tolist()
+    for p in range(4):
+        first, second = (a["input_ids"][2 * p + j] for j in range(2))
+        n = [int((t != pad).nonzero().max()) + 1 for t in (first, second)]
+        assert torch.equal(b["input_ids"][p, : sum(n)], torch.cat([first[: n[0]], second[: n[1]]]))
+        assert (b["input_ids"][p, sum(n):] == pad).all()
+        assert b["document_ids"][p].tolist() == [0] * n[0] + [1] * n[1] + [2] * (192 - sum(n))
+        targets = [b["labels"][p][b["loss_mask"][p].bool()]]
+        assert torch.equal(targets[0], torch.cat([a["labels"][2 * p + j][a["loss_mask"][2 * p + j].bool()]
+                                                  for j in range(2)]))
+    # Each image's rows where its tags are in the packed sequence.
+    assert (b["input_ids"].flatten()[b["vision_positions"] + 192 * torch.repeat_interleave(
+        torch.arange(4), b["vision_counts"] * ROWS)] == CaptionTokenizer().image_id).all()
+    tight = _dataset(path, seq_length=64, pack_samples=2)
+    too_long = r"--pack-samples 2: samples \d+-\d+ of a global microbatch need \d+ tokens together, more than --seq-length 64"
+    with pytest.raises(DataError, match=too_long):
+        tight.collate([tight[i] for i in range(8)])
+
+
 @pytest.mark.parametrize("dp", [2, 3])
 def test_only_encoding_ranks_decode(tmp_path, dp):
     """A rank decodes the images of the samples holding items its encoder DP rank encodes (the

@@ -208,6 +208,27 @@ def test_variable_images_reproduce_one_process(references, tmp_path, layout_name
     _assert_reproduces(run, references(reference_name, flags))
 
 
+# Sequence packing: 2 samples back to back per LLM sequence of twice the length, attention kept
+# within each, against the unpacked 1-process run on the same samples (the same samples per LLM DP
+# rank: micro batch 2 packs into 1 sequence).
+PACKED = ["--pack-samples", "2", "--seq-length", "128", "--images-per-sample", "0-2"]
+PACKED_CASES = {
+    "single": (1, []),
+    "colocated_vdp4_ltp2cp2sp": (4, ["--micro-batch-size", "4"]),  # CP2 + SP: documents split over CP
+    "non_colocated_vpp2_lpp2": (4, []),  # pipeline stages on both sides
+}
+
+
+@pytest.mark.parametrize("layout_name", list(PACKED_CASES))
+def test_packed_sequences_reproduce_unpacked_one_process(references, tmp_path, layout_name):
+    world_size, flags = PACKED_CASES[layout_name]
+    run = _run(tmp_path / layout_name, LAYOUTS / f"{layout_name}.yaml", world_size, [*PACKED, *flags])
+    reference = references("single", [*VARIABLE, *flags])
+    _assert_reproduces(run, reference)
+    for got, want in zip(run[0], reference[0]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), got["step"]
+
+
 @pytest.mark.parametrize("layout_name", ["demo_colocated", "non_colocated_vdp2_ltp2pp2"])
 def test_distributed_optimizer(references, tmp_path, layout_name):
     """--use-distributed-optimizer reproduces the 1-process run. Gradients after the first backward

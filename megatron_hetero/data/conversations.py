@@ -22,7 +22,7 @@ from megatron_hetero.boundary import assign_items
 from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
 from megatron_hetero.data.energon import EnergonRecords, ImagePart, is_energon_dataset
 from megatron_hetero.data.images import ImageError, ImageSpec, check_image, load_tiles, tiles_of
-from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
+from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch, pack
 from megatron_hetero.data.tokenizer import IMAGE_TOKEN
 
 VISION = "vision"  # the encoder kind whose items these samples carry
@@ -133,6 +133,7 @@ class ConversationSpec:
     # of the samples holding items (tiles) that DP rank encodes; others stay NaN.
     decode_shares: tuple[tuple[int, int], ...] = ((1, 0),)
     item_shape: tuple[int, int] = (1, 1)  # (tokens, width) of a tile in the encoder (EncoderKind.item_shape)
+    pack_samples: int = 1  # samples per sequence (--pack-samples; 1: no packing)
 
 
 class ConversationSamples(torch.utils.data.Dataset):
@@ -216,5 +217,8 @@ class ConversationSamples(torch.utils.data.Dataset):
             mine = assign_items(np.full(len(owner), tokens), width, dp) == rank
             for s in np.unique(owner[mine]):
                 self._decode(*samples[s])
-        batch = SampleBatch.collate([sample for sample, _ in samples])
+        samples = [sample for sample, _ in samples]
+        if self.spec.pack_samples > 1:
+            samples = pack(samples, self.spec.pack_samples, self.tokenizer.pad_id)
+        batch = SampleBatch.collate(samples)
         return {**batch.model_kwargs({VISION: self.input_key}), "skipped": batch.skipped}

@@ -13,7 +13,7 @@ import torch
 
 from megatron_hetero.data.bad_data import SkipReport
 from megatron_hetero.data.batches import AUDIO, VISION, GlobalBatch, caption_batch
-from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
+from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch, pack
 from megatron_hetero.data.shapes import ShapesDataset
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import EncoderKind
@@ -61,9 +61,9 @@ class CaptionSamples(torch.utils.data.Dataset):
     images_per_sample(i) images (the first one captioned)."""
 
     def __init__(self, shapes: ShapesDataset, sizes: ModelSizes, kinds: list[EncoderKind], num_samples: int,
-                 image_counts: tuple[int, int] = (1, 1)):
+                 image_counts: tuple[int, int] = (1, 1), pack_samples: int = 1):
         self.shapes, self.sizes, self.kinds = shapes, sizes, kinds
-        self.num_samples, self.image_counts = num_samples, image_counts
+        self.num_samples, self.image_counts, self.pack_samples = num_samples, image_counts, pack_samples
         self.tokenizer = CaptionTokenizer()
         self.report = SkipReport()  # synthetic samples are never bad; the loader reports through it
 
@@ -76,6 +76,9 @@ class CaptionSamples(torch.utils.data.Dataset):
         return Sample(batch.input_ids[0], batch.labels[0], batch.loss_mask[0], batch.media)
 
     def collate(self, samples: list[Sample]) -> dict:
-        """The model call's arguments for a global microbatch (items ragged over the samples)."""
+        """The model call's arguments for a global microbatch (items ragged over the samples; with
+        --pack-samples K, K samples per sequence)."""
+        if self.pack_samples > 1:
+            samples = pack(samples, self.pack_samples, self.tokenizer.pad_id)
         batch = SampleBatch.collate(samples)
         return {**batch.model_kwargs({kind.name: kind.input_key for kind in self.kinds}), "skipped": batch.skipped}

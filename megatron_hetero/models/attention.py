@@ -8,6 +8,13 @@ prefix that ends at the chunk's last position, with a bottom-right-aligned causa
 materialized where the kernel can avoid it. The caller's attention_mask is ignored for causal
 attention; for padding / arbitrary / no_mask an explicit mask is honoured (True = masked out,
 megatron's convention), which needs CP = 1.
+
+Packed sequences (several samples back to back in one sequence): megatron-core's PackedSeqParams
+with qkv_format "sbhd" and `seq_idx` [b, s], the sample (document) of every position of the whole
+sequence. A query attends to the keys before it of its own document only, with or without CP (a
+mask from the documents at the local queries' global positions and at every key's). RoPE keeps the
+packed positions: attention scores depend on the distance between positions only, so a document's
+scores equal its unpacked ones.
 """
 
 import contextlib
@@ -21,7 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order
+from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _MASK_OPTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.arbitrary)
@@ -34,6 +41,16 @@ def _causal_attention(q, k, v, **sdpa_kwargs):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
     # Query i sees keys up to sk - sq + i (flash and memory-efficient kernels handle this variant).
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), **sdpa_kwargs)
+
+
+def _document_mask(documents: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """[b, 1, local queries, keys] True where a query may attend: an earlier (or its own) position of
+    its own document. documents: [b, s] over the whole sequence; the queries are the CP rank's."""
+    s = documents.shape[1]
+    queries = cp_positions(s, cp, cp_rank, documents.device)
+    keys = torch.arange(s, device=documents.device)
+    same = documents[:, queries, None] == documents[:, None, :]
+    return (same & (keys[None, :] <= queries[:, None]))[:, None]
 
 
 class SDPAttention(MegatronModule):
@@ -78,9 +95,13 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed sequences nor attention_bias")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        packed = packed_seq_params
+        if packed is not None and (packed.qkv_format != "sbhd" or packed.seq_idx is None or mask_type not in _CAUSAL):
+            raise ValueError("SDPAttention takes packed sequences as qkv_format 'sbhd' with seq_idx (the document of "
+                             "every position, [b, s]) and causal attention")
         if mask_type not in _CAUSAL + _MASK_OPTIONAL:
             raise ValueError(f"SDPAttention does not support attn_mask_type {mask_type.name}")
         if self.cp > 1:
@@ -104,7 +125,10 @@ class SDPAttention(MegatronModule):
             else contextlib.nullcontext()
         )
         with dropout_rng:
-            if mask_type not in _CAUSAL:
+            if packed_seq_params is not None:
+                mask = _document_mask(packed_seq_params.seq_idx, self.cp, self.cp_group.rank() if self.cp > 1 else 0)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
+            elif mask_type not in _CAUSAL:
                 mask = None if attention_mask is None else ~attention_mask
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
             elif self.cp == 1:

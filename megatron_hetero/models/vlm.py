@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -176,11 +177,13 @@ def llm_forward(
     media: list[tuple[torch.Tensor, torch.Tensor]],
     labels: torch.Tensor | None = None,
     hidden: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One pipeline stage of the LLM. input_ids [b, s] and position_ids [b, s] are this rank's
     (CP-local) sequence; on the first stage `media` holds, per encoder, the boundary's slots
     [s', b, h] and their mask [s', b] (s' the SP-local length), merged into the text embedding;
-    later stages take the previous stage's `hidden` instead.
+    later stages take the previous stage's `hidden` instead. `documents` [b, S]: a packed batch's
+    sample of every position of the whole sequence (attention stays within one).
 
     Returns the next stage's input [s', b, h], or on the last stage per-token losses [b, s] with
     labels, else full-vocabulary logits [b, s, V]."""
@@ -191,6 +194,10 @@ def llm_forward(
             decoder_input = torch.where(mask[..., None], slots.to(decoder_input.dtype), decoder_input)
     else:
         llm.set_input_tensor(hidden)
+    packed = None
+    if documents is not None:
+        s = documents.shape[1]
+        packed = PackedSeqParams(qkv_format="sbhd", seq_idx=documents, max_seqlen_q=s, max_seqlen_kv=s)
     return llm(
         input_ids=None,
         position_ids=position_ids,
@@ -198,4 +205,5 @@ def llm_forward(
         decoder_input=decoder_input,
         labels=labels,
         runtime_gather_output=labels is None,
+        packed_seq_params=packed,
     )

@@ -2,19 +2,20 @@
 GPTModel on our TE-free layers) as per-module parts for megatron.training, and its adapter.
 
 The script calls `model(input_ids=, labels=, loss_mask=, <kind input>=, <kind>_counts=,
-<kind>_positions=)` on a global microbatch (data/sample_batch.py): per sample, the fused sequence's
-token ids, labels and loss mask [S]; per kind, ragged over the samples, every item (images [3, H, W],
-clips [mel, frames]), the items per sample and the sequence positions their rows fill. The LLM takes
-its data-parallel rank's samples and its context-parallel positions (Megatron's load-balanced
-chunks); an encoder's data-parallel ranks take the items by cost (boundary.assign_items). On the last LLM stage the model returns
-(per-token losses [b, s_local], loss mask [b, s_local]) for the script's loss function.
+<kind>_positions=[, document_ids=])` on a global microbatch (data/sample_batch.py): per sequence,
+its token ids, labels and loss mask [S] (and with packing the sample of each token); per kind,
+ragged over the samples, every item (images [3, H, W], clips [mel, frames]), the items per sequence
+and the sequence positions their rows fill. The LLM takes its data-parallel rank's sequences and its
+context-parallel positions (Megatron's load-balanced chunks); an encoder's data-parallel ranks take
+the items by cost (boundary.assign_items). On the last LLM stage the model returns (per-token losses
+[b, s_local], loss mask [b, s_local]) for the script's loss function.
 """
 
 import numpy as np
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, assign_items, slot_mask
-from megatron_hetero.data.sample_batch import counts_key, positions_key
+from megatron_hetero.data.sample_batch import DOCUMENTS_KEY, counts_key, positions_key
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.init import build_stage
 from megatron_hetero.models.kinds import encoder_kind
@@ -104,6 +105,8 @@ class VLMAdapter:
         # sequence-first contiguous so that the merged input is (its layout leads torch.where's).
         views = [(m.slots.view(b_local, seq, -1).transpose(0, 1),
                   slot_mask(m.plan, _device()).view(b_local, seq).t().contiguous()) for m in media.values()]
+        documents = call.kwargs.get(DOCUMENTS_KEY)
+        documents = None if documents is None else documents[share].to(_device())
         out = llm_forward(module.part, ids, positions.to(_device())[None].expand_as(ids), views,
-                          labels, hidden)
+                          labels, hidden, documents)
         return out, loss_mask

@@ -77,6 +77,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--images-per-sample", default=None, metavar="N|A-B",
                        help="images per sample of the shapes data: N, or A to B varying by sample (0: "
                             "text-only samples); default 1")
+    group.add_argument("--pack-samples", type=int, default=1, metavar="K",
+                       help="sequence packing: K samples back to back in each LLM sequence of --seq-length "
+                            "(attention within each); --micro-batch-size counts samples, a multiple of K")
     group.add_argument("--max-tiles", type=int, default=1,
                        help="split a larger image into up to this many tiles plus a thumbnail (1: no tiling)")
     for f in _own_size_fields():
@@ -207,7 +210,7 @@ def _check_stages(args, layout) -> None:
     items = {"vision": image_counts(args)[1]}  # the most images; one clip
     media = sum(encoder_kind(m).tokens_per_item(sizes) * items.get(encoder_kind(m).name, 1) for m in layout.encoders)
     caption = max(len(CaptionTokenizer().encode(c)) for c in all_captions())
-    rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption))
+    rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption, args.pack_samples))
 
 
 def _check_data(args, layout) -> None:
@@ -265,6 +268,10 @@ def check_args(args, layout) -> None:
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
     rules.check(ArgsError, rules.batch_problem(args.global_batch_size, args.micro_batch_size, layout.llm))
+    if args.pack_samples < 1 or args.micro_batch_size % args.pack_samples:
+        raise ArgsError(f"--micro-batch-size {args.micro_batch_size} is not a multiple of --pack-samples "
+                        f"{args.pack_samples} (each LLM sequence holds that many samples); use a multiple of "
+                        f"{max(args.pack_samples, 1)} and --pack-samples >= 1")
     _check_stages(args, layout)
     samples = args.eval_samples
     if samples:

@@ -32,7 +32,7 @@ def conversation_dataset(args, num_samples: int) -> ConversationSamples:
                             ImageSpec(sizes.image_size, args.max_tiles, args.image_normalization),
                             decode_shares=tuple((m.layout.dp, m.coords()["dp"])
                                                 for m in args.hetero_run.encoders.values() if m.first_stage),
-                            item_shape=vision.item_shape(sizes))
+                            item_shape=vision.item_shape(sizes), pack_samples=args.pack_samples)
     return ConversationSamples(spec, tokenizer(args), num_samples, vision.input_key)
 
 
