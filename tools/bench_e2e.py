@@ -40,6 +40,7 @@ from megatron_hetero.training.bench import (
     PHASES,
     measure,
     megatron_session,
+    profile_step,
     run_reporting_errors,
     sized_workload,
     workload_args,
@@ -60,7 +61,11 @@ def run(opts) -> dict:
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
     with megatron_session(w, opts.hetero_layout, bf16) as session:
-        return measure(session, w, Path(opts.hetero_layout).stem, opts.warmup, opts.steps, opts.out)
+        record = measure(session, w, Path(opts.hetero_layout).stem, opts.warmup, opts.steps, opts.out)
+        if opts.profile:
+            session.hetero.timers.enabled = False  # the free-running step
+            profile_step(session, opts.profile)
+        return record
 
 
 def report(path: str, png: str | None) -> None:
@@ -111,9 +116,14 @@ def main() -> int:
                         help="fp32 weights and compute (default on GPUs: Megatron's --bf16, bf16 weights with "
                              "fp32 main params in the optimizer)")
     parser.add_argument("--out", default="bench_e2e.jsonl")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="after the measurement, one more step under torch.profiler: GPU kernel time by family "
+                             "and the costliest kernels (rank 0's) to FILE (GPUs only)")
     parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
     parser.add_argument("--png", help="with --report: write a bar chart")
     opts = parser.parse_args()
+    if opts.profile and not torch.cuda.is_available():
+        parser.error("--profile profiles GPU kernels; no GPU is visible")
     if opts.report:
         report(opts.report, opts.png)
         return 0

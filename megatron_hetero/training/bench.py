@@ -15,6 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -277,6 +278,57 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     return record
 
 
+# Kernel families of a profile, by name (the first that matches): where a step's GPU time goes.
+KERNEL_FAMILIES = (
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("communication", ("nccl",)),
+    ("normalization", ("norm",)),
+    ("softmax / cross entropy", ("softmax", "cross_entropy", "log_softmax", "nll")),
+    ("elementwise / copies", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cat", "index", "where",
+                              "reduce", "gelu", "silu", "mul", "add")),
+)
+
+
+def kernel_family(name: str) -> str:
+    lower = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
+
+
+def profile_step(session: Session, path: str, forward_backward_func=None) -> dict:
+    """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
+    family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
+    ranks), and the 25 costliest kernels, written to `path` (rank 0). Returns the summary."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        session.train_step(forward_backward_func)
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    families: dict[str, float] = {}
+    for e in kernels:
+        family = kernel_family(e.key)
+        families[family] = families.get(family, 0.0) + e.self_device_time_total / 1e6
+    busy_s = sum(families.values())
+    summary = dict(wall_s=wall_s, kernel_s=busy_s, idle_s=max(wall_s - busy_s, 0.0),
+                   families={k: families[k] for k in sorted(families, key=families.get, reverse=True)})
+    if dist.get_rank() == 0:
+        top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:25]
+        lines = [f"step {wall_s * 1e3:.1f} ms wall, {busy_s * 1e3:.1f} ms of GPU kernels "
+                 f"({100 * busy_s / wall_s:.1f}%), the GPU idle {summary['idle_s'] * 1e3:.1f} ms", "",
+                 "| kernel family | ms | share of the step |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v * 1e3:.1f} | {100 * v / wall_s:.1f}% |" for k, v in summary["families"].items()]
+        lines += ["", "| kernel | family | calls | ms |", "| --- | --- | --- | --- |"]
+        lines += [f"| {e.key[:90]} | {kernel_family(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.1f} |"
+                  for e in top]
+        Path(path).write_text("\n".join(lines) + "\n")
+        print(json.dumps(dict(profile=path, **summary)))
+    return summary
+
+
 def run_reporting_errors(run_fn, opts) -> int:
     """run_fn(opts), a layout or argument mistake reported as one `error:` line (exit status 2)."""
     try:
@@ -304,8 +356,6 @@ def measure_checkpoint(session: Session, w: BenchWorkload, layout_name: str, dir
     """After one training step (so that the optimizer holds state), Megatron's save_checkpoint and
     load_checkpoint of the session's model and optimizer into `directory`, `repeats` times each:
     seconds per save and per load (the fastest), bytes on disk. Rank 0 appends the record to `out`."""
-    from pathlib import Path
-
     from megatron.training import training
 
     session.train_step()
