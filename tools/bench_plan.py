@@ -4,6 +4,9 @@
         [--repeats 5]
 
 A sample's images follow one text token, `gap` text tokens apart (so each image's tokens are a run).
+As the runtime plans (models/vlm_parts.py), each image is an item whose encoder DP rank comes from
+boundary.assign_items, computed inside each timed call (a step pays it, cached plan or not);
+--by-sample plans without items (each encoder DP rank a slice of the samples).
 
 Each timed call plans a fresh BoundaryBatch (its runs not yet found), for each of the 8 ranks:
 "plan" is plan_edge; "+ index" adds spelling out its four index arrays row by row (what the first
@@ -14,11 +17,9 @@ exchange of a plan does, once); "cached" is a PlanCache hit for a fresh batch of
 import argparse
 import time
 from dataclasses import replace
-from pathlib import Path
-
 import numpy as np
 
-from megatron_hetero.boundary import BoundaryBatch, PlanCache, plan_edge
+from megatron_hetero.boundary import BoundaryBatch, PlanCache, assign_items, plan_edge
 from megatron_hetero.layout import ModuleLayout
 
 PAIRS = [  # (encoder, llm) on 8 ranks
@@ -51,10 +52,12 @@ def main():
     parser.add_argument("--tokens-per-image", type=int, nargs="+", default=[729, 256])
     parser.add_argument("--gap", type=int, default=1, help="text tokens between a sample's images")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--by-sample", action="store_true", help="no items: encoder DP ranks take samples")
     args = parser.parse_args()
     world = 8
     print(f"plan_edge, one rank's routes; {args.images} images over {args.samples} samples, gap "
-          f"{args.gap}; median and max over ranks of the median of {args.repeats} runs")
+          f"{args.gap}, {'by sample' if args.by_sample else 'images balanced as items'}; median and max over "
+          f"ranks of the median of {args.repeats} runs")
     images = args.images // args.samples
     for tokens in args.tokens_per_image:
         image = np.arange(images)[:, None] * (tokens + args.gap) + np.arange(tokens)
@@ -63,13 +66,19 @@ def main():
         batch = BoundaryBatch(np.full(args.samples, positions.size), np.tile(positions, args.samples), seq)
         for enc, llm in PAIRS:
             encoder, llm_layout = ModuleLayout("vision", "encoder", **enc), ModuleLayout("llm", "llm", **llm)
-            plan = np.array([timed(lambda b: plan_edge(b, encoder, llm_layout, rank, world), batch, args.repeats)
-                             for rank in range(world)])
-            full = np.array([timed(lambda b: spelled(plan_edge(b, encoder, llm_layout, rank, world)), batch,
+
+            def items(b, tokens=tokens, dp=encoder.dp):  # what the model's adapter adds per microbatch
+                if args.by_sample:
+                    return b
+                per_item = np.full(args.images, tokens)
+                return replace(b, item_rows=per_item, item_dp=assign_items(per_item, 1152, dp))
+            plan = np.array([timed(lambda b: plan_edge(items(b), encoder, llm_layout, rank, world), batch,
+                                   args.repeats) for rank in range(world)])
+            full = np.array([timed(lambda b: spelled(plan_edge(items(b), encoder, llm_layout, rank, world)), batch,
                                    args.repeats) for rank in range(world)])
             cache = PlanCache()
-            cache.plan(batch, encoder, llm_layout, 0, world)
-            cached = timed(lambda b: cache.plan(b, encoder, llm_layout, 0, world), batch, args.repeats)
+            cache.plan(items(batch), encoder, llm_layout, 0, world)
+            cached = timed(lambda b: cache.plan(items(b), encoder, llm_layout, 0, world), batch, args.repeats)
             print(f"{tokens:4d} tokens/image, {batch.num_rows:6d} rows | encoder {enc} -> llm {llm} | "
                   f"plan {1e3 * np.median(plan):5.2f} ms median, {1e3 * plan.max():5.2f} ms max | "
                   f"+ index {1e3 * np.median(full):5.2f} ms median, {1e3 * full.max():5.2f} ms max | "

@@ -24,6 +24,8 @@ def balance_items(costs, dp: int) -> np.ndarray:
     loaded rank (the lowest on ties), which keeps the busiest rank within 4/3 of the optimum.
     Deterministic, so that every rank computes the same assignment; equal costs go round robin."""
     costs = np.asarray(costs, dtype=np.float64)
+    if costs.size == 0 or (costs == costs[0]).all():  # what the loop gives equal costs, without it
+        return np.arange(len(costs), dtype=np.int64) % dp
     assignment = np.empty(len(costs), dtype=np.int64)
     loads = [(0.0, rank) for rank in range(dp)]
     for item in np.argsort(-costs, kind="stable"):
