@@ -29,6 +29,7 @@ from megatron_hetero.patches import (  # noqa: E402
     layer_specs,
     metrics,
     rerun,
+    rope,
     startup,
     torch_adam,
 )
@@ -52,6 +53,7 @@ def apply() -> None:
     faults.apply()
     rerun.apply()
     layer_specs.apply()
+    rope.apply()
 
 
 __all__ = ["apply", "PatchError"]

@@ -30,6 +30,7 @@ TARGETS = [
     "megatron.training.training.train",
     "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.finish_grad_sync",
     "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.reset",
+    "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
 ]
 CPU_TARGETS = [
     "megatron.training.arguments.get_device_arch_version",
@@ -174,3 +175,24 @@ def _reduce_with_missing_gradients(rank, world_size):
 
 def test_overlapped_reduction_of_missing_gradients():
     run_distributed(_reduce_with_missing_gradients, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_is_upstreams_rope(dtype):
+    """patches/rope.py's rotation (compiled on GPUs) is upstream's rotary embedding bit for bit when
+    run eagerly, whole head rotated, frequencies shaped as megatron-core's RotaryEmbedding makes them
+    ([s, 1, 1, d]); on CPUs the patched function is upstream's."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_hetero.patches import rope
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(24, 2, 4, 16, generator=gen).to(dtype)
+    freqs = torch.randn(24, 1, 1, 16, generator=gen) * 30
+    upstream = rope_utils._apply_rotary_pos_emb_bshd
+    while hasattr(upstream, "__wrapped__"):
+        upstream = upstream.__wrapped__
+    for mscale in (1.0, 0.7):
+        assert torch.equal(rope.rotate(t, freqs, mscale), upstream(t, freqs, mscale=mscale))
+    apply()
+    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(t, freqs), upstream(t, freqs))

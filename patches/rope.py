@@ -1,0 +1,47 @@
+"""Rotary embeddings in one fused kernel on GPUs (megatron-core 0.19 `rope_utils._apply_rotary_pos_emb_bshd`,
+the path every RoPE model takes without Transformer Engine's fused RoPE).
+
+Upstream computes `t * cos + rotate_half(t) * sin` as separate kernels: cos and sin of the
+frequencies, two multiplies and an add, a `torch.cat` in rotate-half and another re-attaching the
+(usually empty) part of the head that does not rotate. In a W1 step on one H200 these copies and
+elementwise kernels are several percent of the time (docs/benchmarks.md). Where the whole head
+rotates (not interleaved, no MLA layout) this patch computes the same halves directly, compiled
+into fused kernels (torch.compile) on GPUs: the same numbers up to bf16 rounding (the fused kernel
+rounds once). On CPUs, and with MEGATRON_HETERO_EAGER_ROPE=1 (to compare), upstream's runs.
+"""
+
+import os
+
+import torch
+
+from megatron_hetero.patches._patch import replace
+
+
+def rotate(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
+    """upstream's t * cos + rotate_half(t) * sin, half by half: [x1 c1 - x2 s1, x2 c2 + x1 s2]."""
+    cos, sin = ((f(freqs) * mscale).to(t.dtype) for f in (torch.cos, torch.sin))
+    x1, x2 = t.chunk(2, dim=-1)
+    (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
+    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+
+
+_fused = None
+
+
+def _rope(original):
+    def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
+                                   multi_latent_attention=None):
+        global _fused
+        whole_head = freqs.shape[-1] == t.shape[-1]
+        if (not t.is_cuda or rotary_interleaved or mla_rotary_interleaved or multi_latent_attention is not None
+                or not whole_head or os.environ.get("MEGATRON_HETERO_EAGER_ROPE") == "1"):
+            return original(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, multi_latent_attention)
+        if _fused is None:
+            _fused = torch.compile(rotate)
+        return _fused(t, freqs, mscale)
+    return _apply_rotary_pos_emb_bshd
+
+
+def apply() -> None:
+    replace("megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd", _rope,
+            params=("t", "freqs", "rotary_interleaved", "mla_rotary_interleaved", "mscale", "multi_latent_attention"))
