@@ -14,28 +14,28 @@ import pytest
 from tests.test_faults import FLAGS, LAYOUTS, ROOT, _left_running
 
 
-def _free_port() -> int:
-    import socket
+def _launch(agents: int, args: list, env: dict):
+    """`agents` torchrun agents of 4 // agents workers each, one rendezvous, and the rendezvous store
+    (None for one agent). The test holds the store, as a cluster's head node does for its job:
+    hosted by one of the agents, it would go with the first agent to exit, and the other agent's
+    last calls to it would fail (a broken pipe) after training ended well."""
+    store = None
+    rendezvous = ["--standalone"]
+    if agents > 1:
+        from torch.distributed import TCPStore
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(agents: int, args: list, env: dict) -> list[subprocess.Popen]:
-    """`agents` torchrun agents of 4 // agents workers each, one rendezvous."""
-    port = _free_port()
-    rendezvous = (["--standalone"] if agents == 1 else
-                  ["--nnodes", str(agents), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                   "--rdzv-id", f"job{port}"])
+        store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+        rendezvous = ["--nnodes", str(agents), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+                      "--rdzv-id", f"job{store.port}", "--rdzv-conf", "is_host=false"]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), **env)
     return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node",
                               str(4 // agents), str(ROOT / "tests" / "fault_script.py"), *args],
                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for _ in range(agents)]
+            for _ in range(agents)], store
 
 
-def _wait(agents: list[subprocess.Popen]) -> tuple[list[int], str]:
+def _wait(launched) -> tuple[list[int], str]:
+    agents, _store = launched  # the store lives until the agents are done
     try:
         outs = [a.communicate(timeout=600)[0] for a in agents]
     finally:
@@ -63,10 +63,10 @@ def test_worker_killed_under_one_agent_ends_the_other(tmp_path):
     rank 3, and no process is left."""
     mark = f"HETERO_TEST_MARK_{tmp_path.name}"
     killed = tmp_path / "killed"
-    agents = _launch(2, ["--hetero-layout", str(LAYOUTS / "demo_colocated.yaml"), *FLAGS, "--train-iters", "3",
-                         "--hetero-heartbeat-interval", "0.5"],
-                     {"HETERO_TEST_FAULT": "kill:llm:2:3", "HETERO_TEST_KILLED": str(killed), mark: "1"})
-    codes, out = _wait(agents)
+    launched = _launch(2, ["--hetero-layout", str(LAYOUTS / "demo_colocated.yaml"), *FLAGS, "--train-iters", "3",
+                           "--hetero-heartbeat-interval", "0.5"],
+                       {"HETERO_TEST_FAULT": "kill:llm:2:3", "HETERO_TEST_KILLED": str(killed), mark: "1"})
+    codes, out = _wait(launched)
     assert all(c != 0 for c in codes), codes
     assert time.time() - float(killed.read_text()) < 60, "the other agent's ranks took too long to stop"
     lines = [line for line in out.splitlines() if line.startswith("error: rank ")]
