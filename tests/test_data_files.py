@@ -160,6 +160,32 @@ def test_packing_puts_samples_back_to_back(tmp_path):
         tight.collate([tight[i] for i in range(8)])
 
 
+def test_energon_dataset_as_megatron_lm_converts_llava_pretrain(tmp_path):
+    """The shards Megatron-LM's examples/multimodal/convert_llava_pretrain_to_wds.py writes (per
+    sample `jpg`: the image file's bytes, `json`: the conversation list), prepared by energon, read
+    as the same samples as the LLaVA JSON file they came from."""
+    import io
+    import tarfile
+
+    from megatron_hetero.data.make_dataset import prepare_energon
+
+    path = write_conversations(tmp_path, 6, seed=2)  # one image per sample, as LLaVA-Pretrain
+    out = tmp_path / "wds"
+    out.mkdir()
+    with tarfile.open(out / "pretrain-0.tar", "w") as shard:
+        for entry in json.loads(path.read_text()):
+            for part, data in (("jpg", (tmp_path / entry["image"]).read_bytes()),
+                               ("json", json.dumps(entry["conversations"]).encode())):
+                info = tarfile.TarInfo(f"{entry['id']}.{part}")
+                info.size = len(data)
+                shard.addfile(info, io.BytesIO(data))
+    prepare_energon(out)
+    a, b = _dataset(path), _dataset(out)
+    want, got = a.collate([a[i] for i in range(6)]), b.collate([b[i] for i in range(6)])
+    for key in want:
+        assert key == "skipped" or torch.equal(got[key], want[key]), key
+
+
 @pytest.mark.parametrize("dp", [2, 3])
 def test_only_encoding_ranks_decode(tmp_path, dp):
     """A rank decodes the images of the samples holding items its encoder DP rank encodes (the

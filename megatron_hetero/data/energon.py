@@ -3,7 +3,9 @@ Megatron-LM's multimodal examples read) as conversation records.
 
 A sample holds a `json` part, the LLaVA-style record (data/conversations.py) whose "image" names
 the sample's own image parts, and those parts (`0.png`, `1.png`, ...; data/make_dataset.py's
-write_energon converts a LLaVA JSON file to this). Samples are read by index through energon's own
+write_energon converts a LLaVA JSON file to this). A `json` part that is the conversation list
+itself, the image a part of its own (`jpg`, ...), as Megatron-LM's
+examples/multimodal/convert_llava_pretrain_to_wds.py writes LLaVA-Pretrain, reads too. Samples are read by index through energon's own
 indexed tar reader (the `.tar.idx` files `energon prepare` writes), so that every rank reads the
 global microbatches Megatron's sampler asks for, and the data position is Megatron's consumed
 samples, saved in its checkpoints.
@@ -15,6 +17,7 @@ from pathlib import Path
 from megatron_hetero.data.bad_data import BadSample, DataError
 
 META = ".nv-meta"  # what `energon prepare` adds to a dataset directory
+IMAGE_PARTS = ("jpg", "jpeg", "png", "webp", "bmp")  # image parts by extension, where the record does not name them
 
 
 def is_energon_dataset(path: str) -> bool:
@@ -74,9 +77,12 @@ class EnergonRecords:
             record = json.loads(sample["json"].decode("utf-8", "surrogateescape"))
         except json.JSONDecodeError as error:
             return BadSample("malformed", self.path, where, f"json part is not JSON ({error.msg})")
+        parts = {k: v for k, v in sample.items() if isinstance(v, bytes)}
+        if isinstance(record, list):  # the conversations alone (Megatron-LM's LLaVA-Pretrain conversion)
+            images = sorted((k for k in parts if k.rsplit(".", 1)[-1].lower() in IMAGE_PARTS), key=lambda k: (len(k), k))
+            record = {"conversations": record, **({"image": images} if images else {})}
         if isinstance(record, dict):
-            record["__parts__"] = {k: v for k, v in sample.items() if isinstance(v, bytes)}
-            record["__where__"] = where
+            record["__parts__"], record["__where__"] = parts, where
         return record
 
     def image(self, record: dict, name: str):

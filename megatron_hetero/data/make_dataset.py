@@ -73,8 +73,6 @@ def write_energon(json_path, out_dir, samples_per_shard: int = 1000) -> Path:
     import tarfile
     import time
 
-    from megatron.energon.tools.prepare import command as energon_prepare
-
     from megatron_hetero.data.conversations import read_records
 
     json_path, out = Path(json_path), Path(out_dir)
@@ -102,8 +100,16 @@ def write_energon(json_path, out_dir, samples_per_shard: int = 1000) -> Path:
             shard.addfile(info, io.BytesIO(data))
     if shard:
         shard.close()
+    prepare_energon(out)
+    return out
+
+
+def prepare_energon(directory) -> None:
+    """energon's own `energon prepare DIR` on a directory of tar shards, without its questions: every
+    sample in the train split, samples as CrudeWebdataset (what our loader reads needs no field map)."""
+    from megatron.energon.tools.prepare import command as energon_prepare
+
     with contextlib.redirect_stdout(io.StringIO()):  # its report previews a sample
-        energon_prepare.main([str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
+        energon_prepare.main([str(directory), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
                               "CrudeWebdataset", "--no-progress", "--num-workers", "1", "--force-overwrite"],
                              standalone_mode=False)
-    return out
