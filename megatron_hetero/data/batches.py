@@ -3,9 +3,10 @@
 A sample's fused sequence is `<bos> <image>*kP caption <eos> <pad>...`: the placeholder expands to
 its k images' P patch tokens each (k may be 0), whose input embeddings are the encoder rows
 delivered by the boundary. With audio it is `<bos> <image>*kP <audio>*A caption <eos> <pad>...`,
-the clip's A tokens at positions kP+1..kP+A. Audio positions hold the image placeholder id too: a placeholder's text
-embedding is replaced by the boundary row delivered there, so which encoder fills a position is said
-by the batch's per-medium boundary metadata, not by the token id (the shipped tokenizer stays as is).
+the clip's A tokens at positions kP+1..kP+A. Audio positions hold the image placeholder id too: a
+placeholder's text embedding is replaced by the boundary row delivered there, so which encoder fills
+a position is said by the batch's per-medium boundary metadata, not by the token id (the shipped
+tokenizer stays as is).
 Every rank builds the batch metadata (token ids, image token positions) for the whole global batch,
 so every rank computes the same boundary plan. The synthetic samples are cheap, so every rank builds
 them whole (images included); a loader of real data would read only the images its rank encodes.

@@ -125,8 +125,8 @@ class SDPAttention(MegatronModule):
             else contextlib.nullcontext()
         )
         with dropout_rng:
-            if packed_seq_params is not None:
-                mask = _document_mask(packed_seq_params.seq_idx, self.cp, self.cp_group.rank() if self.cp > 1 else 0)
+            if packed is not None:
+                mask = _document_mask(packed.seq_idx, self.cp, self.cp_group.rank() if self.cp > 1 else 0)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
             elif mask_type not in _CAUSAL:
                 mask = None if attention_mask is None else ~attention_mask
