@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary import BoundaryBatch, BoundaryError, boundary_exchange, plan_edge
+from megatron_hetero.boundary import BoundaryBatch, BoundaryError, assign_items, boundary_exchange, plan_edge
 from megatron_hetero.boundary.exchange import (
     backward_recvs,
     backward_sends,
@@ -40,7 +40,7 @@ def parse_args(argv=None):
                         help="image counts, cycled over the samples of the batch (0 allowed)")
     parser.add_argument("--tokens-per-image", type=int, default=16)
     parser.add_argument("--global-batch-size", type=int, default=None,
-                        help="default: the smallest multiple of every module's dp that is >= 4")
+                        help="default: the smallest multiple of the llm's dp that is >= 4")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="fused sequence length (default: what the images need, padded)")
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -53,13 +53,13 @@ def parse_args(argv=None):
 
 
 def make_batches(layout: HeteroLayout, args) -> list[BoundaryBatch]:
-    """One BoundaryBatch per edge: each sample's images (edge by edge) follow one prefix token."""
-    dps = [m.dp for m in layout.modules]
-    batch_size = args.global_batch_size or math.lcm(*dps) * math.ceil(4 / math.lcm(*dps))
-    for m in layout.modules:
-        if batch_size % m.dp:
-            raise BoundaryError(f"--global-batch-size {batch_size} is not divisible by module "
-                                f"{m.name}'s dp={m.dp}; use a multiple of {math.lcm(*dps)}")
+    """One BoundaryBatch per edge: each sample's images (edge by edge) follow one prefix token; each
+    image an item, assigned to the edge's encoder DP ranks as the runtime assigns them (by cost)."""
+    llm_dp = layout.llm.dp
+    batch_size = args.global_batch_size or llm_dp * math.ceil(4 / llm_dp)
+    if batch_size % llm_dp:
+        raise BoundaryError(f"--global-batch-size {batch_size} is not divisible by module {layout.llm.name}'s "
+                            f"dp={llm_dp}; use a multiple of {llm_dp}")
     images = np.resize(np.array(args.images_per_sample), batch_size)
     rows = images * args.tokens_per_image
     edges = len(layout.edges)
@@ -69,8 +69,10 @@ def make_batches(layout: HeteroLayout, args) -> list[BoundaryBatch]:
     seq_len = args.seq_length or -(-need // multiple) * multiple
     if seq_len < need:
         raise BoundaryError(f"--seq-length {seq_len} is shorter than the {need} tokens the images need")
-    return [BoundaryBatch(rows, np.concatenate([[]] + [1 + e * n + np.arange(n) for n in rows]), seq_len)
-            for e in range(edges)]
+    tokens = np.full(int(images.sum()), args.tokens_per_image)
+    return [BoundaryBatch(rows, np.concatenate([[]] + [1 + e * n + np.arange(n) for n in rows]), seq_len, tokens,
+                          assign_items(tokens, args.hidden_size, layout.module(edge.src).dp))
+            for e, edge in enumerate(layout.edges)]
 
 
 def pattern(addresses: torch.Tensor, hidden: int, salt: int, dtype) -> torch.Tensor:
