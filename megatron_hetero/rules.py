@@ -19,6 +19,7 @@ __all__ = [
     "audio_frames_problem",
     "batch_problem",
     "check",
+    "colocated_schedule_problem",
     "dp_split_problem",
     "edge_problem",
     "encoder_cp_problem",
@@ -81,6 +82,15 @@ def encoder_pp_problem(encoder: ModuleLayout, placement: str) -> str | None:
     if encoder.pp != 1 and placement != "non_colocated":
         return (f"module {encoder.name}: a colocated encoder runs unpipelined beside every LLM stage; "
                 f"set pp: 1 and use dp or tp for its ranks")
+    return None
+
+
+def colocated_schedule_problem(placement: str, llm: ModuleLayout, schedule: str) -> str | None:
+    """--hetero-colocated-schedule orders a colocated rank's encoder work around a pipelined LLM's
+    (schedules/colocated_order.py); elsewhere there is nothing to order."""
+    if schedule != "recompute" and (placement != "colocated" or llm.pp == 1):
+        return (f"--hetero-colocated-schedule {schedule} applies to colocated layouts with llm pp > 1 "
+                f"(this one: {placement}, pp {llm.pp}); drop the flag")
     return None
 
 

@@ -11,12 +11,18 @@ import torch
 
 from megatron_hetero.patches import hetero_args, startup
 from megatron_hetero.patches._patch import replace
+from megatron_hetero.schedules.colocated_order import SCHEDULES
 
 
 def add_hetero_flags(parser):
     group = parser.add_argument_group("megatron-hetero")
     group.add_argument("--hetero-layout", default=None, metavar="FILE",
                        help="YAML file declaring each module's parallel layout (megatron-hetero)")
+    group.add_argument("--hetero-colocated-schedule", choices=SCHEDULES, default="recompute",
+                       help="colocated layouts with llm pp > 1: encoder forwards first, then the pipeline, "
+                            "then each microbatch's encoder forward again with its backward (recompute); "
+                            "every encoder forward, the pipeline, every encoder backward (three-phase); or "
+                            "the encoder's work inside the pipeline's bubbles (bubbles)")
     group.add_argument("--metrics-file", default=None, metavar="FILE",
                        help="write one JSON object per iteration (step, loss, grad_norm, lr, ...) here")
     group.add_argument("--hetero-heartbeat-interval", type=float, default=1.0, metavar="SECONDS",

@@ -22,7 +22,7 @@ def _initialize_distributed(original):
             return original(get_embedding_ranks, get_position_embedding_ranks, store,
                             skip_model_parallel_init=skip_model_parallel_init)
         original(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=True)
-        args.hetero_run = build_run(args.hetero_layout_spec)
+        args.hetero_run = build_run(args.hetero_layout_spec, args.hetero_colocated_schedule)
         parallel_state.point_at(args.hetero_run.primary.pgs)
         parallel_state.count_samples_over(args.hetero_layout_spec.llm.dp)
         faults.start(args)

@@ -299,3 +299,37 @@ def test_overlap_grad_reduce(references, tmp_path, layout_name, distributed_opti
         # reduction was issued there, before the step's end: overlapped.
         later = [hooked for first, hooked in record["issued"] if not first]
         assert len(later) >= STEPS - 1 and all(later), f.name
+
+
+# Colocated with a pipelined LLM, every encoder's work ordered around the pipeline
+# (schedules/colocated_order.py) instead of recomputed after it: layout -> (world size, reference,
+# flags of both runs).
+ORDERED_CASES = {
+    "colocated_vdp2_lpp2": (2, "single", []),
+    # micro batch 2 x llm dp 1 over vision dp 4: ranks without items in some microbatches
+    "colocated_vdp4_lcp2pp2": (4, "single", [*VARIABLE, "--micro-batch-size", "2"]),
+}
+# Layouts written by the test: (world size, reference, flags, modules).
+ORDERED_WRITTEN = {
+    # the encoder's TP group spans both LLM stages: its collectives pair across them
+    "colocated_vtp4_lpp2dp2": (4, "single", [], "vision: {role: encoder, tp: 4}\n  llm: {role: llm, pp: 2, dp: 2}"),
+    "colocated_two_encoders_lpp2": (4, "single_two_encoders", TWO_ENCODERS,
+                                    "vision: {role: encoder, dp: 4}\n  audio: {role: encoder, tp: 2, dp: 2}\n"
+                                    "  llm: {role: llm, pp: 2, dp: 2}\nedges: [vision -> llm, audio -> llm]"),
+    "colocated_frozen_lpp2": (2, "single_frozen", [], "vision: {role: encoder, dp: 2, freeze: true}\n"
+                                                     "  llm: {role: llm, pp: 2}"),
+}
+
+
+@pytest.mark.parametrize("schedule", ["three-phase", "bubbles"])
+@pytest.mark.parametrize("layout_name", [*ORDERED_CASES, *ORDERED_WRITTEN])
+def test_ordered_colocated_schedules_reproduce_one_process(references, tmp_path, layout_name, schedule):
+    if layout_name in ORDERED_CASES:
+        world_size, reference_name, flags = ORDERED_CASES[layout_name]
+        layout = LAYOUTS / f"{layout_name}.yaml"
+    else:
+        world_size, reference_name, flags, modules = ORDERED_WRITTEN[layout_name]
+        layout = tmp_path / f"{layout_name}.yaml"
+        layout.write_text(f"placement: colocated\nmodules:\n  {modules}\n")
+    run = _run(tmp_path / layout_name, layout, world_size, [*flags, "--hetero-colocated-schedule", schedule])
+    _assert_reproduces(run, references(reference_name, flags))

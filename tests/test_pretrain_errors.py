@@ -61,6 +61,8 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", DEMO, "--save", "ckpt", "--ckpt-format", "torch"], None,
      "--ckpt-format torch is not supported with --hetero-layout; use --ckpt-format torch_dist"),
     (["--hetero-layout", DEMO, "--async-save"], None, "--async-save is not supported"),
+    (["--hetero-layout", DEMO, "--hetero-colocated-schedule", "bubbles"], None,
+     "--hetero-colocated-schedule bubbles applies to colocated layouts with llm pp > 1 (this one: colocated, pp 1)"),
     (["--hetero-layout", DEMO, "--non-persistent-save-interval", "5"], None, "--non-persistent-save-interval"),
     (["--hetero-layout", "layout.yaml"],
      "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 2, ranks: 0-1}\n"

@@ -169,16 +169,18 @@ def _rows(source: torch.Tensor, index: torch.Tensor, span: tuple | None) -> torc
     return source[span[0] : span[1]] if span else source.index_select(0, index)
 
 
-def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group) -> Transfer:
-    """This rank's sends of `source` (None: nothing to send) and, if `receive`, its receives into a
-    destination; the local rows are copied once the transfers are posted, while they run."""
+def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group, send: bool = True) -> Transfer:
+    """This rank's sends of `source` (None or not `send`: nothing to send) and, if `receive`, its
+    receives into a destination; the local rows (of `source`) are copied once the transfers are
+    posted, while they run."""
     hidden = like.shape[-1]
     ops, dest, scatter = [], None, None
-    if source is not None and moves.send_messages is not None:
+    sending = send and source is not None
+    if sending and moves.send_messages is not None:
         ops += [dist.P2POp(dist.isend, source[s : s + n], p, group) for p, s, n in moves.send_messages]
-    elif source is not None and moves.send_peers:
-        send = _rows(source, moves.send_index, moves.send_range)
-        ops += [dist.P2POp(dist.isend, send[s : s + n], p, group) for p, s, n in moves.send_peers]
+    elif sending and moves.send_peers:
+        rows = _rows(source, moves.send_index, moves.send_range)
+        ops += [dist.P2POp(dist.isend, rows[s : s + n], p, group) for p, s, n in moves.send_peers]
     local = source is not None and receive and len(moves.local_src) > 0
     whole = local and moves.local_dst_range == (0, moves.num_dest)
     if receive and not whole:
@@ -277,6 +279,29 @@ def backward_sends(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> Tran
 def backward_recvs(plan: RankPlan, like: torch.Tensor, group=None) -> Transfer:
     """Encoder side: every row's gradient; the result is the row gradients."""
     return _transfer(None, _disjoint_moves(plan, "backward", like.device), like, True, group)
+
+
+# ---- colocated, split: the sending and the receiving side of a rank apart in time -------------
+
+
+def split_sends(source: torch.Tensor, plan: RankPlan, direction: str, group=None) -> Transfer:
+    """Colocated, as a schedule that runs the two sides of the boundary at different times posts
+    it: this rank's rows ("forward") or slot gradients ("backward") for the other ranks. The part it
+    routes to itself is delivered by `split_recvs`."""
+    moves = _moves_for(plan, direction, source.device)
+    return _transfer(source.detach().contiguous(), moves, source, False, group)
+
+
+def split_recvs(plan: RankPlan, direction: str, like: torch.Tensor, own: torch.Tensor | None,
+                group=None) -> Transfer:
+    """The receiving side of `split_sends`: the LLM input slots ("forward", `like` a boundary row)
+    or the encoder's row gradients ("backward", `like` its rows); `own` is this rank's side of the
+    same microbatch (its rows, or its slot gradients), whose part routed to itself is copied in;
+    None where the rank routes nothing to itself."""
+    moves = _moves_for(plan, direction, like.device)
+    assert own is not None or not len(moves.local_src), "rows routed to this rank need its own side"
+    source = None if own is None else own.detach()
+    return _transfer(source, moves, like, True, group, send=False)
 
 
 # ---- every rank plans from the same metadata ----------------------------------------------------

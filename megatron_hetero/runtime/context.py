@@ -60,6 +60,10 @@ class HeteroRun:
     optimizer: object = None  # its per-module optimizers (megatron-core MimoOptimizer), once built
     phase: str = "setup"  # what this rank is doing, outside the schedules' named phases (failure reports)
     watchdog: object = None  # this rank's heartbeats (runtime/watchdog.py), once started
+    colocated_schedule: str = "recompute"  # colocated, LLM pp > 1: schedules/colocated_order.py
+    # Colocated, LLM pp > 1: world groups of their own for the boundary's rows and its gradients,
+    # so that their point-to-point messages never pair with the pipeline's or each other's.
+    boundary_groups: tuple | None = None
 
     @property
     def llm(self) -> ModuleRuntime:
@@ -80,7 +84,11 @@ class HeteroRun:
         return f"HeteroRun({self.layout.placement}, rank {self.rank})"
 
 
-def build_run(layout: HeteroLayout) -> HeteroRun:
+def build_run(layout: HeteroLayout, colocated_schedule: str = "recompute") -> HeteroRun:
     """Collective over the world: every module's process groups."""
     groups = build_groups(layout)
-    return HeteroRun(layout, dist.get_rank(), {name: ModuleRuntime(g) for name, g in groups.items()})
+    boundary_groups = None
+    if layout.placement == "colocated" and layout.llm.pp > 1:
+        boundary_groups = tuple(dist.new_group(list(range(layout.world_size))) for _ in ("rows", "grads"))
+    return HeteroRun(layout, dist.get_rank(), {name: ModuleRuntime(g) for name, g in groups.items()},
+                     colocated_schedule=colocated_schedule, boundary_groups=boundary_groups)

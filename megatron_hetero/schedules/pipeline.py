@@ -101,7 +101,7 @@ class Clock:
 
 
 @dataclass
-class _Link:
+class Link:
     """Posted transfers: receives are waited on when their results are needed; sends only at the
     end of the step, so that a stage never blocks on a neighbour that is not ready to receive."""
 
@@ -128,7 +128,7 @@ def run_stage(stage: Stage, num_microbatches: int, clock: Clock) -> None:
     Megatron's: an op's sends go in one batch with the next op's receives when the two ops differ
     (F then B: send forward + receive backward; B then F: send backward + receive forward), and in a
     batch of their own before them when the ops are alike (warm-up, cool-down)."""
-    link = _Link(clock)
+    link = Link(clock)
     order = one_f_one_b(stage.stages_downstream, num_microbatches, stage.runs_backward)
 
     def receives(op):

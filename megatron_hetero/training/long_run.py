@@ -31,11 +31,12 @@ def worker_ranks(launcher_pid: int) -> dict[int, int]:
     return ranks
 
 
-def rss_mib(pid: int) -> float | None:
-    """Resident set size of `pid` in MiB (None once it has exited)."""
+def rss_mib(pid: int, peak: bool = False) -> float | None:
+    """Resident set size of `pid` in MiB, now or (`peak`) its highest so far (None once it has
+    exited)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith("VmHWM:" if peak else "VmRSS:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass

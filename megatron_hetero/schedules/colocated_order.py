@@ -1,0 +1,154 @@
+"""Which order a colocated rank runs its encoder and LLM work in when the LLM is pipelined (pp > 1).
+
+Every rank holds a share of each encoder (pp=1, its items of each microbatch) and one LLM stage.
+An encoder's forward of microbatch i must reach the LLM's first stage before that stage's forward of
+i; its backward needs the first stage's backward of i. Three orders:
+
+- "three-phase" (upstream's MIMO design, PR 4784): every encoder forward, the LLM's 1F1B, every
+  encoder backward. Encoder activations of all microbatches are held at once.
+- "bubbles": encoder work inside the LLM pipeline, where the stage would wait. The LLM's 1F1B is
+  laid out on an ideal timeline (forward f, backward 2f per stage); encoder forward i is keyed at
+  the first stage's forward of microbatch i - lookahead (so a later stage runs the first
+  microbatches' encoder forwards in its warm-up), encoder backward i at the end of the first stage's
+  backward of i (so a later stage runs the last ones in its cool-down). Activations of at most
+  (first stage's microbatches in flight) + lookahead microbatches are held.
+- "recompute" (colocated.py, not an order here): forwards without a graph first, the pipeline, then
+  each microbatch's forward again with its backward.
+
+Each rank runs its ops sorted by key (time, then encoder before LLM work, then microbatch, then
+encoder). Every dependency between ranks (encoder forward -> first stage's forward, stage to stage,
+first stage's backward -> encoder backward, a collective's members) goes from a smaller key to a
+larger one and the keys are the same on every rank, so the orders are a valid sequential execution
+of the whole step: with sends that do not block, no rank waits on one that waits on it. Pure
+functions, the same on every rank.
+"""
+
+from dataclasses import dataclass
+
+from megatron_hetero.schedules.pipeline import one_f_one_b
+
+SCHEDULES = ("recompute", "three-phase", "bubbles")
+FORWARD, BACKWARD = 1.0, 2.0  # the ideal timeline's relative op lengths (backward ~ 2x forward)
+LOOKAHEAD = 1  # encoder forwards run this many microbatches ahead of the first stage's need
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One unit of a rank's work: "EF"/"EB" an encoder's forward/backward (encoder: its name),
+    "F"/"B" the LLM stage's forward/backward, of microbatch i."""
+
+    kind: str
+    i: int
+    encoder: str = ""
+
+
+def llm_timeline(pp: int, num_microbatches: int) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """(stage, "F"/"B", i) -> (start, end) of 1F1B on the ideal timeline, every stage its
+    1F1B order, each op as soon as its own stage and its input (previous stage's forward, next
+    stage's backward) are done."""
+    orders = [one_f_one_b(pp - 1 - s, num_microbatches) for s in range(pp)]
+    done: dict = {}
+    free, position = [0.0] * pp, [0] * pp
+    while any(position[s] < len(orders[s]) for s in range(pp)):
+        progressed = False
+        for s in range(pp):
+            while position[s] < len(orders[s]):
+                kind, i = orders[s][position[s]]
+                dep = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
+                if kind == "B" and s == pp - 1:
+                    dep = (s, "F", i)
+                if kind == "F" and s == 0:
+                    dep = None
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[s], done[dep][1] if dep is not None else 0.0)
+                end = start + (FORWARD if kind == "F" else BACKWARD)
+                done[s, kind, i], free[s] = (start, end), end
+                position[s] += 1
+                progressed = True
+        assert progressed, "1F1B on the ideal timeline cannot stall"
+    return done
+
+
+def colocated_order(schedule: str, stage: int, pp: int, num_microbatches: int, encoders: list[str],
+                    trainable: list[str], lookahead: int = LOOKAHEAD) -> list[Op]:
+    """The ops of a rank at LLM stage `stage`, in the order it runs them. `encoders`: every encoder
+    (layout order); `trainable`: those that run a backward."""
+    if schedule not in ("three-phase", "bubbles"):
+        raise ValueError(f"colocated schedule {schedule!r} is not an order: one of three-phase, bubbles")
+    assert set(trainable) <= set(encoders), (trainable, encoders)
+    timeline = llm_timeline(pp, num_microbatches)
+    last = max(end for _, end in timeline.values())
+    keyed = []
+    for (s, kind, i), (start, _) in timeline.items():
+        if s == stage:
+            keyed.append(((start, 1, i, 0), Op(kind, i)))
+    for e, name in enumerate(encoders):
+        for i in range(num_microbatches):
+            if schedule == "three-phase":
+                forward_at, backward_at = -1.0, last + 1.0
+            else:
+                forward_at = timeline[0, "F", max(i - lookahead, 0)][0]
+                backward_at = timeline[0, "B", i][1]
+            keyed.append(((forward_at, 0, i, e), Op("EF", i, name)))
+            if name in trainable:
+                keyed.append(((backward_at, 0, i, e), Op("EB", i, name)))
+    return [op for _, op in sorted(keyed)]
+
+
+def dependencies(op: Op, stage: int, pp: int, encoders: list[str]) -> list[tuple[int, Op]]:
+    """(stage, op) pairs that must be done before `op` runs on `stage`, across ranks: every stage's
+    encoder forwards (their rows) before the first stage's forward, the pipeline's neighbours, the
+    first stage's slot gradients before an encoder backward (a stage's own earlier ops come first
+    anyway)."""
+    if op.kind == "F":
+        if stage > 0:
+            return [(stage - 1, op)]
+        return [(s, Op("EF", op.i, e)) for s in range(pp) for e in encoders]
+    if op.kind == "B":
+        return [(stage + 1, op)] if stage < pp - 1 else [(stage, Op("F", op.i))]
+    if op.kind == "EB":
+        return [(0, Op("B", op.i))]
+    return []
+
+
+def simulate(orders: list[list[Op]], durations, gang: bool = False) -> tuple[float, list[float]]:
+    """Run every stage's order with `durations(stage, op)` (seconds); returns (the step's time, each
+    stage's idle time). An op starts once its stage is free and everything it depends on is done;
+    with `gang` an encoder op also starts on every stage at once (its collectives span them all).
+    Raises RuntimeError if the orders deadlock."""
+    pp = len(orders)
+    encoders = sorted({op.encoder for order in orders for op in order if op.encoder})
+    ends: dict = {}
+    free, position, busy = [0.0] * pp, [0] * pp, [0.0] * pp
+
+    def ready(stage, op):
+        deps = dependencies(op, stage, pp, encoders)
+        if any(dep not in ends for dep in deps):
+            return None
+        return max([free[stage]] + [ends[dep] for dep in deps])
+
+    while any(position[s] < len(orders[s]) for s in range(pp)):
+        progressed = False
+        for s in range(pp):
+            if position[s] >= len(orders[s]):
+                continue
+            op = orders[s][position[s]]
+            members = [s]
+            if gang and op.kind in ("EF", "EB"):
+                members = [t for t in range(pp) if position[t] < len(orders[t]) and orders[t][position[t]] == op]
+                if len(members) < pp:
+                    continue
+            starts = [ready(t, op) for t in members]
+            if None in starts:
+                continue
+            start = max(starts)
+            for t in members:
+                ends[t, op] = free[t] = start + durations(t, op)
+                busy[t] += durations(t, op)
+                position[t] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"deadlock at {[orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])]}")
+    step = max(free)
+    return step, [step - b for b in busy]

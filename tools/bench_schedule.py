@@ -1,0 +1,80 @@
+"""Colocated schedules with a pipelined LLM, compared on CPU (issue 16 item 5): step time, the
+waiting share and each rank's peak memory under --hetero-colocated-schedule recompute, three-phase
+and bubbles, plus what the ideal timeline predicts for the same pipeline.
+
+    python tools/bench_schedule.py [--iters 40] [--out docs/runs/schedules/cpu.jsonl] [-- extra flags]
+
+Runs examples/pretrain_vlm.py under torchrun (gloo) on 2 processes, one thread each (a bubble is an
+idle core), layout colocated_vdp2_lpp2 (vision DP2 -> LLM PP2), 8 microbatches per step, an
+encoder about as heavy per rank as an LLM stage. Step time: median of the iterations after the
+first five (metrics file); peak memory: each rank's VmHWM (Linux /proc).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_hetero.schedules.colocated_order import SCHEDULES
+from megatron_hetero.training.long_run import read_records, rss_mib, worker_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "96",
+         "--enc-num-layers", "4", "--enc-hidden-size", "256", "--image-size", "64", "--patch-size", "8",
+         "--global-batch-size", "16", "--micro-batch-size", "2", "--lr", "1e-4", "--eval-samples", "0"]
+
+
+def measure(schedule: str, iters: int, extra: list[str]) -> dict:
+    metrics = Path(tempfile.mkdtemp()) / "metrics.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "examples" / "pretrain_vlm.py"), "--hetero-layout",
+               str(ROOT / "examples" / "layouts" / "colocated_vdp2_lpp2.yaml"), *MODEL, "--train-iters", str(iters),
+               "--log-interval", "1", "--metrics-file", str(metrics), "--hetero-colocated-schedule", schedule, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peaks: dict[int, float] = {}
+    while launcher.poll() is None:
+        for rank, pid in worker_ranks(launcher.pid).items():
+            peak = rss_mib(pid, peak=True)
+            if peak is not None:
+                peaks[rank] = max(peaks.get(rank, 0.0), peak)
+        time.sleep(0.2)
+    if launcher.returncode != 0:
+        raise SystemExit(f"error: {schedule}: the run failed:\n{launcher.stderr.read()[-3000:]}")
+    records = read_records(metrics)[5:]
+    steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:])]
+    waiting = [r["waiting_share"] for r in records if r.get("waiting_share") is not None]
+    return dict(schedule=schedule, iters=iters, step_s=statistics.median(steps),
+                waiting_share=statistics.median(waiting) if waiting else None,
+                peak_rss_mib={str(r): round(p, 1) for r, p in sorted(peaks.items())},
+                final_loss=records[-1]["loss"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("extra", nargs="*", help="flags for the script (after --)")
+    args = parser.parse_args(argv)
+    results = [measure(schedule, args.iters, args.extra) for schedule in SCHEDULES]
+    base = results[0]["step_s"]
+    print(f"{'schedule':<12} {'step ms':>8} {'vs recompute':>12} {'waiting':>8}  peak RSS MiB per rank")
+    for r in results:
+        waiting = "-" if r["waiting_share"] is None else f"{r['waiting_share']:.1%}"
+        print(f"{r['schedule']:<12} {r['step_s'] * 1e3:>8.1f} {base / r['step_s'] - 1:>+12.1%} {waiting:>8}  "
+              f"{r['peak_rss_mib']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            for r in results:
+                f.write(json.dumps({**r, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
