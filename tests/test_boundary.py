@@ -16,8 +16,9 @@ from megatron_hetero.boundary import (
     BoundaryMismatch,
     boundary_exchange,
     check_agreement,
+    filled_slots,
     plan_edge,
-    slot_mask,
+    write_rows,
 )
 from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, complete, forward_recvs, forward_sends
 from megatron_hetero.boundary.plan import disagreement, metadata_summary
@@ -81,11 +82,13 @@ def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype):
         rows, grad = _patterns(batch, dtype, seed=e)
         plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
         local = encoder_share(rows, batch, encoder, rank).clone().requires_grad_(True)
-        slots = boundary_exchange(local, plan)
-        mine = llm_share(reference_input(rows, batch), llm_layout, rank)
-        assert torch.equal(slots, mine), f"rank {rank}: edge {encoder.name} forward rows differ"
+        got = boundary_exchange(local, plan)
         mask = llm_share(reference_input(torch.ones(batch.num_rows, 1), batch), llm_layout, rank)
-        assert torch.equal(slot_mask(plan, "cpu"), mask.reshape(-1) > 0)
+        filled = filled_slots(plan, "cpu")
+        assert torch.equal(filled, mask.reshape(-1).nonzero().squeeze(1))
+        mine = llm_share(reference_input(rows, batch), llm_layout, rank)
+        assert torch.equal(got, mine[filled]), f"rank {rank}: edge {encoder.name} forward rows differ"
+        slots = torch.zeros_like(mine).index_copy(0, filled, got)
         merged = slots if merged is None else merged + slots  # edges fill disjoint positions
         sources.append((local, grad, encoder, batch))
     # One backward through all edges, as the LLM's input gradient would drive it.
@@ -123,15 +126,17 @@ def _check_non_colocated(rank, world_size, encoders, llm_layout, microbatches, d
             if plan.num_dest_slots:
                 recvs[m, e] = forward_recvs(plan, like)
     received = complete(sends + list(recvs.values()))[len(sends):]
-    for (m, e), slots in zip(recvs, received):
+    for (m, e), got in zip(recvs, received):
         rows, _ = patterns[m, e]
         want = llm_share(reference_input(rows, microbatches[m][e]), llm_layout, rank)
-        assert torch.equal(slots, want), f"rank {rank}: microbatch {m} edge {e} forward differs"
+        assert torch.equal(got, want[filled_slots(plans[m, e], "cpu")]), \
+            f"rank {rank}: microbatch {m} edge {e} forward differs"
 
     sends, recvs = [], {}
     for (m, e), plan in plans.items():
         if plan.num_dest_slots:
-            sends.append(backward_sends(llm_share(patterns[m, e][1], llm_layout, rank), plan))
+            grad = llm_share(patterns[m, e][1], llm_layout, rank)
+            sends.append(backward_sends(grad[filled_slots(plan, "cpu")], plan))
         if plan.num_source_rows:
             recvs[m, e] = backward_recvs(plan, like)
     received = complete(sends + list(recvs.values()))[len(sends):]
@@ -440,3 +445,28 @@ def test_ranks_that_disagree_all_stop_with_one_line(tmp_path):
         assert line.startswith(f"ranks 0 and {bad_rank} hold different boundary metadata for edge vision, "
                                f"first at sample {sample} of the batch"), line
         assert max(float(seconds) for _, seconds in lines) < 10, lines
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_rows_is_the_masked_merge(dtype):
+    """write_rows (in place, row kernels) against the out-of-place merge it replaced: the same
+    input embedding forward; the same gradients for the text embedding (zero where rows were
+    written) and for the rows, which may arrive in another dtype."""
+    gen = torch.Generator().manual_seed(0)
+    seq, b, h = 7, 3, 5
+    at = torch.tensor([1, 2, 9, 10, 11, 20])  # rows of the [seq * b, h] view
+    text = torch.randn(seq, b, h, generator=gen).to(dtype).requires_grad_()
+    rows = torch.randn(len(at), h, generator=gen).requires_grad_()  # fp32, as a boundary may hold them
+    grad = torch.randn(seq, b, h, generator=gen).to(dtype)
+
+    got = write_rows(text * 1, rows, at)  # the embedding's output is a fresh tensor
+    got.backward(grad)
+    got_grads = text.grad, rows.grad
+    text.grad = rows.grad = None
+    mask = torch.zeros(seq * b, dtype=torch.bool).index_fill_(0, at, True).view(seq, b, 1)
+    placed = torch.zeros(seq * b, h).index_copy(0, at, rows).view(seq, b, h).to(dtype)
+    want = torch.where(mask, placed, text)
+    want.backward(grad)
+    assert torch.equal(got, want)
+    assert torch.equal(got_grads[0], text.grad) and torch.equal(got_grads[1], rows.grad)
+    assert got_grads[1].dtype == torch.float32

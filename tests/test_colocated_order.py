@@ -12,6 +12,7 @@ from megatron_hetero.schedules.colocated_order import (
     Op,
     colocated_order,
     llm_timeline,
+    predicted_step,
     simulate,
 )
 from megatron_hetero.schedules.pipeline import one_f_one_b
@@ -86,3 +87,15 @@ def test_bubbles_shorten_the_step(pp, m, encoder_share):
     bubbles, bubbles_idle = simulate(orders("bubbles", pp, m, ["vision"], ["vision"]), durations)
     assert bubbles < three
     assert sum(bubbles_idle) < sum(three_idle)
+
+
+@pytest.mark.parametrize("pp,m,share", [(2, 8, 1.0), (4, 16, 0.3)])
+def test_predicted_steps(pp, m, share):
+    """recompute = three-phase plus one encoder forward per microbatch on the first stage (its
+    tail); bubbles shortest where encoder ops need no other stage, but longer than three-phase when
+    they gang every stage (an encoder TP group across LLM stages): its ops then wait on the
+    slowest stage's pipeline position."""
+    three = predicted_step("three-phase", pp, m, share)
+    assert predicted_step("recompute", pp, m, share) == pytest.approx(three + m * share)
+    assert predicted_step("bubbles", pp, m, share) < three
+    assert predicted_step("bubbles", pp, m, share, gang=True) > predicted_step("three-phase", pp, m, share, gang=True)

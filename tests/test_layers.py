@@ -55,7 +55,8 @@ def _sizes():
 
 
 def _inputs(hidden: int):
-    """Full-sequence ids, labels, boundary slots [s, b, h] and their mask [s, b]."""
+    """Full-sequence ids, labels, boundary slots [s, b, h] and their mask [s, b] (the positions
+    that take them)."""
     gen = torch.Generator().manual_seed(SEED)
     ids = torch.randint(0, 22, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, 22, (BATCH, SEQ), generator=gen)
@@ -83,11 +84,12 @@ def _run_llm(pgs, tp, cp, sp, num_query_groups):
     ids, labels, slots, mask = _inputs(sizes.hidden_size)
     slots = _sequence_part(slots, 0, tp, cp, sp, pgs).clone().requires_grad_()
     positions = cp_positions(SEQ, cp, pgs.cp.rank())
+    at = _sequence_part(mask, 0, tp, cp, sp, pgs).reshape(-1).nonzero().squeeze(1)  # rows of [s' * b, h]
     losses = llm_forward(
         llm,
         ids[:, positions],
         positions[None].expand(BATCH, -1),
-        [(slots, _sequence_part(mask, 0, tp, cp, sp, pgs))],
+        [(slots.reshape(-1, sizes.hidden_size)[at], at)],
         labels[:, positions],
     )
     losses.sum().backward()

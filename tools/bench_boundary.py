@@ -301,7 +301,7 @@ def ours_colocated(env: Env, payload: Payload, llm: ModuleLayout) -> Bench:
         return bench
     plan = plans[env.rank]
     rows = payload.encoder_rows(env.rank, env.device).requires_grad_()
-    grad_slots = payload.random(plan.num_dest_slots, env.device)
+    grad_slots = payload.random(plan.num_dest_rows, env.device)
 
     def step():
         slots = boundary_exchange(rows, plan)
@@ -317,7 +317,7 @@ def ours_round_trip(env: Env, payload: Payload) -> Bench:
     plans = plan_all_ranks(payload.batch(ENCODER_RANK0.dp), ENCODER_RANK0, LLM_RANK1)
     plan = plans[env.rank]
     rows = payload.encoder_rows(env.rank, env.device)
-    grad_slots = payload.random(plan.num_dest_slots, env.device)
+    grad_slots = payload.random(plan.num_dest_rows, env.device)
 
     def step():
         if env.rank == 0:  # the gradients' receive is posted while the rows are in flight

@@ -1,16 +1,21 @@
 """The colocated boundary's local part on one device: what it moves and how many kernels it runs.
 
     torchrun --nproc-per-node 1 tools/bench_boundary_local.py [--images 16] [--tokens-per-image 729]
-        [--text 8] [--micro-batch 1] [--hidden 4096] [--dtype bf16] [--iters 20] [--json out.json]
+        [--text 8] [--micro-batch 1] [--hidden 4096] [--dtype bf16] [--iters 50] [--json out.json]
 
 One rank holds the encoder and the LLM (every row is delivered to itself). Per microbatch of
 `--micro-batch` samples, each with `--images` images of `--tokens-per-image` rows separated by
-`--text` text tokens: boundary_exchange forward (rows -> slots), the LLM's merge into the text
-embedding (models/vlm.py's torch.where), and the backward of both. It reports, per direction, the
-milliseconds, the device kernels launched (torch.profiler), the bytes the rows themselves occupy
-(the minimum any re-layout reads and writes once) and the rate that makes, next to the device's
-own copy rate on a tensor of the same size (a clone: the reachable HBM figure), and the CPU time of
-one call with the device idle (the per-call Python overhead). Without CUDA it runs on the CPU.
+`--text` text tokens, three variants forward and backward:
+- `text`: the LLM's input embedding alone (a copy of a sequence-first tensor standing in for it);
+- `direct`: the same plus the boundary as the runtime runs it: boundary_exchange (rows -> the LLM
+  side's rows) written into the embedding by one row copy (boundary.write_rows, models/vlm.py);
+- `merge`: the same plus the boundary as it ran before: a zero-filled slot tensor for the whole
+  sequence, the rows scattered into it, and a torch.where merge with the slot mask.
+The boundary's cost is a variant's time minus `text`'s. It reports, per variant and direction, the
+milliseconds and the device kernels launched (torch.profiler), the bytes the rows themselves occupy
+(the minimum any re-layout reads and writes once), the device's copy rate on a tensor of that size
+(a clone: the reachable HBM figure), and the CPU time of one boundary call with the device idle
+(the per-call Python overhead). Without CUDA it runs on the CPU.
 """
 
 import argparse
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_hetero.boundary import BoundaryBatch, boundary_exchange, plan_edge, slot_mask
+from megatron_hetero.boundary import BoundaryBatch, boundary_exchange, filled_slots, input_rows, plan_edge, write_rows
 from megatron_hetero.groups import init_distributed
 from megatron_hetero.layout import ModuleLayout
 
@@ -37,7 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -87,26 +92,42 @@ def main(argv=None) -> int:
     rows = torch.randn(batch.num_rows, h, device=device, dtype=dtype, requires_grad=True)
     embedding = torch.randn(seq, b, h, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(seq, b, h, device=device, dtype=dtype)
-    mask = slot_mask(plan, device).view(b, seq).t().contiguous()[..., None]  # as models/vlm_parts.py
+    at, filled = input_rows(plan, b, device), filled_slots(plan, device)
+    mask = torch.zeros(b * seq, dtype=torch.bool, device=device).index_fill_(0, filled, True)
+    mask = mask.view(b, seq).t().contiguous()[..., None]
 
-    state = {}
+    def text():  # the embedding's output: a fresh tensor, its backward a pass-through
+        return embedding.clone()
 
-    def forward():
-        slots = boundary_exchange(rows, plan).view(b, seq, h).transpose(0, 1)
-        state["out"] = torch.where(mask, slots, embedding)  # models/vlm.py's merge
-        return state["out"]
+    def direct():
+        return write_rows(text(), boundary_exchange(rows, plan), at)  # as models/vlm.py
 
-    def backward():
-        rows.grad = embedding.grad = None
-        state["out"].backward(grad_out, retain_graph=True)
+    def merge():
+        slots = rows.new_zeros(b * seq, h).index_copy(0, filled, boundary_exchange(rows, plan))
+        return torch.where(mask, slots.view(b, seq, h).transpose(0, 1), text())
 
-    forward()
     results = dict(args=vars(args), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    rows=batch.num_rows, slots=seq * b, row_bytes=batch.num_rows * h * rows.element_size())
-    results["forward_ms"] = timed(forward, device, args.iters)
-    results["backward_ms"] = timed(backward, device, args.iters)
-    results["forward_kernels"] = kernels(forward, device)
-    results["backward_kernels"] = kernels(backward, device)
+    for name, variant in (("text", text), ("direct", direct), ("merge", merge)):
+        state = {}
+
+        def forward():
+            state["out"] = variant()
+
+        def backward():
+            rows.grad = embedding.grad = None
+            state["out"].backward(grad_out, retain_graph=True)
+
+        forward()
+        results[f"{name}_forward_ms"] = timed(forward, device, args.iters)
+        results[f"{name}_backward_ms"] = timed(backward, device, args.iters)
+        results[f"{name}_forward_kernels"] = kernels(forward, device)
+        results[f"{name}_backward_kernels"] = kernels(backward, device)
+    for name in ("direct", "merge"):
+        for way in ("forward", "backward"):
+            results[f"{name}_boundary_{way}_ms"] = results[f"{name}_{way}_ms"] - results[f"text_{way}_ms"]
+            kernels_added = results[f"{name}_{way}_kernels"] - results[f"text_{way}_kernels"]
+            results[f"{name}_boundary_{way}_kernels"] = kernels_added
     copy = rows.detach().clone()
     results["clone_ms"] = timed(lambda: copy.clone(), device, args.iters)
     sync(device)
@@ -114,9 +135,10 @@ def main(argv=None) -> int:
     with torch.no_grad():
         boundary_exchange(rows, plan)  # CPU time to enqueue one call (the device's work not waited for)
     results["forward_call_cpu_ms"] = (time.perf_counter() - start) * 1e3
-    for key in ("forward", "backward", "clone"):
+    for key in ("direct_boundary_forward", "direct_boundary_backward", "clone"):
         # Read once + written once: the rows' bytes twice.
-        results[f"{key}_rows_GBps"] = 2 * results["row_bytes"] / (results[f"{key}_ms"] * 1e-3) / 1e9
+        ms = results[f"{key}_ms"]
+        results[f"{key}_rows_GBps"] = 2 * results["row_bytes"] / (ms * 1e-3) / 1e9 if ms > 0 else None
     print(json.dumps(results, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -2,7 +2,7 @@
 waiting share and each rank's peak memory under --hetero-colocated-schedule recompute, three-phase
 and bubbles, plus what the ideal timeline predicts for the same pipeline.
 
-    python tools/bench_schedule.py [--iters 40] [--out docs/runs/schedules/cpu.jsonl] [-- extra flags]
+    python tools/bench_schedule.py [--iters 40] [--out docs/runs/colocated_schedules/cpu.jsonl] [-- extra flags]
 
 Runs examples/pretrain_vlm.py under torchrun (gloo) on 2 processes, one thread each (a bubble is an
 idle core), layout colocated_vdp2_lpp2 (vision DP2 -> LLM PP2), 8 microbatches per step, an
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_hetero.schedules.colocated_order import SCHEDULES
+from megatron_hetero.schedules.colocated_order import SCHEDULES, predicted_step
 from megatron_hetero.training.long_run import read_records, rss_mib, worker_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,22 +30,24 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
 
 
 def measure(schedule: str, iters: int, extra: list[str]) -> dict:
-    metrics = Path(tempfile.mkdtemp()) / "metrics.jsonl"
+    out = Path(tempfile.mkdtemp())
+    metrics, log = out / "metrics.jsonl", out / "run.log"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "examples" / "pretrain_vlm.py"), "--hetero-layout",
                str(ROOT / "examples" / "layouts" / "colocated_vdp2_lpp2.yaml"), *MODEL, "--train-iters", str(iters),
                "--log-interval", "1", "--metrics-file", str(metrics), "--hetero-colocated-schedule", schedule, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peaks: dict[int, float] = {}
-    while launcher.poll() is None:
-        for rank, pid in worker_ranks(launcher.pid).items():
-            peak = rss_mib(pid, peak=True)
-            if peak is not None:
-                peaks[rank] = max(peaks.get(rank, 0.0), peak)
-        time.sleep(0.2)
+    with log.open("w") as sink:  # a file, not a pipe: a full pipe would stall the run
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        while launcher.poll() is None:
+            for rank, pid in worker_ranks(launcher.pid).items():
+                peak = rss_mib(pid, peak=True)
+                if peak is not None:
+                    peaks[rank] = max(peaks.get(rank, 0.0), peak)
+            time.sleep(0.2)
     if launcher.returncode != 0:
-        raise SystemExit(f"error: {schedule}: the run failed:\n{launcher.stderr.read()[-3000:]}")
+        raise SystemExit(f"error: {schedule}: the run failed (log: {log}):\n{log.read_text()[-3000:]}")
     records = read_records(metrics)[5:]
     steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:])]
     waiting = [r["waiting_share"] for r in records if r.get("waiting_share") is not None]
@@ -63,11 +65,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = [measure(schedule, args.iters, args.extra) for schedule in SCHEDULES]
     base = results[0]["step_s"]
-    print(f"{'schedule':<12} {'step ms':>8} {'vs recompute':>12} {'waiting':>8}  peak RSS MiB per rank")
+    # The ideal timeline of this pipeline (pp 2, 8 microbatches) at two encoder weights per
+    # microbatch (a stage's forward = 1): what the measured gains compare with.
+    predicted = {share: {s: predicted_step(s, 2, 8, share) for s in SCHEDULES} for share in (0.5, 1.0)}
+    print(f"{'schedule':<12} {'step ms':>8} {'vs recompute':>12} {'predicted (share 0.5 / 1.0)':>28} "
+          f"{'waiting':>8}  peak RSS MiB per rank")
     for r in results:
         waiting = "-" if r["waiting_share"] is None else f"{r['waiting_share']:.1%}"
-        print(f"{r['schedule']:<12} {r['step_s'] * 1e3:>8.1f} {base / r['step_s'] - 1:>+12.1%} {waiting:>8}  "
-              f"{r['peak_rss_mib']}")
+        gains = " / ".join(f"{p['recompute'] / p[r['schedule']] - 1:+.1%}" for p in predicted.values())
+        print(f"{r['schedule']:<12} {r['step_s'] * 1e3:>8.1f} {base / r['step_s'] - 1:>+12.1%} {gains:>28} "
+              f"{waiting:>8}  {r['peak_rss_mib']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:

@@ -103,8 +103,9 @@ class EdgeRun:
         slots = slot_addresses(batch, layout.llm, rank, device)
         image = torch.zeros(batch.seq_len * batch.num_samples, dtype=torch.bool, device=device)
         image[addresses] = True
+        slots = slots[image[slots]]  # the LLM side holds the rows of the slots an image fills
         self.rows = pattern(rows, hidden, 0, dtype)
-        self.want_slots = torch.where(image[slots, None], pattern(slots, hidden, 0, dtype), 0).to(dtype)
+        self.want_slots = pattern(slots, hidden, 0, dtype)
         self.grad_slots = pattern(slots, hidden, 1, dtype)
         self.want_grad = pattern(rows, hidden, 1, dtype)
 

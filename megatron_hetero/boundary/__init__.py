@@ -1,7 +1,7 @@
 """Boundary communicators: a pure routing plan (plan.py) and its execution (exchange.py)."""
 
 from megatron_hetero.boundary.balance import assign_items
-from megatron_hetero.boundary.exchange import boundary_exchange, check_agreement, slot_mask
+from megatron_hetero.boundary.exchange import boundary_exchange, check_agreement, filled_slots, input_rows, write_rows
 from megatron_hetero.boundary.plan import (
     BoundaryBatch,
     BoundaryError,
@@ -22,6 +22,8 @@ __all__ = [
     "boundary_exchange",
     "check_agreement",
     "check_edge_layouts",
+    "filled_slots",
+    "input_rows",
     "plan_edge",
-    "slot_mask",
+    "write_rows",
 ]

@@ -7,8 +7,12 @@ the plan's rows are contiguous at both ends (every layout whose rows are not spr
 they go as messages from the source rows straight into the destination slots, one per run of
 rows; otherwise through a gathered send buffer and a scattered receive buffer.
 
-- colocated: `boundary_exchange` is an autograd function: forward re-lays rows into the LLM input
-  slots, backward routes slot gradients back to the encoder rows;
+The LLM side holds only the rows its input takes from the boundary, in slot order (`filled_slots`
+names their slots): no zero-filled slot tensor; the LLM writes them into its input embedding
+(`input_rows`, `write_rows`) with one row copy and reads their gradients back with one gather.
+
+- colocated: `boundary_exchange` is an autograd function: forward re-lays rows into the LLM
+  side's rows, backward routes their gradients back to the encoder rows;
 - non-colocated: `forward_sends / forward_recvs / backward_sends / backward_recvs` build one side's
   transfer of one microbatch, not yet posted: a pipeline schedule posts several in one batch
   (`post`) and waits on them; `complete` posts, waits and returns their results;
@@ -75,16 +79,30 @@ def _segments(counts: np.ndarray):
 MAX_PAIR_MESSAGES = 64
 
 
-def _messages(routes: Routes) -> tuple[list | None, list | None]:
+def _messages(routes: Routes, sends: np.ndarray | None, recvs: np.ndarray | None) -> tuple[list | None, list | None]:
     """(sends, receives) as (peer, start, count): starts in the source (sends) and the destination
     (receives). Every rank of the edge takes the same decision (pair_messages is the edge's)."""
-    if routes.send_messages is None or routes.pair_messages > MAX_PAIR_MESSAGES:
+    if sends is None or routes.pair_messages > MAX_PAIR_MESSAGES:
         return None, None
-    return ([(int(p), int(s), int(n)) for p, s, _, n in routes.send_messages],
-            [(int(p), int(t), int(n)) for p, _, t, n in routes.recv_messages])
+    return ([(int(p), int(s), int(n)) for p, s, _, n in sends], [(int(p), int(t), int(n)) for p, _, t, n in recvs])
 
 
-def _moves(routes: Routes, rank: int, num_dest: int, device) -> _Moves:
+def _moves(routes: Routes, rank: int, num_dest: int, device, filled: np.ndarray | None = None,
+           filled_side: str = "") -> _Moves:
+    """`filled` (with `filled_side` "send" or "recv"): the LLM's filled slots; that side's slot
+    indices become positions among them (the LLM side's rows)."""
+    send_index, recv_index = routes.send_index, routes.recv_index
+    send_messages, recv_messages = routes.send_messages, routes.recv_messages
+    if filled_side == "recv":
+        recv_index = np.searchsorted(filled, recv_index)
+        if recv_messages is not None:
+            recv_messages = recv_messages.copy()
+            recv_messages[:, 2] = np.searchsorted(filled, recv_messages[:, 2])
+    elif filled_side == "send":
+        send_index = np.searchsorted(filled, send_index)
+        if send_messages is not None:
+            send_messages = send_messages.copy()
+            send_messages[:, 1] = np.searchsorted(filled, send_messages[:, 1])
     sends, recvs = _segments(routes.send_counts), _segments(routes.recv_counts)
     send_self = [(s, n) for p, s, n in sends if p == rank]
     recv_self = [(s, n) for p, s, n in recvs if p == rank]
@@ -99,11 +117,11 @@ def _moves(routes: Routes, rank: int, num_dest: int, device) -> _Moves:
         return pick(index, [(s, n) for _, s, n in others]), [
             (p, int(start), n) for (p, _, n), start in zip(others, starts)]
 
-    send_index, send_peers = remote(routes.send_index, sends)
-    recv_index, recv_peers = remote(routes.recv_index, recvs)
-    local_src, local_dst = pick(routes.send_index, send_self), pick(routes.recv_index, recv_self)
+    local_src, local_dst = pick(send_index, send_self), pick(recv_index, recv_self)
+    send_index, send_peers = remote(send_index, sends)
+    recv_index, recv_peers = remote(recv_index, recvs)
     on = lambda index: torch.as_tensor(index, device=device)  # noqa: E731
-    send_messages, recv_messages = _messages(routes)
+    send_messages, recv_messages = _messages(routes, send_messages, recv_messages)
     return _Moves(
         on(local_src), on(local_dst), on(send_index), send_peers, on(recv_index), recv_peers,
         num_dest, _as_range(send_index), _as_range(recv_index), _as_range(local_src),
@@ -113,14 +131,24 @@ def _moves(routes: Routes, rank: int, num_dest: int, device) -> _Moves:
     )
 
 
+def _filled(plan: RankPlan) -> np.ndarray:
+    """The slots of this rank's LLM input that the boundary fills, in order (each filled once)."""
+    if "filled" not in plan.cache:
+        plan.cache["filled"] = np.sort(plan.forward.recv_index)
+    return plan.cache["filled"]
+
+
 def _moves_for(plan: RankPlan, direction: str, device) -> _Moves:
     """The plan's moves for `direction` ("forward"/"backward") on `device`, cached on the plan:
-    a plan reused over steps (fixed image sizes) pays its index uploads once."""
+    a plan reused over steps (fixed image sizes) pays its index uploads once. The LLM side
+    addresses its rows (the filled slots), not its whole input."""
     key = (direction, str(device))
     if key not in plan.cache:
-        routes = plan.forward if direction == "forward" else plan.backward
-        num_dest = plan.num_dest_slots if direction == "forward" else plan.num_source_rows
-        plan.cache[key] = _moves(routes, plan.rank, num_dest, device)
+        filled = _filled(plan)
+        if direction == "forward":
+            plan.cache[key] = _moves(plan.forward, plan.rank, len(filled), device, filled, "recv")
+        else:
+            plan.cache[key] = _moves(plan.backward, plan.rank, plan.num_source_rows, device, filled, "send")
     return plan.cache[key]
 
 
@@ -172,7 +200,8 @@ def _rows(source: torch.Tensor, index: torch.Tensor, span: tuple | None) -> torc
 def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group, send: bool = True) -> Transfer:
     """This rank's sends of `source` (None or not `send`: nothing to send) and, if `receive`, its
     receives into a destination; the local rows (of `source`) are copied once the transfers are
-    posted, while they run."""
+    posted, while they run. Where every destination row is a contiguous run of `source`, the
+    destination is a view of it: callers read results, they never write into them."""
     hidden = like.shape[-1]
     ops, dest, scatter = [], None, None
     sending = send and source is not None
@@ -197,8 +226,8 @@ def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group, s
 
     def copy_local(dest):
         rows = _rows(source, moves.local_src, moves.local_src_range)
-        if whole:  # every slot comes from this rank: the gathered rows are the destination
-            return rows.clone() if moves.local_src_range else rows
+        if whole:  # every row from this rank: the rows themselves (a view where contiguous), no copy
+            return rows
         if moves.local_dst_range:
             dest[moves.local_dst_range[0] : moves.local_dst_range[1]] = rows
         else:
@@ -209,9 +238,9 @@ def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group, s
 
 
 class BoundaryExchange(torch.autograd.Function):
-    """forward: encoder rows [num_source_rows, h] -> LLM input slots [num_dest_slots, h], every row
-    written at each consuming rank's slot, zeros elsewhere.
-    backward: slot gradients -> row gradients, each encoder replica receiving every row's gradient
+    """forward: encoder rows [num_source_rows, h] -> the LLM side's rows [filled slots, h], every
+    row delivered to each rank that consumes it, in slot order.
+    backward: their gradients -> row gradients, each encoder replica receiving every row's gradient
     once, from one LLM replica."""
 
     @staticmethod
@@ -226,28 +255,67 @@ class BoundaryExchange(torch.autograd.Function):
 
 
 def boundary_exchange(rows: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
-    """Colocated: differentiable re-layout of encoder rows into this rank's LLM input slots.
-    `group` must span every rank of the edge's modules (peers are its ranks; None: the world)."""
+    """Colocated: differentiable re-layout of encoder rows into this rank's LLM side's rows (its
+    filled slots, in order). `group` must span every rank of the edge's modules (peers are its
+    ranks; None: the world)."""
     return BoundaryExchange.apply(rows, plan, group)
 
 
 def exchange_gradients(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
-    """Colocated, outside autograd: slot gradients [num_dest_slots, h] -> row gradients
-    [num_source_rows, h] (boundary_exchange's backward; schedules that recompute the encoder
-    call it once the LLM is done)."""
+    """Colocated, outside autograd: the LLM side's row gradients [filled slots, h] -> encoder row
+    gradients [num_source_rows, h] (boundary_exchange's backward; schedules that recompute the
+    encoder call it once the LLM is done)."""
     moves = _moves_for(plan, "backward", grad_slots.device)
     return complete([_transfer(grad_slots.detach().contiguous(), moves, grad_slots, True, group)])[0]
 
 
-def slot_mask(plan: RankPlan, device) -> torch.Tensor:
-    """[num_dest_slots] bool: the slots that this rank's LLM input takes from the boundary
-    (cached on the plan; do not modify)."""
-    key = ("slot_mask", str(device))
+def filled_slots(plan: RankPlan, device) -> torch.Tensor:
+    """[filled] int64: the slots (of this rank's LLM input [b_local * seq], sample-major) that its
+    boundary rows fill, in their order (cached on the plan; do not modify)."""
+    key = ("filled", str(device))
     if key not in plan.cache:
-        mask = torch.zeros(plan.num_dest_slots, dtype=torch.bool, device=device)
-        mask[torch.as_tensor(plan.forward.recv_index, device=device)] = True
-        plan.cache[key] = mask
+        plan.cache[key] = torch.as_tensor(_filled(plan), device=device)
     return plan.cache[key]
+
+
+def input_rows(plan: RankPlan, b_local: int, device) -> torch.Tensor:
+    """[filled] int64: where this rank's boundary rows go in its LLM input embedding, which is
+    sequence-first [seq, b_local, h], as rows of its [seq * b_local, h] view (cached on the plan)."""
+    key = ("input_rows", b_local, str(device))
+    if key not in plan.cache:
+        slots = _filled(plan)
+        seq = plan.num_dest_slots // max(b_local, 1)
+        plan.cache[key] = torch.as_tensor(slots % seq * b_local + slots // seq, device=device)
+    return plan.cache[key]
+
+
+class WriteRows(torch.autograd.Function):
+    """forward: `rows` [n, h] written into `embedding` [s, b, h] in place, at rows `at` [n] of its
+    [s * b, h] view (input_rows): one pass over the rows, none over the rest.
+    backward: the rows' gradients gathered from there; the embedding's gradient with them zeroed
+    (whole-row kernels: index_select, index_fill; autograd's own in-place write on a view would
+    copy the whole embedding, and its 2-D advanced indexing runs per element)."""
+
+    @staticmethod
+    def forward(ctx, embedding: torch.Tensor, rows: torch.Tensor, at: torch.Tensor):
+        ctx.mark_dirty(embedding)
+        ctx.save_for_backward(at)
+        ctx.rows_dtype = rows.dtype
+        embedding.view(-1, embedding.shape[-1]).index_copy_(0, at, rows.to(embedding.dtype))
+        return embedding
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (at,) = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_rows = flat.index_select(0, at).to(ctx.rows_dtype)
+        return flat.index_fill(0, at, 0).view_as(grad), grad_rows, None
+
+
+def write_rows(embedding: torch.Tensor, rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The LLM's input embedding [s, b, h] (contiguous) with this rank's boundary `rows` in place
+    of the text at `at` (input_rows); differentiable in both."""
+    return WriteRows.apply(embedding, rows, at)
 
 
 # ---- non-colocated: one transfer per side and microbatch, posted by the caller ------------------
@@ -266,12 +334,12 @@ def forward_sends(rows: torch.Tensor, plan: RankPlan, group=None) -> Transfer:
 
 
 def forward_recvs(plan: RankPlan, like: torch.Tensor, group=None) -> Transfer:
-    """LLM side: this microbatch's rows; the result is its input slots."""
+    """LLM side: this microbatch's rows; the result is the rows of its filled slots, in order."""
     return _transfer(None, _disjoint_moves(plan, "forward", like.device), like, True, group)
 
 
 def backward_sends(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> Transfer:
-    """LLM side: this microbatch's slot gradients (one replica per row)."""
+    """LLM side: this microbatch's gradients of its boundary rows (one replica per row)."""
     moves = _disjoint_moves(plan, "backward", grad_slots.device)
     return _transfer(grad_slots.detach(), moves, grad_slots, False, group)
 
@@ -286,18 +354,18 @@ def backward_recvs(plan: RankPlan, like: torch.Tensor, group=None) -> Transfer:
 
 def split_sends(source: torch.Tensor, plan: RankPlan, direction: str, group=None) -> Transfer:
     """Colocated, as a schedule that runs the two sides of the boundary at different times posts
-    it: this rank's rows ("forward") or slot gradients ("backward") for the other ranks. The part it
-    routes to itself is delivered by `split_recvs`."""
+    it: this rank's rows ("forward") or its LLM side's row gradients ("backward") for the other
+    ranks. The part it routes to itself is delivered by `split_recvs`."""
     moves = _moves_for(plan, direction, source.device)
     return _transfer(source.detach().contiguous(), moves, source, False, group)
 
 
 def split_recvs(plan: RankPlan, direction: str, like: torch.Tensor, own: torch.Tensor | None,
                 group=None) -> Transfer:
-    """The receiving side of `split_sends`: the LLM input slots ("forward", `like` a boundary row)
+    """The receiving side of `split_sends`: the LLM side's rows ("forward", `like` a boundary row)
     or the encoder's row gradients ("backward", `like` its rows); `own` is this rank's side of the
-    same microbatch (its rows, or its slot gradients), whose part routed to itself is copied in;
-    None where the rank routes nothing to itself."""
+    same microbatch (its rows, or its LLM side's row gradients), whose part routed to itself is
+    copied in; None where the rank routes nothing to itself."""
     moves = _moves_for(plan, direction, like.device)
     assert own is not None or not len(moves.local_src), "rows routed to this rank need its own side"
     source = None if own is None else own.detach()

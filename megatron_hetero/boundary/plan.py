@@ -192,6 +192,11 @@ class RankPlan:
     # Execution state derived from the routes (index tensors per device), filled by exchange.py.
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def num_dest_rows(self) -> int:
+        """Rows of this rank's LLM side: the slots the boundary fills, one row each (exchange.py)."""
+        return int(self.forward.recv_counts.sum())
+
 
 def check_edge_layouts(encoder: ModuleLayout, llm: ModuleLayout) -> None:
     """Layout pairs the boundary cannot serve; raises BoundaryError naming the field to change."""

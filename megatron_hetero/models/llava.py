@@ -140,6 +140,6 @@ class LLaVAAdapter:
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         if module.first_stage:
-            hidden = media[self.vision].slots.view(share.stop - share.start, self.img_seq_len, -1).transpose(0, 1)
+            hidden = media[self.vision].rows.view(share.stop - share.start, self.img_seq_len, -1).transpose(0, 1)
         module.part.set_input_tensor(hidden)
         return module.part(**self._arguments(call, share))

@@ -17,6 +17,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.boundary.exchange import write_rows
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
@@ -180,8 +181,9 @@ def llm_forward(
     documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One pipeline stage of the LLM. input_ids [b, s] and position_ids [b, s] are this rank's
-    (CP-local) sequence; on the first stage `media` holds, per encoder, the boundary's slots
-    [s', b, h] and their mask [s', b] (s' the SP-local length), merged into the text embedding;
+    (CP-local) sequence; on the first stage `media` holds, per encoder, the boundary's rows [n, h]
+    and where they go in the text embedding [s', b, h] (s' the SP-local length; rows [n] of its
+    [s' * b, h] view: boundary.input_rows), written there in place of the text;
     later stages take the previous stage's `hidden` instead. `documents` [b, S]: a packed batch's
     sample of every position of the whole sequence (attention stays within one).
 
@@ -190,8 +192,10 @@ def llm_forward(
     decoder_input = None
     if llm.pre_process:
         decoder_input = llm.embedding(input_ids=input_ids, position_ids=position_ids)
-        for slots, mask in media:
-            decoder_input = torch.where(mask[..., None], slots.to(decoder_input.dtype), decoder_input)
+        for rows, at in media:
+            # In place (the embedding's backward does not read its output; autograd's version
+            # check guards that): one pass over the image rows, none over the text.
+            decoder_input = write_rows(decoder_input, rows, at)
     else:
         llm.set_input_tensor(hidden)
     packed = None

@@ -14,7 +14,7 @@ the items by cost (boundary.assign_items). On the last LLM stage the model retur
 import numpy as np
 import torch
 
-from megatron_hetero.boundary import BoundaryBatch, assign_items, slot_mask
+from megatron_hetero.boundary import BoundaryBatch, assign_items, input_rows
 from megatron_hetero.data.sample_batch import DOCUMENTS_KEY, counts_key, positions_key
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.init import build_stage
@@ -100,13 +100,10 @@ class VLMAdapter:
         positions = cp_positions(self.sizes.seq_length, llm.cp, coords["cp"])
         ids, labels, loss_mask = (None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
                                   for key in ("input_ids", "labels", "loss_mask"))
-        seq, b_local = self._llm_seq_local(), ids.shape[0]
-        # Slots are sample-major (plan.py); the merge reads them sequence-first. The mask is made
-        # sequence-first contiguous so that the merged input is (its layout leads torch.where's).
-        views = [(m.slots.view(b_local, seq, -1).transpose(0, 1),
-                  slot_mask(m.plan, _device()).view(b_local, seq).t().contiguous()) for m in media.values()]
+        b_local = ids.shape[0]
+        rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)
         documents = None if documents is None else documents[share].to(_device())
-        out = llm_forward(module.part, ids, positions.to(_device())[None].expand_as(ids), views,
+        out = llm_forward(module.part, ids, positions.to(_device())[None].expand_as(ids), rows,
                           labels, hidden, documents)
         return out, loss_mask

@@ -22,10 +22,11 @@ from megatron_hetero.training.timers import PhaseTimers
 
 @dataclass
 class Media:
-    """What the boundary delivered to this LLM rank for one encoder and microbatch: its input slots
-    [b_local * seq, h] (sample-major: plan.py) and the plan that says which are filled."""
+    """What the boundary delivered to this LLM rank for one encoder and microbatch: the rows its
+    input takes from the encoder [filled slots, h], in slot order, and the plan that says which
+    slots they fill (boundary.filled_slots, boundary.input_rows)."""
 
-    slots: torch.Tensor
+    rows: torch.Tensor
     plan: RankPlan
 
 

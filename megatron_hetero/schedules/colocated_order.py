@@ -152,3 +152,20 @@ def simulate(orders: list[list[Op]], durations, gang: bool = False) -> tuple[flo
             raise RuntimeError(f"deadlock at {[orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])]}")
     step = max(free)
     return step, [step - b for b in busy]
+
+
+def predicted_step(schedule: str, pp: int, num_microbatches: int, encoder_share: float, gang: bool = False) -> float:
+    """The step's length on the ideal timeline (an LLM stage's forward = 1, backward = 2) with one
+    trainable encoder whose forward per microbatch takes `encoder_share` (its backward twice that).
+    "recompute" runs as three-phase with each encoder backward preceded by its forward again.
+    `gang`: the encoder's ops synchronize every stage (its TP/CP groups span LLM stages)."""
+    order = "three-phase" if schedule == "recompute" else schedule
+    extra = encoder_share if schedule == "recompute" else 0.0
+
+    def durations(stage, op):
+        if op.kind in ("EF", "EB"):
+            return encoder_share * (BACKWARD if op.kind == "EB" else FORWARD) + (extra if op.kind == "EB" else 0.0)
+        return BACKWARD if op.kind == "B" else FORWARD
+
+    orders = [colocated_order(order, s, pp, num_microbatches, ["encoder"], ["encoder"]) for s in range(pp)]
+    return simulate(orders, durations, gang=gang)[0]

@@ -82,8 +82,8 @@ class EncoderStage:
 class LLMStage:
     """This rank's LLM stage over the step's microbatches.
 
-    On the first stage each microbatch's image/audio slots come either through the boundary
-    (non-colocated: the step's plans) or ready-made (`media`: encoder name -> per-microbatch slots,
+    On the first stage each microbatch's image/audio rows come either through the boundary
+    (non-colocated: the step's plans) or ready-made (`media`: encoder name -> per-microbatch rows,
     colocated; their gradients are kept in `media_grads`). The last stage runs the script's loss
     function (Megatron's forward_step); forward-only keeps the step's losses without a graph.
     """
@@ -119,7 +119,7 @@ class LLMStage:
             for name, s in slots.items():
                 s = s.detach().requires_grad_(self.runs_backward and name in self.trainable)
                 media[name] = Media(s, self.ctx.plans[name][i])
-            inputs = [media[n].slots for n in self.trainable if n in media]
+            inputs = [media[n].rows for n in self.trainable if n in media]
         else:
             hidden = received[0].requires_grad_(self.runs_backward)
             inputs = [hidden]

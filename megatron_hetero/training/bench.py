@@ -221,8 +221,8 @@ class _BackwardPhases:
 
     def llm_forward(self, module, call, share, media, hidden):
         for m in media.values():
-            if m.slots.grad_fn is not None:  # exchanged in this graph, not received as a leaf
-                self._switch_at_grad(m.slots, "boundary")
+            if m.rows.grad_fn is not None:  # exchanged in this graph, not received as a leaf
+                self._switch_at_grad(m.rows, "boundary")
         return self.adapter.llm_forward(module, call, share, media, hidden)
 
 
