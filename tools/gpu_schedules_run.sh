@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo model on 2 GPUs (NCCL) under the schedules: non-colocated (vision on GPU 0, LLM on GPU 1,
-# 1F1B over 4 microbatches a step), colocated with LLM CP2, colocated with LLM PP2, and two encoders
-# colocated; per run the last log lines: tokens/s, the waiting share per rank, the caption accuracy.
+# 1F1B over 4 microbatches a step), colocated with LLM CP2, colocated with LLM PP2 (under each
+# --hetero-colocated-schedule), and two encoders colocated; per run the last log lines: tokens/s, the waiting share per rank, the caption accuracy.
 # Usage: [ONLY="non_colocated colocated_cp2"] [EXTRA="--train-iters 300"] tools/gpu_schedules_run.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -24,6 +24,8 @@ PY
 run non_colocated gpu2_non_colocated
 run colocated_cp2 gpu2_colocated_cp2
 run colocated_pp2 gpu2_colocated_pp2
+run colocated_pp2_three_phase gpu2_colocated_pp2 --hetero-colocated-schedule three-phase
+run colocated_pp2_bubbles gpu2_colocated_pp2 --hetero-colocated-schedule bubbles
 run colocated_two_encoders gpu2_colocated_two_encoders --seq-length 40
 run non_colocated_bf16 gpu2_non_colocated --bf16
 run colocated_cp2_bf16 gpu2_colocated_cp2 --bf16

@@ -48,13 +48,11 @@ class _Moves:
     recv_index: torch.Tensor  # where rows from other ranks land, peers in rank order
     recv_peers: list  # (peer, start, count) into recv_index
     num_dest: int
-    # Zero-copy cases: remote rows to send / to receive form one contiguous range (start, stop);
-    # every destination slot is written (no zero fill).
+    # Zero-copy cases: remote rows to send / to receive form one contiguous range (start, stop).
     send_range: tuple | None
     recv_range: tuple | None
     local_src_range: tuple | None
     local_dst_range: tuple | None
-    fills_dest: bool
     # Remote rows as point-to-point messages straight from the source rows into the destination,
     # (peer, start, count) each: no gather before sending, no scatter after receiving (plan.py's
     # Routes.send_messages / recv_messages); None: the gather / scatter above.
@@ -122,12 +120,13 @@ def _moves(routes: Routes, rank: int, num_dest: int, device, filled: np.ndarray 
     recv_index, recv_peers = remote(recv_index, recvs)
     on = lambda index: torch.as_tensor(index, device=device)  # noqa: E731
     send_messages, recv_messages = _messages(routes, send_messages, recv_messages)
+    # Every destination row is written once (the LLM side holds only its filled slots; every
+    # encoder row gets its gradient): destinations need no zero fill.
+    assert len(recv_index) + len(local_dst) == num_dest, (len(recv_index), len(local_dst), num_dest)
     return _Moves(
         on(local_src), on(local_dst), on(send_index), send_peers, on(recv_index), recv_peers,
         num_dest, _as_range(send_index), _as_range(recv_index), _as_range(local_src),
-        _as_range(local_dst),
-        fills_dest=len(recv_index) + len(local_dst) == num_dest,  # each slot is written once
-        send_messages=send_messages, recv_messages=recv_messages,
+        _as_range(local_dst), send_messages=send_messages, recv_messages=recv_messages,
     )
 
 
@@ -213,7 +212,7 @@ def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group, s
     local = source is not None and receive and len(moves.local_src) > 0
     whole = local and moves.local_dst_range == (0, moves.num_dest)
     if receive and not whole:
-        dest = (like.new_empty if moves.fills_dest else like.new_zeros)(moves.num_dest, hidden)
+        dest = like.new_empty(moves.num_dest, hidden)
         if moves.recv_messages is not None:
             ops += [dist.P2POp(dist.irecv, dest[t : t + n], p, group) for p, t, n in moves.recv_messages]
         else:
