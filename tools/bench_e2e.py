@@ -13,7 +13,8 @@ waiting: each phase synchronized, so the breakdown sums to more than the free-ru
 phase's slowest rank is reported), and peak memory per GPU. On GPUs the weights are bf16 with fp32 main
 params in megatron-core's optimizer (Megatron's --bf16; the record's `precision` says so; records
 from before the move to megatron.training kept fp32 weights under bf16 autocast); --fp32 and CPUs:
-fp32.
+fp32. Colocated layouts with LLM pp>1 run under --colocated-schedule (recompute, three-phase,
+bubbles: README, Schedules).
 
 Workloads: the presets of megatron_hetero.planner.presets, the table plan_layout.py plans (bf16;
 images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27 layers, 16 heads;
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from megatron_hetero.planner import BENCH_WORKLOADS
+from megatron_hetero.schedules.colocated_order import SCHEDULES
 from megatron_hetero.training.bench import (
     PHASES,
     measure,
@@ -48,6 +50,7 @@ from megatron_hetero.training.bench import (
 
 
 def run(opts) -> dict:
+    from megatron_hetero import rules
     from megatron_hetero.layout import load_layout
     from megatron_hetero.training.args import ArgsError, check_args, check_trainable
 
@@ -59,9 +62,13 @@ def run(opts) -> dict:
     if w.frozen and not all(m.freeze for m in layout.encoders):
         raise ArgsError(f"workload {w.name} freezes the encoder: use a layout with freeze: true on it "
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
+    rules.check(ArgsError, rules.colocated_schedule_problem(layout.placement, layout.llm, opts.colocated_schedule))
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
-    with megatron_session(w, opts.hetero_layout, bf16) as session:
-        record = measure(session, w, Path(opts.hetero_layout).stem, opts.warmup, opts.steps, opts.out)
+    extra, name = [], Path(opts.hetero_layout).stem
+    if opts.colocated_schedule != "recompute":
+        extra, name = ["--hetero-colocated-schedule", opts.colocated_schedule], f"{name} ({opts.colocated_schedule})"
+    with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
+        record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
         if opts.profile:
             session.hetero.timers.enabled = False  # the free-running step
             profile_step(session, opts.profile)
@@ -110,6 +117,9 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="samples per LLM DP rank and microbatch (default: the workload's; 0: the "
                              "smallest the layout accepts)")
+    parser.add_argument("--colocated-schedule", choices=SCHEDULES, default="recompute",
+                        help="colocated layouts with LLM pp>1: --hetero-colocated-schedule (the record's layout "
+                             "name says which, unless recompute)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true",

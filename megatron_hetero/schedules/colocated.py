@@ -107,12 +107,14 @@ def _ordered_step(ctx: StepContext) -> None:
                 saved[op.encoder, op.i] = rows
             if stage.first:
                 stage.own_rows[op.encoder, op.i] = rows.detach()
-            link.exchange([split_sends(rows, ctx.plans[op.encoder][op.i], "forward", stage.rows_group)], [])
+            with ctx.timers("boundary"):
+                link.exchange([split_sends(rows, ctx.plans[op.encoder][op.i], "forward", stage.rows_group)], [])
         elif op.kind == "EB":
             rows = saved.pop((op.encoder, op.i))
             own = stage.own_grads.pop((op.encoder, op.i), None)
-            (grad_rows,) = link.exchange(
-                [], [split_recvs(ctx.plans[op.encoder][op.i], "backward", rows, own, stage.grads_group)])
+            with ctx.timers("boundary"):
+                (grad_rows,) = link.exchange(
+                    [], [split_recvs(ctx.plans[op.encoder][op.i], "backward", rows, own, stage.grads_group)])
             if op == last_backward[op.encoder]:
                 ctx.last_backward(run.encoders[op.encoder])
             with ctx.timers("encoder-backward"):
