@@ -47,6 +47,18 @@ def test_cp_positions_rejects_bad_layouts(seq_len, cp, cp_rank):
         cp_positions(seq_len, cp, cp_rank)
 
 
+def test_packed_llm_keeps_our_attention_where_te_imports(monkeypatch):
+    """Packed sequences need attention kept within each sample (our SDPAttention reads seq_idx);
+    with Transformer Engine importable the LLM would otherwise get TE's, which attends across them."""
+    from megatron_hetero.models import specs
+    from megatron_hetero.models.attention import SDPAttention
+
+    monkeypatch.setattr(specs, "HAVE_TE", True)
+    assert specs.llm_uses_te(packed=False) and not specs.llm_uses_te(packed=True)
+    layer = specs.llm_layer_spec(None, te=specs.llm_uses_te(packed=True))
+    assert layer.submodules.self_attention.submodules.core_attention is SDPAttention
+
+
 # ---- distributed: one launch computes (got, want) pairs for every test below ----------------------
 def _sizes():
     from megatron_hetero.models.sizes import ModelSizes

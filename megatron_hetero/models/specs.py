@@ -44,11 +44,20 @@ def _norm_spec(pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
     return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group})
 
 
-def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_experts: int | None = None) -> ModuleSpec:
+def llm_uses_te(packed: bool) -> bool:
+    """Transformer Engine's layers for the LLM where TE imports, but not for packed sequences: our
+    attention keeps each packed sample's tokens to themselves (PackedSeqParams.seq_idx); TE's would
+    need the thd layout and cu_seqlens, which this runtime does not build, and would otherwise
+    attend across samples."""
+    return HAVE_TE and not packed
+
+
+def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_experts: int | None = None,
+                   te: bool = HAVE_TE) -> ModuleSpec:
     """Causal decoder layer for the LLM. pg_collection: the LLM's groups, needed (for the norms'
     TP group) with sequence parallelism and without Transformer Engine; num_experts: megatron-core's
-    MoE layer (SequentialMLP experts) for the MLP."""
-    if HAVE_TE:
+    MoE layer (SequentialMLP experts) for the MLP; te: Transformer Engine's layers (llm_uses_te)."""
+    if te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
     return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts), pg_collection)
 
@@ -61,14 +70,14 @@ def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> M
 
 
 def block_spec(
-    layer: ModuleSpec, config: TransformerConfig, pg_collection: ProcessGroupCollection
+    layer: ModuleSpec, config: TransformerConfig, pg_collection: ProcessGroupCollection, te: bool = HAVE_TE
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The `spec` for TransformerBlock (GPTModel's `transformer_layer_spec`) from a layer spec.
 
-    With Transformer Engine the layer spec itself (the block's final norm is TE's). Without, the
-    block's final norm would be megatron's torch norm, which refuses sequence parallelism: the
-    layers of this pipeline stage are listed with our norm as the final one."""
-    if HAVE_TE:
+    With Transformer Engine's layers (`te`) the layer spec itself (the block's final norm is TE's).
+    With ours, the block's final norm would be megatron's torch norm, which refuses sequence
+    parallelism: the layers of this pipeline stage are listed with our norm as the final one."""
+    if te:
         return layer
     num_layers = get_num_layers_to_build(config, pp_rank=get_pg_rank(pg_collection.pp))
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm_spec(pg_collection))

@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_hetero.boundary.exchange import write_rows
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch
+from megatron_hetero.models import specs
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
@@ -119,12 +120,13 @@ def build_audio_encoder(
 
 def build_llm(
     sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
-    whole: bool = False, sp: bool = False, transformer_layer_spec=None, **config_overrides,
+    whole: bool = False, sp: bool = False, transformer_layer_spec=None, packed: bool = False, **config_overrides,
 ) -> GPTModel:
     """This rank's LLM stage; its CP size is `pgs.cp`'s (the sequence layout does not change the
     weights), `sp` turns on sequence parallelism; transformer_layer_spec replaces our layers (e.g.
-    megatron-core's local spec, to compare); config_overrides: further TransformerConfig fields
-    (e.g. num_query_groups)."""
+    megatron-core's local spec, to compare); `packed`: it will see packed sequences (our attention
+    even where Transformer Engine imports: specs.llm_uses_te); config_overrides: further
+    TransformerConfig fields (e.g. num_query_groups)."""
     pp, first, last = _stage(pgs, whole)
     arch = sizes.llm_arch
     fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
@@ -133,9 +135,10 @@ def build_llm(
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
                      cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
+    te = specs.llm_uses_te(packed)
     return GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts), config, pgs),
+        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te), config, pgs, te),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
         pre_process=first,

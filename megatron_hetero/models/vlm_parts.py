@@ -26,8 +26,9 @@ from megatron_hetero.runtime.model import ModelCall, ModelParts
 
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
-                    dtype: torch.dtype = torch.float32) -> ModelParts:
-    """This rank's stage of every module it holds, its weights in `dtype`;
+                    dtype: torch.dtype = torch.float32, packed: bool = False) -> ModelParts:
+    """This rank's stage of every module it holds, its weights in `dtype` (`packed`: the LLM sees
+    packed sequences, --pack-samples);
     module i of the layout from seed + i, so a module's weights do not depend on what else a rank
     holds, nor on its TP or PP size."""
     parts = {}
@@ -38,7 +39,7 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
         if layout.role == "llm":
             def build(whole, layout=layout, module=module):
                 pgs = module.groups.all_experts_here() if whole else module.pgs
-                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp)
+                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed)
         else:
             def build(whole, layout=layout, pgs=pgs):
                 return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole)
