@@ -61,8 +61,9 @@ class HeteroRun:
     phase: str = "setup"  # what this rank is doing, outside the schedules' named phases (failure reports)
     watchdog: object = None  # this rank's heartbeats (runtime/watchdog.py), once started
     colocated_schedule: str = "recompute"  # colocated, LLM pp > 1: schedules/colocated_order.py
-    # Colocated, LLM pp > 1: world groups of their own for the boundary's rows and its gradients,
-    # so that their point-to-point messages never pair with the pipeline's or each other's.
+    # An ordered colocated schedule (not recompute): world groups of their own for the boundary's
+    # rows and its gradients, so that their point-to-point messages never pair with the pipeline's
+    # or each other's.
     boundary_groups: tuple | None = None
 
     @property
@@ -88,7 +89,7 @@ def build_run(layout: HeteroLayout, colocated_schedule: str = "recompute") -> He
     """Collective over the world: every module's process groups."""
     groups = build_groups(layout)
     boundary_groups = None
-    if layout.placement == "colocated" and layout.llm.pp > 1:
+    if layout.placement == "colocated" and layout.llm.pp > 1 and colocated_schedule != "recompute":
         boundary_groups = tuple(dist.new_group(list(range(layout.world_size))) for _ in ("rows", "grads"))
     return HeteroRun(layout, dist.get_rank(), {name: ModuleRuntime(g) for name, g in groups.items()},
                      colocated_schedule=colocated_schedule, boundary_groups=boundary_groups)
