@@ -20,6 +20,8 @@ from megatron_hetero.patches import (  # noqa: E402
     checkpointing,
     cpu,
     faults,
+    fused_adam,
+    grad_accum_fusion,
     grad_sync,
     hetero_data,
     hetero_init,
@@ -54,6 +56,8 @@ def apply() -> None:
     rerun.apply()
     layer_specs.apply()
     rope.apply()
+    grad_accum_fusion.apply()
+    fused_adam.apply()
 
 
 __all__ = ["apply", "PatchError"]

@@ -4,7 +4,8 @@
   Makefile but with the compiled `helpers_cpp`: use it when it imports;
 - `initialize_megatron` asserts CUDA unless `allow_no_cuda`: allowed when no GPU is present;
 - the local spec's fused kernels (persistent layer norm, bias-gelu/swiglu/dropout fusion, masked
-  softmax, gradient-accumulation fusion) need apex or TE: without them the flags default off;
+  softmax) need apex or TE: without them the flags default off (gradient-accumulation fusion stays:
+  grad_accum_fusion.py runs it on torch's GEMM);
 - CLIPViTModel builds `ln_pre` from torch's LayerNorm when TE is absent and passes it `config=`:
   megatron-core's WrappedTorchNorm takes that signature.
 """
@@ -16,7 +17,7 @@ import torch
 from megatron_hetero.patches._patch import replace
 
 FUSION_FLAGS = ("persist_layer_norm", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
-                "masked_softmax_fusion", "gradient_accumulation_fusion")
+                "masked_softmax_fusion")
 
 
 def has_te() -> bool:

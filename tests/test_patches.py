@@ -2,6 +2,7 @@
 replaces it once, and that a patch refuses upstream code it was not written for (one line)."""
 
 import contextlib
+import copy
 import re
 
 import megatron.core
@@ -31,6 +32,7 @@ TARGETS = [
     "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.finish_grad_sync",
     "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.reset",
     "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
+    "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
 ]
 CPU_TARGETS = [
     "megatron.training.arguments.get_device_arch_version",
@@ -196,3 +198,94 @@ def test_fused_rope_is_upstreams_rope(dtype):
         assert torch.equal(rope.rotate(t, *rope.cos_sin(freqs, mscale, t.dtype)), upstream(t, freqs, mscale=mscale))
     apply()
     assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(t, freqs), upstream(t, freqs))
+
+
+def _accumulate_in_linear_layers(rank, world_size):
+    """Without apex, after apply(): megatron-core's linear layers take gradient_accumulation_fusion
+    (Megatron's default flag survives validation) and accumulate each weight gradient into its
+    main_grad over microbatches, equal to autograd's summed gradients; a weight shared with another
+    use (zero_out_wgrad, as tied embeddings) keeps the other use's gradient through DDP's hook."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_hetero.patches import startup
+
+    apply()
+    assert layers._grad_accum_fusion_available
+    args = type("Args", (), {"gradient_accumulation_fusion": True})()
+    startup.disable_unavailable_fusions(args)
+    assert args.gradient_accumulation_fusion
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, gradient_accumulation_fusion=True,
+                               use_cpu_initialization=True)
+    def init(weight):
+        return torch.nn.init.normal_(weight, std=0.1)
+    group = dist.group.WORLD
+    column = ColumnParallelLinear(8, 12, config=config, init_method=init, bias=False, gather_output=True,
+                                  tp_group=group)
+    row = RowParallelLinear(12, 8, config=config, init_method=init, bias=False, input_is_parallel=True,
+                            skip_bias_add=True, tp_group=group)
+    weights = [column.weight, row.weight]
+    reference = [w.detach().clone().requires_grad_() for w in weights]
+    for w in weights:
+        w.main_grad = torch.zeros_like(w)
+        w.grad_added_to_main_grad = False
+    row.weight.zero_out_wgrad = True
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # microbatches
+        x = torch.randn(5, 2, 8, generator=gen)
+        out, _ = row(column(x)[0])
+        # The row weight's second use, as an embedding's lookup beside the output layer.
+        (out.square().sum() + (row.weight * 0.5).sum()).backward()
+        for w in weights:  # DDP's hook
+            assert w.grad_added_to_main_grad
+            if w.grad is not None and getattr(w, "zero_out_wgrad", False):
+                w.main_grad.add_(w.grad)
+            w.grad = None
+        hidden = x @ reference[0].t()
+        ((hidden @ reference[1].t()).square().sum() + (reference[1] * 0.5).sum()).backward()
+    for w, want in zip(weights, reference):
+        torch.testing.assert_close(w.main_grad, want.grad)
+
+
+def test_gradient_accumulation_fusion_without_apex():
+    run_distributed(_accumulate_in_linear_layers, 1)
+
+
+def test_fused_adam(monkeypatch):
+    """The optimizer megatron-core builds (its torch AdamW inside a wrapper) runs torch's fused kernel,
+    also after loading a state saved by the foreach one, and steps as the foreach reference does.
+    Here on the CPU, where torch has the fused kernel too (the patch keeps CPU runs on foreach)."""
+    from megatron_hetero.patches import fused_adam
+
+    monkeypatch.setattr(fused_adam, "DEVICE_TYPES", ("cpu",))
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(6, 4, generator=gen), torch.randn(4, generator=gen)]
+    grads = [[torch.randn(p.shape, generator=gen) for p in start] for _ in range(4)]
+
+    def adamw(foreach: bool):
+        params = [p.clone().requires_grad_() for p in start]
+        return torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, foreach=foreach)
+
+    reference = adamw(foreach=True)
+    wrapper = type("Float16Optimizer", (), {})()
+    wrapper.optimizer = adamw(foreach=True)
+    built = fused_adam._fused(lambda config, model_chunks, param_groups: wrapper)(None, None, None)
+    assert built is wrapper
+
+    def step(optimizer, i):
+        for p, g in zip(optimizer.param_groups[0]["params"], grads[i]):
+            p.grad = g.clone()
+        optimizer.step()
+
+    inner = wrapper.optimizer
+    for i in range(2):
+        assert inner.param_groups[0]["fused"] and not inner.param_groups[0]["foreach"]
+        step(inner, i), step(reference, i)
+    inner.load_state_dict(copy.deepcopy(reference.state_dict()))  # a checkpoint of a foreach run
+    for i in range(2, 4):
+        assert inner.param_groups[0]["fused"] and not inner.param_groups[0]["foreach"]
+        step(inner, i), step(reference, i)
+    for p, want in zip(inner.param_groups[0]["params"], reference.param_groups[0]["params"]):
+        torch.testing.assert_close(p, want, rtol=1e-6, atol=1e-6)
+    assert all(state["step"].item() == 4 for state in inner.state.values())

@@ -67,7 +67,6 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp:
         # By default no linear biases (Llama-style): the key bias is in the null space of softmax
         # attention, where Adam would amplify rounding noise into layout-dependent updates.
         add_bias_linear=arch.linear_bias,
-        gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -89,33 +88,35 @@ def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
     return pp, rank == 0, rank == pp - 1
 
 
-def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=TransformerArch(), **kwargs):
+def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=TransformerArch(),
+                   config_overrides=None, **kwargs):
     """cls(encoder config, projector config, *inputs, pgs, **kwargs) as this rank's stage (the whole
     module with `whole`); dims: the encoder's (hidden size, layers, attention heads); config_arch:
-    the encoder config's architecture choices."""
+    the encoder config's architecture choices; config_overrides: further fields of both configs."""
     pp, first, last = _stage(pgs, whole)
-    enc = _config(*dims, tp, dtype, pp, arch=config_arch)
+    overrides = config_overrides or {}
+    enc = _config(*dims, tp, dtype, pp, arch=config_arch, **overrides)
     # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
-    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype)
+    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, **overrides)
     return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last, **kwargs)
 
 
 def build_vision_encoder(
     sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
-    whole: bool = False,
+    whole: bool = False, **config_overrides,
 ) -> VisionEncoder:
     dims = (sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads)
     return _build_encoder(VisionEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype, whole,
-                          sizes.vision_arch, arch=sizes.vision_arch)
+                          sizes.vision_arch, config_overrides, arch=sizes.vision_arch)
 
 
 def build_audio_encoder(
     sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
-    whole: bool = False,
+    whole: bool = False, **config_overrides,
 ) -> AudioEncoder:
     dims = (sizes.audio_hidden_size, sizes.audio_num_layers, sizes.audio_num_attention_heads)
     return _build_encoder(AudioEncoder, dims, (sizes.audio_mel_bins, sizes.audio_frames), sizes, tp, pgs, dtype,
-                          whole)
+                          whole, config_overrides=config_overrides)
 
 
 def build_llm(

@@ -26,11 +26,14 @@ from megatron_hetero.runtime.model import ModelCall, ModelParts
 
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
-                    dtype: torch.dtype = torch.float32, packed: bool = False) -> ModelParts:
+                    dtype: torch.dtype = torch.float32, packed: bool = False,
+                    grad_accum_fusion: bool = False) -> ModelParts:
     """This rank's stage of every module it holds, its weights in `dtype` (`packed`: the LLM sees
-    packed sequences, --pack-samples);
+    packed sequences, --pack-samples; `grad_accum_fusion`: weight gradients accumulate into DDP's
+    main_grad in the GEMM, Megatron's --gradient-accumulation-fusion, for parts DDP wraps);
     module i of the layout from seed + i, so a module's weights do not depend on what else a rank
     holds, nor on its TP or PP size."""
+    fusion = {"gradient_accumulation_fusion": grad_accum_fusion}
     parts = {}
     for index, module in enumerate(run.modules.values()):
         if not module.held:
@@ -39,10 +42,10 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
         if layout.role == "llm":
             def build(whole, layout=layout, module=module):
                 pgs = module.groups.all_experts_here() if whole else module.pgs
-                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed)
+                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed, **fusion)
         else:
             def build(whole, layout=layout, pgs=pgs):
-                return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole)
+                return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole, **fusion)
         parts[module.name] = build_stage(build, seed + index, layout.pp, ep=layout.ep)
     return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision, dtype))
 

@@ -20,7 +20,7 @@ from megatron_hetero.training.args import model_sizes, tokenizer
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
     return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
-                           packed=args.pack_samples > 1)
+                           packed=args.pack_samples > 1, grad_accum_fusion=args.gradient_accumulation_fusion)
 
 
 def conversation_dataset(args, num_samples: int) -> ConversationSamples:

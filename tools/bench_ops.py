@@ -1,0 +1,148 @@
+"""The kernels behind the one-GPU step's non-matmul time, on a workload's own shapes (issue 16):
+
+    python tools/bench_ops.py [--workload W1] [--llm-layers 8] [--json out.jsonl]
+
+- attention: torch SDPA per backend (cuDNN, flash, memory-efficient), forward and forward+backward,
+  for the LLM's causal attention and the vision encoder's, with q, k, v laid out as megatron-core's
+  attention hands them to ours (q and k out of RoPE, v a view of the fused QKV output, all
+  [s, b, h, d] permuted to [b, h, s, d]); TFLOPS counted as bench_e2e counts them (causal: half).
+- wgrad: each LLM linear's weight gradient accumulated into an fp32 main grad: a bf16 GEMM then an
+  fp32 add (megatron-core without gradient-accumulation fusion) vs one GEMM accumulating into it
+  (patches/grad_accum_fusion.py), and the largest difference between the two.
+- adam: one AdamW step over the workload's parameters as fp32 main params: torch's foreach
+  implementation (megatron-core's choice without apex or Transformer Engine) vs its fused one.
+"""
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megatron_hetero.patches.grad_accum_fusion import accumulate_wgrad
+from megatron_hetero.planner.presets import BENCH_WORKLOADS
+from megatron_hetero.training.bench import trainer_vocab_size
+
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def timed(fn, iters: int) -> float:
+    """Milliseconds per call (CUDA events, after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def attention_inputs(b, s, h, d, device):
+    qkv = torch.randn(s, b, h, 3 * d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv.split(d, dim=-1)
+    q, k = q.contiguous(), k.contiguous()  # RoPE's outputs
+    return qkv, [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+
+
+def bench_attention(name, b, s, h, d, causal, iters, device):
+    qkv, (q, k, v) = attention_inputs(b, s, h, d, device)
+    grad = torch.randn(s, b, h * d, device=device, dtype=torch.bfloat16)
+    keys = s / 2 if causal else s
+    fwd_flops = 4 * b * s * keys * h * d
+    for backend, choice in BACKENDS.items():
+        def forward():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal).permute(2, 0, 1, 3).flatten(2)
+
+        def step():
+            forward().backward(grad)
+            qkv.grad = None
+        try:
+            with sdpa_kernel(choice):
+                with torch.no_grad():
+                    fwd = timed(forward, iters)
+                both = timed(step, iters)
+        except RuntimeError as error:
+            yield {"op": "attention", "shape": name, "backend": backend, "error": str(error).splitlines()[0][:120]}
+            continue
+        yield {"op": "attention", "shape": name, "backend": backend, "b": b, "s": s, "heads": h, "head_dim": d,
+               "causal": causal, "fwd_ms": fwd, "bwd_ms": both - fwd, "fwd_tflops": fwd_flops / fwd / 1e9,
+               "bwd_tflops": 2.5 * fwd_flops / (both - fwd) / 1e9}
+
+
+def bench_wgrad(tokens, shapes, iters, device):
+    for name, (n_in, n_out) in shapes.items():
+        x = torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16)
+        g = torch.randn(tokens, n_out, device=device, dtype=torch.bfloat16)
+        main = torch.zeros(n_out, n_in, device=device, dtype=torch.float32)
+        unfused = timed(lambda: main.add_(g.t() @ x), iters)
+        fused = timed(lambda: accumulate_wgrad(x, g, main), iters)
+        reference, result = torch.zeros_like(main), torch.zeros_like(main)
+        reference.add_(g.t() @ x)
+        accumulate_wgrad(x, g, result)
+        yield {"op": "wgrad", "linear": name, "tokens": tokens, "in": n_in, "out": n_out, "unfused_ms": unfused,
+               "fused_ms": fused, "max_abs_diff": (result - reference).abs().max().item(),
+               "max_abs": reference.abs().max().item()}
+
+
+def parameter_shapes(w, llm_layers: int, vocab: int) -> list[tuple[int, ...]]:
+    """The trainer's parameters for a workload (GPTModel without biases; the ViT's linears with
+    biases, LayerNorms with weight and bias; the projector MLP)."""
+    h, e, f_e = w.hidden, w.enc_hidden, 4304
+    llm_layer = [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h), (h,), (h,), (h,), (h,)]
+    vit_layer = [(3 * e, e), (3 * e,), (e, e), (e,), (f_e, e), (f_e,), (e, f_e), (e,), (e,), (e,), (e,), (e,)]
+    return ([(vocab, h), (vocab, h), (h,), (h,)] + llm_layer * llm_layers + vit_layer * w.enc_layers
+            + [(4 * h, e), (4 * h,), (h, 4 * h), (h,)])
+
+
+def bench_adam(shapes, iters, device):
+    grads = [torch.randn(shape, device=device, dtype=torch.float32) * 1e-3 for shape in shapes]
+    count, after_one_step = sum(g.numel() for g in grads), {}
+    for variant in ("foreach", "fused"):
+        params = [torch.ones_like(g, requires_grad=True) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **{variant: True})
+        opt.step()
+        after_one_step[variant] = [p.detach().clone() for p in params]
+        yield {"op": "adam", "variant": variant, "params": count, "tensors": len(params),
+               "step_ms": timed(opt.step, iters)}
+        del opt, params
+    diff = max((a - b).abs().max().item() for a, b in zip(*after_one_step.values()))
+    yield {"op": "adam", "variant": "fused vs foreach, one step from the same state", "max_abs_diff": diff}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=list(BENCH_WORKLOADS), default="W1")
+    parser.add_argument("--llm-layers", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=2, help="bench_e2e's default")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("bench_ops times GPU kernels; no GPU is visible")
+    device, w = torch.device("cuda"), BENCH_WORKLOADS[opts.workload]
+    mb = opts.micro_batch
+    h = w.hidden
+    records = [
+        *bench_attention("llm", mb, w.seq_length, w.heads, h // w.heads, True, opts.iters, device),
+        *bench_attention("vision", mb * w.images_per_sample, w.tokens_per_image, w.enc_heads,
+                         w.enc_hidden // w.enc_heads, False, opts.iters, device),
+        *bench_wgrad(mb * w.seq_length, {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 4 * h), "fc2": (4 * h, h)},
+                     opts.iters, device),
+        *bench_adam(parameter_shapes(w, opts.llm_layers, trainer_vocab_size()), opts.iters, device),
+    ]
+    extra = {"workload": opts.workload, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with open(opts.json, "a") if opts.json else open("/dev/null", "w") as out:
+        for record in records:
+            record = {**record, **extra}
+            print(json.dumps(record))
+            out.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
