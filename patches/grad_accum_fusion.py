@@ -24,6 +24,7 @@ def accumulate_wgrad(input: torch.Tensor, grad_output: torch.Tensor, main_grad: 
     if input.dtype == main_grad.dtype:
         main_grad.addmm_(grad_output.t(), input)
     else:
+        # torch has this GEMM on GPUs only; --bf16 (the only mixed case) is refused on CPUs.
         torch.addmm(main_grad, grad_output.t(), input, out_dtype=main_grad.dtype, out=main_grad)
 
 
