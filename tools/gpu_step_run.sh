@@ -14,6 +14,8 @@ before=/tmp/before_fusion
 rm -rf $before && cp -r . $before
 sed -i '/grad_accum_fusion.apply()\|fused_adam.apply()/d' $before/patches/__init__.py
 sed -i 's/"masked_softmax_fusion")/"masked_softmax_fusion", "gradient_accumulation_fusion")/' $before/patches/startup.py
+grep -q '"gradient_accumulation_fusion")' $before/patches/startup.py && ! grep -q "fused_adam.apply()" \
+  $before/patches/__init__.py || { echo "the copy without the patches could not be made: see the sed lines"; exit 1; }
 e2e() {  # checkout, workload, layout, record tag, extra flags
   (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 240 torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$2" \
     --llm-layers "$LLM_LAYERS" --hetero-layout "examples/layouts/$3.yaml" --out "$out/bench_e2e_$4.jsonl" "${@:5}" \
