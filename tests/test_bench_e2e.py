@@ -97,3 +97,21 @@ def test_nested_phases_count_once_and_switch_relabels():
     with timers("optimizer"):
         timers.switch("llm-backward")
     assert timers.seconds == counted
+
+
+
+def _parameters_as_built(rank, world_size):
+    from megatron_hetero.training.bench import megatron_session
+
+    with megatron_session(BENCH_WORKLOADS["tiny"], str(LAYOUTS / "single.yaml"), bf16=False) as session:
+        return [tuple(p.shape) for p in session.hetero.parameters()]
+
+
+def test_trainer_parameter_shapes_are_the_built_models(tmp_path):
+    """The parameter list bench_ops steps Adam over is the one the trainer builds, shape for shape."""
+    from megatron_hetero.planner.presets import trainer_parameter_shapes
+    from megatron_hetero.training.bench import trainer_vocab_size
+    from tests.distributed import collect_distributed
+
+    (built,) = collect_distributed(_parameters_as_built, 1, tmp_path)
+    assert built == trainer_parameter_shapes(BENCH_WORKLOADS["tiny"], trainer_vocab_size())

@@ -9,19 +9,21 @@
 - wgrad: each LLM linear's weight gradient accumulated into an fp32 main grad: a bf16 GEMM then an
   fp32 add (megatron-core without gradient-accumulation fusion) vs one GEMM accumulating into it
   (patches/grad_accum_fusion.py), and the largest difference between the two.
-- adam: one AdamW step over the workload's parameters as fp32 main params: torch's foreach
-  implementation (megatron-core's choice without apex or Transformer Engine) vs its fused one.
+- adam: one AdamW step over the workload's parameters as the trainer builds them (the LLM
+  --llm-layers deep) as fp32 main params: torch's foreach implementation (megatron-core's choice
+  without apex or Transformer Engine) vs its fused one.
 """
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_hetero.patches.grad_accum_fusion import accumulate_wgrad
-from megatron_hetero.planner.presets import BENCH_WORKLOADS
+from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_parameter_shapes
 from megatron_hetero.training.bench import trainer_vocab_size
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -88,16 +90,6 @@ def bench_wgrad(tokens, shapes, iters, device):
                "max_abs": reference.abs().max().item()}
 
 
-def parameter_shapes(w, llm_layers: int, vocab: int) -> list[tuple[int, ...]]:
-    """The trainer's parameters for a workload (GPTModel without biases; the ViT's linears with
-    biases, LayerNorms with weight and bias; the projector MLP)."""
-    h, e, f_e = w.hidden, w.enc_hidden, 4304
-    llm_layer = [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h), (h,), (h,), (h,), (h,)]
-    vit_layer = [(3 * e, e), (3 * e,), (e, e), (e,), (f_e, e), (f_e,), (e, f_e), (e,), (e,), (e,), (e,), (e,)]
-    return ([(vocab, h), (vocab, h), (h,), (h,)] + llm_layer * llm_layers + vit_layer * w.enc_layers
-            + [(4 * h, e), (4 * h,), (h, 4 * h), (h,)])
-
-
 def bench_adam(shapes, iters, device):
     grads = [torch.randn(shape, device=device, dtype=torch.float32) * 1e-3 for shape in shapes]
     count, after_one_step = sum(g.numel() for g in grads), {}
@@ -134,7 +126,8 @@ def main(argv=None):
                          w.enc_hidden // w.enc_heads, False, opts.iters, device),
         *bench_wgrad(mb * w.seq_length, {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 4 * h), "fc2": (4 * h, h)},
                      opts.iters, device),
-        *bench_adam(parameter_shapes(w, opts.llm_layers, trainer_vocab_size()), opts.iters, device),
+        *bench_adam(trainer_parameter_shapes(replace(w, layers=opts.llm_layers), trainer_vocab_size()), opts.iters,
+                   device),
     ]
     extra = {"workload": opts.workload, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(opts.json, "a") if opts.json else open("/dev/null", "w") as out:

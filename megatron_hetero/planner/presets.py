@@ -155,6 +155,23 @@ def trainer_workload(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> Work
     return Workload((encoder,), llm, global_batch=w.global_batch, micro_batch=w.micro_batch)
 
 
+def trainer_parameter_shapes(w: BenchWorkload, vocab: int) -> list[tuple[int, ...]]:
+    """The shapes of every parameter the trainer builds for the workload, in its order (what its
+    optimizer steps over): the ViT's patch and position embeddings, its layers and final norm, the
+    projector MLP; the LLM's embedding, layers, final norm and output layer. Linear layers without
+    biases (the models' default), LayerNorms with weight and bias; the MLPs of trainer_workload."""
+    shapes = trainer_workload(w, vocab, frozen_encoder=False)
+    enc, llm = shapes.encoders[0], shapes.llm
+    assert not llm.kv_heads, "the bench workloads have no grouped-query attention"
+
+    def layer(h: int, ffn: int) -> list[tuple[int, ...]]:
+        return [(h,), (h,), (h, h), (3 * h, h), (h,), (h,), (ffn, h), (h, ffn)]
+    e, h = enc.hidden, llm.hidden
+    vision = ([(enc.tokens_per_item, e), (e, 3 * w.patch_size**2), (e,)] + layer(e, enc.ffn) * enc.layers
+              + [(e,), (e,), (enc.projector_ffn, e), (h, enc.projector_ffn)])
+    return vision + [(vocab, h)] + layer(h, llm.ffn) * llm.layers + [(h,), (h,), (vocab, h)]
+
+
 def model_flops(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> dict[str, float]:
     """Model FLOPs of one global batch per module, counted by the planner's formulas (forward x3
     when trained, x1 when frozen; projector and logits included)."""
