@@ -16,11 +16,17 @@ Active only while no GPU is present (apply() does nothing with CUDA). Targets me
   (the split sizes all_to_all_single takes) and leaves host tensors as they are, which it refuses;
 - its gather and reduce-scatter of unevenly split tokens over expert-tensor-parallel ranks: gloo
   gathers only equal sizes (padded here to the largest split) and reduce-scatters none (an
-  all-reduce and this rank's rows here).
+  all-reduce and this rank's rows here);
+- Megatron's pretrain never destroys its process groups: gloo's worker threads, still alive when
+  the interpreter ends, then now and then abort a run that ended well ("terminate called without
+  an active exception", exit -6; pytorch/pytorch#190489). They are destroyed at exit, as torch
+  asks, unless an exception ended the run (a peer may still be inside a collective).
 """
 
+import atexit
 import contextlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -166,6 +172,13 @@ def _counting_one_device(original):
 _mode: _CudaToCpu | None = None
 
 
+def destroy_groups_at_clean_exit() -> None:
+    """An exit function: the process groups destroyed unless an uncaught exception ends the run
+    (the interpreter records it as sys.last_exc before it runs the exit functions)."""
+    if dist.is_initialized() and getattr(sys, "last_exc", None) is None:
+        dist.destroy_process_group()
+
+
 def apply() -> None:
     """Install the CPU redirections (idempotent; nothing with CUDA)."""
     global _mode
@@ -178,6 +191,7 @@ def apply() -> None:
 
     # validate_args asks for it with TP or CP; it orders CUDA kernel launches, nothing on CPUs.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    atexit.register(destroy_groups_at_clean_exit)  # before the watchdog's: it runs after it
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
     torch.cuda.default_stream = lambda *args, **kwargs: _HostStream()

@@ -3,7 +3,9 @@ replaces it once, and that a patch refuses upstream code it was not written for 
 
 import contextlib
 import copy
+import os
 import re
+from pathlib import Path
 
 import megatron.core
 import pytest
@@ -289,3 +291,33 @@ def test_fused_adam(monkeypatch):
     for p, want in zip(inner.param_groups[0]["params"], reference.param_groups[0]["params"]):
         torch.testing.assert_close(p, want, rtol=1e-6, atol=1e-6)
     assert all(state["step"].item() == 4 for state in inner.state.values())
+
+
+SCRIPT_AT_EXIT = """
+import atexit, os, sys
+import torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs last
+from megatron_hetero.patches import cpu
+cpu.apply()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+if sys.argv[1] == "raise":
+    raise RuntimeError("the run failed")
+"""
+
+
+@pytest.mark.parametrize("ending, destroyed", [("clean", True), ("raise", False)])
+def test_process_groups_destroyed_at_a_clean_exit(ending, destroyed):
+    """On CPUs (gloo), a run that ends well destroys its process groups at exit (gloo's threads
+    otherwise abort it now and then); one that ends in an exception leaves them."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending, str(port)], capture_output=True,
+                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == (0 if destroyed else 1), result.stderr[-2000:]
+    assert f"initialized at exit: {not destroyed}" in result.stdout, result.stdout[-2000:]
