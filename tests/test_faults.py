@@ -1,6 +1,7 @@
 """Faults during training fail fast with a line that says what happened (issue 18): non-finite
 gradients name their module; a dead rank ends every other rank, named with its phase."""
 
+import io
 import os
 import signal
 import socket
@@ -18,7 +19,8 @@ FLAGS = ["--train-iters", "5", "--global-batch-size", "8", "--micro-batch-size",
 
 def torchrun(args: list, env: dict | None = None, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
     """tests/fault_script.py (examples/pretrain_vlm.py with a fault injected) under torchrun."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), **(env or {}))
+    # Unbuffered, as CI runs: print then writes a line's newline separately, and the ranks share stderr.
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(ROOT / "tests" / "fault_script.py"), *args],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
@@ -98,3 +100,25 @@ def test_dead_rank_stops_every_rank(tmp_path, layout, module, rank, phase, launc
     assert all(f"rank {rank} (last heard in {phase} at iteration 3)" in line for line in lines), lines
     assert "Traceback" not in "\n".join(l for l in out.splitlines() if l.startswith("[rank"))
     assert not _left_running(mark)
+
+
+def test_report_line_is_one_write(monkeypatch):
+    """The watchdog's line reaches stderr in one write with its newline, also when Python runs
+    unbuffered, so lines several ranks report at once into a shared pipe never interleave. stderr is
+    a datagram socket here: each write arrives as its own message."""
+    from megatron_hetero.runtime.watchdog import write_line
+
+    sender, receiver = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with sender, receiver:
+        unbuffered = io.TextIOWrapper(io.FileIO(sender.fileno(), "w", closefd=False), write_through=True)
+        monkeypatch.setattr(sys, "stderr", unbuffered)
+        line = "error: rank 3 stopped in the LLM pipeline at iteration 3: lost rank 2 " + "x" * 300
+        write_line(line)
+        receiver.setblocking(False)
+        messages = []
+        while True:
+            try:
+                messages.append(receiver.recv(1 << 16))
+            except BlockingIOError:
+                break
+    assert messages == [f"{line}\n".encode()]

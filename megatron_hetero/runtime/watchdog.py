@@ -163,8 +163,16 @@ class Watchdog:
             self.store.set(f"{PREFIX}exit/{self.rank}", line)
         except Exception:  # noqa: BLE001 (the store may be what is gone)
             pass
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        write_line(f"error: {line}")
         os._exit(1)
+
+
+def write_line(line: str) -> None:
+    """`line` on stderr in one write: a pipe keeps a write of up to PIPE_BUF bytes whole, so the lines
+    ranks report at the same moment never interleave (print writes the newline separately when
+    Python runs unbuffered, and another rank's line could land between)."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"{line}\n".encode())
 
 
 def describe(beat: str | None) -> str:
