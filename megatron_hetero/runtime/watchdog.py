@@ -172,7 +172,9 @@ def write_line(line: str) -> None:
     ranks report at the same moment never interleave (print writes the newline separately when
     Python runs unbuffered, and another rank's line could land between)."""
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), f"{line}\n".encode())
+    data = f"{line}\n".encode()
+    while data:  # a longer line may be written in parts
+        data = data[os.write(sys.stderr.fileno(), data):]
 
 
 def describe(beat: str | None) -> str:
