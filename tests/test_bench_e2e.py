@@ -99,7 +99,6 @@ def test_nested_phases_count_once_and_switch_relabels():
     assert timers.seconds == counted
 
 
-
 def _parameters_as_built(rank, world_size):
     from megatron_hetero.training.bench import megatron_session
 

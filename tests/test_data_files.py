@@ -7,7 +7,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from megatron_hetero.data.shapes import ShapesDataset, all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.sizes import ModelSizes
-from tests.distributed import run_python
+from tests.distributed import _free_port, run_python
 
 ROOT = Path(__file__).parent.parent
 SIZES = ModelSizes()
@@ -436,9 +435,7 @@ def test_data_errors_are_one_line(tmp_path, data_file, case):
             image.unlink()
         flags, expected = ["--data-path", str(path), "--num-workers", "1"], \
             r"conversations\.json: no usable sample \(first problem: .*missing image"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     env = dict(ENV, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result = run_python([ROOT / "examples" / "pretrain_vlm.py", *FLAGS, "--hetero-layout", LAYOUTS / "single.yaml",
                          *flags], cwd=tmp_path, env=env, timeout=TIMEOUT)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import _free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "examples" / "layouts"
 FLAGS = ["--train-iters", "5", "--global-batch-size", "8", "--micro-batch-size", "2", "--log-interval", "1"]
@@ -44,9 +46,7 @@ def test_nan_gradients_name_the_module(layout):
 
 def _direct(args: list, env: dict, nproc: int) -> list[subprocess.Popen]:
     """The script in `nproc` processes started directly (no torchrun: srun-style launches)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_script.py"), *args],
                              env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
                                       MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), **env),

@@ -13,7 +13,7 @@ import torch
 
 from megatron_hetero import launch
 from megatron_hetero.patches import PatchError, _patch, apply, check_version
-from tests.distributed import run_distributed
+from tests.distributed import _free_port, run_distributed
 
 # The upstream functions (and class) apply() replaces; the CPU ones only where no GPU is present.
 TARGETS = [
@@ -310,14 +310,10 @@ if sys.argv[1] == "raise":
 def test_process_groups_destroyed_at_a_clean_exit(ending, destroyed):
     """On CPUs (gloo), a run that ends well destroys its process groups at exit (gloo's threads
     otherwise abort it now and then); one that ends in an exception leaves them."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending, str(port)], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending, str(_free_port())], capture_output=True,
                             text=True, timeout=300, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == (0 if destroyed else 1), result.stderr[-2000:]
     assert f"initialized at exit: {not destroyed}" in result.stdout, result.stdout[-2000:]

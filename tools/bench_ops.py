@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_hetero.patches.grad_accum_fusion import accumulate_wgrad
-from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_parameter_shapes
+from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_parameter_shapes, trainer_workload
 from megatron_hetero.training.bench import trainer_vocab_size
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -118,16 +118,15 @@ def main(argv=None):
     if not torch.cuda.is_available():
         parser.error("bench_ops times GPU kernels; no GPU is visible")
     device, w = torch.device("cuda"), BENCH_WORKLOADS[opts.workload]
-    mb = opts.micro_batch
-    h = w.hidden
+    mb, vocab = opts.micro_batch, trainer_vocab_size()
+    h, ffn = w.hidden, trainer_workload(w, vocab, frozen_encoder=False).llm.ffn
     records = [
         *bench_attention("llm", mb, w.seq_length, w.heads, h // w.heads, True, opts.iters, device),
         *bench_attention("vision", mb * w.images_per_sample, w.tokens_per_image, w.enc_heads,
                          w.enc_hidden // w.enc_heads, False, opts.iters, device),
-        *bench_wgrad(mb * w.seq_length, {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, 4 * h), "fc2": (4 * h, h)},
+        *bench_wgrad(mb * w.seq_length, {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, ffn), "fc2": (ffn, h)},
                      opts.iters, device),
-        *bench_adam(trainer_parameter_shapes(replace(w, layers=opts.llm_layers), trainer_vocab_size()), opts.iters,
-                   device),
+        *bench_adam(trainer_parameter_shapes(replace(w, layers=opts.llm_layers), vocab), opts.iters, device),
     ]
     extra = {"workload": opts.workload, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(opts.json, "a") if opts.json else open("/dev/null", "w") as out:

@@ -107,7 +107,7 @@ def build_vision_encoder(
 ) -> VisionEncoder:
     dims = (sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads)
     return _build_encoder(VisionEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype, whole,
-                          sizes.vision_arch, config_overrides, arch=sizes.vision_arch)
+                          sizes.vision_arch, config_overrides=config_overrides, arch=sizes.vision_arch)
 
 
 def build_audio_encoder(
