@@ -60,6 +60,10 @@ class ImageProcessing(Protocol):
     def position_ids(self, seq_len: int, image_starts: list[int], grids: list) -> torch.Tensor | None:
         """[3, seq_len] M-RoPE position ids of a sequence whose images start at image_starts, or None."""
 
+    def hf_inputs(self, input_ids: torch.Tensor, media: Media) -> dict:
+        """A family's: transformers' forward arguments beside input_ids [1, S] for a sample's decoded
+        media (`python -m megatron_hetero.hf compare`)."""
+
 
 class TileImages:
     """The reference vision encoder's: an image as one tile of `spec.size` pixels (or a grid of tiles

@@ -70,8 +70,9 @@ class VLMFamily:
     settings_reader: str
     finish: Callable[[ModelSizes, object], ModelSizes] = lambda sizes, config: sizes
     schemes: tuple[KeyScheme, ...] = field(default=(TRANSFORMERS,))
-    # in-memory keys whose tensors are copies of others (tied embeddings): read by neither side
-    copies: Callable[[ModelSizes], tuple[str, ...]] = lambda sizes: ()
+    # in-memory keys whose tensors are copies of others (tied embeddings) -> the key they copy:
+    # the rules read only the original; an export writes a copy where the imported files had it
+    copies: Callable[[ModelSizes], dict[str, str]] = lambda sizes: {}
 
     # ---- Hugging Face config and weights ---------------------------------------------------------
     def sizes(self, config, base: ModelSizes = ModelSizes()) -> ModelSizes:

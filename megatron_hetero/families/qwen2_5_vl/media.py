@@ -83,6 +83,13 @@ class QwenImages:
     def position_ids(self, seq_len: int, image_starts: list[int], grids: list) -> torch.Tensor:
         return mrope_positions(seq_len, image_starts, grids, self.arch.spatial_merge_size)
 
+    def hf_inputs(self, input_ids: torch.Tensor, media: Media) -> dict:
+        """transformers' forward arguments beside input_ids for a sample's decoded media (hf compare)."""
+        types = {"mm_token_type_ids": (input_ids == self.image_tokens.placeholder).int()}
+        if media.grids is None or not len(media.grids):
+            return types
+        return {**types, "pixel_values": media.items, "image_grid_thw": media.grids}
+
 
 def build_media(sizes, settings: dict, config: dict) -> QwenImages:
     return QwenImages(QwenVisionArch.of(sizes), settings, config)
