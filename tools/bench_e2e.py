@@ -24,6 +24,11 @@ microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest t
   (`freeze: true` in the layout); W4, encoder-heavy: 8 images of 448 px, patch 14 -> 1024 tokens,
   through an InternViT-6B-wide ViT (hidden 3200, 25 heads, 15 layers) into the 16K LLM; tiny: a
   CPU-sized check of the tool.
+- qwen2_5_vl_7b: Qwen2.5-VL-7B's own model (families/qwen2_5_vl: its windowed native-resolution ViT,
+  SwiGLU MLPs, the Qwen2 LLM with GQA and M-RoPE, vocabulary 152064), 8 images per sample of 224 x 224
+  to 1344 x 1344 px at native resolution (26144 patches, 6536 rows) into an 8K sequence, global batch
+  4 in microbatches of 1; its ViT's FLOPs counted as it runs (windowed layers attend within their
+  112-px windows); qwen2_5_vl_tiny: its CPU-sized check.
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
 """
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 
 from megatron_hetero.planner import BENCH_WORKLOADS
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.schedules.colocated_order import SCHEDULES
 from megatron_hetero.training.bench import (
     PHASES,
@@ -49,6 +55,9 @@ from megatron_hetero.training.bench import (
 )
 
 
+WORKLOADS = {**BENCH_WORKLOADS, **FAMILY_BENCH_WORKLOADS}
+
+
 def run(opts) -> dict:
     from megatron_hetero import rules
     from megatron_hetero.layout import load_layout
@@ -56,7 +65,7 @@ def run(opts) -> dict:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     layout = load_layout(opts.hetero_layout, world)
-    w = sized_workload(BENCH_WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
+    w = sized_workload(WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
     bf16 = not opts.fp32 and torch.cuda.is_available()
     check_trainable(layout)
     if w.frozen and not all(m.freeze for m in layout.encoders):
@@ -110,7 +119,7 @@ def _bar_chart(records, png: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=list(BENCH_WORKLOADS), default="tiny")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny")
     parser.add_argument("--hetero-layout")
     parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
     parser.add_argument("--global-batch", type=int, default=0, help="samples per step (default: the workload's)")

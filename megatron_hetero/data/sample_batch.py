@@ -19,8 +19,8 @@ from megatron_hetero.data.bad_data import BadSample, DataError
 @dataclass
 class Media:
     """A kind's items: fixed-size ones [n, ...], or native-resolution ones (`grids` given: item i a
-    (t, h, w) grid of patches) as every item's patches back to back [sum of t*h*w, patch values],
-    with the rows each sends into the sequence (`rows`, the positions' count per item)."""
+    (t, h, w) grid of patches) as every item's patches back to back [sum of t*h*w, patch values];
+    `rows`: the rows each item sends into the sequence, where the model's kind does not say it."""
 
     items: torch.Tensor  # [n, ...] or [patches, ...]
     counts: torch.Tensor  # [B] int64, items per sample
@@ -30,9 +30,8 @@ class Media:
 
     @staticmethod
     def cat(parts: list["Media"]) -> "Media":
-        ragged = parts[0].grids is not None
-        return Media(*(torch.cat([getattr(p, key) for p in parts]) for key in ("items", "counts", "positions")),
-                     *((torch.cat([getattr(p, key) for p in parts]) for key in ("grids", "rows")) if ragged else ()))
+        return Media(*(None if getattr(parts[0], key) is None else torch.cat([getattr(p, key) for p in parts])
+                       for key in ("items", "counts", "positions", "grids", "rows")))
 
 
 @dataclass
@@ -76,7 +75,9 @@ class SampleBatch:
             out[counts_key(kind)] = media.counts
             out[positions_key(kind)] = media.positions
             if media.grids is not None:
-                out[grids_key(kind)], out[rows_key(kind)] = media.grids, media.rows
+                out[grids_key(kind)] = media.grids
+            if media.rows is not None:
+                out[rows_key(kind)] = media.rows
         if self.documents is not None:
             out[DOCUMENTS_KEY] = self.documents
         if self.position_ids is not None:

@@ -224,7 +224,7 @@ def _check_stages(args, layout) -> None:
         flag, n = layers[module.name]
         rules.check(ArgsError, rules.stages_problem(module, n, f"--{flag}"))
     rules.check(ArgsError, rules.sequence_problem(args.seq_length, layout.llm))
-    if args.data_path:  # a sample longer than --seq-length is skipped (data/conversations.py)
+    if args.data_path or model_family(args):  # a sample longer than --seq-length is skipped (data/conversations.py)
         return
     sizes = model_sizes(args)
     items = {"vision": image_counts(args)[1]}  # the most images; one clip
@@ -290,6 +290,11 @@ def _check_family(args, layout) -> None:
         family_named(family)
     except UnknownFamilyError as error:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
+    for module in layout.encoders:
+        if module.pp > 1:
+            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
+    if args.mock_data:  # the benchmarks' own batches (training/bench.py)
+        return
     if not args.data_path:
         raise ArgsError(f"--model-sizes {args.model_sizes} describes a {family} model: train it on conversation "
                         f"data (--data-path FILE); the shapes data is for the reference model")
@@ -300,9 +305,6 @@ def _check_family(args, layout) -> None:
         if getattr(args, flag) != default:
             raise ArgsError(f"--{flag.replace('_', '-')}: a {family} model's images are its image processor's "
                             f"(model.json); drop the flag")
-    for module in layout.encoders:
-        if module.pp > 1:
-            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
 
 
 def check_args(args, layout) -> None:

@@ -11,7 +11,9 @@ with Megatron's signature (bench_mimo: upstream MIMO's schedules).
 
 import itertools
 import json
+import os
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -23,10 +25,10 @@ import torch.distributed as dist
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
-from megatron_hetero.planner.presets import BenchWorkload, trainer_workload
+from megatron_hetero.planner.presets import FAMILY_BENCHES, BenchWorkload, trainer_workload
 from megatron_hetero.training.args import ArgsError, parse_script_args
 
 PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
@@ -50,9 +52,34 @@ def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: 
     return replace(w, micro_batch=micro_batch or w.micro_batch)
 
 
+def family_sizes(w: BenchWorkload) -> ModelSizes:
+    """A VLM family workload's model sizes (its Hugging Face config, the LLM at depth w.layers)."""
+    from transformers import AutoConfig
+
+    from megatron_hetero.families import family_named
+
+    bench = FAMILY_BENCHES[w.name]
+    config = {**bench.config, "text_config": {**bench.config["text_config"], "num_hidden_layers": w.layers}}
+    sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+    return replace(sizes, seq_length=w.seq_length)
+
+
+def _family_model_file(w: BenchWorkload) -> str:
+    """A model.json (sizes only: the bench trains on synthetic batches) of a family workload."""
+    handle, path = tempfile.mkstemp(prefix=f"{w.name}_", suffix=".json")
+    with os.fdopen(handle, "w") as f:
+        json.dump({"sizes": sizes_to_dict(family_sizes(w))}, f)
+    return path
+
+
 def workload_flags(w: BenchWorkload, layout_file: str, bf16: bool) -> list[str]:
     """examples/pretrain_vlm.py's flags (Megatron's and its own) that train the workload under the
-    layout file; `bf16`: Megatron's --bf16."""
+    layout file; `bf16`: Megatron's --bf16. A family's model comes from a model.json (--model-sizes),
+    its batches are the benchmark's own (--mock-data)."""
+    if w.family:
+        return ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch), "--micro-batch-size",
+                str(w.micro_batch), "--model-sizes", _family_model_file(w), "--seq-length", str(w.seq_length),
+                "--mock-data", *(["--bf16"] if bf16 else [])]
     flags = ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch),
              "--micro-batch-size", str(w.micro_batch), "--image-size", str(w.image_size),
              "--patch-size", str(w.patch_size), "--enc-hidden-size", str(w.enc_hidden),
@@ -68,11 +95,47 @@ def workload_args(w: BenchWorkload, layout_file: str, bf16: bool):
     return parse_script_args(workload_flags(w, layout_file, bf16), validate=False)
 
 
-def trainer_vocab_size() -> int:
-    """The padded vocabulary the model is built with (the demo tokenizer's), whatever the workload."""
+def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
+    """The padded vocabulary the model is built with: a family workload's own, else (the reference
+    model, any workload) the demo tokenizer's."""
     from megatron_hetero.models.vlm import padded_vocab_size  # imports megatron-core: only when asked
 
-    return padded_vocab_size(ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
+    family = w is not None and w.family
+    return padded_vocab_size(family_sizes(w) if family else ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
+
+
+def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
+    """A family workload's global batch: every sample with the workload's images (random patches),
+    each `<image>` expanded as the family's data does, then random text carrying the loss."""
+    from transformers import AutoConfig
+
+    from megatron_hetero.families import family_named
+
+    bench, sizes = FAMILY_BENCHES[w.name], family_sizes(w)
+    images = family_named(w.family).media(sizes, bench.processor,
+                                          AutoConfig.for_model(bench.model_type, **bench.config).to_dict())
+    tokens, items = images.tokens(None), [images.items(width, height) for width, height in w.image_sizes]
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(w.global_batch):
+        # text below the image tokens' ids (special tokens, at the vocabulary's end in these models)
+        ids = torch.randint(0, min(*tokens.prefix, tokens.placeholder, *tokens.suffix), (w.seq_length,), generator=g)
+        at, starts = 1, []
+        for item in items:
+            expanded = [*tokens.prefix, *[tokens.placeholder] * sum(item.rows), *tokens.suffix]
+            starts.append(at + len(tokens.prefix))
+            ids[at : at + len(expanded)] = torch.tensor(expanded)
+            at += len(expanded)
+        if at >= w.seq_length:
+            raise ValueError(f"{w.name}: {at} image tokens do not fit a {w.seq_length}-token sequence")
+        media = images.media(items, torch.nonzero(ids == tokens.placeholder).flatten())
+        media.items = torch.rand(media.items.shape, generator=g)
+        loss_mask = torch.zeros(w.seq_length)
+        loss_mask[at : w.seq_length - 1] = 1.0
+        grids = [grid for item in items for grid in item.grids]
+        samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, {"vision": media},
+                              position_ids=images.position_ids(w.seq_length, starts, grids)))
+    return samples
 
 
 def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0) -> list[Sample]:
@@ -179,7 +242,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         hetero.train()
         hetero.config.grad_scale_func = optimizer.scale_loss
         hetero.config.timers = get_timers()
-        batch = synthetic_batch(w, CaptionTokenizer())
+        batch = family_batch(w) if w.family else synthetic_batch(w, CaptionTokenizer())
         micro = global_microbatches(batch, w.micro_batch * hetero.run.layout.llm.dp)
         yield Session(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
                       RerunDataIterator(itertools.cycle(micro)))
@@ -254,7 +317,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     phases = {k: v / steps for k, v in hetero.timers.seconds.items()}
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
-    flops = model_flops(w, trainer_vocab_size(), frozen)
+    flops = model_flops(w, trainer_vocab_size(w), frozen)
     mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
