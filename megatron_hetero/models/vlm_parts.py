@@ -38,18 +38,18 @@ from megatron_hetero.runtime.model import ModelCall, ModelParts
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
                     dtype: torch.dtype = torch.float32, packed: bool = False,
-                    grad_accum_fusion: bool = False) -> ModelParts:
+                    config_fields: dict | None = None) -> ModelParts:
     """This rank's stage of every module it holds, its weights in `dtype` (`packed`: the LLM sees
-    packed sequences, --pack-samples; `grad_accum_fusion`: weight gradients accumulate into DDP's
-    main_grad in the GEMM, Megatron's --gradient-accumulation-fusion, for parts DDP wraps);
-    module i of the layout from seed + i, so a module's weights do not depend on what else a rank
-    holds, nor on its TP or PP size."""
-    fusion = {"gradient_accumulation_fusion": grad_accum_fusion}
+    packed sequences, --pack-samples; `config_fields`: TransformerConfig fields every module takes
+    from Megatron's flags, training/providers.megatron_config_fields); module i of the layout from
+    seed + i, so a module's weights do not depend on what else a rank holds, nor on its TP or PP
+    size."""
+    fusion = config_fields or {}
     parts = {}
     for index, module in enumerate(run.modules.values()):
         if not module.held:
             continue
-        layout, pgs = module.layout, module.pgs
+        layout, pgs = module.layout, module.groups.layer_groups()
         if layout.role == "llm":
             def build(whole, layout=layout, module=module):
                 pgs = module.groups.all_experts_here() if whole else module.pgs
