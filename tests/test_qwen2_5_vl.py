@@ -266,3 +266,23 @@ def test_checkpoint_resumes_under_another_layout(qwen):
     straight = train(tmp, data, "straight", "lpp2", 2, ["--save", str(saved), "--save-interval", "2"])
     resumed = train(tmp, data, "resumed", "vtp2", 2, ["--load", str(at(saved, 2, "vtp2"))])
     assert_same_steps(straight, resumed, rel=1e-5, first=3)
+
+
+@pytest.mark.parametrize("layout_text, flags, expected", [
+    ("placement: colocated\nmodules:\n  vision: {role: encoder, tp: 4}\n  llm: {role: llm, dp: 4}\n", (),
+     "model.json's enc_num_attention_heads 2 is not divisible by module vision's tp=4; use a multiple of 4"),
+    ("placement: non_colocated\nmodules:\n  vision: {role: encoder, pp: 2, ranks: 0-1}\n"
+     "  llm: {role: llm, dp: 2, ranks: 2-3}\n", (),
+     "module vision: the qwen2_5_vl vision tower runs as one pipeline stage; set its pp: 1"),
+    ("placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n  llm: {role: llm, dp: 4}\n",
+     ("--data-path", None), "describes a qwen2_5_vl model: train it on conversation data (--data-path FILE)"),
+])
+def test_training_refusals(qwen, tmp_path, layout_text, flags, expected):
+    """What a Qwen2.5-VL model cannot train with: one `error:` line naming the layout field or flag."""
+    from tests.test_pretrain_errors import _run
+
+    tmp, data = qwen
+    args = [a for a in _train_flags(tmp, data) if not flags or a not in (flags[0], str(data))]
+    result = _run(["--hetero-layout", "layout.yaml", *args], tmp_path, layout_text)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert expected in result.stderr.strip().splitlines()[-1], result.stderr[-500:]

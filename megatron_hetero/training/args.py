@@ -269,7 +269,7 @@ def _check_sizes(args, layout) -> None:
     sizes += [(m, *encoder_kind(m).size_flags(args)[1:]) for m in layout.encoders]
 
     def name(flag: str) -> str:  # a described model's sizes are its model.json's, not flags
-        return f"{args.model_sizes}'s {flag.replace('-', ' ')}" if args.model_sizes else f"--{flag}"
+        return f"{args.model_sizes}'s {flag.replace('-', '_')}" if args.model_sizes else f"--{flag}"
 
     for module, (hidden_flag, hidden), (heads_flag, heads) in sizes:
         rules.check(ArgsError, rules.head_width_problem(hidden, name(hidden_flag), heads, name(heads_flag)),
