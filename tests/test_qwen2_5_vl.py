@@ -258,6 +258,15 @@ def test_training_equals_one_process_matrix(qwen, reference, layout):
     assert_same_steps(reference, train(*qwen, layout, layout, 2))
 
 
+@pytest.mark.families
+def test_packed_samples_equal_unpacked(qwen):
+    """--pack-samples 2 (two samples per sequence, M-RoPE positions per sample) under LLM CP2 equals
+    the unpacked one-process run at the same sequence length."""
+    longer = ["--seq-length", str(2 * SEQ)]
+    plain = train(*qwen, "plain", "single", 1, longer)
+    assert_same_steps(plain, train(*qwen, "packed", "lcp2", 2, [*longer, "--pack-samples", "2"]))
+
+
 def test_checkpoint_resumes_under_another_layout(qwen):
     """Saved at step 2 under LLM PP2 (vision DP2), resumed for step 3 under vision TP2 -> LLM DP2:
     step 3 equals the uninterrupted PP2 run's within 1e-5."""
