@@ -12,15 +12,30 @@ from megatron.training import get_args
 
 from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
 from megatron_hetero.data.images import ImageSpec
+from megatron_hetero.models.attention import attention_summary
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import model_sizes, tokenizer
 
 
+# Megatron's flags (args attributes) that every module's TransformerConfig takes as they are.
+CONFIG_FLAGS = ("gradient_accumulation_fusion", "attention_backend", "flash_attention_version")
+
+
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
-    return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
-                           packed=args.pack_samples > 1, grad_accum_fusion=args.gradient_accumulation_fusion)
+    parts = build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
+                            packed=args.pack_samples > 1,
+                            config_fields={flag: getattr(args, flag) for flag in CONFIG_FLAGS})
+    report_attention(args.hetero_run, parts.parts)
+    return parts
+
+
+def report_attention(run, parts: dict) -> None:
+    """One start-up line per module, from its first rank: the attention kernel it runs."""
+    for name, part in parts.items():
+        if not any(run.modules[name].coords().values()):
+            print(f"attention: {name}: {attention_summary(part)}", flush=True)
 
 
 def conversation_dataset(args, num_samples: int) -> ConversationSamples:
