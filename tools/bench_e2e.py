@@ -64,9 +64,10 @@ def run(opts) -> dict:
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
     rules.check(ArgsError, rules.colocated_schedule_problem(layout.placement, layout.llm, opts.colocated_schedule))
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
-    extra, name = [], Path(opts.hetero_layout).stem
+    extra, name = ["--attention-backend", opts.attention_backend], Path(opts.hetero_layout).stem
     if opts.colocated_schedule != "recompute":
-        extra, name = ["--hetero-colocated-schedule", opts.colocated_schedule], f"{name} ({opts.colocated_schedule})"
+        extra += ["--hetero-colocated-schedule", opts.colocated_schedule]
+        name = f"{name} ({opts.colocated_schedule})"
     with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
         record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
         if opts.profile:
@@ -78,13 +79,14 @@ def run(opts) -> dict:
 def report(path: str, png: str | None) -> None:
     records = [json.loads(line) for line in open(path)]
     head = ["workload", "LLM layers", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "step s", "enc FLOPs", "peak GB",
-            "waiting", *(f"{p} s" for p in PHASES)]
+            "waiting", *(f"{p} s" for p in PHASES), "attention"]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in records:
         cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
                  f"{r['step_s']:.3f}", f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
                  f"{100 * r['waiting_share_max']:.1f}%",
-                 *(f"{r['phases'][p]:.3f}" for p in PHASES)]
+                 *(f"{r['phases'][p]:.3f}" for p in PHASES),
+                 ", ".join(f"{m} {k.split(' ')[0]}" for m, k in r.get("attention", {}).items())]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     if png:
         _bar_chart(records, png)
@@ -120,6 +122,9 @@ def main() -> int:
     parser.add_argument("--colocated-schedule", choices=SCHEDULES, default="recompute",
                         help="colocated layouts with LLM pp>1: --hetero-colocated-schedule (the record's layout "
                              "name says which, unless recompute)")
+    parser.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused"], default="auto",
+                        help="Megatron's flag: each module's attention kernel (models/attention_kernels.py; the "
+                             "record's `attention` says what ran)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true",
