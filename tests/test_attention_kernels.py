@@ -5,10 +5,13 @@
   unpadded ones (SDPA standing in for the kernel);
 - the index math of the FA4 path (CP's query chunks, packed documents' cu_seqlens cut to them, the
   varlen entry) against torch SDPA with the block mask, through a small pure-torch stand-in with
-  flash-attn-4's call signatures (the plumbing is verified here, the kernel's numbers on a GPU).
+  flash-attn-4's call signatures (the plumbing is verified here, the kernel's numbers by
+  tools/gpu_fa4_check.sh on a GPU).
 """
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +301,62 @@ def test_module_on_the_fa4_path(monkeypatch):
     ours.kernel = KernelChoice(FA4, 8, 16)
     _assert_same(_grads(lambda: ours(*leaves, None), leaves), want)
 
+
+# ---- tools/gpu_fa4_check.py's measuring, on CPU ----------------------------------------------------
+class _DoubledGradient(torch.autograd.Function):
+    """The identity whose backward doubles the gradient: a kernel with a right forward and a wrong
+    backward, as flash-attn-4 4.0.0b36 at head dims 72 and 80 on the H100."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def _wrong_backward(fn):
+    def kernel(q, k, v, **kwargs):
+        out, lse = fn(q, k, v, **kwargs)
+        return _DoubledGradient.apply(out), lse
+    return kernel
+
+
+def _check_tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tools"))
+    import gpu_fa4_check
+
+    monkeypatch.setattr(gpu_fa4_check, "DEVICE", "cpu")
+    return gpu_fa4_check
+
+
+def test_gpu_check_passes_right_kernels_and_fails_a_wrong_backward(monkeypatch):
+    """The GPU script's cases (causal GQA, full, packed images, CP2 halves with packed documents) in
+    bf16 against its fp32 reference: SDPA and the FA4 path with a right stand-in pass; a stand-in whose
+    forward is right and backward wrong fails on dq/dk/dv, not on the output."""
+    tool = _check_tool(monkeypatch)
+    cases = [tool.dense_case("causal gqa", 1, 32, 4, 2, 8, True), tool.dense_case("full", 3, 12, 2, 2, 8, False),
+             tool.varlen_case("images", [5, 9, 3, 9], 2, 8),
+             tool.cp_case("cp2 documents", 2, 32, 4, 2, 8, 2, tool._documents(2, 32, [[10, 22], [32]]))]
+    monkeypatch.setattr(attention, "load_fa4", lambda: (FAKE, None))
+    for case in cases:
+        for kernel in (KernelChoice(SDPA, 8, 8), KernelChoice(FA4, 8, 8), KernelChoice(FA4, 8, 16)):
+            record = tool.measure(case, "test", kernel, iters=0)
+            assert record["ok"], record
+    monkeypatch.setattr(attention, "load_fa4", lambda: (Fa4(*map(_wrong_backward, FAKE)), None))
+    for case in cases:
+        record = tool.measure(case, "test", KernelChoice(FA4, 8, 8), iters=0)
+        assert record["out_err"] < tool.TOLERANCE and min(record[f"d{x}_err"] for x in "qkv") > 0.5, record
+        assert not record["ok"]
+
+
+def test_gpu_check_compares_two_loss_curves(monkeypatch, tmp_path, capsys):
+    tool = _check_tool(monkeypatch)
+    for name, losses in (("sdpa", [2.0, 1.5, 1.25]), ("fa4", [2.0, 1.5, 1.5])):
+        lines = [json.dumps({"step": i + 1, "loss": x}) for i, x in enumerate(losses)] + ['{"caption_accuracy": 1}']
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    assert tool.compare_losses(str(tmp_path / "sdpa.jsonl"), str(tmp_path / "fa4.jsonl")) == 0
+    out = capsys.readouterr().out
+    assert "| 3 | 1.25000 | 1.50000 | +0.25000 |" in out
+    assert "3 steps: max |difference| 0.25000 (step 3)" in out
