@@ -29,10 +29,10 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
                     dtype: torch.dtype = torch.float32, packed: bool = False,
                     config_fields: dict | None = None) -> ModelParts:
     """This rank's stage of every module it holds, its weights in `dtype` (`packed`: the LLM sees
-    packed sequences, --pack-samples; `config_fields`: Megatron's flags that are TransformerConfig
-    fields of every module, training/providers.py's CONFIG_FLAGS: gradient-accumulation fusion
-    for parts DDP wraps, the attention backend); module i of the layout from seed + i, so a
-    module's weights do not depend on what else a rank holds, nor on its TP or PP size."""
+    packed sequences, --pack-samples; `config_fields`: TransformerConfig fields every module takes
+    from Megatron's flags, training/providers.megatron_config_fields); module i of the layout from
+    seed + i, so a module's weights do not depend on what else a rank holds, nor on its TP or PP
+    size."""
     fields = config_fields or {}
     parts = {}
     for index, module in enumerate(run.modules.values()):

@@ -18,15 +18,23 @@ from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import model_sizes, tokenizer
 
 
-# Megatron's flags (args attributes) that every module's TransformerConfig takes as they are.
-CONFIG_FLAGS = ("gradient_accumulation_fusion", "attention_backend", "flash_attention_version")
+def megatron_config_fields(args) -> dict:
+    """The TransformerConfig fields every module takes from Megatron's own flags, as
+    core_transformer_config_from_args would: --gradient-accumulation-fusion (weight gradients
+    accumulate into DDP's main_grad in the GEMM, for parts DDP wraps), activation recomputation
+    (--recompute-granularity full|selective, --recompute-method uniform|block,
+    --recompute-num-layers, --recompute-modules) and the attention kernel (--attention-backend,
+    --flash-attention-version: models/attention_kernels.py)."""
+    return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+                recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules,
+                attention_backend=args.attention_backend, flash_attention_version=args.flash_attention_version)
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
     parts = build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
-                            packed=args.pack_samples > 1,
-                            config_fields={flag: getattr(args, flag) for flag in CONFIG_FLAGS})
+                            packed=args.pack_samples > 1, config_fields=megatron_config_fields(args))
     report_attention(args.hetero_run, parts.parts)
     return parts
 
