@@ -14,7 +14,7 @@ bench() {  # workload, layout, flags of the training script (may be empty), benc
   echo "== $(date +%T) $workload $layout [$flags] $*"
   timeout "${RUN_TIMEOUT:-150}" torchrun --nproc-per-node 2 tools/bench_e2e.py --workload "$workload" \
     --llm-layers "$LLM_LAYERS" --warmup "$WARMUP" --steps "$STEPS" --hetero-layout "examples/layouts/$layout.yaml" \
-    --flags "$flags" --out "$out/bench_e2e.jsonl" "$@" >>"$out/bench_e2e.log" 2>&1
+    --flags="$flags" --out "$out/bench_e2e.jsonl" "$@" >>"$out/bench_e2e.log" 2>&1
   local rc=$?
   [ $rc = 0 ] || { echo "exit $rc:"; grep -E "^error|Error|out of memory" "$out/bench_e2e.log" | tail -2; }
 }

@@ -38,7 +38,7 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
     for index, module in enumerate(run.modules.values()):
         if not module.held:
             continue
-        layout, pgs = module.layout, module.pgs
+        layout, pgs = module.layout, module.groups.layer_groups()
         if layout.role == "llm":
             def build(whole, layout=layout, module=module):
                 pgs = module.groups.all_experts_here() if whole else module.pgs

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hetero.boundary.exchange import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
@@ -317,7 +318,7 @@ def profile_step(session: Session, path: str, forward_backward_func=None) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         session.train_step(forward_backward_func)
         torch.cuda.synchronize()
@@ -339,6 +340,10 @@ def profile_step(session: Session, path: str, forward_backward_func=None) -> dic
         lines += ["", "| kernel | family | calls | ms |", "| --- | --- | --- | --- |"]
         lines += [f"| {e.key[:90]} | {kernel_family(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.1f} |"
                   for e in top]
+        lines += ["", "Our annotated ranges (host time from entry to exit; GPU time of the kernels they launch):", "",
+                  "| range | calls | host ms | GPU ms |", "| --- | --- | --- | --- |"]
+        lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
+                  for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
         Path(path).write_text("\n".join(lines) + "\n")
         print(json.dumps(dict(profile=path, **summary)))
     return summary
