@@ -57,8 +57,8 @@ class SegmentAttention(MegatronModule):
         segments = packed_seq_params.cu_seqlens_q
         if self.windowed and packed_seq_params.windows is not None:
             segments = packed_seq_params.windows
+        longest = int(segments.diff().max()) if len(segments) > 1 else 0  # on the host: the grids' own
         segments = segments.to(device=query.device, dtype=torch.int32)
-        longest = int(segments.diff().max()) if len(segments) > 1 else 0
         out = varlen_attention(query[:, 0], key[:, 0], value[:, 0], segments, segments, longest, longest,
                                self.kernel, self.softmax_scale)
         return out.flatten(1)[:, None]
