@@ -106,12 +106,15 @@ class VLMFamily:
     def to_ours(self, hf_state: dict[str, torch.Tensor], sizes: ModelSizes,
                 scheme: KeyScheme = TRANSFORMERS) -> dict[str, dict[str, torch.Tensor]]:
         """module name -> our module's full (TP1/PP1) state dict, from the files' tensors."""
-        copies = set(self.copies(sizes))
+        copies = self.copies(sizes)
+        memory = {scheme.to_memory(key): tensor for key, tensor in hf_state.items()}
         split = {name: {} for name in self.parts}
-        for key, tensor in hf_state.items():
-            key = scheme.to_memory(key)
+        for key, tensor in memory.items():
             if key not in copies:
                 split[self._module_of(key)][key] = tensor
+            elif copies[key] in memory and not torch.equal(tensor, memory[copies[key]]):
+                raise HFMappingError(f"{self.name}: {scheme.to_file(key)} differs from {scheme.to_file(copies[key])}, "
+                                     f"which the config ties it to; untie it in config.json or make them equal")
         return {name: part.to_ours(split[name], sizes) for name, part in self.parts.items()}
 
     def to_hf(self, states: dict[str, dict[str, torch.Tensor]], sizes: ModelSizes,
