@@ -181,6 +181,9 @@ def test_import_export_round_trip(tmp_path, variant):
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(src, dtype=torch.bfloat16)
         model.save_pretrained(src)
         _transformers_names(src)
+        tensors = _tensors(src)  # a tied output layer some files carry as a copy of the embedding
+        tensors["lm_head.weight"] = tensors["model.language_model.embed_tokens.weight"].clone()
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     original = _tensors(src)
     assert any(k.startswith("model.visual.") for k in original) == variant.startswith("transformers")
     for command in (("import", "--model", src, "--save", tmp_path / "ckpt"),
@@ -200,7 +203,8 @@ def test_import_export_round_trip(tmp_path, variant):
 
 
 def test_import_refusals(tmp_path):
-    """A tensor no rule maps and a model type no family maps: one error line each, nothing written."""
+    """A tensor no rule maps, a tied copy that differs from its original, a model type no family
+    maps: one error line each, nothing written."""
     src = qwen2_5_vl_dir(tmp_path / "hf")
     tensors = _tensors(src)
     save_file({**tensors, "visual.extra.weight": torch.zeros(2)}, src / "model.safetensors")
@@ -208,6 +212,10 @@ def test_import_refusals(tmp_path):
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: qwen2_5_vl: tensor "
                                                                                         "visual.extra.weight")
     assert not (tmp_path / "ckpt" / "release").exists()
+    tied = qwen2_5_vl_dir(tmp_path / "tied", tied=True)
+    save_file({**_tensors(tied), "lm_head.weight": torch.zeros(1)}, tied / "model.safetensors")
+    result = _cli("import", "--model", tied, "--save", tmp_path / "ckpt")
+    assert result.returncode == 2 and "lm_head.weight differs from model.embed_tokens.weight" in result.stderr
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
     result = _cli("import", "--model", src, "--save", tmp_path / "ckpt")
