@@ -135,7 +135,8 @@ def test_data_is_the_processors(qwen):
         dataset.collate([(sample, paths)])  # decodes its images
         want = processor(images=[Image.open(p) for p in paths], return_tensors="pt") if paths else None
         media = sample.media["vision"]
-        text = tok.apply_chat_template([{"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+        roles = {"human": "user", "gpt": "assistant"}
+        text = tok.apply_chat_template([{"role": roles[t["from"]], "content": t["value"]}
                                         for t in records[index]["conversations"]], tokenize=False)
         for grid in (want["image_grid_thw"] if paths else []):
             pads = "<|image_pad|>" * int(grid.prod() // MERGE**2)

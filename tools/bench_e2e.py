@@ -55,7 +55,6 @@ from megatron_hetero.training.bench import (
     workload_args,
 )
 
-
 WORKLOADS = {**BENCH_WORKLOADS, **FAMILY_BENCH_WORKLOADS}
 
 

@@ -55,11 +55,12 @@ def _call(path: str, *args, **kwargs):
 @dataclass(frozen=True)
 class VLMFamily:
     """name: ours (ModelSizes.family; the registry, families/__init__.py, says which config.json
-    model_types it imports); architecture: the transformers class an export names; parts: module name ("vision", "llm") ->
-    its mapping; prefixes: module name -> the in-memory key prefixes of its tensors; schemes: the
-    key spellings files may use (the first, in-memory, is transformers'); finish(sizes, config): the
-    family's further sizes and checks across modules; vision_builder, media_builder,
-    settings_reader: "module:function" paths (see build_vision, media, processor_settings)."""
+    model_types it imports); architecture: the transformers class of the whole model; parts: module
+    name ("vision", "llm") -> its mapping; prefixes: module name -> the in-memory key prefixes of its
+    tensors; schemes: the key spellings files may use (the first, in-memory, is transformers');
+    finish(sizes, config): the family's further sizes and checks across modules; vision_builder,
+    media_builder, settings_reader: "module:function" paths (see build_vision, media,
+    processor_settings)."""
 
     name: str
     architecture: str

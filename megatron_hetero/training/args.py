@@ -292,7 +292,8 @@ def _check_family(args, layout) -> None:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
     for module in layout.encoders:
         if module.pp > 1:
-            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
+            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; "
+                            f"set its pp: 1")
     if args.mock_data:  # the benchmarks' own batches (training/bench.py)
         return
     if not args.data_path:
