@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import MEGATRON_LM_SCRIPT as SCRIPT
 from tests.distributed import _free_port
 
-ROOT = Path(__file__).parent.parent
-MEGATRON_LM = Path(os.environ.get("MEGATRON_LM") or ROOT.parent / "shared" / "megatron-lm")
-SCRIPT = MEGATRON_LM / "pretrain_vlm.py"
 if not SCRIPT.is_file():
     pytest.skip(f"Megatron-LM's scripts not found ({SCRIPT}): put a Megatron-LM checkout (branch core_r0.19.0) "
                 f"at ../shared/megatron-lm or name one in MEGATRON_LM", allow_module_level=True)
