@@ -140,6 +140,14 @@ def test_reshard_non_colocated_to_colocated(non_colocated):
     assert_continues(non_colocated.metrics, non_colocated.resume("to_co", "demo_colocated", 4))
 
 
+def test_reshard_vocabulary_padding(tmp):
+    """Saved by one process (the vocabulary padded to 128 rows), loaded under LLM TP3 (padded to 384:
+    the load zero-fills the rows the checkpoint lacks, which are not the model's)."""
+    sizes = ["--hidden-size", "48", "--num-attention-heads", "6"]
+    saved = Saved(tmp, "vocab_tp1", "single", 1, sizes)
+    assert_continues(saved.metrics, saved.resume("vocab_tp3", "colocated_vdp3_ltp3", 3, sizes))
+
+
 def test_reshard_world_4_to_2_to_6(colocated, tmp):
     """4 processes save at 5; 2 processes load it and save at 8; 6 processes load that."""
     two = colocated.resume("w2", "w2_vdp2_ltp2", 2, ["--save", str(tmp / "w2_ckpt"), "--save-interval", "4"])

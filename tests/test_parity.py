@@ -22,6 +22,7 @@ LAYOUTS = Path(__file__).parent.parent / "examples" / "layouts"
 FLAGS = ["--train-iters", str(STEPS), "--lr", "1e-3", "--lr-decay-style", "constant", "--seed", "7",
          "--log-interval", "100"]
 TWO_ENCODERS = ["--seq-length", "40"]  # image and clip tokens before the caption
+TP3 = ["--hidden-size", "48", "--num-attention-heads", "6"]  # an LLM that TP 3 splits
 
 # layout: (world size, the 1-process reference layout, flags of both runs)
 CASES = {
@@ -35,6 +36,8 @@ CASES = {
     "demo_colocated_frozen": (4, "single_frozen", []),
     "colocated_two_encoders": (4, "single_two_encoders", TWO_ENCODERS),
     "colocated_named_kinds": (4, "single_two_encoders", TWO_ENCODERS),  # modules named by `kind:`
+    # the vocabulary padded for TP 3 (384 rows, 128 in one process): the padding is not the model's
+    "colocated_vdp3_ltp3": (3, "single", TP3),
     # non-colocated
     "non_colocated_1_3": (4, "single", ["--global-batch-size", "6"]),
     "non_colocated_2_2": (4, "single", []),

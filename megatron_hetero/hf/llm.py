@@ -3,8 +3,8 @@ grouped-query attention; Qwen2 adds q/k/v biases. Both have the same weight layo
 
 from megatron_hetero.hf.family import Family, Field
 from megatron_hetero.hf.rules import PaddedRows, Same, Stacked, qkv_rules
-from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.models.vlm import ACTIVATIONS, padded_vocab_size
+from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
+from megatron_hetero.models.vlm import ACTIVATIONS
 
 FIELDS = (
     Field("hidden_size", "hidden_size"),

@@ -1,6 +1,7 @@
 """Model sizes and architecture choices, importable without megatron-core (flag parsing happens
 before any heavy import)."""
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 # The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
@@ -70,7 +71,8 @@ class ModelSizes:
     num_attention_heads: int = 4
     seq_length: int = 32
     vocab_size: int = 22
-    # Padded vocabulary: fixed, so that every TP size (dividing it) builds the same model.
+    # The vocabulary is padded to a multiple of this (Megatron's --make-vocab-size-divisible-by) that
+    # the LLM's TP size divides: padded_vocab_size.
     vocab_multiple: int = 128
     llm_arch: LLMArch = field(default_factory=LLMArch)
     vision_arch: VisionArch = field(default_factory=VisionArch)
@@ -82,6 +84,15 @@ class ModelSizes:
     @property
     def tokens_per_clip(self) -> int:
         return self.audio_frames // AUDIO_FRAMES_PER_TOKEN
+
+
+def padded_vocab_size(sizes: ModelSizes, tp: int = 1) -> int:
+    """Rows of the LLM's embedding and output layer under TP size `tp`: the vocabulary rounded up to a
+    multiple of lcm(vocab_multiple, tp) (every TP rank holds whole rows). The rows past the
+    vocabulary are not the model's (models/vlm.py: vocab_padding), so the model is the same for every
+    TP size; `tp=1` gives the layout-independent ("whole") size checkpoints and exports use."""
+    multiple = math.lcm(sizes.vocab_multiple, tp)
+    return -(-sizes.vocab_size // multiple) * multiple
 
 
 def sizes_to_dict(sizes: ModelSizes) -> dict:

@@ -37,6 +37,15 @@ def _module_of(key: str, names) -> str:
     return next((part for part in key.split(".") if part in names), "?")
 
 
+def _same_shape(stored: tuple, tensor: ShardedTensor) -> bool:
+    """The stored global shape fits the model's; a padded vocabulary's rows may differ (the load reads
+    the rows both have and zero-fills the others: models/vocab.py)."""
+    want = tuple(tensor.global_shape)
+    if tensor.allow_shape_mismatch:
+        return stored[1:] == want[1:]
+    return stored == want
+
+
 def _tensor_problems(path: Path, model, metadata, names) -> list[str]:
     found = metadata.state_dict_metadata
     problems = []
@@ -46,7 +55,7 @@ def _tensor_problems(path: Path, model, metadata, names) -> list[str]:
         module, stored = _module_of(tensor.key, names), found.get(tensor.key)
         if stored is None:
             problems.append(f"module {module}: tensor {tensor.key} is not in it (another model, or other module names)")
-        elif isinstance(stored, TensorStorageMetadata) and tuple(stored.size) != tuple(tensor.global_shape):
+        elif isinstance(stored, TensorStorageMetadata) and not _same_shape(tuple(stored.size), tensor):
             problems.append(f"module {module}: tensor {tensor.key} has shape {tuple(stored.size)} there, "
                             f"{tuple(tensor.global_shape)} in this run's model (model sizes differ: use the "
                             f"sizes it was saved with)")

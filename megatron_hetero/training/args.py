@@ -127,7 +127,8 @@ def model_sizes(args) -> ModelSizes:
     if args.model_sizes:  # the sequence length is the run's; the rest the described model's
         return replace(_sizes_file(args.model_sizes), seq_length=args.seq_length)
     names = [f.name for f in _own_size_fields()] + list(MEGATRON_SIZE_FLAGS)
-    return ModelSizes(vocab_size=tokenizer(args).vocab_size, llm_arch=LLMArch(moe=moe_arch(args)),
+    return ModelSizes(vocab_size=tokenizer(args).vocab_size, vocab_multiple=args.make_vocab_size_divisible_by,
+                      llm_arch=LLMArch(moe=moe_arch(args)),
                       **{name: getattr(args, name) for name in names})
 
 

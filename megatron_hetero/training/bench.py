@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
 from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import BenchWorkload, trainer_workload
@@ -70,8 +70,6 @@ def workload_args(w: BenchWorkload, layout_file: str, bf16: bool):
 
 def trainer_vocab_size() -> int:
     """The padded vocabulary the model is built with (the demo tokenizer's), whatever the workload."""
-    from megatron_hetero.models.vlm import padded_vocab_size  # imports megatron-core: only when asked
-
     return padded_vocab_size(ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
 
 
