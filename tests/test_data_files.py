@@ -263,7 +263,7 @@ def test_tiles_and_normalization(tmp_path):
     pixels = _png(tmp_path / "wide.png", 64, 32)
     thumbnail = np.array(Image.fromarray(pixels).resize((32, 32), Image.Resampling.BICUBIC))
     for name, (mean, std) in NORMALIZATION.items():
-        tiles = load_tiles(tmp_path / "wide.png", ImageSpec(32, 4, name))
+        tiles = load_tiles(tmp_path / "wide.png", ImageSpec(32, 4, (mean, std)))
         expected = [pixels[:, :32], pixels[:, 32:], thumbnail]
         mean, std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
         for tile, want in zip(tiles, expected):

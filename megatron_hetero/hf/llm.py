@@ -47,7 +47,7 @@ def llm_rules(sizes: ModelSizes) -> list:
 
 
 # A tied lm_head.weight (in a model's state_dict(), not in its files) is the embedding again.
-_COMMON = dict(module="llm", fields=FIELDS, rules=llm_rules, hf_dropped=("lm_head.weight",))
+_COMMON = dict(module="llm", fields=FIELDS, rules=llm_rules, hf_tied=(("lm_head.weight", "model.embed_tokens.weight"),))
 LLAMA = Family("llama", "llama", "LlamaForCausalLM", hf_fixed={"attention_bias": False, "mlp_bias": False, **ROPE},
                arch=ARCH, **_COMMON)
 QWEN2 = Family("qwen2", "qwen2", "Qwen2ForCausalLM", hf_fixed={"use_sliding_window": False, **ROPE},

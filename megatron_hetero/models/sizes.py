@@ -50,6 +50,13 @@ class VisionArch(TransformerArch):
     class_token: bool = False  # a learned token before the patches: attended to, not emitted
     pre_norm: bool = False  # a norm between the embeddings and the first layer
     rescale_pixels: bool = True  # images in [0, 1] mapped to [-1, 1]; False: they arrive normalized
+    # ((mean), (std)) per channel that pixels in [0, 1] are normalized with before this encoder: its
+    # image processor's, recorded at import (the data applies it); None: none (pixels in [0, 1]).
+    pixel_normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+    def __post_init__(self):  # JSON gives lists
+        if self.pixel_normalization is not None:
+            object.__setattr__(self, "pixel_normalization", tuple(tuple(v) for v in self.pixel_normalization))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What a checkpoint holds, checked before anything is loaded (patches/checkpointing.py uses it).
+"""What a checkpoint holds (`hetero_record`), written durably (`write_tracker`), and checked before
+anything is loaded (`inspect_checkpoint`); patches/checkpointing.py and hf/checkpoint.py use them.
 
 `inspect_checkpoint` is collective over the world: every rank checks the tensors it will load
 (present, same global shape) and every shard file of the checkpoint (present, long enough); all ranks
@@ -6,6 +7,7 @@ then agree on the first problem found, so a damaged checkpoint stops every rank 
 instead of some ranks failing inside the load while the others wait for them.
 """
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,47 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 TRACKER = "latest_checkpointed_iteration.txt"
+UNTRAINED = "hf_untrained"  # a record's Hugging Face tensors the model does not hold, per module
+
+
+def hetero_record(layout, model_file: str | None = None) -> dict:
+    """What a checkpoint says about the run that wrote it; `model_file`: the model description the
+    run was built from (`--model-sizes`, e.g. an import's model.json: an export needs it)."""
+    record = dict(layout=repr(layout), rank_map=layout.rank_map(),
+                  optimizer_modules=[m.name for m in (*layout.encoders, layout.llm) if not m.freeze])
+    if model_file:
+        record.update(model_record(model_file))
+    return record
+
+
+def model_record(model_file: str | Path) -> dict:
+    """A model description (model.json) and, under UNTRAINED, the Hugging Face tensors its modules do
+    not hold (files beside it, named by the description: hf/checkpoint.py), which every checkpoint
+    of a run built from it carries on, so that an export gives them back."""
+    from safetensors.torch import load_file
+
+    description = json.loads(Path(model_file).read_text())
+    files = {name: hf["untrained"] for name, hf in description.get("hf", {}).items() if hf.get("untrained")}
+    return {"model": description, UNTRAINED: {name: load_file(Path(model_file).parent / f) for name, f in files.items()}}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tracker(save_dir: Path, iteration: int | str) -> None:
+    """The tracker names `iteration` ("release" for an import), atomically and durably."""
+    tmp = save_dir / f".{TRACKER}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / TRACKER)
+    fsync_dir(save_dir)
 
 
 class CheckpointError(ValueError):

@@ -71,9 +71,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="the directory image paths of --data-path are relative to (default: the file's own)")
     group.add_argument("--strict-data", action="store_true",
                        help="stop at the first bad sample (one line naming file and sample) instead of skipping it")
-    group.add_argument("--image-normalization", choices=tuple(NORMALIZATION), default="none",
-                       help="the vision encoder's pixel normalization (none: pixels in [0, 1], as the "
-                            "reference encoder takes them)")
+    group.add_argument("--image-normalization", choices=tuple(NORMALIZATION), default=None,
+                       help="the vision encoder's pixel normalization; default: the encoder's own (an "
+                            "imported tower's image processor's, recorded by `hf import`; none: pixels in "
+                            "[0, 1], as the reference encoder takes them)")
     group.add_argument("--images-per-sample", default=None, metavar="N|A-B",
                        help="images per sample of the shapes data: N, or A to B varying by sample (0: "
                             "text-only samples); default 1")
@@ -214,6 +215,20 @@ def _check_stages(args, layout) -> None:
     rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption, args.pack_samples))
 
 
+def image_normalization(args, sizes: ModelSizes) -> tuple:
+    """The (mean, std) --data-path images are normalized with: the vision encoder's (recorded at its
+    import), else --image-normalization's (default none); a flag naming other constants than the
+    encoder's is an error."""
+    own, flag = sizes.vision_arch.pixel_normalization, args.image_normalization
+    if own is None:
+        return NORMALIZATION[flag or "none"]
+    if flag is not None and NORMALIZATION[flag] != own:
+        raise ArgsError(f"--image-normalization {flag} conflicts with the vision encoder's own normalization "
+                        f"(mean {list(own[0])}, std {list(own[1])}, recorded at its import in --model-sizes); "
+                        f"drop the flag")
+    return own
+
+
 def _check_data(args, layout) -> None:
     """--data-path names one conversation file or energon dataset (images only); held-out captions need
     the shapes tokenizer."""
@@ -265,6 +280,7 @@ def check_args(args, layout) -> None:
                         "drop --bf16 on CPU")
     _check_sizes(args, layout)
     _check_data(args, layout)
+    image_normalization(args, model_sizes(args))
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
