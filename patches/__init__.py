@@ -39,6 +39,7 @@ from megatron_hetero.patches._patch import PatchError, check_version  # noqa: E4
 
 
 def apply() -> None:
+    startup.set_cuda_connections()  # before CUDA starts
     check_version()
     startup.apply()
     arguments.apply()

@@ -25,7 +25,6 @@ Active only while no GPU is present (apply() does nothing with CUDA). Targets me
 
 import atexit
 import contextlib
-import os
 import sys
 
 import torch
@@ -189,8 +188,6 @@ def apply() -> None:
 
     from megatron_hetero.models.context_parallel import cp_slice
 
-    # validate_args asks for it with TP or CP; it orders CUDA kernel launches, nothing on CPUs.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     atexit.register(destroy_groups_at_clean_exit)  # before the watchdog's: it runs after it
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()

@@ -59,7 +59,9 @@ def _wraps(function, original) -> bool:
 def _check_apply(rank, world_size):
     targets = TARGETS + (CPU_TARGETS if not torch.cuda.is_available() else [])
     originals = {path: _patch.upstream(path)[2] for path in targets}
+    os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     apply()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # where the plugin is applied, launcher or not
     patched = {path: _patch.upstream(path)[2] for path in targets}
     for path in targets:
         assert patched[path] is not originals[path], f"{path} not replaced"
@@ -77,6 +79,26 @@ def test_apply_replaces_each_target_once():
     second apply() leaves every one (and the CPU redirections) as the first left them. In a spawned
     process: the patches stay for the life of the process they are applied in."""
     run_distributed(_check_apply, 1)
+
+
+def test_cuda_connections_set_where_unset(monkeypatch, capsys):
+    """apply() sets CUDA_DEVICE_MAX_CONNECTIONS=1 where the environment lacks it (Megatron's argument
+    check asks for it with TP or CP on GPUs), with one line on GPUs (rank 0), none on CPUs; a value
+    the user set stays. (That apply() does it: test_apply_replaces_each_target_once.)"""
+    from megatron_hetero.patches import startup
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    notice = startup.set_cuda_connections(gpus=True)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert capsys.readouterr().out.splitlines() == [notice] and "CUDA_DEVICE_MAX_CONNECTIONS=1" in notice
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert startup.set_cuda_connections(gpus=True) is None and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setenv("RANK", "1")
+    assert startup.set_cuda_connections(gpus=True) and capsys.readouterr().out == ""  # rank 0 says it
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert startup.set_cuda_connections(gpus=False) is None and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
 @pytest.mark.parametrize("path", [
