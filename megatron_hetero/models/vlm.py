@@ -93,8 +93,9 @@ def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=
     pp, first, last = _stage(pgs, whole)
     overrides = config_overrides or {}
     enc = _config(*dims, tp, dtype, pp, arch=config_arch, **overrides)
-    # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
-    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, **overrides)
+    # The projector is an MLP into the LLM's hidden size, in the encoder's TP group (no layers to recompute).
+    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype,
+                   **{k: v for k, v in overrides.items() if not k.startswith("recompute_")})
     return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last, **kwargs)
 
 

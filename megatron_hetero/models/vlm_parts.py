@@ -27,13 +27,14 @@ from megatron_hetero.runtime.model import ModelCall, ModelParts
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
                     dtype: torch.dtype = torch.float32, packed: bool = False,
-                    grad_accum_fusion: bool = False) -> ModelParts:
+                    grad_accum_fusion: bool = False, recompute: dict | None = None) -> ModelParts:
     """This rank's stage of every module it holds, its weights in `dtype` (`packed`: the LLM sees
     packed sequences, --pack-samples; `grad_accum_fusion`: weight gradients accumulate into DDP's
-    main_grad in the GEMM, Megatron's --gradient-accumulation-fusion, for parts DDP wraps);
-    module i of the layout from seed + i, so a module's weights do not depend on what else a rank
-    holds, nor on its TP or PP size."""
-    fusion = {"gradient_accumulation_fusion": grad_accum_fusion}
+    main_grad in the GEMM, Megatron's --gradient-accumulation-fusion, for parts DDP wraps;
+    `recompute`: TransformerConfig's recompute_granularity/_method/_num_layers, Megatron's
+    --recompute-* flags, for every module's layers); module i of the layout from seed + i, so a
+    module's weights do not depend on what else a rank holds, nor on its TP or PP size."""
+    fusion = {"gradient_accumulation_fusion": grad_accum_fusion, **(recompute or {})}
     parts = {}
     for index, module in enumerate(run.modules.values()):
         if not module.held:

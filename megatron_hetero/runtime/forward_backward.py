@@ -56,17 +56,6 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
     return ctx.losses
 
 
-# The schedules' phases (PhaseTimers names) as a failure report says them.
-PHASE_WORDS = {"encoder-forward": "an encoder's forward", "encoder-backward": "an encoder's backward",
-               "boundary": "the boundary", "llm-forward": "the LLM pipeline", "llm-backward": "the LLM pipeline"}
-
-
-def current_phase(run) -> str:
-    """What this rank is doing now, in words: a schedule's phase, else the run's coarse phase."""
-    phase = run.model.timers.current if run.model is not None else None
-    return PHASE_WORDS.get(phase, phase) if phase else run.phase
-
-
 def finalize_hetero_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
     """megatron-core's finalize_model_grads per module, each over its own groups; with per-token
     loss every module's gradients are divided by the global number of loss tokens."""

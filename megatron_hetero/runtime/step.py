@@ -107,7 +107,7 @@ class StepContext:
     def run_encoder(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
         """Encoder stage forward on microbatch i (rows on its last stage)."""
         view = EncoderView(self, module, i, hidden)
-        with self.timers("encoder-forward"):
+        with self.timers("encoder-forward", module.name):
             output, _ = self.forward_step_func(self.replay(i), view)
         return output
 
@@ -115,7 +115,7 @@ class StepContext:
         """Megatron's forward_step on microbatch i with `view` (an LLMView or ColocatedView): on the
         last LLM stage the script's loss function runs and its report joins `losses`."""
         llm = self.run.llm
-        with self.timers("llm-forward"):
+        with self.timers("llm-forward", llm.name):
             output, num_tokens = forward_step(
                 self.forward_step_func, self.replay(i), view, self.num_microbatches, view.inputs,
                 self.losses, self.config, llm.layout.cp, is_last_stage=llm.last_stage)
@@ -218,7 +218,7 @@ class ColocatedView:
         ctx, call = self.ctx, ModelCall(args, kwargs)
         media = {}
         for name, module in ctx.run.encoders.items():
-            with ctx.timers("encoder-forward"):
+            with ctx.timers("encoder-forward", name):
                 rows = ctx.encoder_forward(module, self.i)
             plan = ctx.plans[name][self.i]
             with ctx.timers("boundary"):

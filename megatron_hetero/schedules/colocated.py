@@ -37,7 +37,7 @@ def colocated_step(ctx: StepContext) -> None:
             if not ctx.forward_only:
                 if i == ctx.num_microbatches - 1:
                     ctx.last_backward(*ctx.run.modules.values())
-                with ctx.timers("llm-backward"):
+                with ctx.timers("llm-backward", ctx.run.llm.name):
                     ctx.backward(view.inputs, out, [None])
         return
 
@@ -63,7 +63,7 @@ def colocated_step(ctx: StepContext) -> None:
                 grad_rows = exchange_gradients(grad_slots, ctx.plans[name][i])
             if i == ctx.num_microbatches - 1:
                 ctx.last_backward(module)
-            with ctx.timers("encoder-backward"):
+            with ctx.timers("encoder-backward", name):
                 ctx.backward([None], [rows], [grad_rows])
 
 
@@ -117,7 +117,7 @@ def _ordered_step(ctx: StepContext) -> None:
                     [], [split_recvs(ctx.plans[op.encoder][op.i], "backward", rows, own, stage.grads_group)])
             if op == last_backward[op.encoder]:
                 ctx.last_backward(run.encoders[op.encoder])
-            with ctx.timers("encoder-backward"):
+            with ctx.timers("encoder-backward", op.encoder):
                 ctx.backward([None], [rows], [grad_rows])
         elif op.kind == "F":
             received = link.exchange([], stage.recv_forward(op.i))

@@ -71,7 +71,7 @@ class EncoderStage:
         x, y = self.saved.pop(i)
         if i == self.ctx.num_microbatches - 1:  # 1F1B's last backward
             self.ctx.last_backward(self.module)
-        with self.ctx.timers("encoder-backward"):
+        with self.ctx.timers("encoder-backward", self.name):
             grads = self.ctx.backward([x], [y], [received[0]])
         return _grads(grads, [x])
 
@@ -140,7 +140,7 @@ class LLMStage:
         inputs, out = self.saved.pop(i)
         if i == self.ctx.num_microbatches - 1:  # 1F1B's last backward
             self.ctx.last_backward(self.module)
-        with self.ctx.timers("llm-backward"):
+        with self.ctx.timers("llm-backward", self.module.name):
             grads = _grads(self.ctx.backward(inputs, out, [None if self.last else received[0]]), inputs)
         if self.first and self.media is not None:  # colocated: the schedule routes them back itself
             for name, g in zip([n for n in self.trainable if n in self.media], grads):

@@ -168,6 +168,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         init_distributed()
     timed = ["--train-iters", "1000000", "--lr", "1e-5", "--lr-decay-style", "constant"]
     args = parse_script_args(workload_flags(w, layout_file, bf16) + timed + list(extra_flags))
+    args.hetero_preset = w  # out of memory, the planner's answer for it (runtime/failures.py)
     try:
         initialize_megatron()
         set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)

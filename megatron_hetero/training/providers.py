@@ -17,10 +17,15 @@ from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import image_normalization, model_sizes, tokenizer
 
 
+RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers")  # Megatron's flags, config fields
+
+
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
+    recompute = {name: getattr(args, name) for name in RECOMPUTE} if args.recompute_granularity else None
     return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
-                           packed=args.pack_samples > 1, grad_accum_fusion=args.gradient_accumulation_fusion)
+                           packed=args.pack_samples > 1, grad_accum_fusion=args.gradient_accumulation_fusion,
+                           recompute=recompute)
 
 
 def conversation_dataset(args, num_samples: int) -> ConversationSamples:

@@ -7,8 +7,8 @@ excludes the phases inside it (an encoder's forward called from within the LLM's
 counts as the encoder's only); `switch` relabels the running phase where one call spans several
 (one autograd backward through the LLM, the boundary and the encoder).
 
-On or off, the innermost open phase is `current` (a failure report names it; a phase an exception
-leaves stays current)."""
+On or off, the innermost open phase is `current` and the module it runs, where one was named,
+`current_module` (a failure report names them; a phase an exception leaves stays current)."""
 
 import time
 from collections import defaultdict
@@ -21,7 +21,7 @@ class PhaseTimers:
     def __init__(self, device: torch.device, enabled: bool = False):
         self.device, self.enabled = device, enabled
         self.seconds = defaultdict(float)
-        self._running = []  # [name, since] of the open phases, innermost last
+        self._running = []  # [name, since, module] of the open phases, innermost last
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -36,10 +36,10 @@ class PhaseTimers:
             phase[1] = now
 
     @contextmanager
-    def _timed(self, name: str):
+    def _timed(self, name: str, module: str | None):
         now = self._now()
         self._charge_innermost(now)  # the enclosing phase pauses
-        self._running.append([name, now])
+        self._running.append([name, now, module])
         try:
             yield
         finally:
@@ -50,17 +50,22 @@ class PhaseTimers:
                 self._running[-1][1] = now
 
     @contextmanager
-    def _named(self, name: str):
-        self._running.append([name, None])
+    def _named(self, name: str, module: str | None):
+        self._running.append([name, None, module])
         yield
         self._running.pop()
 
-    def __call__(self, name: str):
-        return self._timed(name) if self.enabled else self._named(name)
+    def __call__(self, name: str, module: str | None = None):
+        """The phase `name` (of `module`, where it runs one module's work) inside."""
+        return self._timed(name, module) if self.enabled else self._named(name, module)
 
     @property
     def current(self) -> str | None:
         return self._running[-1][0] if self._running else None
+
+    @property
+    def current_module(self) -> str | None:
+        return self._running[-1][2] if self._running else None
 
     def switch(self, name: str) -> None:
         """From now on the innermost open phase counts as `name` (nothing when off or none is open)."""
