@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.training import get_args, print_rank_0
 
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.patches.hetero_args import fail
+from megatron_hetero.training.layout_args import fail
 from megatron_hetero.runtime.checkpoint import (
     TRACKER,
     CheckpointError,

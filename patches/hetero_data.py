@@ -16,7 +16,9 @@ import contextlib
 from megatron.core import parallel_state
 from megatron.training import get_args, print_rank_0
 
+from megatron_hetero.data.bad_data import DataError, one_line
 from megatron_hetero.patches._patch import replace
+from megatron_hetero.training.layout_args import fail
 
 
 @contextlib.contextmanager
@@ -47,9 +49,6 @@ class _ReportingLoader:
         return len(self.loader)
 
     def __iter__(self):
-        from megatron_hetero.data.bad_data import DataError, one_line
-        from megatron_hetero.patches.hetero_args import fail
-
         try:
             for batch in self.loader:
                 skipped = batch.pop("skipped")

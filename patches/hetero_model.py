@@ -18,9 +18,9 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.training import get_args
 
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.patches.hetero_args import fail
-from megatron_hetero.runtime.forward_backward import finalize_hetero_grads
+from megatron_hetero.runtime.grads import finalize_hetero_grads
 from megatron_hetero.runtime.model import HeteroModel, ModelParts
+from megatron_hetero.training.layout_args import fail
 
 
 def _scale_reduced_gradients(ddp: DistributedDataParallel, factor: float) -> None:

@@ -4,7 +4,7 @@
 from megatron.training import get_args
 
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.runtime.forward_backward import forward_backward
+from megatron_hetero.schedules.forward_backward import forward_backward
 
 
 def _get_forward_backward_func(original):

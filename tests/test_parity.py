@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.layout import load_layout
-from megatron_hetero.training.full_state import full_tensors, gather_grad_shards
+from megatron_hetero.models.full_state import full_tensors, gather_grad_shards
 from tests.distributed import run_distributed
 
 STEPS = 10

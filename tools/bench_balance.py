@@ -89,7 +89,7 @@ def main() -> int:
     from megatron_hetero.groups import build_module_groups, init_distributed
     from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.patches import cpu
-    from megatron_hetero.patches.parallel_state import init_outside_training
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     cpu.apply()  # nothing with a GPU
     device = init_distributed()

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
+import megatron_hetero.patches
+from megatron_hetero.layout import ColocatedSchedule
 from megatron_hetero.planner import BENCH_WORKLOADS
-from megatron_hetero.schedules.colocated_order import SCHEDULES
 from megatron_hetero.training.bench import (
     PHASES,
     measure,
@@ -67,6 +68,7 @@ def run(opts) -> dict:
     extra, name = [], Path(opts.hetero_layout).stem
     if opts.colocated_schedule != "recompute":
         extra, name = ["--hetero-colocated-schedule", opts.colocated_schedule], f"{name} ({opts.colocated_schedule})"
+    megatron_hetero.patches.apply()
     with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
         record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
         if opts.profile:
@@ -117,7 +119,7 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="samples per LLM DP rank and microbatch (default: the workload's; 0: the "
                              "smallest the layout accepts)")
-    parser.add_argument("--colocated-schedule", choices=SCHEDULES, default="recompute",
+    parser.add_argument("--colocated-schedule", choices=tuple(ColocatedSchedule), default="recompute",
                         help="colocated layouts with LLM pp>1: --hetero-colocated-schedule (the record's layout "
                              "name says which, unless recompute)")
     parser.add_argument("--warmup", type=int, default=2)

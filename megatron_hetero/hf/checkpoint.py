@@ -25,7 +25,6 @@ from megatron_hetero.hf.rules import HFMappingError
 from megatron_hetero.models.sizes import ModelSizes, sizes_from_dict, sizes_to_dict
 
 MODEL_FILE = "model.json"
-MODULES = ("vision", "llm")
 
 
 def untrained_file(name: str) -> str:
@@ -44,11 +43,11 @@ def describe(sizes: ModelSizes, imported: dict) -> dict:
 
 @contextmanager
 def one_process_model(sizes: ModelSizes):
-    """A one-process world holding every module whole (tp = pp = 1): the HeteroModel, its run."""
+    """A one-process world holding every module whole (tp = pp = 1): the HeteroModel, its run. On CPUs
+    megatron-core runs with megatron_hetero.patches applied (the command line applies them)."""
     from megatron_hetero.layout import parse_layout
     from megatron_hetero.models.vlm_parts import build_vlm_parts
-    from megatron_hetero.patches import cpu
-    from megatron_hetero.patches.parallel_state import init_outside_training, point_at
+    from megatron_hetero.runtime.parallel_state import init_outside_training, point_at
     from megatron_hetero.runtime.context import build_run
     from megatron_hetero.runtime.model import HeteroModel
 
@@ -57,7 +56,6 @@ def one_process_model(sizes: ModelSizes):
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        cpu.apply()
         layout = parse_layout({"placement": "colocated", "edges": ["vision -> llm"],
                                "modules": {"vision": {"role": "encoder"}, "llm": {"role": "llm"}}}, 1)
         run = build_run(layout)
@@ -106,7 +104,7 @@ def _write_release(save_dir: Path, sizes: ModelSizes, states: dict, missing: dic
     from megatron.core import dist_checkpointing
 
     from megatron_hetero.runtime.checkpoint import hetero_record, write_tracker
-    from megatron_hetero.training.full_state import load_full_tensors
+    from megatron_hetero.models.full_state import load_full_tensors
 
     with one_process_model(sizes) as model:
         for name, state in states.items():
@@ -172,7 +170,7 @@ def export_checkpoint(load: str, outs: dict[str, str], model_file: str | None = 
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
-    from megatron_hetero.training.full_state import full_tensors
+    from megatron_hetero.models.full_state import full_tensors
 
     description, untrained = read_description(load, model_file)
     sizes = sizes_from_dict(description["sizes"])

@@ -15,10 +15,9 @@ import numpy as np
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, assign_items, input_rows
-from megatron_hetero.data.sample_batch import DOCUMENTS_KEY, counts_key, positions_key
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.init import build_stage
-from megatron_hetero.models.kinds import encoder_kind
+from megatron_hetero.models.kinds import DOCUMENTS_KEY, counts_key, encoder_kind, positions_key
 from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.vlm import build_llm, llm_forward
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime

@@ -16,6 +16,7 @@ from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
+from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, fail, load
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
 MEGATRON_SIZE_FLAGS = ("hidden_size", "num_layers", "num_attention_heads", "seq_length")
@@ -29,10 +30,6 @@ DEFAULT_FLAGS = [
     "--hidden-size", "64", "--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "32",
     "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0", "--log-interval", "1",
 ]
-
-
-class ArgsError(ValueError):
-    """A flag value that cannot work; one line naming the flag and the fix."""
 
 
 def arg_file_line(line: str) -> list[str]:
@@ -146,18 +143,16 @@ def _take_sizes_file(args) -> None:
 
 def parse_script_args(argv: list[str], validate: bool = True):
     """Megatron's arguments for the script: DEFAULT_FLAGS, then `argv` (`@file`s expanded), with the
-    script's own flags. Validated (megatron_hetero.patches applied): the script's checks first (one
-    `error:` line, exit 2), then Megatron's validation, set as megatron.training's global args.
-    Without validation, parsed only: nothing global is set (flag checks before a run)."""
+    script's own flags and megatron-hetero's. Validated (the script applies megatron_hetero.patches
+    first, whose validation takes --hetero-layout): the script's checks first (one `error:` line,
+    exit 2), then Megatron's validation, set as megatron.training's global args. Without validation,
+    parsed only: nothing global is set (flag checks before a run)."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
 
-    from megatron_hetero.patches import arguments
-
-    arguments.apply()  # --hetero-layout & co. join Megatron's parser
     argv_before, sys.argv = sys.argv, [sys.argv[0], *DEFAULT_FLAGS, *expand_arg_files(argv)]
     try:
-        args = parse_args(extra_args_provider=add_model_args)
+        args = parse_args(extra_args_provider=lambda parser: add_model_args(add_hetero_flags(parser)))
     finally:
         sys.argv = argv_before
     if not validate:
@@ -298,19 +293,17 @@ def check_args(args, layout) -> None:
 def check_script_args(args) -> None:
     """examples/pretrain_vlm.py's checks, after Megatron's parsing and before its validation: one
     `error:` line and exit 2."""
-    from megatron_hetero.patches import hetero_args
-
     if args.hetero_layout is None:
-        hetero_args.fail("--hetero-layout is required: this script trains per-module layouts (see "
-                         "examples/layouts/ and the README)")
-    layout = args.hetero_layout_spec = hetero_args.load(args)  # Megatron's validation reuses it
+        fail("--hetero-layout is required: this script trains per-module layouts (see examples/layouts/ "
+             "and the README)")
+    layout = args.hetero_layout_spec = load(args)  # Megatron's validation reuses it
     try:
         if args.model_sizes:
             _take_sizes_file(args)
         check_trainable(layout)
         check_args(args, layout)
     except ArgsError as error:
-        hetero_args.fail(str(error))
+        fail(str(error))
 
 
 __all__ = ["DEFAULT_FLAGS", "ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",

@@ -5,7 +5,7 @@ training/providers.py under our patches), and the timed measurement that makes o
 
 A measured step is megatron.training's `train_step` (zero the gradient buffers, the forward-backward
 function, the optimizer step, the learning-rate step) on the workload's fixed synthetic global batch;
-the forward-backward function is ours (runtime/forward_backward.py) unless a benchmark passes another
+the forward-backward function is ours (schedules/forward_backward.py) unless a benchmark passes another
 with Megatron's signature (bench_mimo: upstream MIMO's schedules).
 """
 
@@ -119,7 +119,7 @@ class Session:
         LLM's last stage)."""
         from megatron.training.training import train_step
 
-        from megatron_hetero.runtime.forward_backward import forward_backward
+        from megatron_hetero.schedules.forward_backward import forward_backward
         from megatron_hetero.training.providers import forward_step
 
         loss, *_ = train_step(forward_step, self.batches, self.model, self.optimizer, self.scheduler,
@@ -143,16 +143,13 @@ class _TimedStep:
 
 @contextmanager
 def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
-    """megatron.training initialized for the workload as pretrain() initializes itself (our patches,
-    the script's validated arguments, initialize_megatron, JIT options, setup_model_and_optimizer
+    """megatron.training initialized for the workload as pretrain() initializes itself (the caller
+    has applied megatron_hetero.patches, as a script does; the script's validated arguments, initialize_megatron, JIT options, setup_model_and_optimizer
     with the reference model's provider, then what train() sets before its first step), yielding a
     Session; megatron.training's globals are unset afterwards, so that a process can hold several
     sessions in turn. The process group is started here unless it is already (then it is left
     running). The learning rate is 1e-5, constant: the steps are timed, not trained. `extra_flags`:
     further flags of the script."""
-    import megatron_hetero.patches
-
-    megatron_hetero.patches.apply()
     from megatron.core.enums import ModelType
     from megatron.core.parallel_state import destroy_model_parallel
     from megatron.core.rerun_state_machine import RerunDataIterator, destroy_rerun_state_machine

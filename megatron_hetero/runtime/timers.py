@@ -1,4 +1,8 @@
-"""Named phase timers for step-time breakdowns (Megatron's `timers('forward-compute')` idea).
+"""How a rank's step time is spent: `Clock` (the time blocked on other ranks' data, the waiting share
+each run reports) and `PhaseTimers`, named phase timers for step-time breakdowns (Megatron's
+`timers('forward-compute')` idea).
+
+PhaseTimers:
 
 Off by default: a disabled timer is a no-op context. On, each phase synchronizes the GPU at its
 start and end, so that the time is the phase's own (this serializes what would otherwise overlap:
@@ -13,6 +17,7 @@ On or off, the innermost open phase is `current` and the module it runs, where o
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -75,3 +80,37 @@ class PhaseTimers:
 
     def reset(self):
         self.seconds.clear()
+
+
+@dataclass
+class Clock:
+    """Time this rank spends blocked on data from other ranks (on GPUs, after draining its own
+    queued compute, so that its compute is not counted as waiting)."""
+
+    device: torch.device
+    waiting_s: float = 0.0
+    step_s: float = 0.0  # training steps' forward-backward time, the waiting share's denominator
+
+    def _sync(self):
+        # The compute stream only: a device-wide synchronize would also wait for the posted
+        # receives (NCCL runs them on its own streams) before the clock starts, hiding the wait.
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    @contextmanager
+    def blocked(self):
+        """Counts the time inside as waiting (a blocking receive, or waits on posted ones)."""
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.waiting_s += time.perf_counter() - start
+
+    def wait(self, works) -> None:
+        if not works:
+            return
+        with self.blocked():
+            for work in works:
+                work.wait()
