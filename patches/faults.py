@@ -12,12 +12,13 @@ the flags that use less memory (runtime/failures.py) as the job's fault: every r
 line. The watchdog stops when `train` returns (what follows, e.g. an evaluation, runs without it).
 """
 
+import contextlib
 import datetime
 
 import torch
 from megatron.training import get_args
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.patches._patch import PASS_THROUGH, replace
 from megatron_hetero.runtime.failures import current_phase, out_of_memory_line
 from megatron_hetero.runtime.watchdog import Watchdog, first_line, job_store, write_line
 
@@ -38,24 +39,28 @@ def start(args) -> None:
     run.watchdog.start()
 
 
-def _out_of_memory(run, error: BaseException) -> None:
-    """This rank's line, recorded as the job's fault (every rank stops with one line); exit."""
-    line = out_of_memory_line(error, run, get_args())
-    if run.watchdog is not None:
-        run.watchdog.report(line)
-    write_line(f"error: rank {run.rank}: {line}")
-    raise SystemExit(1)
+@contextlib.contextmanager
+def _out_of_memory_in_one_line():
+    """Under --hetero-layout, out of GPU memory inside: this rank's line, recorded as the job's fault
+    (every rank stops with one line), exit 1."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        run = get_args().hetero_run
+        if run is None:
+            raise
+        line = out_of_memory_line(error, run, get_args())
+        if run.watchdog is not None:
+            run.watchdog.report(line)
+        write_line(f"error: rank {run.rank}: {line}")
+        raise SystemExit(1) from None
 
 
 def _train_step(original):
     def train_step(*args, **kwargs):
         try:
-            return original(*args, **kwargs)
-        except torch.OutOfMemoryError as error:
-            run = get_args().hetero_run
-            if run is None:
-                raise
-            _out_of_memory(run, error)
+            with _out_of_memory_in_one_line():
+                return original(*args, **kwargs)
         except RuntimeError as error:
             run = get_args().hetero_run
             if run is not None and run.watchdog is not None:
@@ -66,13 +71,8 @@ def _train_step(original):
 
 def _setup(original):
     def setup_model_and_optimizer(*args, **kwargs):
-        try:
+        with _out_of_memory_in_one_line():
             return original(*args, **kwargs)
-        except torch.OutOfMemoryError as error:
-            run = get_args().hetero_run
-            if run is None:
-                raise
-            _out_of_memory(run, error)
     return setup_model_and_optimizer
 
 
@@ -87,6 +87,6 @@ def _train(original):
 
 
 def apply() -> None:
-    replace("megatron.training.training.train_step", _train_step)
-    replace("megatron.training.training.train", _train)
-    replace("megatron.training.training.setup_model_and_optimizer", _setup)
+    replace("megatron.training.training.train_step", _train_step, PASS_THROUGH)
+    replace("megatron.training.training.train", _train, PASS_THROUGH)
+    replace("megatron.training.training.setup_model_and_optimizer", _setup, PASS_THROUGH)

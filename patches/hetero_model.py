@@ -112,4 +112,4 @@ def _megatron_args_set() -> bool:
 def apply() -> None:
     replace("megatron.training.training.get_model", _get_model,
             params=("model_provider_func", "model_type", "wrap_with_ddp", "config", "pg_collection"))
-    replace("megatron.core.models.multimodal.llava_model.LLaVAModel", _llava_class)
+    replace("megatron.core.models.multimodal.llava_model.LLaVAModel", _llava_class, kind=type)

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.patches._patch import PASS_THROUGH, replace
 
 FUSION_FLAGS = ("persist_layer_norm", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
                 "masked_softmax_fusion")
@@ -93,7 +93,7 @@ def _clip_init(original):
 
 
 def apply() -> None:
-    replace("megatron.core.datasets.utils.compile_helpers", _compile_helpers)
+    replace("megatron.core.datasets.utils.compile_helpers", _compile_helpers, PASS_THROUGH)
     replace("megatron.training.training.initialize_megatron", _initialize_megatron, params=("allow_no_cuda",))
     replace("megatron.core.models.vision.clip_vit_model.CLIPViTModel.__init__", _clip_init,
             params=("ln_pre_impl",))

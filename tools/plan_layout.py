@@ -116,6 +116,27 @@ def print_table(title: str, predictions: list) -> None:
         print(f"{number:>3}. {p.reason}")
 
 
+def _report_gains(result, paper: bool):
+    """Print the best homogeneous layout and each placement's predicted gain over it; return it."""
+    reference = result.best("homogeneous")
+    print()
+    if reference is None:
+        print("best homogeneous: none fits in memory; no gain to report")
+        return None
+    number = result.ranked.index(reference) + 1
+    print(f"best homogeneous: #{number} {reference.candidate.describe()} (mb {reference.candidate.micro_batch}), "
+          f"{reference.step_s:.2f} s/step, {reference.tflops_per_gpu:.0f} TFLOPS/GPU")
+    for placement in ("colocated", "non_colocated"):
+        best = result.best(placement)
+        published = f"  (published: {PUBLISHED[placement]})" if paper else ""
+        if best is None:
+            print(f"predicted gain, best {placement}: none fits{published}")
+        else:
+            print(f"predicted gain, best {placement} over best homogeneous: {_gain(best, reference)} "
+                  f"[{best.candidate.describe()}]{published}")
+    return reference
+
+
 def report(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top {args.top}: print at least 1 layout")
@@ -141,22 +162,7 @@ def report(args) -> int:
         print_table(f"best {min(args.top, len(result.ranked))}:", result.ranked[:args.top])
     else:
         print("no layout fits in memory")
-    reference = result.best("homogeneous")
-    print()
-    if reference is None:
-        print("best homogeneous: none fits in memory; no gain to report")
-    else:
-        number = result.ranked.index(reference) + 1
-        print(f"best homogeneous: #{number} {reference.candidate.describe()} (mb {reference.candidate.micro_batch}), "
-              f"{reference.step_s:.2f} s/step, {reference.tflops_per_gpu:.0f} TFLOPS/GPU")
-        for placement in ("colocated", "non_colocated"):
-            best = result.best(placement)
-            published = f"  (published: {PUBLISHED[placement]})" if args.workload == "paper" else ""
-            if best is None:
-                print(f"predicted gain, best {placement}: none fits{published}")
-            else:
-                print(f"predicted gain, best {placement} over best homogeneous: {_gain(best, reference)} "
-                      f"[{best.candidate.describe()}]{published}")
+    reference = _report_gains(result, args.workload == "paper")
     if result.over_memory:
         print()
         print_table(f"fastest {min(3, len(result.over_memory))} over memory (each at its smallest-memory micro batch):",
