@@ -31,6 +31,7 @@ stated so that FLOPs can be compared with other counts.
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -65,9 +66,12 @@ def run(opts) -> dict:
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
     rules.check(ArgsError, rules.colocated_schedule_problem(layout.placement, layout.llm, opts.colocated_schedule))
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
-    extra, name = [], Path(opts.hetero_layout).stem
+    extra, name = shlex.split(opts.flags), Path(opts.hetero_layout).stem
     if opts.colocated_schedule != "recompute":
-        extra, name = ["--hetero-colocated-schedule", opts.colocated_schedule], f"{name} ({opts.colocated_schedule})"
+        extra, name = extra + ["--hetero-colocated-schedule", opts.colocated_schedule], \
+            f"{name} ({opts.colocated_schedule})"
+    if opts.flags:
+        name = f"{name} [{opts.flags}]"
     megatron_hetero.patches.apply()
     with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
         record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
@@ -80,16 +84,23 @@ def run(opts) -> dict:
 def report(path: str, png: str | None) -> None:
     records = [json.loads(line) for line in open(path)]
     head = ["workload", "LLM layers", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "step s", "enc FLOPs", "peak GB",
-            "waiting", *(f"{p} s" for p in PHASES)]
+            "waiting", *(f"{p} s" for p in PHASES), "attention"]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in records:
         cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
-                 f"{r['step_s']:.3f}", f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
+                 _step_cell(r), f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
                  f"{100 * r['waiting_share_max']:.1f}%",
-                 *(f"{r['phases'][p]:.3f}" for p in PHASES)]
+                 *(f"{r['phases'][p]:.3f}" for p in PHASES),
+                 ", ".join(f"{m} {k.split(' ')[0]}" for m, k in r.get("attention", {}).items())]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     if png:
         _bar_chart(records, png)
+
+
+def _step_cell(r: dict) -> str:
+    """Mean step seconds, with the fastest and slowest timed step where the record has them."""
+    spread = f" ({r['step_s_min']:.3f}-{r['step_s_max']:.3f})" if "step_s_min" in r else ""
+    return f"{r['step_s']:.3f}{spread}"
 
 
 def _bar_chart(records, png: str) -> None:
@@ -122,6 +133,10 @@ def main() -> int:
     parser.add_argument("--colocated-schedule", choices=tuple(ColocatedSchedule), default="recompute",
                         help="colocated layouts with LLM pp>1: --hetero-colocated-schedule (the record's layout "
                              "name says which, unless recompute)")
+    parser.add_argument("--flags", default="",
+                        help="further flags of the training script, e.g. \"--use-distributed-optimizer "
+                             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1\" "
+                             "(named in the record's layout)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true",

@@ -1,7 +1,8 @@
 # Sourced by the tools/gpu_*_run.sh scripts: NCCL/PyTorch settings, this checkout's megatron_hetero
 # installed as users install it (the tools import it), megatron-core from .whl/ when carried there,
-# $out for results, and the hardware line.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+# $out for results, and the hardware line. (CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron wants for
+# TP/CP on pre-Blackwell GPUs, the plugin sets itself where unset: patches/startup.py.)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 
 # install_checkout DIR TARGET: the checkout at DIR built and installed into TARGET, offline (setup.py
 # maps patches/ to megatron_hetero.patches); put TARGET on PYTHONPATH to use it.

@@ -26,26 +26,25 @@ from megatron_hetero.runtime.model import ModelCall, ModelParts
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
                     dtype: torch.dtype = torch.float32, packed: bool = False,
-                    grad_accum_fusion: bool = False, recompute: dict | None = None) -> ModelParts:
+                    config_fields: dict | None = None) -> ModelParts:
     """This rank's stage of every module it holds, its weights in `dtype` (`packed`: the LLM sees
-    packed sequences, --pack-samples; `grad_accum_fusion`: weight gradients accumulate into DDP's
-    main_grad in the GEMM, Megatron's --gradient-accumulation-fusion, for parts DDP wraps;
-    `recompute`: TransformerConfig's recompute_granularity/_method/_num_layers, Megatron's
-    --recompute-* flags, for every module's layers); module i of the layout from seed + i, so a
-    module's weights do not depend on what else a rank holds, nor on its TP or PP size."""
-    fusion = {"gradient_accumulation_fusion": grad_accum_fusion, **(recompute or {})}
+    packed sequences, --pack-samples; `config_fields`: TransformerConfig fields every module takes
+    from Megatron's flags, training/providers.megatron_config_fields); module i of the layout from
+    seed + i, so a module's weights do not depend on what else a rank holds, nor on its TP or PP
+    size."""
+    fields = config_fields or {}
     parts = {}
     for index, module in enumerate(run.modules.values()):
         if not module.held:
             continue
-        layout, pgs = module.layout, module.pgs
+        layout, pgs = module.layout, module.groups.layer_groups()
         if layout.role == "llm":
             def build(whole, layout=layout, module=module):
                 pgs = module.groups.all_experts_here() if whole else module.pgs
-                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed, **fusion)
+                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed, **fields)
         else:
             def build(whole, layout=layout, pgs=pgs):
-                return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole, **fusion)
+                return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole, **fields)
         parts[module.name] = build_stage(build, seed + index, layout.pp, ep=layout.ep)
     return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision, dtype))
 
@@ -107,7 +106,7 @@ class VLMAdapter:
         b_local = ids.shape[0]
         rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)
-        documents = None if documents is None else documents[share].to(_device())
+        documents = None if documents is None else documents[share]  # on the host: llm_forward moves it
         out = llm_forward(module.part, ids, positions.to(_device())[None].expand_as(ids), rows,
                           labels, hidden, documents)
         return out, loss_mask

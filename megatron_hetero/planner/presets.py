@@ -72,6 +72,18 @@ PRESETS = {
         _llm_7b(16384), global_batch=16),
         "InternViT-6B-wide ViT at 15 layers (8 images x 1024 tokens per sample) into a 7B LLM at 16K, "
         "global batch 16", 2, Bench(image_size=448, patch_size=14)),
+    # Long context (issue 28's headline): W4's encoder with 16 images of 1024 tokens per sample
+    # (multi-image or video-like input: half of the fused sequence) into the 7B LLM at 32K, global
+    # batch 2 in microbatches of 1. The LLM needs model parallelism or recomputation for its memory
+    # at this length, the encoder does not; its 25 heads rule out Megatron's TP for it, so the
+    # homogeneous layouts left are DP (with recomputation to fit), CP with the encoder replicated
+    # on both CP ranks, and PP with the encoder on the first stage.
+    "W5": Preset(Workload(
+        (ModuleShape("vision", "encoder", hidden=3200, layers=15, heads=25, ffn=12800, tokens_per_item=1024,
+                     items_per_sample=16, projector_ffn=4 * 4096),),
+        _llm_7b(32768), global_batch=2, distributed_optimizer=True, allow_recompute=True),
+        "InternViT-6B-wide ViT at 15 layers (16 images x 1024 tokens per sample) into a 7B LLM at 32K, "
+        "global batch 2", 2, Bench(image_size=448, patch_size=14, global_batch=2, micro_batch=1)),
     "tiny": Preset(Workload(
         (ModuleShape("vision", "encoder", hidden=64, layers=2, heads=4, ffn=256, tokens_per_item=16,
                      items_per_sample=2, projector_ffn=256),),

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hetero.boundary.exchange import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
@@ -29,6 +30,8 @@ from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import BenchWorkload, trainer_workload
 from megatron_hetero.training.args import ArgsError, parse_script_args
 
+# Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
+PHASE_STEPS = 3
 PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
 # Megatron's --bf16: bf16 weights, fp32 main params and Adam in megatron-core's optimizer (the
 # records before the move to megatron.training kept fp32 weights under bf16 autocast).
@@ -222,48 +225,60 @@ class _BackwardPhases:
         return self.adapter.llm_forward(module, call, share, media, hidden)
 
 
-def _steps(session: Session, n: int, forward_backward_func) -> float:
-    """Seconds per training step over n steps."""
-    start = time.perf_counter()
+def _steps(session: Session, n: int, forward_backward_func) -> list[float]:
+    """Seconds of each of n training steps (the GPU synchronized at each step's end: the host runs
+    ahead by at most one step's launches, which the next synchronization absorbs)."""
+    times = []
     for _ in range(n):
+        start = time.perf_counter()
         session.train_step(forward_backward_func)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / max(n, 1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
             forward_backward_func=None) -> dict:
-    """Train the workload's batch: `warmup` steps, `steps` timed free-running, then `steps` with the
-    phase timers on; returns the record (rank 0 also appends it to `out` and prints it)."""
+    """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
+    record), then PHASE_STEPS with the phase timers on; returns the record (rank 0 also appends it
+    to `out` and prints it)."""
     hetero, world = session.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
     _steps(session, warmup, forward_backward_func)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     waited = hetero.clock.waiting_s
-    step_s = _steps(session, steps, forward_backward_func)
+    step_times = _steps(session, steps, forward_backward_func)
+    step_s = sum(step_times) / len(step_times)
     waiting_s = (hetero.clock.waiting_s - waited) / steps
     hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
     hetero.timers.enabled = True  # the breakdown pass: phases synchronized
-    _steps(session, steps, forward_backward_func)
-    phases = {k: v / steps for k, v in hetero.timers.seconds.items()}
+    phase_steps = min(steps, PHASE_STEPS)
+    _steps(session, phase_steps, forward_backward_func)
+    phases = {k: v / phase_steps for k, v in hetero.timers.seconds.items()}
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(), frozen)
-    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases)
+    from megatron_hetero.models.attention import attention_summary  # imports megatron-core
+
+    attention = {m.name: attention_summary(m.part) for m in run.modules.values() if m.held}
+    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases,
+                attention=attention)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     bf16 = session.args.bf16
     record = dict(
         workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
         micro_batch=w.micro_batch,
-        step_s=step_s, tokens_per_s=w.global_batch * w.seq_length / step_s,
+        step_s=step_s, step_s_min=min(step_times), step_s_max=max(step_times), steps=len(step_times),
+        tokens_per_s=w.global_batch * w.seq_length / step_s,
         tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
         encoder_flops_share=flops["encoder"] / sum(flops.values()),
         peak_gb_max=max(r["peak_gb"] for r in gathered),
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
+        attention={name: kernel for r in gathered for name, kernel in r["attention"].items()},
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
     )
@@ -275,9 +290,10 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
 
 
 # Kernel families of a profile, by name (the first that matches): where a step's GPU time goes.
+# Attention first: flash-attn-4's kernels, compiled by CUTLASS's CuTe DSL, carry "cutlass" too.
 KERNEL_FAMILIES = (
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
     ("communication", ("nccl",)),
     ("normalization", ("norm",)),
     ("softmax / cross entropy", ("softmax", "cross_entropy", "log_softmax", "nll")),
@@ -298,7 +314,7 @@ def profile_step(session: Session, path: str, forward_backward_func=None) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         session.train_step(forward_backward_func)
         torch.cuda.synchronize()
@@ -320,6 +336,10 @@ def profile_step(session: Session, path: str, forward_backward_func=None) -> dic
         lines += ["", "| kernel | family | calls | ms |", "| --- | --- | --- | --- |"]
         lines += [f"| {e.key[:90]} | {kernel_family(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.1f} |"
                   for e in top]
+        lines += ["", "Our annotated ranges (host time from entry to exit; GPU time of the kernels they launch):", "",
+                  "| range | calls | host ms | GPU ms |", "| --- | --- | --- | --- |"]
+        lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
+                  for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
         Path(path).write_text("\n".join(lines) + "\n")
         print(json.dumps(dict(profile=path, **summary)))
     return summary
