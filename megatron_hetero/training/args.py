@@ -282,12 +282,12 @@ def _check_attention(args, layout) -> None:
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_hetero.models.attention_kernels import AttentionKernelError, backend_mode, kernel_for
-    from megatron_hetero.patches.startup import has_te
+    from megatron_hetero.models.specs import HAVE_TE
 
     if args.attention_backend == AttnBackend.local:
         raise ArgsError("--attention-backend local is Megatron's switch to its --spec local models; for torch "
                         "SDPA in these layers use --attention-backend unfused")
-    if backend_mode(args.attention_backend) != "flash" or has_te():
+    if backend_mode(args.attention_backend) != "flash" or HAVE_TE:
         return
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     for name, head_dim in _module_head_dims(args, layout).items():
