@@ -51,8 +51,10 @@ class Change:
     def undo(self) -> None:
         if self.context is not None:
             self.context.__exit__(None, None, None)
+        elif self.item and self.original is _ABSENT:
+            self.owner.pop(self.name, None)
         elif self.item:
-            self.owner.pop(self.name, None) if self.original is _ABSENT else self.owner.update({self.name: self.original})
+            self.owner[self.name] = self.original
         elif self.original is _ABSENT:
             delattr(self.owner, self.name)
         else:

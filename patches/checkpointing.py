@@ -28,7 +28,6 @@ import torch.distributed as dist
 from megatron.training import get_args, print_rank_0
 
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.training.layout_args import fail
 from megatron_hetero.runtime.checkpoint import (
     TRACKER,
     CheckpointError,
@@ -37,6 +36,7 @@ from megatron_hetero.runtime.checkpoint import (
     inspect_checkpoint,
     write_tracker,
 )
+from megatron_hetero.training.layout_args import fail
 
 STAGING = ".staging"
 
@@ -136,7 +136,8 @@ def _load_checkpoint(original):
         if optimizer is not None:
             optimizer.fresh = set(found.fresh_modules)
             for name in found.fresh_modules:
-                print_rank_0(f" module {name} had no optimizer state in the checkpoint (frozen then): its optimizer starts anew")
+                print_rank_0(f" module {name} had no optimizer state in the checkpoint (frozen then): its optimizer "
+                             f"starts anew")
         try:
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
                             *args, **{**kwargs, **_group_kwargs(run)})

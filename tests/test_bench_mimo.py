@@ -50,10 +50,9 @@ def _first_step(session, forward_backward):
 
 
 def _parity_and_record(rank, world_size, out):
+    import megatron_hetero.patches
     from megatron_hetero.schedules.forward_backward import forward_backward
     from megatron_hetero.training.bench import megatron_session
-
-    import megatron_hetero.patches
 
     megatron_hetero.patches.apply()
     tool = _load_tool()

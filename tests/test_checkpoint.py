@@ -215,7 +215,8 @@ def test_damaged_checkpoint_is_one_line(colocated, tmp, tag, damage, flags, expe
     result = _one_process(["--load", str(directory), *flags], tmp)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-3000:]
-    assert len(errors) == 1 and f"checkpoint {directory / 'iter_0000005'}: " in errors[0] and expected in errors[0], errors
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert f"checkpoint {directory / 'iter_0000005'}: " in errors[0], errors
     assert "module " in errors[0] or tag == "no_metadata"
     assert "Traceback" not in result.stderr
 

@@ -49,8 +49,9 @@ def _direct(args: list, env: dict, nproc: int) -> list[subprocess.Popen]:
     """The script in `nproc` processes started directly (no torchrun: srun-style launches)."""
     port = _free_port()
     return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_script.py"), *args],
-                             env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), **env),
+                             env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                                      WORLD_SIZE=str(nproc), **env),
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(nproc)]
 
@@ -99,7 +100,7 @@ def test_dead_rank_stops_every_rank(tmp_path, layout, module, rank, phase, launc
     survivors = {int(line.split()[2]) for line in lines}
     assert survivors == set(range(4)) - {rank}, out[-4000:]
     assert all(f"rank {rank} (last heard in {phase} at iteration 3)" in line for line in lines), lines
-    assert "Traceback" not in "\n".join(l for l in out.splitlines() if l.startswith("[rank"))
+    assert "Traceback" not in "\n".join(line for line in out.splitlines() if line.startswith("[rank"))
     assert not _left_running(mark)
 
 

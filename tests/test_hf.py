@@ -29,8 +29,8 @@ from transformers import (
 from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.hf import FAMILIES, HFMappingError, export_hf, family_of, import_hf, load_full_tensors
 from megatron_hetero.hf.rules import FusedQKV
-from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.full_state import FullStateError, tp_part, tp_whole
+from megatron_hetero.models.sizes import ModelSizes
 from tests.distributed import collect_distributed
 
 SEQ, BATCH, VOCAB, IMAGE = 16, 2, 100, 32

@@ -83,7 +83,8 @@ def test_import_trains_under_any_layout_and_exports(imported):
     head = [k for k in original if k.startswith("head.")]
     assert head and all(torch.equal(vision[k], original[k]) for k in head)  # not trained: as imported
     assert not torch.equal(vision["post_layernorm.weight"], original["post_layernorm.weight"])
-    assert json.loads((out / "llm" / "config.json").read_text())["num_key_value_heads"] == llm.config.num_key_value_heads
+    config = json.loads((out / "llm" / "config.json").read_text())
+    assert config["num_key_value_heads"] == llm.config.num_key_value_heads
 
 
 def test_image_normalization_is_the_imported_towers(imported, tmp_path):

@@ -85,9 +85,9 @@ def _sequence_part(full: torch.Tensor, seq_dim: int, tp, cp, sp, pgs):
 
 def _run_llm(pgs, tp, cp, sp, num_query_groups):
     """Per-token losses, input-slot gradients and whole parameter gradients of this rank's part."""
+    from megatron_hetero.models.full_state import full_tensors
     from megatron_hetero.models.vlm import build_llm, llm_forward
     from megatron_hetero.runtime.parallel_state import init_outside_training
-    from megatron_hetero.models.full_state import full_tensors
 
     sizes = _sizes()
     init_outside_training(SEED, tp_rank=pgs.tp.rank())

@@ -1,7 +1,8 @@
-"""End-to-end parity, the acceptance matrix: examples/pretrain_vlm.py through megatron.training's
-loop, under every layout, reproduces a 1-process run with the same seed and global batch over 10 steps (per-step loss and gradient norm within 1e-4 relative, every
-gradient after the first backward within 1e-4 of its scale, parameters after the 10 steps within
-1e-3), whatever its placement, TP/CP/SP/DP/PP per module, frozen encoders or number of encoders."""
+"""End-to-end parity, the acceptance matrix: examples/pretrain_vlm.py through megatron.training's loop,
+under every layout, reproduces a 1-process run with the same seed and global batch over 10 steps
+(per-step loss and gradient norm within 1e-4 relative, every gradient after the first backward
+within 1e-4 of its scale, parameters after the 10 steps within 1e-3), whatever its placement,
+TP/CP/SP/DP/PP per module, frozen encoders or number of encoders."""
 
 import functools
 import json

@@ -405,6 +405,7 @@ def test_process_groups_destroyed_at_a_clean_exit(ending, destroyed):
     import sys
 
     result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending, str(_free_port())], capture_output=True,
-                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == (0 if destroyed else 1), result.stderr[-2000:]
     assert f"initialized at exit: {not destroyed}" in result.stdout, result.stdout[-2000:]

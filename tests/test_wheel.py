@@ -107,8 +107,10 @@ def test_installed_package_is_the_wheels(installed):
             "names = [n for _, n, _ in pkgutil.walk_packages(m.__path__, 'megatron_hetero.')\n"
             "         if not n.endswith('__main__')]\n"
             "files = [importlib.import_module(n).__file__ for n in names]\n"
-            "print(m.__file__); print(len(names)); print(*sorted(set(f.split('/megatron_hetero/')[0] for f in files)))\n"
-            "print(importlib.util.find_spec('megatron_hetero.tests'), importlib.util.find_spec('megatron_hetero.tools'))\n")
+            "homes = sorted(set(f.split('/megatron_hetero/')[0] for f in files))\n"
+            "print(m.__file__); print(len(names)); print(*homes)\n"
+            "spec = importlib.util.find_spec\n"
+            "print(spec('megatron_hetero.tests'), spec('megatron_hetero.tools'))\n")
     out = subprocess.run([python, "-c", code], cwd=python.parent, env=env, capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]

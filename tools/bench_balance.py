@@ -85,7 +85,14 @@ def main() -> int:
     if opts.samples % opts.dp:
         parser.error(f"--samples {opts.samples} must split over --dp {opts.dp} for the by-sample baseline")
 
-    from megatron_hetero.boundary.balance import balance_items, by_sample, imbalance, item_cost, rank_loads, skewed_batch
+    from megatron_hetero.boundary.balance import (
+        balance_items,
+        by_sample,
+        imbalance,
+        item_cost,
+        rank_loads,
+        skewed_batch,
+    )
     from megatron_hetero.groups import build_module_groups, init_distributed
     from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.patches import cpu
@@ -117,7 +124,8 @@ def main() -> int:
     loads = np.concatenate([rank_loads(costs, a, opts.dp) for a in (before, after)])
     ms = np.concatenate([record["ms_before"], record["ms_after"]])
     (fixed, per_load), *_ = np.linalg.lstsq(np.stack([np.ones_like(loads), loads], axis=1), ms, rcond=None)
-    record.update(fit_fixed_ms=round(float(fixed), 2), fit_r2=float(1 - np.var(ms - fixed - per_load * loads) / np.var(ms)))
+    r2 = float(1 - np.var(ms - fixed - per_load * loads) / np.var(ms))
+    record.update(fit_fixed_ms=round(float(fixed), 2), fit_r2=r2)
     record.update(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                   device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     print(json.dumps(record))

@@ -10,7 +10,8 @@ Every figure is a prediction of the cost model in megatron_hetero/planner/ (its 
 the model, megatron_hetero.planner.calibration's the calibration JSON format), not a measurement.
 Presets: W1, W2, W3 (a SigLIP-so400m ViT into a 7B LLM on 2 GPUs), W4 (encoder-heavy: an
 InternViT-6B-wide ViT into a 7B LLM on 2 GPUs), tiny (a CPU-sized check), paper (a 6B ViT into a
-70B LLM on 64 GPUs) and moe (a ViT into a Qwen3-30B-A3B-shaped MoE LLM on 8 GPUs); see megatron_hetero.planner.presets. A workload file is JSON:
+70B LLM on 64 GPUs) and moe (a ViT into a Qwen3-30B-A3B-shaped MoE LLM on 8 GPUs); see
+megatron_hetero.planner.presets. A workload file is JSON:
 
     {"encoders": [{"name": "vision", "hidden": 1152, "layers": 27, "heads": 16, "ffn": 4304,
                    "tokens_per_item": 729, "items_per_sample": 16, "projector_ffn": 16384}],

@@ -158,7 +158,7 @@ def _check_edge(layout, edge, batch, rank: int, world_size: int, args, dtype, de
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    moved = run.plan.forward.bytes_sent_off_rank(rank, row_bytes) + run.plan.backward.bytes_sent_off_rank(rank, row_bytes)
+    moved = sum(routes.bytes_sent_off_rank(rank, row_bytes) for routes in (run.plan.forward, run.plan.backward))
     stats = torch.tensor([moved, float(np.median(times)) if times else 0.0, 0.0 if ok else 1.0],
                          dtype=torch.float64, device=device)
     total = stats.clone()

@@ -22,7 +22,6 @@ from megatron_hetero.boundary import BoundaryBatch
 from megatron_hetero.data.shapes import ShapesDataset, ShapesSample
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 
-
 # The media of a fused sequence, keys of GlobalBatch.boundaries: the rows of each come from its encoder.
 VISION, AUDIO = "vision", "audio"
 

@@ -47,9 +47,9 @@ def one_process_model(sizes: ModelSizes):
     megatron-core runs with megatron_hetero.patches applied (the command line applies them)."""
     from megatron_hetero.layout import parse_layout
     from megatron_hetero.models.vlm_parts import build_vlm_parts
-    from megatron_hetero.runtime.parallel_state import init_outside_training, point_at
     from megatron_hetero.runtime.context import build_run
     from megatron_hetero.runtime.model import HeteroModel
+    from megatron_hetero.runtime.parallel_state import init_outside_training, point_at
 
     started = not dist.is_initialized()
     if started:  # on a store of its own, at a port the system picks (no other job's)
@@ -103,8 +103,8 @@ def _write_release(save_dir: Path, sizes: ModelSizes, states: dict, missing: dic
     """The release checkpoint of our modules' full state dicts (`missing`: prefixes each may lack)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_hetero.runtime.checkpoint import hetero_record, write_tracker
     from megatron_hetero.models.full_state import load_full_tensors
+    from megatron_hetero.runtime.checkpoint import hetero_record, write_tracker
 
     with one_process_model(sizes) as model:
         for name, state in states.items():

@@ -115,4 +115,5 @@ def sizes_from_dict(values: dict) -> ModelSizes:
     llm = dict(values.get("llm_arch", {}))
     if llm.get("moe") is not None:
         llm["moe"] = MoEArch(**llm["moe"])
-    return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": VisionArch(**values.get("vision_arch", {}))})
+    vision = VisionArch(**values.get("vision_arch", {}))
+    return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": vision})

@@ -17,10 +17,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.boundary.exchange import write_rows
+from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch, padded_vocab_size
-from megatron_hetero.models import specs
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 from megatron_hetero.models.vocab import first_rows_init, pad_vocab
@@ -137,9 +137,10 @@ def build_llm(
     te = specs.llm_uses_te(packed)
     whole_rows = padded_vocab_size(sizes)  # the padding's own initial weights do not depend on tp
     config.embedding_init_method = first_rows_init(config.embedding_init_method, whole_rows)
+    spec = transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te), config, pgs, te)
     llm = GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te), config, pgs, te),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(sizes, tp),
         max_sequence_length=sizes.seq_length,
         pre_process=first,

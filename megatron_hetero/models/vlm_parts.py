@@ -101,8 +101,9 @@ class VLMAdapter:
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         llm, coords = module.layout, module.coords()
         positions = cp_positions(self.sizes.seq_length, llm.cp, coords["cp"])
-        ids, labels, loss_mask = (None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
-                                  for key in ("input_ids", "labels", "loss_mask"))
+        ids, labels, loss_mask = (
+            None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
+            for key in ("input_ids", "labels", "loss_mask"))
         b_local = ids.shape[0]
         rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)

@@ -42,7 +42,8 @@ def model_record(model_file: str | Path) -> dict:
 
     description = json.loads(Path(model_file).read_text())
     files = {name: hf["untrained"] for name, hf in description.get("hf", {}).items() if hf.get("untrained")}
-    return {"model": description, UNTRAINED: {name: load_file(Path(model_file).parent / f) for name, f in files.items()}}
+    untrained = {name: load_file(Path(model_file).parent / file) for name, file in files.items()}
+    return {"model": description, UNTRAINED: untrained}
 
 
 def fsync_dir(path: Path) -> None:
@@ -112,7 +113,8 @@ def _file_problems(path: Path, metadata, names) -> list[str]:
         if name not in sizes:
             sizes[name] = os.path.getsize(path / name) if (path / name).is_file() else None
         if sizes[name] is None or sizes[name] < info.offset + info.length:
-            what = "missing" if sizes[name] is None else f"truncated ({sizes[name]} of {info.offset + info.length} bytes)"
+            end = info.offset + info.length
+            what = "missing" if sizes[name] is None else f"truncated ({sizes[name]} of {end} bytes)"
             problems.append(f"module {_module_of(index.fqn, names)}: shard file {name} is {what}")
     return problems
 
@@ -122,7 +124,8 @@ def _local_problem(path: Path, model, names) -> tuple[str | None, dict | None]:
         common = load_common_state_dict(path)
         metadata = FileSystemReader(str(path)).read_metadata()
     except (Exception, CheckpointException) as error:  # any unreadable file (torch's error is a BaseException)
-        return f"cannot be read ({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''})", None
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"cannot be read ({type(error).__name__}: {first})", None
     problems = _file_problems(path, metadata, names) + _tensor_problems(path, model, metadata, names)
     return (problems[0] if problems else None), common
 

@@ -67,9 +67,11 @@ def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
 
     workload = trainer_workload(preset, padded_vocab_size(ModelSizes()), preset.frozen)
     best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
-    command = f"python tools/plan_layout.py --workload {preset.name} --gpus {world_size} --gpu-memory-gb {gpu_memory_gb:.0f}"
+    command = (f"python tools/plan_layout.py --workload {preset.name} --gpus {world_size} "
+               f"--gpu-memory-gb {gpu_memory_gb:.0f}")
     if best is None:
-        return f"the planner finds no layout of {preset.name} that fits {world_size} GPUs of {gpu_memory_gb:.0f} GB ({command})"
+        return (f"the planner finds no layout of {preset.name} that fits {world_size} GPUs of "
+                f"{gpu_memory_gb:.0f} GB ({command})")
     return (f"the planner's best for {preset.name} on {world_size} GPUs: {best.candidate.placement} "
             f"{best.candidate.describe()}, micro batch {best.candidate.micro_batch}, "
             f"{best.memory_gb:.0f} GB/GPU predicted ({command} --write-yaml best.yaml)")

@@ -20,7 +20,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.runtime.parallel_state import pointed_at
 
-
 COMMON = "common"  # a module's common optimizer state, one sharded object
 
 

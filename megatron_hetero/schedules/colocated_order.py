@@ -138,7 +138,8 @@ def simulate(orders: list[list[Op]], durations, gang: bool = False) -> tuple[flo
                 position[t] += 1
             progressed = True
         if not progressed:
-            raise RuntimeError(f"deadlock at {[orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])]}")
+            stuck = [orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])]
+            raise RuntimeError(f"deadlock at {stuck}")
     step = max(free)
     return step, [step - b for b in busy]
 

@@ -146,13 +146,13 @@ class _TimedStep:
 
 @contextmanager
 def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
-    """megatron.training initialized for the workload as pretrain() initializes itself (the caller
-    has applied megatron_hetero.patches, as a script does; the script's validated arguments, initialize_megatron, JIT options, setup_model_and_optimizer
-    with the reference model's provider, then what train() sets before its first step), yielding a
-    Session; megatron.training's globals are unset afterwards, so that a process can hold several
-    sessions in turn. The process group is started here unless it is already (then it is left
-    running). The learning rate is 1e-5, constant: the steps are timed, not trained. `extra_flags`:
-    further flags of the script."""
+    """megatron.training initialized for the workload as pretrain() initializes itself (the caller has
+    applied megatron_hetero.patches, as a script does; the script's validated arguments,
+    initialize_megatron, JIT options, setup_model_and_optimizer with the reference model's provider,
+    then what train() sets before its first step), yielding a Session; megatron.training's globals
+    are unset afterwards, so that a process can hold several sessions in turn. The process group is
+    started here unless it is already (then it is left running). The learning rate is 1e-5,
+    constant: the steps are timed, not trained. `extra_flags`: further flags of the script."""
     from megatron.core.enums import ModelType
     from megatron.core.parallel_state import destroy_model_parallel
     from megatron.core.rerun_state_machine import RerunDataIterator, destroy_rerun_state_machine
