@@ -15,7 +15,7 @@ import torch
 
 from megatron_hetero import launch
 from megatron_hetero.patches import PatchError, _patch, apply, check_version
-from tests.distributed import _free_port, run_distributed
+from tests.distributed import run_distributed
 
 # Everything apply() changes, in the order it does (the CPU ones only where no GPU is present): the
 # upstream functions and classes it replaces, the values it sets, a module it provides, the context
@@ -390,8 +390,8 @@ import torch.distributed as dist
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs last
 from megatron_hetero.patches import cpu
 cpu.apply()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-dist.init_process_group("gloo", rank=0, world_size=1)
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # a port of its own, taken at once
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 if sys.argv[1] == "raise":
     raise RuntimeError("the run failed")
 """
@@ -404,7 +404,7 @@ def test_process_groups_destroyed_at_a_clean_exit(ending, destroyed):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending, str(_free_port())], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending], capture_output=True,
                             text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == (0 if destroyed else 1), result.stderr[-2000:]

@@ -67,7 +67,7 @@ def rank_times(encoders, pixels: np.ndarray, assignment: np.ndarray, dp: int, op
     return times
 
 
-def main() -> int:
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, default=8, help="the encoder's DP ranks")
     parser.add_argument("--samples", type=int, default=128, help="samples in the global batch")
@@ -84,7 +84,11 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.samples % opts.dp:
         parser.error(f"--samples {opts.samples} must split over --dp {opts.dp} for the by-sample baseline")
+    return opts
 
+
+def main() -> int:
+    opts = parse_args()
     from megatron_hetero.boundary.balance import (
         balance_items,
         by_sample,
