@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.boundary import assign_items
+from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
 from megatron_hetero.data.energon import EnergonRecords, ImagePart, is_energon_dataset
 from megatron_hetero.data.images import ImageError, ImageSpec, check_image, load_tiles, tiles_of

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_hetero.data.bad_data import BadSample, DataError
+from megatron_hetero.models.kinds import DOCUMENTS_KEY, counts_key, positions_key
 
 
 @dataclass
@@ -56,7 +57,7 @@ class SampleBatch:
                            [bad for s in samples for bad in s.skipped], documents)
 
     def model_kwargs(self, input_keys: dict[str, str]) -> dict:
-        """The model call's arguments (models/vlm_parts.py); input_keys: kind name -> its argument.
+        """The model call's arguments (its keys: models/kinds.py); input_keys: kind name -> its argument.
         Per kind, ragged over the samples: every item `<input key>` [n, ...], the items per sample
         `<kind>_counts` [B] and the positions their rows fill `<kind>_positions` [n x rows per item]."""
         out = dict(input_ids=self.input_ids, labels=self.labels, loss_mask=self.loss_mask)
@@ -67,9 +68,6 @@ class SampleBatch:
         if self.documents is not None:
             out[DOCUMENTS_KEY] = self.documents
         return out
-
-
-DOCUMENTS_KEY = "document_ids"  # the model call's argument holding a packed batch's documents [B, S]
 
 
 def pack(samples: list[Sample], per_pack: int, pad_id: int) -> list[Sample]:
@@ -101,13 +99,3 @@ def pack(samples: list[Sample], per_pack: int, pad_id: int) -> list[Sample]:
                  for kind in group[0].media}
         packed.append(Sample(input_ids, labels, loss_mask, media, [b for s in group for b in s.skipped], documents))
     return packed
-
-
-def counts_key(kind: str) -> str:
-    """The model call's argument holding a kind's items per sample."""
-    return f"{kind}_counts"
-
-
-def positions_key(kind: str) -> str:
-    """The model call's argument holding the sequence positions of a kind's rows."""
-    return f"{kind}_positions"

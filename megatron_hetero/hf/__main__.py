@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import megatron_hetero.patches
+
+    megatron_hetero.patches.apply()  # megatron-core on CPUs; this command line is an entry point
     from megatron_hetero.hf.checkpoint import export_checkpoint, import_checkpoint
 
     try:

@@ -1,6 +1,8 @@
 """The registry of encoder kinds this project's model builds (a layout module's `kind:`): what each
 kind reads from a sample, its size flags, how many tokens an item puts into the LLM sequence, and
-its builder. Importable without megatron-core (flags are parsed first)."""
+its builder; and the model call's arguments per kind (`input_key`, counts_key, positions_key; with
+packing DOCUMENTS_KEY), which the data (data/sample_batch.py) produces and the model
+(models/vlm_parts.py) reads. Importable without megatron-core (flags are parsed first)."""
 
 from dataclasses import dataclass
 from typing import Callable
@@ -43,6 +45,19 @@ ENCODER_KINDS = {
     "audio": EncoderKind("audio", "audio", "audio", lambda s: s.tokens_per_clip, lambda s: s.tokens_per_clip,
                          "build_audio_encoder"),
 }
+
+
+DOCUMENTS_KEY = "document_ids"  # the model call's argument holding a packed batch's documents [B, S]
+
+
+def counts_key(kind: str) -> str:
+    """The model call's argument holding a kind's items per sample."""
+    return f"{kind}_counts"
+
+
+def positions_key(kind: str) -> str:
+    """The model call's argument holding the sequence positions of a kind's rows."""
+    return f"{kind}_positions"
 
 
 class UnknownKindError(ValueError):

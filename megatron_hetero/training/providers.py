@@ -15,7 +15,7 @@ from megatron_hetero.data.images import ImageSpec
 from megatron_hetero.models.attention import attention_summary
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.vlm_parts import build_vlm_parts
-from megatron_hetero.training.args import model_sizes, tokenizer
+from megatron_hetero.training.args import image_normalization, model_sizes, tokenizer
 
 
 def megatron_config_fields(args) -> dict:
@@ -53,7 +53,7 @@ def conversation_dataset(args, num_samples: int) -> ConversationSamples:
     vision = ENCODER_KINDS["vision"]
     spec = ConversationSpec(path, args.image_root or os.path.dirname(path), args.seq_length,
                             vision.tokens_per_item(sizes),
-                            ImageSpec(sizes.image_size, args.max_tiles, args.image_normalization),
+                            ImageSpec(sizes.image_size, args.max_tiles, image_normalization(args, sizes)),
                             decode_shares=tuple((m.layout.dp, m.coords()["dp"])
                                                 for m in args.hetero_run.encoders.values() if m.first_stage),
                             item_shape=vision.item_shape(sizes), pack_samples=args.pack_samples)
