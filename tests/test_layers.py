@@ -85,9 +85,9 @@ def _sequence_part(full: torch.Tensor, seq_dim: int, tp, cp, sp, pgs):
 
 def _run_llm(pgs, tp, cp, sp, num_query_groups):
     """Per-token losses, input-slot gradients and whole parameter gradients of this rank's part."""
+    from megatron_hetero.models.full_state import full_tensors
     from megatron_hetero.models.vlm import build_llm, llm_forward
-    from megatron_hetero.patches.parallel_state import init_outside_training
-    from megatron_hetero.training.full_state import full_tensors
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     sizes = _sizes()
     init_outside_training(SEED, tp_rank=pgs.tp.rank())
@@ -155,7 +155,7 @@ def _megatron_local_pairs(ref_pgs):
     from megatron_hetero.models.attention import SDPAttention
     from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
     from megatron_hetero.models.vlm import _config, causal_mask
-    from megatron_hetero.patches.parallel_state import init_outside_training
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     init_outside_training(SEED, tp_rank=0)
     torch.manual_seed(SEED)

@@ -87,16 +87,12 @@ class VLMFamily:
         """The scheme whose spelling every key of a checkpoint's files has."""
         known = {name for part in self.parts.values() for rule in part.rules(sizes) for name in rule.hf}
         known |= set(self.copies(sizes))
-        unknown = {scheme.name: [key for key in keys if scheme.to_memory(key) not in known
-                                 and not self._dropped(scheme.to_memory(key))] for scheme in self.schemes}
+        unknown = {scheme.name: [key for key in keys if scheme.to_memory(key) not in known] for scheme in self.schemes}
         best = min(self.schemes, key=lambda scheme: len(unknown[scheme.name]))
         if unknown[best.name]:  # named in the spelling most of the files' keys have
             raise HFMappingError(f"{self.name}: tensor {unknown[best.name][0]} is no tensor of this family's "
                                  f"checkpoints (in {best.name} key names); is it a {self.name} model?")
         return best
-
-    def _dropped(self, key: str) -> bool:
-        return any(key.startswith(part.hf_dropped) for part in self.parts.values() if part.hf_dropped)
 
     def _module_of(self, key: str) -> str:
         for name, prefixes in self.prefixes.items():
