@@ -27,7 +27,9 @@ def finalize_hetero_grads(model, num_tokens=None, pg_collection=None, force_all_
             check_finite_grads(module)
         finalize_model_grads([module.ddp], None, pg_collection=module.pgs, force_all_reduce=force_all_reduce)
         if total is not None:
-            module.ddp.scale_gradients(1.0 / total.clamp(min=1).item())
+            # A device tensor, as megatron-core's finalize_model_grads passes: .item() here made the
+            # host wait for the whole backward before it could launch the optimizer's kernels.
+            module.ddp.scale_gradients((1.0 / total.clamp(min=1)).float())
 
 
 def check_finite_grads(module) -> None:
