@@ -85,7 +85,7 @@ def run(opts) -> dict:
         record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
         if opts.profile:
             session.hetero.timers.enabled = False  # the free-running step
-            profile_step(session, opts.profile)
+            profile_step(session, opts.profile, trace=opts.profile_trace)
         return record
 
 
@@ -155,6 +155,7 @@ def main() -> int:
     parser.add_argument("--profile", metavar="FILE",
                         help="after the measurement, one more step under torch.profiler: GPU kernel time by family "
                              "and the costliest kernels (rank 0's) to FILE (GPUs only)")
+    parser.add_argument("--profile-trace", metavar="FILE", help="with --profile: the profiled step's Chrome trace too")
     parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
     parser.add_argument("--png", help="with --report: write a bar chart")
     opts = parser.parse_args()

@@ -370,10 +370,11 @@ def kernel_family(name: str) -> str:
     return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
 
 
-def profile_step(session: Session, path: str, forward_backward_func=None) -> dict:
+def profile_step(session: Session, path: str, forward_backward_func=None, trace: str | None = None) -> dict:
     """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
-    ranks), and the 25 costliest kernels, written to `path` (rank 0). Returns the summary."""
+    ranks), and the 25 costliest kernels, written to `path` (rank 0); with `trace`, rank 0's whole
+    timeline as a Chrome trace there too (where the idle gaps are). Returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -404,6 +405,8 @@ def profile_step(session: Session, path: str, forward_backward_func=None) -> dic
         lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
                   for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
         Path(path).write_text("\n".join(lines) + "\n")
+        if trace:
+            prof.export_chrome_trace(trace)
         print(json.dumps(dict(profile=path, **summary)))
     return summary
 
