@@ -84,6 +84,15 @@ PRESETS = {
         _llm_7b(32768), global_batch=2, distributed_optimizer=True, allow_recompute=True),
         "InternViT-6B-wide ViT at 15 layers (16 images x 1024 tokens per sample) into a 7B LLM at 32K, "
         "global batch 2", 2, Bench(image_size=448, patch_size=14, global_batch=2, micro_batch=1)),
+    # W5 at 64K: 32 images of 1024 tokens per sample (video-like: half of the fused sequence).
+    # Attention's quadratic term grows with the LLM's sequence while the encoder's per-image work
+    # does not, so recomputation costs the homogeneous layouts more than at 32K.
+    "W6": Preset(Workload(
+        (ModuleShape("vision", "encoder", hidden=3200, layers=15, heads=25, ffn=12800, tokens_per_item=1024,
+                     items_per_sample=32, projector_ffn=4 * 4096),),
+        _llm_7b(65536), global_batch=2, distributed_optimizer=True, allow_recompute=True),
+        "W5 at 64K (32 images x 1024 tokens per sample), global batch 2", 2,
+        Bench(image_size=448, patch_size=14, global_batch=2, micro_batch=1)),
     "tiny": Preset(Workload(
         (ModuleShape("vision", "encoder", hidden=64, layers=2, heads=4, ffn=256, tokens_per_item=16,
                      items_per_sample=2, projector_ffn=256),),
