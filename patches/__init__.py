@@ -23,9 +23,6 @@ without a layout too, as defaults, each for its reason:
   2.27x the local spec's TFLOPS (LLM layers, TP2 on 2 H200s: 468 vs 207; docs/benchmarks.md);
 - rope: on GPUs, RoPE's rotation as one compiled kernel each way, +1.5% TFLOPS on W1 (one H200;
   the same numbers up to bf16 rounding; MEGATRON_HETERO_EAGER_ROPE=1 for upstream's);
-- qkv_rope: without TE, megatron-core's fused QKV split + RoPE (config.fused_single_qkv_rope, set by
-  --hetero-fused-qkv-rope on the LLM) on a compiled function whose backward writes the QKV gradient
-  without a concatenation;
 - grad_accum_fusion: without apex, --gradient-accumulation-fusion (Megatron's default) on torch's
   GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/benchmarks.md);
 - fused_adam: on GPUs, torch's fused Adam kernel instead of foreach: one step over 2.1B parameters
@@ -57,7 +54,6 @@ from megatron_hetero.patches import (  # noqa: E402
     hetero_schedule,
     layer_specs,
     metrics,
-    qkv_rope,
     rerun,
     rope,
     startup,
@@ -85,7 +81,6 @@ def apply() -> None:
     rerun.apply()
     layer_specs.apply()
     rope.apply()
-    qkv_rope.apply()
     grad_accum_fusion.apply()
     fused_adam.apply()
 

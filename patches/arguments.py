@@ -6,13 +6,8 @@
 - Before upstream validation: fused kernels that need apex/TE default off without them; on CPUs the
   distributed backend defaults to gloo; with `--hetero-layout`, the layout decides the parallel
   sizes (layout_args.load) and upstream validation runs over the LLM's ranks: data-parallel size =
-  the LLM's dp. Without `--hetero-layout` validation is upstream's. `--hetero-fused-residual-norm`
-  reaches our norms, which megatron builds from (config, hidden size, eps) and a TransformerConfig
-  cannot carry for LayerNorm (its fused_residual_rmsnorm is RMSNorm's), as models/norm.py's
-  FUSED_RESIDUAL_ENV.
+  the LLM's dp. Without `--hetero-layout` validation is upstream's.
 """
-
-import os
 
 import torch
 
@@ -42,10 +37,6 @@ def _validate_over_llm(original, args, defaults) -> None:
 def _validate_args(original):
     def validate_args(args, defaults={}):
         startup.disable_unavailable_fusions(args)
-        if getattr(args, "hetero_fused_residual_norm", False):
-            from megatron_hetero.models.norm import FUSED_RESIDUAL_ENV
-
-            os.environ[FUSED_RESIDUAL_ENV] = "1"  # read where the norms are built
         if not torch.cuda.is_available() and args.distributed_backend == "nccl":
             args.distributed_backend = "gloo"
         args.hetero_run = None  # built once torch.distributed is up (patches/hetero_init.py)

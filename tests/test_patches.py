@@ -76,22 +76,13 @@ NO_APEX_TARGETS = [
     "megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
 ]
 
-# Without Transformer Engine (megatron-core's fused QKV RoPE, which it takes from TE).
-NO_TE_TARGETS = [
-    "megatron.core.transformer.attention.apply_fused_qkv_rotary_pos_emb",
-    "megatron.core.transformer.attention.HAVE_FUSED_QKV_ROPE",
-]
-SET_VALUES = NO_APEX_TARGETS + NO_TE_TARGETS  # values set, not functions replaced
-
 
 def _expected() -> list[str]:
     """What apply() changes here, sorted (a target changed by two patches appears twice)."""
     from megatron_hetero.patches import cpu
 
     cpu_targets = [*CPU_TARGETS, cpu.MODE] if not torch.cuda.is_available() else []
-    no_apex = NO_APEX_TARGETS if importlib.util.find_spec("apex") is None else []
-    no_te = NO_TE_TARGETS if importlib.util.find_spec("transformer_engine") is None else []
-    return sorted(TARGETS + cpu_targets + no_apex + no_te)
+    return sorted(TARGETS + cpu_targets + (NO_APEX_TARGETS if importlib.util.find_spec("apex") is None else []))
 
 
 def _wraps(function, original) -> bool:
@@ -114,7 +105,7 @@ def _value(path: str):
 
 def _check_apply(rank, world_size):
     targets = [t for t in _expected() if not t.startswith("torch functions")]
-    replaced = [t for t in targets if t not in SET_VALUES]
+    replaced = [t for t in targets if t not in NO_APEX_TARGETS]
     originals = {path: _value(path) for path in targets}
     os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     apply()
@@ -154,7 +145,7 @@ def test_readme_table_lists_every_target():
     table = (Path(__file__).parent.parent / "README.md").read_text().split("| patch | upstream")[1].split("\n\n")[0]
     from megatron_hetero.patches import cpu
 
-    missing = [t for t in TARGETS + CPU_TARGETS + SET_VALUES
+    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS
                if t.removeprefix("megatron.") not in table and t != cpu.MODE]
     assert not missing, f"the README's patch table lacks {missing}"
 

@@ -31,18 +31,17 @@ except ImportError:
 
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
     """megatron's local layer spec with our attention and norms; its other submodules kept."""
-    norm = _norm_spec(pg_collection, residual_out=True)
+    norm = _norm_spec(pg_collection)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     layer.submodules.self_attention.submodules.core_attention = SDPAttention
     return layer
 
 
-def _norm_spec(pg_collection: ProcessGroupCollection | None, residual_out: bool = False) -> ModuleSpec:
-    # megatron builds norms from (config, hidden_size, eps): the TP group comes bound; a layer's norms
-    # may hand the residual on (TransformerLayer takes (output, residual)), a block's final norm not.
+def _norm_spec(pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
+    # megatron builds norms from (config, hidden_size, eps): the TP group comes bound.
     tp_group = None if pg_collection is None else pg_collection.tp
-    return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group, "residual_out": residual_out})
+    return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group})
 
 
 def llm_uses_te(packed: bool) -> bool:

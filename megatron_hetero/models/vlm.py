@@ -132,11 +132,8 @@ def build_llm(
     fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim, add_qkv_bias=arch.qkv_bias,
                   mrope_section=None if arch.mrope_section is None else list(arch.mrope_section),
                   **_moe_fields(arch.moe, pgs))
-    overrides = {**fields, **config_overrides}
-    overrides["fused_single_qkv_rope"] = overrides.get("fused_single_qkv_rope", False) and fused_qkv_rope_applies(
-        arch, tp, packed)
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
-                     cp=pgs.cp.size(), sp=sp, arch=arch, **overrides)
+                     cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
     te = specs.llm_uses_te(packed)
     whole_rows = padded_vocab_size(sizes)  # the padding's own initial weights do not depend on tp
@@ -160,15 +157,6 @@ def build_llm(
         # load-balanced CP chunks: of the LLM's own cp group, not parallel_state's.
         llm.rotary_pos_emb.cp_group = pgs.cp
     return llm
-
-
-def fused_qkv_rope_applies(arch, tp: int, packed: bool) -> bool:
-    """Where megatron-core's fused QKV RoPE (config.fused_single_qkv_rope, --hetero-fused-qkv-rope)
-    computes what its split path does: 1D RoPE (not M-RoPE) on unpacked sequences (megatron-core
-    asserts on packed ones), every TP rank holding whole query groups (upstream's fused path skips
-    the regrouping the split path does when tp exceeds the groups)."""
-    groups = arch.num_query_groups or 0
-    return arch.mrope_section is None and not packed and (groups == 0 or groups >= tp)
 
 
 def _moe_fields(moe: MoEArch | None, pgs: ProcessGroupCollection) -> dict:

@@ -35,10 +35,6 @@ from megatron_hetero.models.vlm import build_llm, llm_forward
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import ModelCall, ModelParts
 
-# TransformerConfig fields of Megatron's flags that only the LLM takes: the encoders have no RoPE, and
-# megatron-core's fused QKV RoPE asserts it finds one.
-LLM_ONLY_FIELDS = ("fused_single_qkv_rope",)
-
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
                     dtype: torch.dtype = torch.float32, packed: bool = False,
@@ -60,8 +56,7 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
                 return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed, **fields)
         else:
             def build(whole, layout=layout, pgs=pgs):
-                encoder_fields = {k: v for k, v in fields.items() if k not in LLM_ONLY_FIELDS}
-                return encoder_builder(layout, sizes)(sizes, layout.tp, pgs, dtype, whole=whole, **encoder_fields)
+                return encoder_builder(layout, sizes)(sizes, layout.tp, pgs, dtype, whole=whole, **fields)
         parts[module.name] = build_stage(build, seed + index, layout.pp, ep=layout.ep)
     return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision, dtype))
 

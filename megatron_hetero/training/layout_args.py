@@ -48,14 +48,6 @@ def add_hetero_flags(parser):
     group.add_argument("--hetero-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                        help="a rank whose heartbeat stands still this long is lost (default: "
                             "--distributed-timeout-minutes)")
-    group.add_argument("--hetero-fused-qkv-rope", action="store_true",
-                       help="the LLM's QKV split and RoPE as one compiled function on GPUs, its backward writing "
-                            "the QKV gradient without a concatenation (megatron-core's fused_single_qkv_rope "
-                            "without Transformer Engine: patches/qkv_rope.py)")
-    group.add_argument("--hetero-fused-residual-norm", action="store_true",
-                       help="each layer's norms (LayerNorm or RMSNorm) also pass the residual on, their backward "
-                            "adding its gradient in the same compiled pass on GPUs (models/norm.py; Megatron's "
-                            "--fused-residual-rmsnorm, which needs Transformer Engine and RMSNorm)")
     return parser
 
 

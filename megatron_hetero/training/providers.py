@@ -26,10 +26,8 @@ def megatron_config_fields(args) -> dict:
     accumulate into DDP's main_grad in the GEMM, for parts DDP wraps), activation recomputation
     (--recompute-granularity full|selective, --recompute-method uniform|block,
     --recompute-num-layers, --recompute-modules) and the attention kernel (--attention-backend,
-    --flash-attention-version: models/attention_kernels.py) and the QKV split fused with RoPE
-    (--hetero-fused-qkv-rope: megatron-core's fused_single_qkv_rope, the LLM's only)."""
+    --flash-attention-version: models/attention_kernels.py)."""
     return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-                fused_single_qkv_rope=getattr(args, "hetero_fused_qkv_rope", False),
                 recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules,
                 attention_backend=args.attention_backend, flash_attention_version=args.flash_attention_version)
