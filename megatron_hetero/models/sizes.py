@@ -39,6 +39,7 @@ class LLMArch(TransformerArch):
     gated_linear_unit: bool = False  # fc1 = [gate; up], activation(gate) * up (SwiGLU with silu)
     rope_theta: float = 10000.0
     qkv_bias: bool = False
+    qk_norm: bool = False  # a norm over each query and key head before RoPE (Qwen3's q_norm, k_norm)
     tied_embeddings: bool = False  # the output layer is the input embedding
     moe: MoEArch | None = None  # None: dense MLPs
 

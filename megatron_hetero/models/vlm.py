@@ -132,14 +132,14 @@ def build_llm(
     arch = sizes.llm_arch
     fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
                   gated_linear_unit=arch.gated_linear_unit, add_qkv_bias=arch.qkv_bias,
-                  **_moe_fields(arch.moe, pgs))
+                  qk_layernorm=arch.qk_norm, **_moe_fields(arch.moe, pgs))
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
                      cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
     te = specs.llm_uses_te(packed)
     return GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te), config, pgs, te),
+        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
         pre_process=first,
