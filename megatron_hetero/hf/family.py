@@ -34,8 +34,9 @@ def _set(values: dict, path: str, value) -> None:
 
 @dataclass(frozen=True)
 class Field:
-    """A Hugging Face config field (`hf`, dotted into dicts) equal to one of ours: a ModelSizes field
-    or, prefixed "arch.", a field of the module's arch (LLMArch or VisionArch)."""
+    """A Hugging Face config field (`hf`, dotted into dicts and sub-configs) equal to one of ours: a
+    ModelSizes field or, prefixed "arch.", a field of the module's arch (LLMArch or VisionArch), or,
+    prefixed "family.", a value of ModelSizes.family_arch (a VLM family's own settings)."""
 
     hf: str
     ours: str
@@ -78,15 +79,16 @@ class Family:
             if got != want:
                 raise HFMappingError(f"{self.name}: config {path} = {got!r} is not supported; "
                                      f"only {want!r} maps onto our modules")
-        sizes, arch = {}, dict(self.arch)
+        sizes, arch, family = {}, dict(self.arch), dict(base.family_arch)
         for f in self.fields:
             value = _get(config, f.hf, f.default)
             if f.choices and value not in f.choices:
                 raise HFMappingError(f"{self.name}: config {f.hf} = {value!r} is not supported; "
                                      f"use one of {', '.join(map(repr, f.choices))}")
-            (arch if f.ours.startswith("arch.") else sizes)[f.ours.removeprefix("arch.")] = value
+            kind, _, name = f.ours.rpartition(".")
+            {"arch": arch, "family": family, "": sizes}[kind][name] = value
         arch_cls = type(getattr(base, self._arch_field))
-        return replace(base, **sizes, **{self._arch_field: arch_cls(**arch)})
+        return replace(base, **sizes, **{self._arch_field: arch_cls(**arch)}, family_arch=family)
 
     def config(self, sizes: ModelSizes, base=None):
         """The Hugging Face config of our module: our fields written over `base` (e.g. the imported

@@ -8,35 +8,42 @@ from megatron_hetero.hf.rules import PaddedRows, Same, Stacked, qkv_rules
 from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.vlm import ACTIVATIONS, padded_vocab_size
 
-FIELDS = (
-    Field("hidden_size", "hidden_size"),
-    Field("num_hidden_layers", "num_layers"),
-    Field("num_attention_heads", "num_attention_heads"),
-    Field("vocab_size", "vocab_size"),
-    Field("intermediate_size", "arch.ffn_hidden_size"),
-    Field("num_key_value_heads", "arch.num_query_groups"),
-    Field("head_dim", "arch.head_dim", default=None),
-    Field("rms_norm_eps", "arch.norm_eps"),
-    Field("hidden_act", "arch.activation", choices=tuple(ACTIVATIONS)),
-    Field("rope_parameters.rope_theta", "arch.rope_theta"),
-    Field("tie_word_embeddings", "arch.tied_embeddings"),
-)
+
+def llm_fields(prefix: str = "") -> tuple[Field, ...]:
+    """The config fields of a Llama/Qwen2-style LLM, under `prefix` (a VLM's "text_config.")."""
+    return (
+        Field(f"{prefix}hidden_size", "hidden_size"),
+        Field(f"{prefix}num_hidden_layers", "num_layers"),
+        Field(f"{prefix}num_attention_heads", "num_attention_heads"),
+        Field(f"{prefix}vocab_size", "vocab_size"),
+        Field(f"{prefix}intermediate_size", "arch.ffn_hidden_size"),
+        Field(f"{prefix}num_key_value_heads", "arch.num_query_groups"),
+        Field(f"{prefix}head_dim", "arch.head_dim", default=None),
+        Field(f"{prefix}rms_norm_eps", "arch.norm_eps"),
+        Field(f"{prefix}hidden_act", "arch.activation", choices=tuple(ACTIVATIONS)),
+        Field(f"{prefix}rope_parameters.rope_theta", "arch.rope_theta"),
+    )
+
+
+FIELDS = (*llm_fields(), Field("tie_word_embeddings", "arch.tied_embeddings"))
 # Llama 3.1's "llama3" and other RoPE scalings are not mapped (GPTModel's rope_scaling would be).
 ROPE = {"rope_parameters.rope_type": "default"}
 ARCH = dict(normalization="RMSNorm", gated_linear_unit=True)
 
 
-def llm_rules(sizes: ModelSizes) -> list:
+def llm_rules(sizes: ModelSizes, prefix: str = "model.") -> list:
+    """The weight rules of a Llama/Qwen2-style LLM whose decoder's keys start with `prefix` (a VLM's
+    "model.language_model."); the output layer is `lm_head.weight` either way."""
     arch = sizes.llm_arch
     heads = sizes.num_attention_heads
     groups = arch.num_query_groups or heads
     vocab = dict(vocab=sizes.vocab_size, rows=padded_vocab_size(sizes))
-    rules = [PaddedRows("embedding.word_embeddings.weight", "model.embed_tokens.weight", **vocab),
-             Same("decoder.final_layernorm.weight", "model.norm.weight")]
+    rules = [PaddedRows("embedding.word_embeddings.weight", f"{prefix}embed_tokens.weight", **vocab),
+             Same("decoder.final_layernorm.weight", f"{prefix}norm.weight")]
     if not arch.tied_embeddings:
         rules.append(PaddedRows("output_layer.weight", "lm_head.weight", **vocab))
     for i in range(sizes.num_layers):
-        ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        ours, hf = f"decoder.layers.{i}.", f"{prefix}layers.{i}."
         rules += qkv_rules(f"{ours}self_attention.linear_qkv", f"{hf}self_attn", heads, groups, arch.qkv_bias)
         rules += [
             Same(f"{ours}input_layernorm.weight", f"{hf}input_layernorm.weight"),

@@ -93,6 +93,29 @@ class FusedQKV:
         return tuple(part.flatten(0, 1).clone() for part in parts)
 
 
+@dataclass(frozen=True)
+class ConcatQKV:
+    """megatron-core's linear_qkv (weight or bias) from one Hugging Face tensor [q; k; v] (ViTs'
+    fused `qkv`, every head's queries, then keys, then values), regrouped as FusedQKV does."""
+
+    ours: str
+    hf_name: str
+    heads: int
+
+    @property
+    def hf(self) -> tuple[str, ...]:
+        return (self.hf_name,)
+
+    def _fused(self) -> FusedQKV:
+        return FusedQKV(self.ours, ("q", "k", "v"), self.heads, self.heads)
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused().join(*x.chunk(3))
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.cat(self._fused().split(t)),)
+
+
 def _params(bias: bool) -> tuple[str, ...]:
     return ("weight", "bias") if bias else ("weight",)
 

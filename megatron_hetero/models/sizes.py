@@ -16,6 +16,7 @@ class TransformerArch:
     norm_eps: float = 1e-5
     activation: str = "gelu"  # a name in models/vlm.py ACTIVATIONS (Hugging Face's hidden_act names)
     linear_bias: bool = False  # biases in linear_qkv, linear_proj, fc1, fc2
+    gated_linear_unit: bool = False  # fc1 = [gate; up], activation(gate) * up (SwiGLU with silu)
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,14 @@ class MoEArch:
 class LLMArch(TransformerArch):
     num_query_groups: int | None = None  # None: one per attention head
     head_dim: int | None = None  # None: hidden size / attention heads
-    gated_linear_unit: bool = False  # fc1 = [gate; up], activation(gate) * up (SwiGLU with silu)
     rope_theta: float = 10000.0
     qkv_bias: bool = False
     qk_norm: bool = False  # a norm over each query and key head before RoPE (Qwen3's q_norm, k_norm)
     tied_embeddings: bool = False  # the output layer is the input embedding
     moe: MoEArch | None = None  # None: dense MLPs
+    # M-RoPE (Qwen2-VL and later): the rotary channels of each head split into (temporal, height,
+    # width) sections, each rotated by its own position id (models/mrope.py); None: 1D RoPE.
+    mrope_section: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,11 @@ class ModelSizes:
     vocab_multiple: int = 128
     llm_arch: LLMArch = field(default_factory=LLMArch)
     vision_arch: VisionArch = field(default_factory=VisionArch)
+    # A Hugging Face VLM family (megatron_hetero/families: "qwen2_5_vl", ...) whose vision module and
+    # data this model is; "" is this project's reference model. family_arch: the family's own vision
+    # settings (plain JSON values, read by the family), beyond the enc_* sizes every family sets.
+    family: str = ""
+    family_arch: dict = field(default_factory=dict, hash=False)
 
     @property
     def patches_per_image(self) -> int:
@@ -98,4 +106,6 @@ def sizes_from_dict(values: dict) -> ModelSizes:
     llm = dict(values.get("llm_arch", {}))
     if llm.get("moe") is not None:
         llm["moe"] = MoEArch(**llm["moe"])
+    if llm.get("mrope_section") is not None:  # a JSON list
+        llm["mrope_section"] = tuple(llm["mrope_section"])
     return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": VisionArch(**values.get("vision_arch", {}))})

@@ -67,6 +67,7 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp:
         # By default no linear biases (Llama-style): the key bias is in the null space of softmax
         # attention, where Adam would amplify rounding noise into layout-dependent updates.
         add_bias_linear=arch.linear_bias,
+        gated_linear_unit=arch.gated_linear_unit,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -130,25 +131,31 @@ def build_llm(
     TransformerConfig fields (e.g. num_query_groups)."""
     pp, first, last = _stage(pgs, whole)
     arch = sizes.llm_arch
-    fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
-                  gated_linear_unit=arch.gated_linear_unit, add_qkv_bias=arch.qkv_bias,
+    fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim, add_qkv_bias=arch.qkv_bias,
+                  mrope_section=None if arch.mrope_section is None else list(arch.mrope_section),
                   qk_layernorm=arch.qk_norm, **_moe_fields(arch.moe, pgs))
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
                      cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
     te = specs.llm_uses_te(packed)
-    return GPTModel(
+    model = GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te),
+        transformer_layer_spec=transformer_layer_spec
+        or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te),
         vocab_size=padded_vocab_size(sizes),
         max_sequence_length=sizes.seq_length,
         pre_process=first,
         post_process=last,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if arch.mrope_section is None else "mrope",
         rotary_base=arch.rope_theta,
         share_embeddings_and_output_weights=arch.tied_embeddings,
         pg_collection=pgs,
     )
+    if arch.mrope_section is not None:
+        # M-RoPE takes the whole sequence's position ids [3, b, S] and keeps this rank's
+        # load-balanced CP chunks: of the LLM's own cp group, not parallel_state's.
+        model.rotary_pos_emb.cp_group = pgs.cp
+    return model
 
 
 def _moe_fields(moe: MoEArch | None, pgs: ProcessGroupCollection) -> dict:

@@ -1,0 +1,138 @@
+"""What a VLM family provides: a whole Hugging Face VLM (config.json's model_type: qwen2_5_vl,
+internvl, ...) mapped onto our two modules, `vision` (role encoder) and `llm`, each trained under its
+own layout.
+
+A family is data plus a few functions: per module a `hf.family.Family` (its config fields into
+ModelSizes, "family." fields into ModelSizes.family_arch, and its weight rules, written in the key
+names transformers 5 uses in memory), the other spellings of those keys that files use
+(`KeyScheme`: the Hub's published checkpoints), its vision builder, its image processing for the data
+and its image processor's settings. Everything that differs between families is reached through
+`families.family_named(sizes.family)`; the boundary, schedules and LLM are shared.
+"""
+
+import importlib
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from megatron_hetero.hf.family import Family
+from megatron_hetero.hf.rules import HFMappingError
+from megatron_hetero.models.sizes import ModelSizes
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """How a checkpoint's files spell the tensors whose in-memory (transformers 5) names the rules
+    use: prefix renames (in-memory prefix, file prefix), the first match wins; none: the same names."""
+
+    name: str
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def to_memory(self, key: str) -> str:
+        for memory, file in self.renames:
+            if key.startswith(file):
+                return memory + key[len(file):]
+        return key
+
+    def to_file(self, key: str) -> str:
+        for memory, file in self.renames:
+            if key.startswith(memory):
+                return file + key[len(memory):]
+        return key
+
+
+TRANSFORMERS = KeyScheme("transformers")
+
+
+def _call(path: str, *args, **kwargs):
+    """The function at "module:attribute", imported on first use (megatron-core and transformers are
+    heavy: the registry is read before either is needed)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class VLMFamily:
+    """name: ours (ModelSizes.family); model_types: the config.json model_type(s) it imports;
+    architecture: the transformers class an export names; parts: module name ("vision", "llm") ->
+    its mapping; prefixes: module name -> the in-memory key prefixes of its tensors; schemes: the
+    key spellings files may use (the first, in-memory, is transformers'); finish(sizes, config): the
+    family's further sizes and checks across modules; vision_builder, media_builder,
+    settings_reader: "module:function" paths (see build_vision, media, processor_settings)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    architecture: str
+    parts: dict[str, Family]
+    prefixes: dict[str, tuple[str, ...]]
+    vision_builder: str
+    media_builder: str
+    settings_reader: str
+    finish: Callable[[ModelSizes, object], ModelSizes] = lambda sizes, config: sizes
+    schemes: tuple[KeyScheme, ...] = field(default=(TRANSFORMERS,))
+    # in-memory keys whose tensors are copies of others (tied embeddings): read by neither side
+    copies: Callable[[ModelSizes], tuple[str, ...]] = lambda sizes: ()
+
+    # ---- Hugging Face config and weights ---------------------------------------------------------
+    def sizes(self, config, base: ModelSizes = ModelSizes()) -> ModelSizes:
+        """Every module's sizes from the whole model's Hugging Face config."""
+        sizes = replace(base, family=self.name, family_arch={})
+        for part in self.parts.values():
+            sizes = part.sizes(config, sizes)
+        return self.finish(sizes, config)
+
+    def scheme_of(self, keys, sizes: ModelSizes) -> KeyScheme:
+        """The scheme whose spelling every key of a checkpoint's files has."""
+        known = {name for part in self.parts.values() for rule in part.rules(sizes) for name in rule.hf}
+        known |= set(self.copies(sizes))
+        for scheme in self.schemes:
+            if all(scheme.to_memory(key) in known or self._dropped(scheme.to_memory(key)) for key in keys):
+                return scheme
+        unknown = next(key for key in keys if key not in known and not self._dropped(key))
+        raise HFMappingError(f"{self.name}: tensor {unknown} is no tensor of this family's checkpoints (neither "
+                             f"the Hub's key names nor transformers'); is it a {self.name} model?")
+
+    def _dropped(self, key: str) -> bool:
+        return any(key.startswith(part.hf_dropped) for part in self.parts.values() if part.hf_dropped)
+
+    def _module_of(self, key: str) -> str:
+        for name, prefixes in self.prefixes.items():
+            if key.startswith(prefixes):
+                return name
+        raise HFMappingError(f"{self.name}: tensor {key} belongs to none of its modules")
+
+    def to_ours(self, hf_state: dict[str, torch.Tensor], sizes: ModelSizes,
+                scheme: KeyScheme = TRANSFORMERS) -> dict[str, dict[str, torch.Tensor]]:
+        """module name -> our module's full (TP1/PP1) state dict, from the files' tensors."""
+        copies = set(self.copies(sizes))
+        split = {name: {} for name in self.parts}
+        for key, tensor in hf_state.items():
+            key = scheme.to_memory(key)
+            if key not in copies:
+                split[self._module_of(key)][key] = tensor
+        return {name: part.to_ours(split[name], sizes) for name, part in self.parts.items()}
+
+    def to_hf(self, states: dict[str, dict[str, torch.Tensor]], sizes: ModelSizes,
+              scheme: KeyScheme = TRANSFORMERS) -> dict[str, torch.Tensor]:
+        """The files' tensors (in `scheme`'s names) of every module's full state dict."""
+        out = {}
+        for name, part in self.parts.items():
+            out.update({scheme.to_file(k): t for k, t in part.to_hf(states[name], sizes).items()})
+        return out
+
+    # ---- model and data ------------------------------------------------------------------------
+    def build_vision(self, sizes: ModelSizes, tp: int, pgs, dtype: torch.dtype = torch.float32,
+                     whole: bool = False, **config_overrides):
+        """This rank's vision encoder (a stage of the module, see models/vlm.py's builders); its
+        forward(items, grids) returns the rows of its items, item by item."""
+        return _call(self.vision_builder, sizes, tp, pgs, dtype, whole=whole, **config_overrides)
+
+    def media(self, sizes: ModelSizes, settings: dict, hf_config: dict):
+        """The data's image processing (data/media.py's ImageProcessing) with the image processor
+        `settings` of model.json and the model's Hugging Face config (its image token ids)."""
+        return _call(self.media_builder, sizes, settings, hf_config)
+
+    def processor_settings(self, model_dir: str, config) -> dict:
+        """The image processor's settings (JSON) of a model directory, checked against the model."""
+        return _call(self.settings_reader, model_dir, config)

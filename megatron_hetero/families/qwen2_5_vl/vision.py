@@ -1,0 +1,141 @@
+"""Qwen2.5-VL's vision tower in megatron-core terms, under the encoder's own TP group.
+
+Images arrive at native resolution as the image processor cuts them (media.py): each image a grid of
+t x h x w patches of C x T x P x P pixels, flattened, the patches of 2x2 merge blocks adjacent. All of
+a rank's images run in one call, their patches back to back ([tokens, 1, hidden] through a
+TransformerBlock); attention stays within an image (SegmentAttention over the images' cu_seqlens) and,
+in every layer but the full-attention ones (`fullatt_block_indexes`), within a window of
+window_size pixels: the patches are permuted window by window before the layers (transformers'
+window index, per merge block) and the merged rows permuted back after. The layers are megatron-core's
+(RMSNorm, fused QKV with bias, SwiGLU MLP with biases) with a 2D rotary embedding (half the rotary
+channels rotate by the patch's row, half by its column). The patch merger is the block's final
+RMSNorm (transformers' `ln_q`) and an MLP projector over each merge block's 4 tokens into the LLM's
+hidden size (ColumnParallel -> GELU -> RowParallel).
+
+Output: rows [sum over images of t*h*w/merge^2, llm hidden], image by image, each image's rows in
+its merged grid's row-major order: the order of its placeholder tokens in the LLM sequence.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hetero.models.specs import block_spec, with_our_layers
+from megatron_hetero.models.varlen import SegmentAttention, SegmentParams
+
+
+@dataclass(frozen=True)
+class QwenVisionArch:
+    """ModelSizes.family_arch of Qwen2.5-VL: the vision config fields beyond the enc_* sizes."""
+
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112  # pixels
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    rope_theta: float = 10000.0
+
+    @staticmethod
+    def of(sizes) -> "QwenVisionArch":
+        values = dict(sizes.family_arch)
+        values["fullatt_block_indexes"] = tuple(values.get("fullatt_block_indexes", ()))
+        return QwenVisionArch(**values)
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixel values per patch (C x T x P x P)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+
+def vision_layer_spec(pg_collection: ProcessGroupCollection, full_layers: frozenset) -> ModuleSpec:
+    """megatron-core's ViT layer on our norms, its core attention within items / windows."""
+    layer = with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
+    layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=SegmentAttention, params={"full_layers": full_layers})
+    return layer
+
+
+def grid_layout(grids: torch.Tensor, arch: QwenVisionArch):
+    """(patch (h, w) positions [tokens, 2], image cu_seqlens, window index [tokens / merge unit],
+    window cu_seqlens) of packed images with patch grids `grids` [n, 3]: transformers' own
+    functions, so the layout is the one its model uses."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+    grids = grids.cpu()
+    merge = arch.spatial_merge_size
+    window_index, windows = get_vision_window_index(grids, merge, arch.window_size, arch.patch_size)
+    return get_vision_position_ids(grids, merge), get_vision_cu_seqlens(grids), window_index, windows
+
+
+class QwenVisionEncoder(MegatronModule):
+    """patches [tokens, C*T*P*P] of images with grids [n, 3] -> rows [tokens / merge^2, llm hidden]."""
+
+    share_embeddings_and_output_weights = False
+
+    def __init__(self, config: TransformerConfig, projector_config: TransformerConfig, arch: QwenVisionArch,
+                 pg_collection: ProcessGroupCollection):
+        super().__init__(config=config)
+        self.arch = arch
+        hidden = config.hidden_size
+        # Replicated over the encoder's TP group (small; its input is the raw patch): transformers'
+        # Conv3d with stride = kernel as one linear map of the flattened patch.
+        self.input_embedding = torch.nn.Linear(arch.patch_dim, hidden, bias=False, dtype=config.params_dtype)
+        full = frozenset(arch.fullatt_block_indexes)
+        self.decoder = TransformerBlock(config=config, spec=block_spec(vision_layer_spec(pg_collection, full), config,
+                                                                        pg_collection, te=False),
+                                        pre_process=True, post_process=True, pg_collection=pg_collection)
+        self.projector = MultimodalProjector(
+            projector_config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            projector_type="mlp", input_size=hidden * arch.merge_unit, pg_collection=pg_collection)
+        head_dim = config.kv_channels
+        spatial = head_dim // 2  # rotary channels per axis pair: head_dim / 4 frequencies each for h and w
+        self.register_buffer("inv_freq", 1.0 / arch.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float)
+                                                                    / spatial), persistent=False)
+
+    def _by_window(self, x: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
+        """x [tokens, ...] permuted merge block by merge block into window order."""
+        unit = self.arch.merge_unit
+        return x.unflatten(0, (-1, unit))[window_index.to(x.device)].flatten(0, 1)
+
+    def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        positions, images, window_index, windows = grid_layout(grids, self.arch)
+        x = self._by_window(self.input_embedding(patches), window_index)
+        angles = positions.to(x.device)[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4]
+        angles = self._by_window(angles.flatten(1), window_index)
+        rotary = torch.cat([angles, angles], -1)[:, None, None]  # [tokens, 1, 1, head_dim]
+        x = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rotary,
+                         packed_seq_params=SegmentParams.of(images, windows))
+        # A merge block's tokens are adjacent: [tokens, 1, h] -> [blocks, 1, merge unit * h]
+        rows = self.projector(x.unflatten(0, (-1, self.arch.merge_unit)).transpose(1, 2).flatten(2))
+        return rows[:, 0][window_index.argsort().to(rows.device)]
+
+
+def build_vision_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
+                         whole: bool = False, **config_overrides) -> QwenVisionEncoder:
+    """The vision module on this rank (one pipeline stage: the tower is not split over stages)."""
+    from megatron_hetero.models.vlm import _config
+
+    if not whole and pgs.pp.size() > 1:
+        raise ValueError(f"the {sizes.family} vision tower runs as one pipeline stage; set the vision module's pp: 1")
+    arch = QwenVisionArch.of(sizes)
+    hidden = sizes.enc_hidden_size
+    config = _config(hidden, sizes.enc_num_layers, sizes.enc_num_attention_heads, tp, dtype,
+                     arch=sizes.vision_arch, **config_overrides)
+    merged = hidden * arch.merge_unit  # the merger's MLP: merged -> merged -> LLM hidden, GELU, biases
+    projector = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, ffn_hidden_size=merged,
+                        add_bias_linear=True, **config_overrides)
+    return QwenVisionEncoder(config, projector, arch, pgs)

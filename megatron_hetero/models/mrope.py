@@ -1,0 +1,31 @@
+"""M-RoPE position ids (Qwen2-VL and its successors): every token of the LLM sequence gets three
+position ids (temporal, height, width). Text tokens count up on all three alike; an image's tokens
+(its patch grid after the encoder's spatial merge, row-major) get the text position reached before it
+plus their (t, h, w) grid coordinates, and the text after it continues from there plus the larger
+side of the merged grid: transformers' `Qwen2_5_VLModel.get_rope_index` for images.
+
+Pure torch on one sample; the data computes it (every rank, from token positions and image grids),
+the LLM's rotary embedding reads it (models/vlm.py: GPTModel's "mrope").
+"""
+
+import torch
+
+
+def mrope_positions(seq_len: int, image_starts: list[int], grids: list[tuple[int, int, int]],
+                    merge: int) -> torch.Tensor:
+    """LongTensor [3, seq_len]: the position ids of a sequence whose i-th image's tokens (t * h * w /
+    merge^2 of them, in order) start at image_starts[i]; grids: each image's (t, h, w) patch grid
+    before the merge."""
+    positions = torch.empty(3, seq_len, dtype=torch.long)
+    reached = done = 0  # the next position id; the tokens placed
+    for start, (t, h, w) in zip(image_starts, grids):
+        text = start - done
+        positions[:, done:start] = torch.arange(text) + reached
+        reached += text
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge),
+                                          indexing="ij")).flatten(1)
+        positions[:, start : start + grid.shape[1]] = grid + reached
+        reached += max(h, w) // merge
+        done = start + grid.shape[1]
+    positions[:, done:] = torch.arange(seq_len - done) + reached
+    return positions
