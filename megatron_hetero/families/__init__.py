@@ -3,10 +3,11 @@ mapped onto our `vision` and `llm` modules. A model's family is `ModelSizes.fami
 "" is this project's own reference model, which no family describes."""
 
 from megatron_hetero.families.base import KeyScheme, VLMFamily
+from megatron_hetero.families.internvl import INTERNVL
 from megatron_hetero.families.qwen2_5_vl import QWEN2_5_VL
 
 # A family joins by being listed here.
-_FAMILIES = (QWEN2_5_VL,)
+_FAMILIES = (QWEN2_5_VL, INTERNVL)
 FAMILIES = {family.name: family for family in _FAMILIES}
 BY_MODEL_TYPE = {model_type: family for family in _FAMILIES for model_type in family.model_types}
 

@@ -17,17 +17,21 @@ from typing import Callable
 import torch
 
 from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.rules import HFMappingError
+from megatron_hetero.hf.rules import HFMappingError, apply_rules
 from megatron_hetero.models.sizes import ModelSizes
 
 
 @dataclass(frozen=True)
 class KeyScheme:
     """How a checkpoint's files spell the tensors whose in-memory (transformers 5) names the rules
-    use: prefix renames (in-memory prefix, file prefix), the first match wins; none: the same names."""
+    use: prefix renames (in-memory prefix, file prefix), the first match wins; none: the same names.
+    Where renames cannot say it (the files hold as one tensor what transformers keeps apart, e.g.
+    InternVL's published fused `attn.qkv`), `rules(sizes)` gives module name -> the weight rules in
+    the files' own names, and renames only spell the copies (`VLMFamily.copies`)."""
 
     name: str
     renames: tuple[tuple[str, str], ...] = ()
+    rules: Callable[[ModelSizes], dict[str, list]] | None = None
 
     def to_memory(self, key: str) -> str:
         for memory, file in self.renames:
@@ -87,7 +91,11 @@ class VLMFamily:
         known = {name for part in self.parts.values() for rule in part.rules(sizes) for name in rule.hf}
         known |= set(self.copies(sizes))
         for scheme in self.schemes:
-            if all(scheme.to_memory(key) in known or self._dropped(scheme.to_memory(key)) for key in keys):
+            if scheme.rules is not None:
+                names = {name for rules in scheme.rules(sizes).values() for rule in rules for name in rule.hf}
+                if all(key in names or scheme.to_memory(key) in self.copies(sizes) for key in keys):
+                    return scheme
+            elif all(scheme.to_memory(key) in known or self._dropped(scheme.to_memory(key)) for key in keys):
                 return scheme
         unknown = next(key for key in keys if key not in known and not self._dropped(key))
         raise HFMappingError(f"{self.name}: tensor {unknown} is no tensor of this family's checkpoints (neither "
@@ -105,6 +113,8 @@ class VLMFamily:
     def to_ours(self, hf_state: dict[str, torch.Tensor], sizes: ModelSizes,
                 scheme: KeyScheme = TRANSFORMERS) -> dict[str, dict[str, torch.Tensor]]:
         """module name -> our module's full (TP1/PP1) state dict, from the files' tensors."""
+        if scheme.rules is not None:
+            return self._through_file_rules(hf_state, sizes, scheme)
         copies = set(self.copies(sizes))
         split = {name: {} for name in self.parts}
         for key, tensor in hf_state.items():
@@ -118,7 +128,25 @@ class VLMFamily:
         """The files' tensors (in `scheme`'s names) of every module's full state dict."""
         out = {}
         for name, part in self.parts.items():
-            out.update({scheme.to_file(k): t for k, t in part.to_hf(states[name], sizes).items()})
+            if scheme.rules is not None:
+                out.update(apply_rules(scheme.rules(sizes)[name], states[name], to_hf=True, ignored=part.ours_only))
+            else:
+                out.update({scheme.to_file(k): t for k, t in part.to_hf(states[name], sizes).items()})
+        return out
+
+    def _through_file_rules(self, hf_state: dict[str, torch.Tensor], sizes: ModelSizes,
+                            scheme: KeyScheme) -> dict[str, dict[str, torch.Tensor]]:
+        """to_ours with `scheme`'s own rules: each module reads the files' tensors its rules name."""
+        copies = {scheme.to_file(key) for key in self.copies(sizes)}
+        rules = scheme.rules(sizes)
+        out = {}
+        for name, part in self.parts.items():
+            mine = {n for rule in rules[name] for n in rule.hf}
+            state = {k: t for k, t in hf_state.items() if k in mine}
+            out[name] = apply_rules(rules[name], state, to_hf=False, ignored=part.hf_dropped)
+        unread = sorted(set(hf_state) - copies - {n for module in rules.values() for rule in module for n in rule.hf})
+        if unread:
+            raise HFMappingError(f"{self.name}: tensor {unread[0]} has no counterpart in our modules")
         return out
 
     # ---- model and data ------------------------------------------------------------------------

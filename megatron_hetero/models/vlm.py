@@ -90,15 +90,16 @@ def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
 
 
 def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=TransformerArch(),
-                   config_overrides=None, **kwargs):
+                   config_overrides=None, projector_arch=TransformerArch(), **kwargs):
     """cls(encoder config, projector config, *inputs, pgs, **kwargs) as this rank's stage (the whole
     module with `whole`); dims: the encoder's (hidden size, layers, attention heads); config_arch:
-    the encoder config's architecture choices; config_overrides: further fields of both configs."""
+    the encoder config's architecture choices, projector_arch the projector's; config_overrides:
+    further fields of both configs."""
     pp, first, last = _stage(pgs, whole)
     overrides = config_overrides or {}
     enc = _config(*dims, tp, dtype, pp, arch=config_arch, **overrides)
     # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
-    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, **overrides)
+    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, arch=projector_arch, **overrides)
     return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last, **kwargs)
 
 
