@@ -59,3 +59,40 @@ def batch(tiles_per_sample=(3, 0), seq: int = 64, seed: int = 2):
         ids[b, 5:5 + tiles * ROWS_PER_TILE] = IMAGE_TOKEN
     pixels = torch.randn(sum(tiles_per_sample), 3, IMAGE, IMAGE, generator=gen)
     return ids, pixels
+
+
+# InternVL's chat template (transformers' conversion script's): an image content is "<image>\n".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = {"<IMG_CONTEXT>": IMAGE_TOKEN, "<img>": IMAGE_TOKEN + 1, "</img>": IMAGE_TOKEN + 2,
+            "<|im_start|>": IMAGE_TOKEN + 3, "<|im_end|>": IMAGE_TOKEN + 4, "<unk>": IMAGE_TOKEN + 5,
+            "<video>": IMAGE_TOKEN + 6, "<image>": IMAGE_TOKEN + 7}
+WORDS = [f"w{i}" for i in range(IMAGE_TOKEN - 3)] + ["user", "assistant", "system"]
+
+
+def write_model_dir(directory, name: str, max_patches: int = 6):
+    """A model directory as the Hub's InternVL-hf repos hold it: the tiny model's weights and config,
+    a word-level tokenizer (InternVL's image tokens at the ids the config names, its chat template),
+    the image processor's preprocessor_config.json (tiles of IMAGE pixels). Returns the model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GotOcr2ImageProcessorPil, PreTrainedTokenizerFast
+
+    model = hf_model(name)
+    model.save_pretrained(directory)
+    vocab = {**{w: i for i, w in enumerate(WORDS)}, **SPECIALS}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        additional_special_tokens=[t for t in SPECIALS if t != "<unk>"],
+        extra_special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                              "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(directory)
+    GotOcr2ImageProcessorPil(size={"height": IMAGE, "width": IMAGE}, image_mean=[0.485, 0.456, 0.406],
+                             image_std=[0.229, 0.224, 0.225], max_patches=max_patches).save_pretrained(directory)
+    return model

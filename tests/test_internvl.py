@@ -11,7 +11,16 @@ import torch.distributed as dist
 from megatron_hetero.families import family_named
 from megatron_hetero.hf import HFMappingError
 from megatron_hetero.models.sizes import ModelSizes
-from tests.internvl_models import CONFIGS, IMAGE_TOKEN, VOCAB, batch, hf_config, hf_model
+from tests.internvl_models import (
+    CONFIGS,
+    IMAGE_TOKEN,
+    ROWS_PER_TILE,
+    VOCAB,
+    batch,
+    hf_config,
+    hf_model,
+    write_model_dir,
+)
 from tests.distributed import collect_distributed
 
 TOL = 1e-4
@@ -202,3 +211,44 @@ def test_unknown_tensor_is_named():
     with pytest.raises(HFMappingError, match="vision_model.extra"):
         family.scheme_of([*state, "vision_model.extra"], sizes)
     assert hf_config("internvit300m_qwen2").image_token_id == IMAGE_TOKEN
+
+
+# ---- images (one process): tiles, pixels and tokens as transformers' InternVLProcessor makes them ----
+def _hf_processor(model_dir):
+    """transformers' InternVLProcessor of a model directory with the PIL image processor (its
+    constructor insists on a video processor, which needs torchvision: none is needed for images)."""
+    from unittest import mock
+
+    from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, InternVLProcessor
+
+    with mock.patch("transformers.processing_utils.ProcessorMixin.check_argument_for_proper_class"):
+        return InternVLProcessor(image_processor=GotOcr2ImageProcessorPil.from_pretrained(model_dir),
+                                 tokenizer=AutoTokenizer.from_pretrained(model_dir), video_processor=None,
+                                 image_seq_length=ROWS_PER_TILE)
+
+
+def test_images_as_transformers_processes_them(tmp_path):
+    """Wide, tall, square, tiny and large images: the tile count from the size alone, the pixels,
+    and the `<image>` expansion equal InternVLProcessor's (tiles of 64 pixels, at most 6 and a thumbnail)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_hetero.families.internvl.media import InternVLImages, processor_settings
+
+    write_model_dir(tmp_path, "internvit300m_qwen2", max_patches=6)
+    config = AutoConfig.from_pretrained(tmp_path)
+    family = family_named("internvl")
+    sizes = family.sizes(config, ModelSizes(seq_length=SEQ))
+    images = InternVLImages(sizes, processor_settings(tmp_path, config), config.to_dict())
+    prefix, placeholder, suffix = images.token_ids(AutoTokenizer.from_pretrained(tmp_path))
+    hf = _hf_processor(tmp_path)
+    rng = np.random.default_rng(0)
+    for width, height in [(200, 60), (60, 200), (64, 64), (10, 7), (500, 450), (130, 64)]:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        want = hf(images=[image], text=["w1 <IMG_CONTEXT> w2"], return_tensors="pt")
+        tiles = images.tiles(width, height)
+        assert torch.equal(images.pixels(image), want["pixel_values"]), (width, height)
+        assert tiles == len(want["pixel_values"])
+        expanded = [1, *prefix, *[placeholder] * (tiles * images.rows), *suffix, 2]
+        assert want["input_ids"][0].tolist() == expanded, (width, height)
