@@ -22,6 +22,7 @@ from megatron_hetero.data.chat import CaptionChatTokenizer, HFChatTokenizer, Tok
 from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
 from megatron_hetero.data.images import NORMALIZATION, ImageSpec, load_tiles, tile_grid, tiles_of
 from megatron_hetero.data.make_dataset import write_conversations, write_energon
+from megatron_hetero.data.media import TileImages
 from megatron_hetero.data.megatron_data import samples_dict
 from megatron_hetero.data.shapes import ShapesDataset, all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
@@ -34,8 +35,9 @@ SIZES = ModelSizes()
 ROWS = SIZES.patches_per_image
 
 
-def _dataset(path, seq_length=32, tokenizer=None, num_samples=None, **spec):
-    spec = ConversationSpec(str(path), str(Path(path).parent), seq_length, ROWS, ImageSpec(SIZES.image_size), **spec)
+def _dataset(path, seq_length=32, tokenizer=None, num_samples=None, tokens=ROWS, **spec):
+    spec = ConversationSpec(str(path), str(Path(path).parent), seq_length,
+                            TileImages(ImageSpec(SIZES.image_size), ROWS, tokens), **spec)
     tokenizer = tokenizer or CaptionChatTokenizer()
     return ConversationSamples(spec, tokenizer, num_samples or 10**6)
 
@@ -192,13 +194,13 @@ def test_only_encoding_ranks_decode(tmp_path, dp):
     ranks every image is decoded, each as the rank holding everything decodes it."""
     path = write_conversations(tmp_path, 12, seed=1, max_images=3, text_only=0.25)
     tokens, width = 17, 64
-    full = _dataset(path, seq_length=96, item_shape=(tokens, width))
+    full = _dataset(path, seq_length=96, tokens=tokens, encoder_width=width)
     want = full.collate([full[i] for i in range(12)])
     owner = np.repeat(np.arange(12), want["vision_counts"].numpy())
     assignment = assign_items(np.full(len(owner), tokens), width, dp)
     assert not torch.isnan(want["images"]).any() and len(set(assignment)) == dp
     for rank in range(dp):
-        part = _dataset(path, seq_length=96, item_shape=(tokens, width), decode_shares=((dp, rank),))
+        part = _dataset(path, seq_length=96, tokens=tokens, encoder_width=width, decode_shares=((dp, rank),))
         got = part.collate([part[i] for i in range(12)])["images"]
         decoded = np.isin(owner, owner[assignment == rank])  # whole samples holding the rank's items
         assert torch.isnan(got[~decoded]).all() and torch.equal(got[decoded], want["images"][decoded])

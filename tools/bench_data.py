@@ -25,6 +25,7 @@ from megatron_hetero.data.chat import CaptionChatTokenizer
 from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
 from megatron_hetero.data.images import ImageSpec
 from megatron_hetero.data.make_dataset import write_conversations
+from megatron_hetero.data.media import TileImages
 from megatron_hetero.planner.presets import BENCH_WORKLOADS
 
 RESULTS = Path(__file__).parent.parent / "docs" / "runs" / "bench_e2e" / "results.jsonl"
@@ -73,8 +74,9 @@ def main() -> None:
         print(f"wrote {args.samples} samples in {time.perf_counter() - start:.1f} s")
         roles = {f"decodes 1/{args.encoder_dp} of the images": ((args.encoder_dp, 0),), "decodes none": ()}
         for role, shares in roles.items():
-            spec = ConversationSpec(str(path), directory, w.seq_length, w.tokens_per_image,
-                                    ImageSpec(w.image_size), decode_shares=shares)
+            spec = ConversationSpec(str(path), directory, w.seq_length,
+                                    TileImages(ImageSpec(w.image_size), w.tokens_per_image, w.tokens_per_image),
+                                    decode_shares=shares)
             dataset = ConversationSamples(spec, CaptionChatTokenizer(), args.samples * 1000)
             for workers in args.workers:
                 rate, cpu = loader_per_s(dataset, w.global_batch, workers, args.batches)

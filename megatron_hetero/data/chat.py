@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_hetero.data.media import ImageTokens
 from megatron_hetero.data.tokenizer import IMAGE_TOKEN, CaptionTokenizer
 
 # LLaVA's `from` values and the chat template's roles.
@@ -29,9 +30,10 @@ class Turn:
 
 
 class HFChatTokenizer:
-    """A Hugging Face tokenizer directory with a chat template and an `<image>` token."""
+    """A Hugging Face tokenizer directory with a chat template, and an `<image>` token unless the
+    model's family names its own image tokens (`image_token=False`: data/media.py's ImageTokens)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, image_token: bool = True):
         from transformers import AutoTokenizer
 
         self.directory = directory
@@ -42,7 +44,9 @@ class HFChatTokenizer:
             raise TokenizerError(f"the tokenizer in {directory} has no chat template; set chat_template in "
                                  f"its tokenizer_config.json")
         self.image_id = self._tok.convert_tokens_to_ids(IMAGE_TOKEN)
-        if self.image_id is None or self.image_id == self._tok.unk_token_id:
+        if self.image_id == self._tok.unk_token_id:
+            self.image_id = None
+        if self.image_id is None and image_token:
             raise TokenizerError(f"the tokenizer in {directory} has no {IMAGE_TOKEN} token; add it "
                                  f"(tokenizer.add_special_tokens) and save the tokenizer again")
         self.eos_id = self._tok.eos_token_id
@@ -95,9 +99,12 @@ class CaptionChatTokenizer:
         return out
 
 
-def encode_conversation(tokenizer, turns: list[Turn], rows_per_image: list[int]) -> tuple[list[int], list[bool]]:
+def encode_conversation(tokenizer, turns: list[Turn], rows_per_image: list[int],
+                        image_tokens: ImageTokens | None = None) -> tuple[list[int], list[bool]]:
     """(token ids, assistant flags) of a conversation, the k-th `<image>` tag expanded to
-    rows_per_image[k] image tokens. Raises ValueError when tags and images differ in number."""
+    image_tokens' prefix, rows_per_image[k] placeholders and suffix (default: the tokenizer's image
+    token per row). Raises ValueError when tags and images differ in number."""
+    image_tokens = image_tokens or ImageTokens((), tokenizer.image_id)
     ids, assistant, tags = [], [], 0
     for piece, is_assistant in tokenizer.pieces(turns):
         if not isinstance(piece, str):
@@ -107,8 +114,9 @@ def encode_conversation(tokenizer, turns: list[Turn], rows_per_image: list[int])
         for k, text in enumerate(piece.split(IMAGE_TOKEN)):
             if k:
                 rows = rows_per_image[tags] if tags < len(rows_per_image) else 0
-                ids += [tokenizer.image_id] * rows
-                assistant += [False] * rows  # image rows are inputs, never predicted
+                expanded = [*image_tokens.prefix, *[image_tokens.placeholder] * rows, *image_tokens.suffix]
+                ids += expanded
+                assistant += [False] * len(expanded)  # image tokens are inputs, never predicted
                 tags += 1
             if text:
                 encoded = tokenizer.encode(text)
@@ -120,14 +128,15 @@ def encode_conversation(tokenizer, turns: list[Turn], rows_per_image: list[int])
 
 
 @functools.lru_cache(maxsize=4)
-def chat_tokenizer(tokenizer_type: str | None, tokenizer_model: str | None):
+def chat_tokenizer(tokenizer_type: str | None, tokenizer_model: str | None, image_token: bool = True):
     """The tokenizer Megatron's --tokenizer-type / --tokenizer-model name (None or NullTokenizer:
-    the shipped caption tokenizer)."""
+    the shipped caption tokenizer); image_token: a Hugging Face tokenizer must have `<image>` (False:
+    the model's family names its image tokens)."""
     if tokenizer_type in (None, "NullTokenizer"):
         return CaptionChatTokenizer()
     if tokenizer_type == "SentencePieceTokenizer" and tokenizer_model:
         return CaptionChatTokenizer(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer" and tokenizer_model:
-        return HFChatTokenizer(tokenizer_model)
+        return HFChatTokenizer(tokenizer_model, image_token)
     raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model; this script reads "
                          f"HuggingFaceTokenizer (a directory) or SentencePieceTokenizer (a .model file)")

@@ -21,7 +21,8 @@ from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.boundary import assign_items
 from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
 from megatron_hetero.data.energon import EnergonRecords, ImagePart, is_energon_dataset
-from megatron_hetero.data.images import ImageError, ImageSpec, check_image, load_tiles, tiles_of
+from megatron_hetero.data.images import ImageError, check_image
+from megatron_hetero.data.media import ImageItems, ImageProcessing
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch, pack
 from megatron_hetero.data.tokenizer import IMAGE_TOKEN
 
@@ -127,22 +128,22 @@ class ConversationSpec:
     path: str
     image_root: str
     seq_length: int
-    rows_per_item: int  # encoder rows per image tile
-    image: ImageSpec
+    images: ImageProcessing  # what an image becomes (data/media.py: TileImages, or a family's)
     # (dp, dp rank) of each vision encoder whose first stage this rank holds: it decodes the images
     # of the samples holding items (tiles) that DP rank encodes; others stay NaN.
     decode_shares: tuple[tuple[int, int], ...] = ((1, 0),)
-    item_shape: tuple[int, int] = (1, 1)  # (tokens, width) of a tile in the encoder (EncoderKind.item_shape)
+    encoder_width: int = 1  # the encoder's hidden size: with the items' tokens, their cost (assign_items)
     pack_samples: int = 1  # samples per sequence (--pack-samples; 1: no packing)
 
 
 class ConversationSamples(torch.utils.data.Dataset):
     """`num_samples` samples (indices wrap around the file); sample i is the first usable one from
-    record i % len(file) on. Samples carry their images' tiles as NaN until `collate` decodes the
+    record i % len(file) on. Samples carry their images' items as NaN until `collate` decodes the
     ones this rank encodes (an item encoded undecoded would make the loss NaN, not wrong)."""
 
     def __init__(self, spec: ConversationSpec, tokenizer, num_samples: int, input_key: str = "images"):
         self.spec, self.tokenizer, self.num_samples, self.input_key = spec, tokenizer, num_samples, input_key
+        self.image_tokens = spec.images.tokens(tokenizer)
         self.records = open_records(spec.path, spec.image_root)
         self.report = SkipReport()  # the training process's count (patches/hetero_data.py fills it)
         if not self.records:
@@ -151,29 +152,34 @@ class ConversationSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def _items(self, paths: list, sample: str) -> list[ImageItems]:
+        """Each image's items, from its size (its file checked, not decoded); raises SkipSample."""
+        items = []
+        for path in paths:
+            try:
+                items.append(self.spec.images.items(*check_image(_openable(path))))
+            except ImageError as error:
+                reason = "missing_image" if str(error) == "missing image" else "corrupt_image"
+                raise SkipSample(BadSample(reason, str(path), sample, str(error))) from None
+        return items
+
     def encode(self, index: int) -> tuple[Sample, list]:
         """Record `index` as a sample, and its images (files or energon parts); raises SkipSample."""
         spec = self.spec
         record = self.records[index]
         sample, images, turns = _parse(record, spec.path, index)
         paths = [self.records.image(record, image) for image in images]
-        tiles = []
-        for path in paths:
-            try:
-                tiles.append(tiles_of(*check_image(_openable(path)), spec.image))
-            except ImageError as error:
-                reason = "missing_image" if str(error) == "missing image" else "corrupt_image"
-                raise SkipSample(BadSample(reason, str(path), sample, str(error))) from None
-        ids, assistant = encode_conversation(self.tokenizer, turns, [t * spec.rows_per_item for t in tiles])
+        items = self._items(paths, sample)
+        ids, assistant = encode_conversation(self.tokenizer, turns, [sum(i.rows) for i in items], self.image_tokens)
         if len(ids) > spec.seq_length:
             raise SkipSample(BadSample("too_long", spec.path, sample,
                                        f"{len(ids)} tokens, more than --seq-length {spec.seq_length}"))
-        size = spec.image.size
-        positions = torch.tensor([t for t, token in enumerate(ids) if token == self.tokenizer.image_id],
-                                 dtype=torch.long)
-        media = Media(torch.full((1, 3, size, size), torch.nan).expand(sum(tiles), -1, -1, -1),
-                      torch.tensor([sum(tiles)]), positions)
-        return Sample(*self._sequence(ids, assistant), {VISION: media}), paths
+        at = [t for t, token in enumerate(ids) if token == self.image_tokens.placeholder]
+        media = spec.images.media(items, torch.tensor(at, dtype=torch.long))
+        starts = np.cumsum([0] + [sum(i.rows) for i in items])[:-1]
+        grids = [g for i in items for g in (i.grids or ())]
+        position_ids = spec.images.position_ids(spec.seq_length, [at[k] for k in starts], grids)
+        return Sample(*self._sequence(ids, assistant), {VISION: media}, position_ids=position_ids), paths
 
     def _sequence(self, ids: list[int], assistant: list[bool]):
         s, n = self.spec.seq_length, len(ids)
@@ -200,21 +206,21 @@ class ConversationSamples(torch.utils.data.Dataset):
 
     def _decode(self, sample: Sample, paths: list) -> None:
         try:
-            tiles = [load_tiles(_openable(p), self.spec.image) for p in paths]
+            items = [self.spec.images.pixels(_openable(p)) for p in paths]
         except ImageError as error:  # checked in encode: only a file changed or broken past its structure
             raise DataError(f"{self.spec.path}: cannot decode an image of a sample ({error}); "
                                 f"fix or remove it") from None
-        if tiles:
-            sample.media[VISION].items = torch.cat(tiles)
+        if items:
+            sample.media[VISION].items = torch.cat(items)
 
     def collate(self, samples: list[tuple[Sample, list]]) -> dict:
         """The model call's arguments for a global microbatch (this rank's encoder samples decoded),
         and `skipped`: the bad samples passed over."""
-        tiles = np.array([len(sample.media[VISION].items) for sample, _ in samples], dtype=np.int64)
-        owner = np.repeat(np.arange(len(samples)), tiles)  # the sample of each item
-        tokens, width = self.spec.item_shape
+        counts = [int(sample.media[VISION].counts) for sample, _ in samples]
+        owner = np.repeat(np.arange(len(samples)), counts)  # the sample of each item
+        tokens = np.concatenate([self.spec.images.item_tokens(sample.media[VISION]) for sample, _ in samples])
         for dp, rank in self.spec.decode_shares:
-            mine = assign_items(np.full(len(owner), tokens), width, dp) == rank
+            mine = assign_items(tokens, self.spec.encoder_width, dp) == rank
             for s in np.unique(owner[mine]):
                 self._decode(*samples[s])
         samples = [sample for sample, _ in samples]

@@ -67,15 +67,20 @@ def _normalized(image: Image.Image, spec: ImageSpec) -> torch.Tensor:
     return (pixels - mean) / std
 
 
-def load_tiles(path, spec: ImageSpec) -> torch.Tensor:
-    """[tiles, 3, size, size] of an image file, row-major tiles then the thumbnail; raises ImageError."""
+def open_rgb(path) -> Image.Image:
+    """An image file decoded to RGB; raises ImageError."""
     try:
         with Image.open(path) as image:
-            image = image.convert("RGB")
+            return image.convert("RGB")
     except FileNotFoundError:
         raise ImageError("missing image") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise ImageError(f"corrupt image ({error})") from None
+
+
+def load_tiles(path, spec: ImageSpec) -> torch.Tensor:
+    """[tiles, 3, size, size] of an image file, row-major tiles then the thumbnail; raises ImageError."""
+    image = open_rgb(path)
     s = spec.size
     columns, rows = tile_grid(*image.size, spec.max_tiles)
     whole = image.resize((s, s), Image.Resampling.BICUBIC)

@@ -18,14 +18,21 @@ from megatron_hetero.data.bad_data import BadSample, DataError
 
 @dataclass
 class Media:
-    items: torch.Tensor  # [n, ...]
+    """A kind's items: fixed-size ones [n, ...], or native-resolution ones (`grids` given: item i a
+    (t, h, w) grid of patches) as every item's patches back to back [sum of t*h*w, patch values],
+    with the rows each sends into the sequence (`rows`, the positions' count per item)."""
+
+    items: torch.Tensor  # [n, ...] or [patches, ...]
     counts: torch.Tensor  # [B] int64, items per sample
-    positions: torch.Tensor  # [n x rows per item] int64
+    positions: torch.Tensor  # [sum of rows] int64
+    grids: torch.Tensor | None = None  # [n, 3] int64
+    rows: torch.Tensor | None = None  # [n] int64
 
     @staticmethod
     def cat(parts: list["Media"]) -> "Media":
-        return Media(torch.cat([p.items for p in parts]), torch.cat([p.counts for p in parts]),
-                     torch.cat([p.positions for p in parts]))
+        ragged = parts[0].grids is not None
+        return Media(*(torch.cat([getattr(p, key) for p in parts]) for key in ("items", "counts", "positions")),
+                     *((torch.cat([getattr(p, key) for p in parts]) for key in ("grids", "rows")) if ragged else ()))
 
 
 @dataclass
@@ -36,6 +43,7 @@ class Sample:
     media: dict[str, Media]  # kind name -> this sample's items (counts [1])
     skipped: list[BadSample] = field(default_factory=list)  # bad samples passed over to reach this one
     documents: torch.Tensor | None = None  # [S] packed: the sample each token belongs to
+    position_ids: torch.Tensor | None = None  # [3, S] M-RoPE position ids (None: 0..S-1)
 
 
 @dataclass
@@ -46,14 +54,17 @@ class SampleBatch:
     media: dict[str, Media]
     skipped: list[BadSample]
     documents: torch.Tensor | None = None  # [B, S] packed
+    position_ids: torch.Tensor | None = None  # [B, 3, S] M-RoPE
 
     @staticmethod
     def collate(samples: list[Sample]) -> "SampleBatch":
-        documents = None if samples[0].documents is None else torch.stack([s.documents for s in samples])
+        documents, position_ids = (None if getattr(samples[0], key) is None else
+                                   torch.stack([getattr(s, key) for s in samples])
+                                   for key in ("documents", "position_ids"))
         return SampleBatch(*(torch.stack([getattr(s, key) for s in samples])
                              for key in ("input_ids", "labels", "loss_mask")),
                            {kind: Media.cat([s.media[kind] for s in samples]) for kind in samples[0].media},
-                           [bad for s in samples for bad in s.skipped], documents)
+                           [bad for s in samples for bad in s.skipped], documents, position_ids)
 
     def model_kwargs(self, input_keys: dict[str, str]) -> dict:
         """The model call's arguments (models/vlm_parts.py); input_keys: kind name -> its argument.
@@ -64,12 +75,17 @@ class SampleBatch:
             out[input_keys[kind]] = media.items
             out[counts_key(kind)] = media.counts
             out[positions_key(kind)] = media.positions
+            if media.grids is not None:
+                out[grids_key(kind)], out[rows_key(kind)] = media.grids, media.rows
         if self.documents is not None:
             out[DOCUMENTS_KEY] = self.documents
+        if self.position_ids is not None:
+            out[POSITION_IDS_KEY] = self.position_ids
         return out
 
 
 DOCUMENTS_KEY = "document_ids"  # the model call's argument holding a packed batch's documents [B, S]
+POSITION_IDS_KEY = "position_ids"  # the model call's argument holding M-RoPE position ids [B, 3, S]
 
 
 def pack(samples: list[Sample], per_pack: int, pad_id: int) -> list[Sample]:
@@ -95,12 +111,36 @@ def pack(samples: list[Sample], per_pack: int, pad_id: int) -> list[Sample]:
         for j, (s, n, at) in enumerate(zip(group, lengths, offsets)):
             input_ids[at : at + n], labels[at : at + n] = s.input_ids[:n], s.labels[:n]
             loss_mask[at : at + n], documents[at : at + n] = s.loss_mask[:n], j
-        media = {kind: Media(torch.cat([s.media[kind].items for s in group]),
-                             torch.stack([s.media[kind].counts.sum() for s in group]).sum().reshape(1),
-                             torch.cat([s.media[kind].positions + at for s, at in zip(group, offsets)]))
-                 for kind in group[0].media}
-        packed.append(Sample(input_ids, labels, loss_mask, media, [b for s in group for b in s.skipped], documents))
+        media = {}
+        for kind in group[0].media:
+            joined = Media.cat([s.media[kind] for s in group])
+            joined.counts = joined.counts.sum().reshape(1)
+            joined.positions = torch.cat([s.media[kind].positions + at for s, at in zip(group, offsets)])
+            media[kind] = joined
+        packed.append(Sample(input_ids, labels, loss_mask, media, [b for s in group for b in s.skipped], documents,
+                             _packed_position_ids(group, lengths, seq)))
     return packed
+
+
+def _packed_position_ids(group: list[Sample], lengths: list[int], seq: int) -> torch.Tensor | None:
+    """Each sample's M-RoPE position ids over its tokens, back to back; the padding's count on. A
+    document's attention scores depend only on its own positions' differences (attention stays
+    within it), so no offset is needed."""
+    if group[0].position_ids is None:
+        return None
+    parts = [s.position_ids[:, :n] for s, n in zip(group, lengths)]
+    start, tail = max((int(p.max()) + 1 for p in parts if p.numel()), default=0), seq - sum(lengths)
+    return torch.cat([*parts, torch.arange(start, start + tail).expand(3, tail)], 1)
+
+
+def grids_key(kind: str) -> str:
+    """The model call's argument holding a kind's native-resolution items' patch grids [n, 3]."""
+    return f"{kind}_grids"
+
+
+def rows_key(kind: str) -> str:
+    """The model call's argument holding the rows each of a kind's items sends into the sequence [n]."""
+    return f"{kind}_rows"
 
 
 def counts_key(kind: str) -> str:

@@ -58,15 +58,14 @@ def _call(path: str, *args, **kwargs):
 
 @dataclass(frozen=True)
 class VLMFamily:
-    """name: ours (ModelSizes.family); model_types: the config.json model_type(s) it imports;
-    architecture: the transformers class an export names; parts: module name ("vision", "llm") ->
+    """name: ours (ModelSizes.family; the registry, families/__init__.py, says which config.json
+    model_types it imports); architecture: the transformers class an export names; parts: module name ("vision", "llm") ->
     its mapping; prefixes: module name -> the in-memory key prefixes of its tensors; schemes: the
     key spellings files may use (the first, in-memory, is transformers'); finish(sizes, config): the
     family's further sizes and checks across modules; vision_builder, media_builder,
     settings_reader: "module:function" paths (see build_vision, media, processor_settings)."""
 
     name: str
-    model_types: tuple[str, ...]
     architecture: str
     parts: dict[str, Family]
     prefixes: dict[str, tuple[str, ...]]
@@ -75,8 +74,9 @@ class VLMFamily:
     settings_reader: str
     finish: Callable[[ModelSizes, object], ModelSizes] = lambda sizes, config: sizes
     schemes: tuple[KeyScheme, ...] = field(default=(TRANSFORMERS,))
-    # in-memory keys whose tensors are copies of others (tied embeddings): read by neither side
-    copies: Callable[[ModelSizes], tuple[str, ...]] = lambda sizes: ()
+    # in-memory keys whose tensors are copies of others (tied embeddings) -> the key they copy:
+    # the rules read only the original; an export writes a copy where the imported files had it
+    copies: Callable[[ModelSizes], dict[str, str]] = lambda sizes: {}
 
     # ---- Hugging Face config and weights ---------------------------------------------------------
     def sizes(self, config, base: ModelSizes = ModelSizes()) -> ModelSizes:

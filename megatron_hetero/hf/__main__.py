@@ -1,7 +1,10 @@
 """Hugging Face weights in and out of Megatron checkpoints of our modules:
 
+    python -m megatron_hetero.hf import --model HF_DIR --save CKPT            # a whole VLM (Qwen2.5-VL, ...)
     python -m megatron_hetero.hf import --vision HF_DIR --llm HF_DIR --save CKPT [--projector FILE]
+    python -m megatron_hetero.hf export --load CKPT --out DIR [--model-sizes FILE]
     python -m megatron_hetero.hf export --load CKPT --vision-out DIR --llm-out DIR [--model-sizes FILE]
+    python -m megatron_hetero.hf compare --model HF_DIR --load CKPT --data-path FILE [...]
 
 Train from an import with examples/pretrain_vlm.py ... --load CKPT --model-sizes CKPT/model.json
 (any layout). Mistakes are one `error:` line and exit code 2.
@@ -18,33 +21,62 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="Hugging Face directories -> a Megatron checkpoint")
-    imp.add_argument("--vision", required=True, help="a SigLIP or CLIP (vision) model directory")
-    imp.add_argument("--llm", required=True, help="a Llama or Qwen2 model directory")
+    imp.add_argument("--model", help="a whole VLM's model directory (config.json model_type: qwen2_5_vl, ...)")
+    imp.add_argument("--vision", help="a SigLIP or CLIP (vision) model directory")
+    imp.add_argument("--llm", help="a Llama or Qwen2 model directory")
     imp.add_argument("--save", required=True, help="the checkpoint directory to write")
     imp.add_argument("--projector", help="a safetensors file of the projector's weights (our names, "
                                          "projector.*); without it the projector is newly initialized")
     exp = commands.add_parser("export", help="a Megatron checkpoint -> Hugging Face directories")
     exp.add_argument("--load", required=True, help="a checkpoint directory (its tracker's iteration)")
+    exp.add_argument("--out", help="the directory of a whole VLM (a --model import)")
     exp.add_argument("--vision-out")
     exp.add_argument("--llm-out")
     exp.add_argument("--model-sizes", help="the model.json of the import (default: the one the checkpoint records)")
+    from megatron_hetero.hf.compare import add_arguments
+
+    add_arguments(commands.add_parser("compare", help="transformers' forward against ours on the same samples"))
     return parser
+
+
+def _import(args) -> str:
+    from megatron_hetero.hf.checkpoint import import_checkpoint
+    from megatron_hetero.hf.whole_model import import_model
+
+    if args.model and (args.vision or args.llm or args.projector):
+        raise HFMappingError("give either --model (a whole VLM) or --vision and --llm, not both")
+    if args.model:
+        path = import_model(args.model, args.save)
+    elif args.vision and args.llm:
+        path = import_checkpoint(args.vision, args.llm, args.save, args.projector)
+    else:
+        raise HFMappingError("give --model HF_DIR (a whole VLM), or --vision HF_DIR and --llm HF_DIR")
+    return f"wrote {path}/release; train from it with: --load {path} --model-sizes {path}/model.json"
+
+
+def _export(args) -> str:
+    from megatron_hetero.hf.checkpoint import export_checkpoint
+    from megatron_hetero.hf.whole_model import export_model
+
+    outs = {name: out for name, out in (("vision", args.vision_out), ("llm", args.llm_out)) if out}
+    if args.out and outs:
+        raise HFMappingError("give either --out (a whole VLM) or --vision-out/--llm-out, not both")
+    if args.out:
+        return f"wrote {export_model(args.load, args.out, args.model_sizes)}"
+    if not outs:
+        raise HFMappingError("give --out DIR (a whole VLM), or --vision-out and/or --llm-out")
+    export_checkpoint(args.load, outs, args.model_sizes)
+    return "wrote " + ", ".join(outs.values())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from megatron_hetero.hf.checkpoint import export_checkpoint, import_checkpoint
-
     try:
-        if args.command == "import":
-            path = import_checkpoint(args.vision, args.llm, args.save, args.projector)
-            print(f"wrote {path}/release; train from it with: --load {path} --model-sizes {path}/model.json")
-        else:
-            outs = {name: out for name, out in (("vision", args.vision_out), ("llm", args.llm_out)) if out}
-            if not outs:
-                raise HFMappingError("give --vision-out and/or --llm-out")
-            export_checkpoint(args.load, outs, args.model_sizes)
-            print("wrote " + ", ".join(outs.values()))
+        if args.command == "compare":
+            from megatron_hetero.hf.compare import compare
+
+            return compare(args)
+        print(_import(args) if args.command == "import" else _export(args))
     except (HFMappingError, OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,11 +1,14 @@
 """This project's reference multimodal model (models/vlm.py: encoders of the registered kinds and a
-GPTModel on our TE-free layers) as per-module parts for megatron.training, and its adapter.
+GPTModel on our TE-free layers), or a VLM family's (families/: its vision tower, the same LLM), as
+per-module parts for megatron.training, and its adapter.
 
 The script calls `model(input_ids=, labels=, loss_mask=, <kind input>=, <kind>_counts=,
-<kind>_positions=[, document_ids=])` on a global microbatch (data/sample_batch.py): per sequence,
-its token ids, labels and loss mask [S] (and with packing the sample of each token); per kind,
-ragged over the samples, every item (images [3, H, W], clips [mel, frames]), the items per sequence
-and the sequence positions their rows fill. The LLM takes its data-parallel rank's sequences and its
+<kind>_positions=[, <kind>_grids=, <kind>_rows=][, document_ids=][, position_ids=])` on a global
+microbatch (data/sample_batch.py): per sequence, its token ids, labels and loss mask [S] (and with
+packing the sample of each token; with M-RoPE the position ids [3, S]); per kind, ragged over the
+samples, every item (images [3, H, W], clips [mel, frames]; native-resolution images as their
+patches, with each one's grid and rows), the items per sequence and the sequence positions their
+rows fill. The LLM takes its data-parallel rank's sequences and its
 context-parallel positions (Megatron's load-balanced chunks); an encoder's data-parallel ranks take
 the items by cost (boundary.assign_items). On the last LLM stage the model returns (per-token losses
 [b, s_local], loss mask [b, s_local]) for the script's loss function.
@@ -15,7 +18,15 @@ import numpy as np
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, assign_items, input_rows
-from megatron_hetero.data.sample_batch import DOCUMENTS_KEY, counts_key, positions_key
+from megatron_hetero.data.sample_batch import (
+    DOCUMENTS_KEY,
+    POSITION_IDS_KEY,
+    counts_key,
+    grids_key,
+    positions_key,
+    rows_key,
+)
+from megatron_hetero.families import family_named
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.init import build_stage
 from megatron_hetero.models.kinds import encoder_kind
@@ -45,9 +56,17 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
                 return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed, **fusion)
         else:
             def build(whole, layout=layout, pgs=pgs):
-                return encoder_kind(layout).build(sizes, layout.tp, pgs, dtype, whole=whole, **fusion)
+                return encoder_builder(layout, sizes)(sizes, layout.tp, pgs, dtype, whole=whole, **fusion)
         parts[module.name] = build_stage(build, seed + index, layout.pp, ep=layout.ep)
     return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision, dtype))
+
+
+def encoder_builder(layout, sizes: ModelSizes):
+    """The builder of an encoder module: a VLM family's vision tower, else its kind's."""
+    kind = encoder_kind(layout)
+    if sizes.family and kind.name == "vision":
+        return family_named(sizes.family).build_vision
+    return kind.build
 
 
 def _device() -> torch.device:
@@ -77,24 +96,40 @@ class VLMAdapter:
             shape = (kind.stage_tokens(self.sizes), len(share), kind.hidden_size(self.sizes))
         return torch.empty(shape, dtype=self.dtype, device=_device())
 
+    def _item_shapes(self, kind, call: ModelCall) -> tuple[np.ndarray, np.ndarray]:
+        """(rows each item sends into the sequence, tokens it runs through the encoder) [items]:
+        native-resolution items (with grids) their own, fixed-size ones the kind's."""
+        grids = call.kwargs.get(grids_key(kind.name))
+        if grids is not None:
+            return call.kwargs[rows_key(kind.name)].cpu().numpy(), grids.prod(1).cpu().numpy()
+        items = int(call.kwargs[counts_key(kind.name)].sum())
+        return np.full(items, kind.tokens_per_item(self.sizes)), np.full(items, kind.stage_tokens(self.sizes))
+
     def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
-        """Every item sends tokens_per_item rows; items go to the encoder's DP ranks by the cost of
-        its tokens per item (all alike here: round robin)."""
+        """Each item's rows; items go to the encoder's DP ranks by the cost of their tokens (all
+        alike for fixed-size items: round robin)."""
         module = self.run.layout.module(name)
         kind = encoder_kind(module)
         counts = call.kwargs[counts_key(kind.name)].cpu().numpy()
-        items = int(counts.sum())
-        tokens, width = kind.item_shape(self.sizes)
-        item_dp = assign_items(np.full(items, tokens), width, module.dp)
-        rows = kind.tokens_per_item(self.sizes)
-        return BoundaryBatch(counts * rows, call.kwargs[positions_key(kind.name)].cpu().numpy(),
-                             call.kwargs["input_ids"].shape[1], np.full(items, rows), item_dp)
+        rows, tokens = self._item_shapes(kind, call)
+        item_dp = assign_items(tokens, kind.hidden_size(self.sizes), module.dp)
+        per_sample = np.bincount(np.repeat(np.arange(len(counts)), counts), rows, len(counts)).astype(np.int64)
+        return BoundaryBatch(per_sample, call.kwargs[positions_key(kind.name)].cpu().numpy(),
+                             call.kwargs["input_ids"].shape[1], rows, item_dp)
+
+    def _encoder_inputs(self, kind, call: ModelCall, items: torch.Tensor) -> tuple:
+        """The first stage's arguments for `items`: their tensors (a native-resolution item's patches),
+        and their grids where the items have them."""
+        inputs, grids = call.kwargs[kind.input_key], call.kwargs.get(grids_key(kind.name))
+        if grids is None:
+            return (inputs[items].to(device=_device(), dtype=self.dtype),)
+        ends = grids.prod(1).cumsum(0)
+        patches = torch.cat([torch.arange(ends[i] - grids[i].prod(), ends[i]) for i in items.tolist()])
+        return inputs[patches].to(device=_device(), dtype=self.dtype), grids[items]
 
     def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
         kind = encoder_kind(module.layout)
-        if hidden is None:
-            hidden = call.kwargs[kind.input_key][items].to(device=_device(), dtype=self.dtype)
-        out = module.part(hidden)
+        out = module.part(*(self._encoder_inputs(kind, call, items) if hidden is None else (hidden,)))
         if module.last_stage and self.ablate_vision and kind.name == "vision":
             return out * 0  # the control run: no image information crosses the boundary
         return out
@@ -108,6 +143,10 @@ class VLMAdapter:
         rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)
         documents = None if documents is None else documents[share].to(_device())
-        out = llm_forward(module.part, ids, positions.to(_device())[None].expand_as(ids), rows,
-                          labels, hidden, documents)
+        position_ids = call.kwargs.get(POSITION_IDS_KEY)
+        if position_ids is None:  # RoPE: this rank's positions (the rotary embedding is the sequence's)
+            position_ids = positions.to(_device())[None].expand_as(ids)
+        else:  # M-RoPE: the whole sequence's [3, b, S]; the rotary embedding keeps this rank's CP chunks
+            position_ids = position_ids[share].transpose(0, 1).to(_device())
+        out = llm_forward(module.part, ids, position_ids, rows, labels, hidden, documents)
         return out, loss_mask

@@ -3,6 +3,8 @@ of Megatron's arguments, and the checks of what that script can train (the rules
 megatron_hetero.rules applied to its flags): every mistake one line naming the flag or field and the fix."""
 
 import argparse
+import functools
+import json
 import os
 import sys
 from dataclasses import fields, replace
@@ -14,6 +16,7 @@ from megatron_hetero.data.energon import is_energon_dataset
 from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
+from megatron_hetero.families import UnknownFamilyError, family_named
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
 
@@ -91,9 +94,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def tokenizer(args):
-    """The tokenizer of --tokenizer-type / --tokenizer-model (data/chat.py)."""
+    """The tokenizer of --tokenizer-type / --tokenizer-model (data/chat.py); a model family's names
+    its own image tokens (no `<image>` token needed)."""
     try:
-        return chat_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        return chat_tokenizer(args.tokenizer_type, args.tokenizer_model, not model_family(args))
     except (TokenizerError, OSError) as error:
         raise ArgsError(f"--tokenizer-model {args.tokenizer_model}: {error}") from None
 
@@ -112,15 +116,31 @@ def moe_arch(args) -> MoEArch | None:
                    z_loss_coeff=args.moe_z_loss_coeff, dispatcher=args.moe_token_dispatcher_type)
 
 
-def _sizes_file(path: str) -> ModelSizes:
-    import json
-
+@functools.lru_cache(maxsize=4)
+def _description_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            return sizes_from_dict(json.load(f)["sizes"])
+            description = json.load(f)
+        sizes_from_dict(description["sizes"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ArgsError(f"--model-sizes {path}: {error}; give the model.json written by "
                         f"`python -m megatron_hetero.hf import`") from None
+    return description
+
+
+def _sizes_file(path: str) -> ModelSizes:
+    return sizes_from_dict(_description_file(path)["sizes"])
+
+
+def model_description(args) -> dict:
+    """The whole model.json of --model-sizes (a family's image processor settings and Hugging Face
+    config beside the sizes)."""
+    return _description_file(args.model_sizes)
+
+
+def model_family(args) -> str:
+    """The VLM family of --model-sizes ("": this project's reference model)."""
+    return _sizes_file(args.model_sizes).family if args.model_sizes else ""
 
 
 def model_sizes(args) -> ModelSizes:
@@ -247,11 +267,42 @@ def _check_data(args, layout) -> None:
 def _check_sizes(args, layout) -> None:
     sizes = [(layout.llm, ("hidden-size", args.hidden_size), ("num-attention-heads", args.num_attention_heads))]
     sizes += [(m, *encoder_kind(m).size_flags(args)[1:]) for m in layout.encoders]
+
+    def name(flag: str) -> str:  # a described model's sizes are its model.json's, not flags
+        return f"{args.model_sizes}'s {flag.replace('-', ' ')}" if args.model_sizes else f"--{flag}"
+
     for module, (hidden_flag, hidden), (heads_flag, heads) in sizes:
-        rules.check(ArgsError, rules.head_width_problem(hidden, f"--{hidden_flag}", heads, f"--{heads_flag}"),
-                    rules.heads_problem(module, heads, f"--{heads_flag}"))
-    rules.check(ArgsError, rules.audio_frames_problem(args.audio_frames),
-                rules.patch_problem(args.image_size, args.patch_size))
+        rules.check(ArgsError, rules.head_width_problem(hidden, name(hidden_flag), heads, name(heads_flag)),
+                    rules.heads_problem(module, heads, name(heads_flag)))
+    rules.check(ArgsError, rules.audio_frames_problem(args.audio_frames))
+    if not model_family(args):  # a family's images have no one size
+        rules.check(ArgsError, rules.patch_problem(args.image_size, args.patch_size))
+
+
+def _check_family(args, layout) -> None:
+    """A VLM family's model (--model-sizes of a whole-model import): known to this version, trained
+    on conversation data with its Hugging Face tokenizer, its vision tower one pipeline stage, and
+    its images as its image processor makes them."""
+    family = model_family(args)
+    if not family:
+        return
+    try:
+        family_named(family)
+    except UnknownFamilyError as error:
+        raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
+    if not args.data_path:
+        raise ArgsError(f"--model-sizes {args.model_sizes} describes a {family} model: train it on conversation "
+                        f"data (--data-path FILE); the shapes data is for the reference model")
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        raise ArgsError(f"a {family} model reads its data with its own tokenizer: --tokenizer-type "
+                        f"HuggingFaceTokenizer --tokenizer-model <its Hugging Face directory>")
+    for flag, default in (("max_tiles", 1), ("image_normalization", "none")):
+        if getattr(args, flag) != default:
+            raise ArgsError(f"--{flag.replace('_', '-')}: a {family} model's images are its image processor's "
+                            f"(model.json); drop the flag")
+    for module in layout.encoders:
+        if module.pp > 1:
+            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
 
 
 def check_args(args, layout) -> None:
@@ -262,6 +313,7 @@ def check_args(args, layout) -> None:
         # megatron-core's linear layers re-enter autocast in backward for CUDA only.
         raise ArgsError("--bf16 needs GPUs (megatron-core's layers run bf16 autocast on CUDA only); "
                         "drop --bf16 on CPU")
+    _check_family(args, layout)
     _check_sizes(args, layout)
     _check_data(args, layout)
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):

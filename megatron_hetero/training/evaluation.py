@@ -19,14 +19,14 @@ from megatron_hetero.schedules.pipeline import run_stage
 from megatron_hetero.schedules.stages import EncoderStage, LLMStage
 
 
-def _logits_step(data_iterator, model):
+def logits_step(data_iterator, model):
     """The forward step of generation: the model's output, no labels and no loss function (logits on
     the last stage)."""
     output, _ = model(**{k: v for k, v in next(data_iterator).items() if k != "labels"})
     return output, None
 
 
-def _route_media(ctx: StepContext) -> dict:
+def route_media(ctx: StepContext) -> dict:
     """Every encoder's slots on the LLM's first-stage ranks (encoder name -> [slots]), forward only."""
     run = ctx.run
     if run.layout.placement == "colocated":
@@ -65,10 +65,10 @@ def generate_captions(model: HeteroModel, sizes, data: ShapesDataset, indices: l
     run, tokenizer = model.run, CaptionTokenizer()
     kinds = [encoder_kind(m) for m in run.layout.encoders]
     item = samples_dict(data, indices, sizes, kinds, tokenizer, with_captions=False)
-    ctx = StepContext(run, model.adapter, _logits_step, [item], model.config, True, model.clock,
+    ctx = StepContext(run, model.adapter, logits_step, [item], model.config, True, model.clock,
                       model.timers, model.plan_caches)
     ctx.prepare()
-    media = _route_media(ctx)
+    media = route_media(ctx)
     mine = []
     llm = run.llm
     if llm.held:

@@ -12,9 +12,11 @@ from megatron.training import get_args
 
 from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
 from megatron_hetero.data.images import ImageSpec
+from megatron_hetero.data.media import TileImages
+from megatron_hetero.families import family_named
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.vlm_parts import build_vlm_parts
-from megatron_hetero.training.args import model_sizes, tokenizer
+from megatron_hetero.training.args import model_description, model_sizes, tokenizer
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
@@ -23,17 +25,27 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
                            packed=args.pack_samples > 1, grad_accum_fusion=args.gradient_accumulation_fusion)
 
 
+def image_processing(args, sizes):
+    """What an image of --data-path becomes: the model family's processing with the image processor
+    settings of --model-sizes (the model's), else the reference encoder's tiles."""
+    if sizes.family:
+        description = model_description(args)
+        return family_named(sizes.family).media(sizes, description["processor"], description["hf"]["config"])
+    vision = ENCODER_KINDS["vision"]
+    return TileImages(ImageSpec(sizes.image_size, args.max_tiles, args.image_normalization),
+                      vision.tokens_per_item(sizes), vision.item_shape(sizes)[0])
+
+
 def conversation_dataset(args, num_samples: int) -> ConversationSamples:
     """--data-path's samples; only ranks holding a vision encoder's first stage decode images (their
     DP rank's share)."""
     sizes, path = model_sizes(args), args.data_path[0]
     vision = ENCODER_KINDS["vision"]
     spec = ConversationSpec(path, args.image_root or os.path.dirname(path), args.seq_length,
-                            vision.tokens_per_item(sizes),
-                            ImageSpec(sizes.image_size, args.max_tiles, args.image_normalization),
+                            image_processing(args, sizes),
                             decode_shares=tuple((m.layout.dp, m.coords()["dp"])
                                                 for m in args.hetero_run.encoders.values() if m.first_stage),
-                            item_shape=vision.item_shape(sizes), pack_samples=args.pack_samples)
+                            encoder_width=vision.hidden_size(sizes), pack_samples=args.pack_samples)
     return ConversationSamples(spec, tokenizer(args), num_samples, vision.input_key)
 
 

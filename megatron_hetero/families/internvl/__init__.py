@@ -8,7 +8,6 @@ from megatron_hetero.families.internvl import hf
 _HERE = "megatron_hetero.families.internvl"
 INTERNVL = VLMFamily(
     name="internvl",
-    model_types=("internvl",),
     architecture="InternVLForConditionalGeneration",
     parts={"vision": hf.VISION_PART, "llm": hf.TEXT_PART},
     prefixes={"vision": (hf.VISION, hf.PROJECTOR), "llm": (hf.TEXT, "lm_head.")},

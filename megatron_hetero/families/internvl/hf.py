@@ -153,6 +153,6 @@ def finish(sizes: ModelSizes, config) -> ModelSizes:
     return replace(sizes, llm_arch=replace(sizes.llm_arch, tied_embeddings=bool(config.tie_word_embeddings)))
 
 
-def copies(sizes: ModelSizes) -> tuple[str, ...]:
-    """A tied output layer is the embedding again (in transformers' state_dict, not in its files)."""
-    return ("lm_head.weight",) if sizes.llm_arch.tied_embeddings else ()
+def copies(sizes: ModelSizes) -> dict[str, str]:
+    """A tied output layer is the embedding again (in transformers' state_dict; in some files)."""
+    return {"lm_head.weight": f"{TEXT}embed_tokens.weight"} if sizes.llm_arch.tied_embeddings else {}

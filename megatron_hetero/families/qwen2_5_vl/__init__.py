@@ -8,7 +8,6 @@ from megatron_hetero.families.qwen2_5_vl import hf
 _HERE = "megatron_hetero.families.qwen2_5_vl"
 QWEN2_5_VL = VLMFamily(
     name="qwen2_5_vl",
-    model_types=("qwen2_5_vl",),
     architecture="Qwen2_5_VLForConditionalGeneration",
     parts={"vision": hf.VISION_PART, "llm": hf.TEXT_PART},
     prefixes={"vision": (hf.VISION,), "llm": (hf.TEXT, "lm_head.")},
