@@ -19,7 +19,7 @@ from tests.internvl_models import (
     batch,
     hf_config,
     hf_model,
-    write_model_dir,
+    internvl_dir,
 )
 from tests.distributed import collect_distributed
 
@@ -228,27 +228,30 @@ def _hf_processor(model_dir):
 
 
 def test_images_as_transformers_processes_them(tmp_path):
-    """Wide, tall, square, tiny and large images: the tile count from the size alone, the pixels,
-    and the `<image>` expansion equal InternVLProcessor's (tiles of 64 pixels, at most 6 and a thumbnail)."""
+    """Wide, tall, square, tiny and large images: the tile count from the size alone, the pixels of
+    the file, and the `<image>` expansion equal InternVLProcessor's (tiles of 64 pixels, at most 6
+    and a thumbnail)."""
     import numpy as np
     from PIL import Image
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    from megatron_hetero.families.internvl.media import InternVLImages, processor_settings
+    from megatron_hetero.data.chat import HFChatTokenizer
+    from megatron_hetero.families.internvl.media import build_media, processor_settings
 
-    write_model_dir(tmp_path, "internvit300m_qwen2", max_patches=6)
+    internvl_dir(tmp_path, "internvit300m_qwen2", max_patches=6)
     config = AutoConfig.from_pretrained(tmp_path)
-    family = family_named("internvl")
-    sizes = family.sizes(config, ModelSizes(seq_length=SEQ))
-    images = InternVLImages(sizes, processor_settings(tmp_path, config), config.to_dict())
-    prefix, placeholder, suffix = images.token_ids(AutoTokenizer.from_pretrained(tmp_path))
+    sizes = family_named("internvl").sizes(config, ModelSizes(seq_length=SEQ))
+    images = build_media(sizes, processor_settings(tmp_path, config), config.to_dict())
+    tokens = images.tokens(HFChatTokenizer(str(tmp_path), image_token=False))
     hf = _hf_processor(tmp_path)
     rng = np.random.default_rng(0)
     for width, height in [(200, 60), (60, 200), (64, 64), (10, 7), (500, 450), (130, 64)]:
-        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        want = hf(images=[image], text=["w1 <IMG_CONTEXT> w2"], return_tensors="pt")
-        tiles = images.tiles(width, height)
-        assert torch.equal(images.pixels(image), want["pixel_values"]), (width, height)
-        assert tiles == len(want["pixel_values"])
-        expanded = [1, *prefix, *[placeholder] * (tiles * images.rows), *suffix, 2]
+        path = tmp_path / f"{width}x{height}.png"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        want = hf(images=[Image.open(path)], text=["describe <IMG_CONTEXT> it"], return_tensors="pt")
+        items = images.items(width, height)
+        assert torch.equal(images.pixels(path), want["pixel_values"]), (width, height)
+        assert len(items.rows) == len(want["pixel_values"]) and set(items.rows) == {ROWS_PER_TILE}
+        describe, it = (hf.tokenizer.convert_tokens_to_ids(w) for w in ("describe", "it"))
+        expanded = [describe, *tokens.prefix, *[tokens.placeholder] * sum(items.rows), *tokens.suffix, it]
         assert want["input_ids"][0].tolist() == expanded, (width, height)

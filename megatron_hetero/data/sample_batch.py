@@ -20,7 +20,8 @@ from megatron_hetero.data.bad_data import BadSample, DataError
 class Media:
     """A kind's items: fixed-size ones [n, ...], or native-resolution ones (`grids` given: item i a
     (t, h, w) grid of patches) as every item's patches back to back [sum of t*h*w, patch values],
-    with the rows each sends into the sequence (`rows`, the positions' count per item)."""
+    with the rows each sends into the sequence (`rows`, the positions' count per item; fixed-size
+    items without `rows` send the kind's tokens_per_item each)."""
 
     items: torch.Tensor  # [n, ...] or [patches, ...]
     counts: torch.Tensor  # [B] int64, items per sample
@@ -30,9 +31,9 @@ class Media:
 
     @staticmethod
     def cat(parts: list["Media"]) -> "Media":
-        ragged = parts[0].grids is not None
         return Media(*(torch.cat([getattr(p, key) for p in parts]) for key in ("items", "counts", "positions")),
-                     *((torch.cat([getattr(p, key) for p in parts]) for key in ("grids", "rows")) if ragged else ()))
+                     *(None if getattr(parts[0], key) is None else torch.cat([getattr(p, key) for p in parts])
+                       for key in ("grids", "rows")))
 
 
 @dataclass
@@ -76,7 +77,9 @@ class SampleBatch:
             out[counts_key(kind)] = media.counts
             out[positions_key(kind)] = media.positions
             if media.grids is not None:
-                out[grids_key(kind)], out[rows_key(kind)] = media.grids, media.rows
+                out[grids_key(kind)] = media.grids
+            if media.rows is not None:
+                out[rows_key(kind)] = media.rows
         if self.documents is not None:
             out[DOCUMENTS_KEY] = self.documents
         if self.position_ids is not None:

@@ -98,12 +98,14 @@ class VLMAdapter:
 
     def _item_shapes(self, kind, call: ModelCall) -> tuple[np.ndarray, np.ndarray]:
         """(rows each item sends into the sequence, tokens it runs through the encoder) [items]:
-        native-resolution items (with grids) their own, fixed-size ones the kind's."""
-        grids = call.kwargs.get(grids_key(kind.name))
+        native-resolution items (with grids) their own, fixed-size ones the kind's; rows the batch's
+        where it has them (InternVL's tiles: fewer rows than tokens, after the pixel shuffle)."""
+        grids, rows = call.kwargs.get(grids_key(kind.name)), call.kwargs.get(rows_key(kind.name))
         if grids is not None:
-            return call.kwargs[rows_key(kind.name)].cpu().numpy(), grids.prod(1).cpu().numpy()
+            return rows.cpu().numpy(), grids.prod(1).cpu().numpy()
         items = int(call.kwargs[counts_key(kind.name)].sum())
-        return np.full(items, kind.tokens_per_item(self.sizes)), np.full(items, kind.stage_tokens(self.sizes))
+        rows = np.full(items, kind.tokens_per_item(self.sizes)) if rows is None else rows.cpu().numpy()
+        return rows, np.full(items, kind.stage_tokens(self.sizes))
 
     def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
         """Each item's rows; items go to the encoder's DP ranks by the cost of their tokens (all

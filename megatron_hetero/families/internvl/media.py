@@ -15,6 +15,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_hetero.data.chat import TokenizerError
+from megatron_hetero.data.images import ImageSpec, open_rgb
+from megatron_hetero.data.media import ImageItems, ImageTokens, TileImages
+from megatron_hetero.data.sample_batch import Media
 from megatron_hetero.hf.rules import HFMappingError
 from megatron_hetero.models.sizes import ModelSizes
 
@@ -42,35 +46,47 @@ def processor_settings(model_dir: str, config) -> dict:
     return settings
 
 
-class InternVLImages:
-    """The data's image processing for InternVL (data/media.py's ImageProcessing): tiles of
-    `sizes.image_size` pixels, each `rows` LLM rows and `1 + patches` encoder tokens (its cost)."""
+class InternVLImages(TileImages):
+    """data/media.py's ImageProcessing for InternVL: tiles of `sizes.image_size` pixels, each sending
+    `rows` rows into the LLM (its patches after the pixel shuffle) and running `1 + patches` tokens
+    (the class token) through the encoder. settings: model.json's "processor"; config: its Hugging
+    Face config."""
 
-    def __init__(self, sizes: ModelSizes, settings: dict, hf_config: dict):
+    def __init__(self, sizes: ModelSizes, settings: dict, config: dict):
         from transformers import GotOcr2ImageProcessorPil
 
         from megatron_hetero.families.internvl.vision import InternVLVisionArch
 
+        rows = sizes.patches_per_image // InternVLVisionArch.of(sizes).pixel_shuffle**2
+        super().__init__(ImageSpec(sizes.image_size), rows, 1 + sizes.patches_per_image)
         self.processor = GotOcr2ImageProcessorPil(**settings)
-        self.size = sizes.image_size
-        self.rows = sizes.patches_per_image // InternVLVisionArch.of(sizes).pixel_shuffle**2
-        self.encoder_tokens = 1 + sizes.patches_per_image
-        self.image_token_id = hf_config["image_token_id"]
+        self.image_token_id = config["image_token_id"]
 
-    def tiles(self, width: int, height: int) -> int:
-        """Tiles (thumbnail included) of an image of this size."""
-        return self.processor.get_number_of_image_patches(height, width, CROP)
+    def items(self, width: int, height: int) -> ImageItems:
+        tiles = self.processor.get_number_of_image_patches(height, width, CROP)
+        return ImageItems((self.rows_per_item,) * tiles, (self.tokens_per_item,) * tiles)
 
-    def token_ids(self, tokenizer) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
-        """(prefix, placeholder, suffix) ids of an `<image>` tag: `<img>`, `<IMG_CONTEXT>` per row, `</img>`."""
-        ids = []
-        for token in (START, END):
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            if token_id is None or token_id == tokenizer.unk_token_id:
-                raise HFMappingError(f"the tokenizer has no {token} token; use the InternVL model's own tokenizer")
-            ids.append(token_id)
-        return (ids[0],), self.image_token_id, (ids[1],)
+    def tokens(self, tokenizer) -> ImageTokens:
+        """`<img>`, `<IMG_CONTEXT>` per row, `</img>` (the tokenizer's ids of the two tags)."""
+        start, end = (tokenizer.token_id(token) for token in (START, END))
+        if start is None or end is None:
+            raise TokenizerError(f"the tokenizer in {tokenizer.directory} has no {START if start is None else END} "
+                                 f"token; use the InternVL model's own tokenizer (--tokenizer-model HF_DIR)")
+        return ImageTokens((start,), self.image_token_id, (end,))
 
-    def pixels(self, image) -> torch.Tensor:
-        """[tiles, 3, size, size] of a PIL image, row-major tiles then the thumbnail."""
-        return self.processor(image, return_tensors="pt", **CROP)["pixel_values"]
+    def media(self, images: list[ImageItems], positions: torch.Tensor) -> Media:
+        media = super().media(images, positions)
+        media.rows = torch.full((len(media.items),), self.rows_per_item, dtype=torch.long)
+        return media
+
+    def pixels(self, source) -> torch.Tensor:
+        """[tiles, 3, size, size] of an image file, row-major tiles then the thumbnail; raises ImageError."""
+        return self.processor(open_rgb(source), return_tensors="pt", **CROP)["pixel_values"]
+
+    def hf_inputs(self, input_ids: torch.Tensor, media: Media) -> dict:
+        """transformers' forward arguments beside input_ids for a sample's decoded media (hf compare)."""
+        return {"pixel_values": media.items} if len(media.items) else {}
+
+
+def build_media(sizes: ModelSizes, settings: dict, config: dict) -> InternVLImages:
+    return InternVLImages(sizes, settings, config)
