@@ -138,9 +138,10 @@ def test_logits_equal_transformers(runs, name, layout):
 
 
 # ---- the mapping (one process) --------------------------------------------------------------------
-def _hub_spelled(state: dict[str, torch.Tensor], sizes) -> dict[str, torch.Tensor]:
-    """transformers' tensors renamed (and q/k/v fused) as OpenGVLab's published checkpoints spell them,
-    written here independently of the family's tables."""
+def _opengvlab_spelled(state: dict[str, torch.Tensor], sizes) -> dict[str, torch.Tensor]:
+    """transformers' tensors (in memory) renamed (and q/k/v fused) as OpenGVLab's original checkpoints
+    spell them (transformers' convert_internvl_weights_to_hf.py's mapping, inverted), written here
+    independently of the family's tables."""
     out, hidden = {}, sizes.enc_hidden_size
     renames = [("model.vision_tower.", "vision_model."), ("encoder.layer.", "encoder.layers."),
                ("embeddings.cls_token", "embeddings.class_embedding"),
@@ -162,16 +163,25 @@ def _hub_spelled(state: dict[str, torch.Tensor], sizes) -> dict[str, torch.Tenso
     return out
 
 
+def _saved(model, path) -> dict[str, torch.Tensor]:
+    """The tensors of a model as save_pretrained writes them (transformers' file spelling)."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(path)
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 @pytest.mark.parametrize("name", CONFIGS)
-def test_both_spellings_map_to_the_same_weights_and_back(name):
-    """Import from transformers' names and from the Hub's: the same state of our modules; each
-    exports its own spelling back bit for bit (no tensor dropped or added)."""
+def test_every_spelling_maps_to_the_same_weights_and_back(name, tmp_path):
+    """Import from transformers' in-memory names, its files' (save_pretrained, the Hub's -hf repos)
+    and OpenGVLab's original ones: the same state of our modules; each exports its own spelling back
+    bit for bit (no tensor dropped or added)."""
     hf, family, sizes, ours = _imported(name)
-    files = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and sizes.llm_arch.tied_embeddings)}
-    hub = _hub_spelled(files, sizes)
-    for spelled in (files, hub):
+    memory = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and sizes.llm_arch.tied_embeddings)}
+    spellings = {"transformers": memory, "hf_files": _saved(hf, tmp_path), "opengvlab": _opengvlab_spelled(memory, sizes)}
+    for scheme_name, spelled in spellings.items():
         scheme = family.scheme_of(spelled, sizes)
-        assert scheme.name == ("transformers" if spelled is files else "hub")
+        assert scheme.name == scheme_name
         states = family.to_ours(spelled, sizes, scheme)
         for module, state in states.items():
             assert state.keys() == ours[module].keys()

@@ -15,6 +15,6 @@ INTERNVL = VLMFamily(
     media_builder=f"{_HERE}.media:build_media",
     settings_reader=f"{_HERE}.media:processor_settings",
     finish=hf.finish,
-    schemes=(TRANSFORMERS, hf.HUB),
+    schemes=(TRANSFORMERS, hf.HF_FILES, hf.OPENGVLAB),
     copies=hf.copies,
 )

@@ -2,11 +2,13 @@
 MLP projector (vision.py) and the LLM (our GPTModel) of its text config: Qwen2, Qwen3 or Llama, mapped
 by that LLM's own family (hf/llm.py).
 
-Two spellings of the weights: transformers 5's (`model.vision_tower.*`, `model.multi_modal_projector.*`,
-`model.language_model.*`, `lm_head.*`), and the one OpenGVLab publishes on the Hub (`vision_model.*`
-with InternViT's own names and one fused `attn.qkv` per layer, `mlp1.{0,1,3}` for the projector,
-`language_model.model.*`, `language_model.lm_head.*`). The rules below are written once over a table
-of names per spelling (NAMES); import detects the spelling, export writes it back.
+Three spellings of the weights: transformers 5's in memory (`model.vision_tower.*`,
+`model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.*`); its files (save_pretrained,
+and the Hub's OpenGVLab/*-hf repos: `vision_tower.*`, `multi_modal_projector.*`,
+`language_model.model.*`, `language_model.lm_head.*`); and OpenGVLab's original repos
+(`vision_model.*` with InternViT's own names and one fused `attn.qkv` per layer, `mlp1.{0,1,3}` for
+the projector, the LLM as in the -hf files). The vision rules are written once over a table of names
+per spelling (NAMES); import detects the spelling, export writes it back.
 """
 
 from dataclasses import replace
@@ -62,13 +64,15 @@ NAMES = {
         qkv=None, attn="attention", proj="attention.projection_layer", scale=("lambda_1", "lambda_2"),
         norms=("layernorm_before", "layernorm_after"), projector=(f"{PROJECTOR}layer_norm", f"{PROJECTOR}linear_1",
                                                                    f"{PROJECTOR}linear_2")),
-    "hub": dict(
+    "opengvlab": dict(
         cls="vision_model.embeddings.class_embedding", pos="vision_model.embeddings.position_embedding",
         patch="vision_model.embeddings.patch_embedding", layer="vision_model.encoder.layers.{i}.",
         qkv="attn.qkv", attn="attn", proj="attn.proj", scale=("ls1", "ls2"), norms=("norm1", "norm2"),
         projector=("mlp1.0", "mlp1.1", "mlp1.3")),
 }
-HUB_TEXT = (("lm_head.", "language_model.lm_head."), (TEXT, "language_model.model."))
+# The LLM in files (both file spellings): transformers' save_pretrained undoes its load-time renames.
+FILE_TEXT = (("lm_head.", "language_model.lm_head."), (TEXT, "language_model.model."))
+HF_FILES = KeyScheme("hf_files", (*FILE_TEXT, (VISION, "vision_tower."), (PROJECTOR, "multi_modal_projector.")))
 
 
 def vision_rules(sizes: ModelSizes, spelling: str = "transformers") -> list:
@@ -109,12 +113,12 @@ def text_rules(sizes: ModelSizes) -> list:
     return llm_rules(sizes, prefix=TEXT)
 
 
-def hub_rules(sizes: ModelSizes) -> dict[str, list]:
-    """module -> rules in the Hub's names: the vision module's own, the LLM's renamed."""
-    return {"vision": vision_rules(sizes, "hub"), "llm": with_hf_names(text_rules(sizes), HUB.to_file)}
+def opengvlab_rules(sizes: ModelSizes) -> dict[str, list]:
+    """module -> rules in OpenGVLab's original names: the vision module's own, the LLM's renamed."""
+    return {"vision": vision_rules(sizes, "opengvlab"), "llm": with_hf_names(text_rules(sizes), OPENGVLAB.to_file)}
 
 
-HUB = KeyScheme("hub", HUB_TEXT, rules=hub_rules)
+OPENGVLAB = KeyScheme("opengvlab", FILE_TEXT, rules=opengvlab_rules)
 
 VISION_PART = Family("internvl.vision", "internvl", "InternVLForConditionalGeneration", "vision", VISION_FIELDS,
                      hf_fixed=VISION_FIXED, arch=VISION_ARCH, rules=vision_rules)

@@ -8,7 +8,7 @@ for InternViT-6B), whose layers differ from megatron-core's in three ways, each 
 - the query, key and value projections have biases of their own (`attention_bias`), independent of
   the output projection's and the MLP's, which always have them;
 - optional QK-norm (InternViT-6B): one RMSNorm over the queries (and one over the keys) of all heads
-  together, not per head. Under TP each rank holds some heads, so the mean of squares is summed over
+  together, not per head. Under TP each rank holds some heads, so the sum of squares is summed over
   the TP group (forward and backward: an all-reduce each way); its weight is split with the heads.
 Its tokens after the last layer (no final norm with mean pooling, transformers' default) lose the
 class token, and each 2x2 block of patch tokens (pixel shuffle, downsample ratio 0.5) becomes one
@@ -37,7 +37,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from megatron_hetero.models.encoder import StageEncoder
 from megatron_hetero.models.norm import SequenceParallelNorm
@@ -100,8 +100,11 @@ class SplitHeadsRMSNorm(MegatronModule):
         return (self.weight * normed.to(x.dtype)).view_as(x)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets, tp_group=self.tp_group)
+        """The weight split over TP along its only dim (as a column-parallel bias), replicated over DP."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
 
 class InternViTAttention(SelfAttention):
