@@ -121,21 +121,33 @@ def test_opengvlab_spelling_imports_and_exports_back(imported, tmp_path):
     assert _tensors(tmp_path / "from_hf").keys() == _tensors(imported / "hf").keys()
 
 
-def test_vision_tp_that_does_not_divide_the_heads_is_one_line(imported, tmp_path):
-    """InternViT's heads (4 here; InternViT-6B has 25) split over the vision module's tp, or one line."""
+@pytest.mark.parametrize("case", ["heads", "tokenizer"])
+def test_bad_input_is_one_line(imported, tmp_path, case):
+    """A vision tp that does not divide InternViT's heads (4 here; InternViT-6B has 25), a tokenizer
+    without InternVL's image tags: one line before any process group, exit 2."""
     import os
 
+    from tests.internvl_models import SPECIALS
     from tests.test_checkpoint import SCRIPT
+    from tests.vlm_fixtures import QWEN_TEMPLATE, word_tokenizer
 
-    (tmp_path / "layout.yaml").write_text("placement: colocated\nmodules:\n  vision: {role: encoder, tp: 3}\n"
-                                          "  llm: {role: llm, dp: 3}\n")
-    env = dict(os.environ, WORLD_SIZE="3", RANK="0", PYTHONWARNINGS="ignore")
-    result = run_python([SCRIPT, "--hetero-layout", "layout.yaml", *_flags(imported, imported / "ckpt")], env=env,
-                        cwd=tmp_path, timeout=120)
+    layout = "placement: colocated\nmodules:\n  vision: {role: encoder, tp: 3}\n  llm: {role: llm, dp: 3}\n"
+    flags, world = _flags(imported, imported / "ckpt"), 3
+    expected = "attention heads 4 is not divisible by module vision's tp=3; set the module's tp: to a divisor of 4 " \
+               "(1, 2, 4)"
+    if case == "tokenizer":
+        layout, world = (LAYOUTS["w2_vtp2_ltp2"], 2)
+        word_tokenizer(tmp_path / "tok", [t for t in SPECIALS if t != "<img>"], QWEN_TEMPLATE, eos="<|im_end|>",
+                       pad="<|endoftext|>")
+        flags += ["--tokenizer-model", str(tmp_path / "tok")]
+        expected = "tok has no <img> token; use the InternVL model's own tokenizer"
+    (tmp_path / "layout.yaml").write_text(layout)
+    env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", PYTHONWARNINGS="ignore")
+    result = run_python([SCRIPT, "--hetero-layout", "layout.yaml", *flags], env=env, cwd=tmp_path, timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-    assert "attention heads 4 is not divisible by module vision's tp=3; set the module's tp: to a divisor of 4 " \
-           "(1, 2, 4)" in lines[0], lines[0]
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
 
 
 def test_compare_on_one_process(imported):

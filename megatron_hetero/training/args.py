@@ -296,6 +296,12 @@ def _check_family(args, layout) -> None:
     if args.tokenizer_type != "HuggingFaceTokenizer":
         raise ArgsError(f"a {family} model reads its data with its own tokenizer: --tokenizer-type "
                         f"HuggingFaceTokenizer --tokenizer-model <its Hugging Face directory>")
+    description = model_description(args)
+    try:  # the family's image tokens are the tokenizer's (InternVL's <img> and </img>)
+        family_named(family).media(_sizes_file(args.model_sizes), description["processor"],
+                                   description["hf"]["config"]).tokens(tokenizer(args))
+    except TokenizerError as error:
+        raise ArgsError(f"--tokenizer-model {args.tokenizer_model}: {error}") from None
     for flag, default in (("max_tiles", 1), ("image_normalization", "none")):
         if getattr(args, flag) != default:
             raise ArgsError(f"--{flag.replace('_', '-')}: a {family} model's images are its image processor's "
