@@ -18,7 +18,7 @@ fi; \
 exit 1
 endef
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-families clean
 
 setup: $(STAMP)
 
@@ -40,7 +40,11 @@ demo: setup $(DEMO_DATA)
 	$(VENV)/bin/torchrun --nproc-per-node 4 examples/pretrain_vlm.py @examples/demo_args.txt --data-path $(DEMO_DATA)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not families" tests
+
+# The VLM families' whole layout matrix (tests marked `families`): slower, multi-process.
+test-families: setup
+	$(PY) -m pytest -q -m families tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

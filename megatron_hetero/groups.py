@@ -48,6 +48,16 @@ class ModuleGroups:
     pgs: ProcessGroupCollection | None
     alone: dist.ProcessGroup | None = None  # this rank by itself (the dense grid's size-1 ep axis)
 
+    def layer_groups(self) -> ProcessGroupCollection:
+        """The groups the module's layers are built with: its own, but for an encoder replicated
+        over cp (layout cp_replicated), whose layers see no CP (each replica encodes whole items);
+        its DDP and optimizer keep dp_cp, over which the replicas' gradients sum."""
+        if not self.layout.cp_replicated:
+            return self.pgs
+        pgs = copy.copy(self.pgs)
+        pgs.cp, pgs.tp_cp = self.alone, self.pgs.tp
+        return pgs
+
     def all_experts_here(self) -> ProcessGroupCollection:
         """The module's groups with expert parallelism folded into this rank (ep 1: every expert,
         on this rank's expert-tp slice): what building the whole module for layout-independent

@@ -32,7 +32,7 @@ EXPERT_AXES = ("etp", "ep", "edp", "pp")
 ROLES = ("encoder", "llm")
 PLACEMENTS = ("colocated", "non_colocated")
 TOP_KEYS = ("placement", "modules", "edges")
-MODULE_KEYS = ("role", "kind", *AXES, "sp", "freeze", "ranks", "ep", "etp")
+MODULE_KEYS = ("role", "kind", *AXES, "sp", "freeze", "cp_replicated", "ranks", "ep", "etp")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _RANKS = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
@@ -70,6 +70,11 @@ class ModuleLayout:
     # same ranks as the dense one: ep x etp divides tp x cp x dp.
     ep: int = 1
     etp: int = 0
+    # An encoder's cp ranks as Megatron's homogeneous layout has them under an LLM with CP: each of
+    # them encodes the same items whole (the encoder is replicated over the LLM's CP ranks), each
+    # sends on the rows its own LLM CP rank takes and gets back their gradients only, and the
+    # weight gradients are summed over cp with dp. A baseline to measure against, colocated only.
+    cp_replicated: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -83,7 +88,7 @@ class ModuleLayout:
             value = getattr(self, axis)
             if not _is_int(value) or value < 1:
                 raise LayoutError(f"{where}: {axis} must be a positive integer, got {value!r}; set {axis}: 1 or more")
-        for flag in ("sp", "freeze"):
+        for flag in ("sp", "freeze", "cp_replicated"):
             if not isinstance(getattr(self, flag), bool):
                 raise LayoutError(f"{where}: {flag} must be true or false, got {getattr(self, flag)!r}")
         if self.sp and self.role != "llm":
@@ -91,6 +96,9 @@ class ModuleLayout:
             raise LayoutError(f"{where}: sp is only supported on the llm; set sp: false")
         if self.sp and self.tp == 1:
             raise LayoutError(f"{where}: sp needs tensor parallelism; set tp > 1 or sp: false")
+        if self.cp_replicated and (self.role != "encoder" or self.cp == 1):
+            raise LayoutError(f"{where}: cp_replicated replicates an encoder over cp > 1 ranks; set it on an "
+                              f"encoder with cp: 2 or more, or remove it")
         if not isinstance(self.kind, str) or (self.kind and not _NAME.match(self.kind)):
             raise LayoutError(f"{where}: kind {self.kind!r} is not valid; use a name such as vision or audio")
         if not self.kind:
@@ -242,6 +250,10 @@ class HeteroLayout:
     def _check_non_colocated(self):
         last = self.world_size - 1
         for m in self.modules:
+            if m.cp_replicated:
+                raise LayoutError(f"module {m.name}: cp_replicated is Megatron's colocated baseline (the encoder on "
+                                  f"the llm's CP ranks); use placement: colocated or remove it")
+        for m in self.modules:
             if m.ranks.stop > self.world_size:
                 raise LayoutError(
                     f"module {m.name}: ranks {_span(m.ranks)} go beyond the world of {self.world_size} ranks; "
@@ -310,7 +322,8 @@ class HeteroLayout:
         lines = [f"{self.placement} layout, world size {self.world_size}"]
         for m in self.modules:
             sizes = " ".join(f"{axis}{getattr(m, axis)}" for axis in AXES)
-            flags = "".join([", sp" if m.sp else "", ", frozen" if m.freeze else ""])
+            flags = "".join([", sp" if m.sp else "", ", frozen" if m.freeze else "",
+                             ", cp replicated" if m.cp_replicated else ""])
             role = m.role if m.kind == m.name or m.role == "llm" else f"{m.role}, kind {m.kind}"
             if m.has_expert_grid:
                 sizes += " | experts " + " ".join(
@@ -375,7 +388,8 @@ def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
     module = ModuleLayout(
         name=name,
         first_rank=ranks.start,
-        **{key: spec[key] for key in ("role", "kind", *AXES, "sp", "freeze", "ep", "etp") if key in spec},
+        **{key: spec[key] for key in ("role", "kind", *AXES, "sp", "freeze", "cp_replicated", "ep", "etp")
+           if key in spec},
     )
     # Colocated sizes are checked against the world by HeteroLayout; here only the explicit range.
     if placement == "non_colocated" and module.size != len(ranks):

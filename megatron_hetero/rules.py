@@ -67,12 +67,12 @@ def node_problem(module: ModuleLayout, gpus_per_node: int) -> str | None:
 
 
 def encoder_cp_problem(encoder: ModuleLayout, replicated: bool = False) -> str | None:
-    """An encoder does not split its sequence (one image or clip) over CP. `replicated`: the planner's
-    homogeneous baseline, where the encoder's cp is Megatron running it whole on each of the LLM's
-    CP ranks (a prediction; the trainer does not run it, see planner Candidate.runnable)."""
-    if encoder.cp != 1 and not replicated:
+    """An encoder does not split its sequence (one image or clip) over CP; its cp ranks can only
+    replicate it, as Megatron's homogeneous layout does under an LLM with CP (`cp_replicated`, or
+    `replicated`: the planner's homogeneous candidates)."""
+    if encoder.cp != 1 and not (replicated or encoder.cp_replicated):
         return (f"module {encoder.name}: encoders train with cp=1 (a sequence is one image or clip); "
-                f"set cp: 1 and use dp for its ranks")
+                f"set cp: 1 and use dp for its ranks, or cp_replicated: true for Megatron's replicated encoder")
     return None
 
 

@@ -2,6 +2,8 @@
 batch a layout accepts (the rule check_args enforces on the script's flags), the synthetic batch;
 and the phase timers' accounting of nested phases."""
 
+import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.training.args import ArgsError, check_args
 from megatron_hetero.training.bench import global_microbatches, sized_workload, synthetic_batch, workload_args
 from megatron_hetero.training.timers import PhaseTimers
+from tests.distributed import _free_port, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "examples" / "layouts"
@@ -114,3 +117,45 @@ def test_trainer_parameter_shapes_are_the_built_models(tmp_path):
 
     (built,) = collect_distributed(_parameters_as_built, 1, tmp_path)
     assert built == trainer_parameter_shapes(BENCH_WORKLOADS["tiny"], trainer_vocab_size())
+
+
+# ---- a VLM family's workload (Qwen2.5-VL) ------------------------------------------------------
+def test_family_workload_counts_the_vit_as_it_runs():
+    """The Qwen2.5-VL presets' image grids are its processor's (smart_resize at patch x merge), and
+    the planner's attention keys are what the model's own window layout (transformers'
+    cu_seqlens of images and windows) makes: full layers within images, the others within windows."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from megatron_hetero.planner.counts import attended_tokens
+    from megatron_hetero.planner.presets import FAMILY_BENCHES
+
+    for bench in FAMILY_BENCHES.values():
+        v, p = bench.config["vision_config"], bench.processor
+        for (width, height), grid in bench.images.items():
+            h, w = smart_resize(height, width, p["patch_size"] * p["merge_size"], p["min_pixels"], p["max_pixels"])
+            assert (h // p["patch_size"], w // p["patch_size"]) == grid
+        grids = torch.tensor([(1, h, w) for h, w in bench.images.values()])
+        _, windows = get_vision_window_index(grids, v["spatial_merge_size"], v["window_size"], v["patch_size"])
+        pairs = {name: float((cu.diff().double() ** 2).sum())
+                 for name, cu in (("images", get_vision_cu_seqlens(grids)), ("windows", windows))}
+        full, layers = len(v["fullatt_block_indexes"]), v["depth"]
+        want = (full * pairs["images"] + (layers - full) * pairs["windows"]) / (layers * int(grids.prod(1).sum()))
+        vision = bench.workload().encoders[0]
+        assert attended_tokens(vision) == pytest.approx(want, rel=1e-12)
+        assert vision.tokens_per_sample == int(grids.prod(1).sum()) and vision.rows_per_sample * 4 == vision.tokens_per_sample
+
+
+def test_family_workload_trains_on_cpu(tmp_path):
+    """bench_e2e's Qwen2.5-VL workload (its CPU-sized one) trains through megatron.training on one
+    process: the family's model from its config, native-resolution images, M-RoPE positions."""
+    layout = tmp_path / "single.yaml"
+    layout.write_text("placement: colocated\nmodules:\n  vision: {role: encoder}\n  llm: {role: llm}\n")
+    out = tmp_path / "bench.jsonl"
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    result = run_python([ROOT / "tools" / "bench_e2e.py", "--workload", "qwen2_5_vl_tiny", "--hetero-layout", layout,
+                         "--out", out, "--warmup", "1", "--steps", "1"], env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["workload"] == "qwen2_5_vl_tiny" and 0 < record["encoder_flops_share"] < 1

@@ -31,8 +31,8 @@ HIDDEN = 8
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def enc(tp=1, cp=1, dp=1, pp=1, first=0, name="vision"):
-    return ModuleLayout(name, "encoder", tp=tp, cp=cp, dp=dp, pp=pp, first_rank=first)
+def enc(tp=1, cp=1, dp=1, pp=1, first=0, name="vision", replicated=False):
+    return ModuleLayout(name, "encoder", tp=tp, cp=cp, dp=dp, pp=pp, first_rank=first, cp_replicated=replicated)
 
 
 def llm(tp=1, cp=1, dp=1, pp=1, sp=False, first=0):
@@ -108,6 +108,39 @@ def _colocated_cases(rank, world_size, cases, batch_specs, items=False):
                 batches = [itemized(b, e.dp, seed) for b, e in zip(batches, encoders)]
             for dtype in DTYPES:
                 _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype)
+
+
+def _check_replicated(rank, world_size, encoder, llm_layout, batch, dtype):
+    """An encoder replicated over cp (Megatron's homogeneous layout under LLM CP): every cp replica
+    holds its DP rank's rows whole; forward rows as the reference; each row's gradient reaches the
+    replicas at cp = (the consuming LLM CP rank) mod cp, zeros elsewhere, so that the sum over the
+    replicas is the reference gradient."""
+    rows, grad = _patterns(batch, dtype, seed=0)
+    plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
+    whole = replace(encoder, cp=1, cp_replicated=False)  # a replica's rows: its DP rank's, whole
+    c = encoder.coords(rank)
+    local = encoder_share(rows, batch, whole, whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"]))
+    local = local.clone().requires_grad_(True)
+    got = boundary_exchange(local, plan)
+    mine = llm_share(reference_input(rows, batch), llm_layout, rank)
+    filled = filled_slots(plan, "cpu")
+    assert torch.equal(got, mine[filled]), f"rank {rank}: forward rows differ"
+    slots = torch.zeros_like(mine).index_copy(0, filled, got)
+    mask = reference_input(torch.ones(batch.num_rows, 1), batch) > 0
+    slots.backward(llm_share(torch.where(mask, grad, 0), llm_layout, rank))
+    chunk = torch.as_tensor(batch.positions) // (batch.seq_len // (2 * llm_layout.cp))
+    llm_cp = torch.where(chunk < llm_layout.cp, chunk, 2 * llm_layout.cp - 1 - chunk)
+    ours = (llm_cp % encoder.cp == c["cp"]).to(dtype)[:, None] * at_addresses(grad, batch)
+    want = encoder_share(ours, batch, whole, whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"]))
+    assert torch.equal(local.grad, want), f"rank {rank}: gradients differ"
+
+
+def _replicated_cases(rank, world_size, cases):
+    for encoder, llm_layout in cases:
+        for seed, (counts, seq_len) in enumerate(BATCHES_8):
+            (batch,) = edge_batches([counts], seq_len, seed)
+            for dtype in DTYPES:
+                _check_replicated(rank, world_size, encoder, llm_layout, batch, dtype)
 
 
 # ---- non-colocated: point-to-point, several microbatches in flight -----------------------------
@@ -221,6 +254,19 @@ def test_colocated_uneven_dp_3_and_6_ranks():
 
 def test_colocated_8_ranks():
     run_distributed(_colocated_cases, 8, COLOCATED_8, BATCHES_8)
+
+
+REPLICATED_4 = [
+    (enc(cp=2, dp=2, replicated=True), llm(cp=2, dp=2)),               # Megatron's homogeneous CP2
+    (enc(tp=2, cp=2, replicated=True), llm(tp=2, cp=2)),               # ... with TP
+    (enc(tp=2, cp=2, replicated=True), llm(tp=2, cp=2, sp=True)),      # ... with SP
+    (enc(cp=4, replicated=True), llm(cp=2, dp=2)),                     # more replicas than LLM CP ranks
+    (enc(cp=2, dp=2, replicated=True), llm(tp=4)),                     # an LLM without CP: replica 0
+]
+
+
+def test_encoder_replicated_over_cp_4_ranks():
+    run_distributed(_replicated_cases, 4, REPLICATED_4)
 
 
 def test_non_colocated_4_ranks():

@@ -74,7 +74,7 @@ def test_import_trains_under_any_layout_and_exports(imported):
 @pytest.mark.parametrize("command, expected", [
     ("import --vision {t}/none --llm {t}/none --save {t}/c", "holds no *.safetensors file"),
     ("export --load {t} --llm-out {t}/o", "holds no checkpoint"),
-    ("export --load {t}", "give --vision-out and/or --llm-out"),
+    ("export --load {t}", "give --out DIR (a whole VLM), or --vision-out and/or --llm-out"),
 ])
 def test_cli_errors_are_one_line(tmp_path, command, expected):
     result = _cli(*command.format(t=tmp_path).split())

@@ -32,6 +32,7 @@ CASES = {
     "colocated_vdp2_lpp2": (2, "single", []),
     "colocated_vtp2dp2_lcp2dp2": (4, "single", []),
     "colocated_vdp4_lcp2pp2": (4, "single", ["--micro-batch-size", "4"]),
+    "gpu2_homogeneous_cp2": (2, "single", []),  # the encoder replicated over the LLM's CP (Megatron's)
     "demo_colocated_frozen": (4, "single_frozen", []),
     "colocated_two_encoders": (4, "single_two_encoders", TWO_ENCODERS),
     "colocated_named_kinds": (4, "single_two_encoders", TWO_ENCODERS),  # modules named by `kind:`

@@ -24,6 +24,11 @@ microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest t
   (`freeze: true` in the layout); W4, encoder-heavy: 8 images of 448 px, patch 14 -> 1024 tokens,
   through an InternViT-6B-wide ViT (hidden 3200, 25 heads, 15 layers) into the 16K LLM; tiny: a
   CPU-sized check of the tool.
+- qwen2_5_vl_7b: Qwen2.5-VL-7B's own model (families/qwen2_5_vl: its windowed native-resolution ViT,
+  SwiGLU MLPs, the Qwen2 LLM with GQA and M-RoPE, vocabulary 152064), 8 images per sample of 224 x 224
+  to 1344 x 1344 px at native resolution (26144 patches, 6536 rows) into an 8K sequence, global batch
+  4 in microbatches of 1; its ViT's FLOPs counted as it runs (windowed layers attend within their
+  112-px windows); qwen2_5_vl_tiny: its CPU-sized check.
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
 """
@@ -31,12 +36,14 @@ stated so that FLOPs can be compared with other counts.
 import argparse
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
 import torch
 
 from megatron_hetero.planner import BENCH_WORKLOADS
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.schedules.colocated_order import SCHEDULES
 from megatron_hetero.training.bench import (
     PHASES,
@@ -49,6 +56,9 @@ from megatron_hetero.training.bench import (
 )
 
 
+WORKLOADS = {**BENCH_WORKLOADS, **FAMILY_BENCH_WORKLOADS}
+
+
 def run(opts) -> dict:
     from megatron_hetero import rules
     from megatron_hetero.layout import load_layout
@@ -56,7 +66,7 @@ def run(opts) -> dict:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     layout = load_layout(opts.hetero_layout, world)
-    w = sized_workload(BENCH_WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
+    w = sized_workload(WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
     bf16 = not opts.fp32 and torch.cuda.is_available()
     check_trainable(layout)
     if w.frozen and not all(m.freeze for m in layout.encoders):
@@ -64,9 +74,12 @@ def run(opts) -> dict:
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
     rules.check(ArgsError, rules.colocated_schedule_problem(layout.placement, layout.llm, opts.colocated_schedule))
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
-    extra, name = [], Path(opts.hetero_layout).stem
+    extra, name = shlex.split(opts.flags), Path(opts.hetero_layout).stem
     if opts.colocated_schedule != "recompute":
-        extra, name = ["--hetero-colocated-schedule", opts.colocated_schedule], f"{name} ({opts.colocated_schedule})"
+        extra, name = extra + ["--hetero-colocated-schedule", opts.colocated_schedule], \
+            f"{name} ({opts.colocated_schedule})"
+    if opts.flags:
+        name = f"{name} [{opts.flags}]"
     with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
         record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
         if opts.profile:
@@ -82,12 +95,18 @@ def report(path: str, png: str | None) -> None:
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in records:
         cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
-                 f"{r['step_s']:.3f}", f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
+                 _step_cell(r), f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
                  f"{100 * r['waiting_share_max']:.1f}%",
                  *(f"{r['phases'][p]:.3f}" for p in PHASES)]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     if png:
         _bar_chart(records, png)
+
+
+def _step_cell(r: dict) -> str:
+    """Mean step seconds, with the fastest and slowest timed step where the record has them."""
+    spread = f" ({r['step_s_min']:.3f}-{r['step_s_max']:.3f})" if "step_s_min" in r else ""
+    return f"{r['step_s']:.3f}{spread}"
 
 
 def _bar_chart(records, png: str) -> None:
@@ -110,7 +129,7 @@ def _bar_chart(records, png: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=list(BENCH_WORKLOADS), default="tiny")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny")
     parser.add_argument("--hetero-layout")
     parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
     parser.add_argument("--global-batch", type=int, default=0, help="samples per step (default: the workload's)")
@@ -120,6 +139,10 @@ def main() -> int:
     parser.add_argument("--colocated-schedule", choices=SCHEDULES, default="recompute",
                         help="colocated layouts with LLM pp>1: --hetero-colocated-schedule (the record's layout "
                              "name says which, unless recompute)")
+    parser.add_argument("--flags", default="",
+                        help="further flags of the training script, e.g. \"--use-distributed-optimizer "
+                             "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1\" "
+                             "(named in the record's layout)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fp32", action="store_true",

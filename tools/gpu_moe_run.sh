@@ -5,7 +5,7 @@
 # 1 GPU: single.yaml (every expert on the GPU). GPUS=2 adds the colocated layout vision DP2 -> LLM
 # DP2/EP2 (gpu2_moe_colocated_ep2.yaml: 16 experts per GPU). Each run prints tokens/s (from the
 # metrics file, steps after the first 5) and the forward time of the token dispatcher per iteration
-# (tools/time_moe_dispatch.py). Run from the repo root.
+# (tools/time_moe_dispatch.py). Run from the repo root; ONLY="moe_ep2_2gpu" runs the named runs alone.
 source tools/gpu_env.sh
 GPUS=${GPUS:-1}
 LAYOUTS=examples/layouts
@@ -15,6 +15,7 @@ MOE="--hidden-size 2048 --num-attention-heads 32 --num-layers 8 --ffn-hidden-siz
   --micro-batch-size 4 --global-batch-size 32 --train-iters 30 --lr 1e-4 --log-interval 10 --bf16"
 run() {  # name, nproc, layout
   local name=$1 n=$2 layout=$3
+  [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]] && return
   echo "== $name"
   torchrun --nproc-per-node "$n" tools/time_moe_dispatch.py --hetero-layout "$layout" $MOE \
     --metrics-file "$out/$name.jsonl" > "$out/$name.log" 2>&1; echo "exit $?" >> "$out/$name.log"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from megatron_hetero.boundary.plan import (
     BoundaryBatch,
@@ -35,6 +36,11 @@ from megatron_hetero.boundary.plan import (
     metadata_digest,
     metadata_summary,
 )
+
+
+# Prefix of the torch.profiler ranges that mark the boundary's work (a profile's own table of
+# them: training/bench.profile_step); a range costs nothing unless a profiler runs.
+ANNOTATION = "hetero::"
 
 
 @dataclass
@@ -58,6 +64,8 @@ class _Moves:
     # Routes.send_messages / recv_messages); None: the gather / scatter above.
     send_messages: list | None = None
     recv_messages: list | None = None
+    # Some destination rows receive nothing and are zeros (RankPlan.partial_gradients).
+    zero_fill: bool = False
 
 
 def _as_range(index: np.ndarray) -> tuple | None:
@@ -86,9 +94,10 @@ def _messages(routes: Routes, sends: np.ndarray | None, recvs: np.ndarray | None
 
 
 def _moves(routes: Routes, rank: int, num_dest: int, device, filled: np.ndarray | None = None,
-           filled_side: str = "") -> _Moves:
+           filled_side: str = "", partial: bool = False) -> _Moves:
     """`filled` (with `filled_side` "send" or "recv"): the LLM's filled slots; that side's slot
-    indices become positions among them (the LLM side's rows)."""
+    indices become positions among them (the LLM side's rows). `partial`: destination rows may
+    receive nothing (zeros)."""
     send_index, recv_index = routes.send_index, routes.recv_index
     send_messages, recv_messages = routes.send_messages, routes.recv_messages
     if filled_side == "recv":
@@ -121,12 +130,15 @@ def _moves(routes: Routes, rank: int, num_dest: int, device, filled: np.ndarray 
     on = lambda index: torch.as_tensor(index, device=device)  # noqa: E731
     send_messages, recv_messages = _messages(routes, send_messages, recv_messages)
     # Every destination row is written once (the LLM side holds only its filled slots; every
-    # encoder row gets its gradient): destinations need no zero fill.
-    assert len(recv_index) + len(local_dst) == num_dest, (len(recv_index), len(local_dst), num_dest)
+    # encoder row gets its gradient, from one LLM replica): destinations need no zero fill, but
+    # where an encoder's cp replicas share its rows' gradients.
+    written = len(recv_index) + len(local_dst)
+    assert written == num_dest or (partial and written < num_dest), (len(recv_index), len(local_dst), num_dest)
     return _Moves(
         on(local_src), on(local_dst), on(send_index), send_peers, on(recv_index), recv_peers,
         num_dest, _as_range(send_index), _as_range(recv_index), _as_range(local_src),
         _as_range(local_dst), send_messages=send_messages, recv_messages=recv_messages,
+        zero_fill=written < num_dest,
     )
 
 
@@ -147,7 +159,8 @@ def _moves_for(plan: RankPlan, direction: str, device) -> _Moves:
         if direction == "forward":
             plan.cache[key] = _moves(plan.forward, plan.rank, len(filled), device, filled, "recv")
         else:
-            plan.cache[key] = _moves(plan.backward, plan.rank, plan.num_source_rows, device, filled, "send")
+            plan.cache[key] = _moves(plan.backward, plan.rank, plan.num_source_rows, device, filled, "send",
+                                     partial=plan.partial_gradients)
     return plan.cache[key]
 
 
@@ -212,7 +225,7 @@ def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group, s
     local = source is not None and receive and len(moves.local_src) > 0
     whole = local and moves.local_dst_range == (0, moves.num_dest)
     if receive and not whole:
-        dest = like.new_empty(moves.num_dest, hidden)
+        dest = (like.new_zeros if moves.zero_fill else like.new_empty)(moves.num_dest, hidden)
         if moves.recv_messages is not None:
             ops += [dist.P2POp(dist.irecv, dest[t : t + n], p, group) for p, t, n in moves.recv_messages]
         else:
@@ -245,8 +258,9 @@ class BoundaryExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, plan: RankPlan, group):
         ctx.plan, ctx.group = plan, group
-        moves = _moves_for(plan, "forward", rows.device)
-        return complete([_transfer(rows.detach(), moves, rows, True, group)])[0]
+        with record_function(ANNOTATION + "boundary forward"):
+            moves = _moves_for(plan, "forward", rows.device)
+            return complete([_transfer(rows.detach(), moves, rows, True, group)])[0]
 
     @staticmethod
     def backward(ctx, grad_slots: torch.Tensor):
@@ -264,8 +278,9 @@ def exchange_gradients(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> 
     """Colocated, outside autograd: the LLM side's row gradients [filled slots, h] -> encoder row
     gradients [num_source_rows, h] (boundary_exchange's backward; schedules that recompute the
     encoder call it once the LLM is done)."""
-    moves = _moves_for(plan, "backward", grad_slots.device)
-    return complete([_transfer(grad_slots.detach().contiguous(), moves, grad_slots, True, group)])[0]
+    with record_function(ANNOTATION + "boundary backward"):
+        moves = _moves_for(plan, "backward", grad_slots.device)
+        return complete([_transfer(grad_slots.detach().contiguous(), moves, grad_slots, True, group)])[0]
 
 
 def filled_slots(plan: RankPlan, device) -> torch.Tensor:
@@ -381,6 +396,11 @@ def check_agreement(batches: dict[str, BoundaryBatch], device, group=None) -> No
     at the same point on every rank. Cost: one all_reduce of two int64, (max, -min) of a digest.
     Only when they differ, which every rank then sees, do the ranks gather per-sample summaries to
     name two ranks and the first sample where they differ."""
+    with record_function(ANNOTATION + "check_agreement"):
+        _agree(batches, device, group)
+
+
+def _agree(batches: dict[str, BoundaryBatch], device, group) -> None:
     digest = metadata_digest(batches)
     extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)

@@ -189,6 +189,9 @@ class RankPlan:
     backward: Routes
     num_source_rows: int  # rows of this rank's encoder output (0 if it holds no encoder output)
     num_dest_slots: int  # seq * b_local slots of this rank's LLM input (0 if it consumes nothing)
+    # An encoder replicated over cp: each replica gets back the gradients of some of its rows only
+    # (the others' are zero there; their sum over the replicas is the rows' gradient).
+    partial_gradients: bool = False
     # Execution state derived from the routes (index tensors per device), filled by exchange.py.
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -241,7 +244,7 @@ class _Segments:
         item_first, item_n = batch.item_starts, batch.item_rows
         runs = batch.run_starts
         cuts = [runs]
-        if encoder.cp > 1:  # encoder CP part c of an item: its rows [c*n//cp, (c+1)*n//cp)
+        if encoder.cp > 1 and not encoder.cp_replicated:  # encoder CP part c of an item: rows [c*n//cp, (c+1)*n//cp)
             cuts.append((item_first[:, None] + np.arange(1, encoder.cp) * item_n[:, None] // encoder.cp).ravel())
         pieces, coord = runs, batch.positions[runs]
         chunk_len = batch.seq_len // (2 * llm.cp)
@@ -260,15 +263,6 @@ class _Segments:
         k = starts - item_first[item]  # the segment's first row within its item
         positions = batch.positions[starts]
 
-        # Encoder: DP by item, CP by contiguous parts of the item's rows, last PP stage.
-        e = encoder
-        enc_dp = sample // (batch.num_samples // e.dp) if batch.item_dp is None else batch.item_dp[item]
-        enc_cp = ((k + 1) * e.cp - 1) // np.maximum(item_n[item], 1)
-        self.enc_group = enc_dp * e.cp + enc_cp  # (dp, cp) holding the rows
-        enc_index = _offset_within(self.enc_group, self.count)  # the group's rows in row order
-        self.encoder = _Side(e.first_rank + e.tp * (self.enc_group + e.cp * e.dp * (e.pp - 1)), e.tp,
-                             enc_index, 1, num_rows)
-
         # LLM: DP by sample, CP by load-balanced chunks, TP parts with SP, first PP stage.
         b_local = batch.num_samples // llm.dp
         llm_dp, local_sample = np.divmod(sample, b_local)
@@ -285,6 +279,28 @@ class _Segments:
             base, width = llm.first_rank + llm.tp * (llm_cp + llm.cp * llm_dp), llm.tp
         seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
         self.llm = _Side(base, width, local_sample * seq_local + local_pos, 1, batch.seq_len * b_local)
+
+        enc_dp = sample // (batch.num_samples // encoder.dp) if batch.item_dp is None else batch.item_dp[item]
+        enc_cp = ((k + 1) * encoder.cp - 1) // np.maximum(item_n[item], 1)
+        self._encoder_sides(encoder, enc_dp, enc_cp, llm_cp, num_rows)
+
+    def _encoder_sides(self, e: ModuleLayout, enc_dp, enc_cp, llm_cp, num_rows: int) -> None:
+        """The encoder's end, per segment: DP by item, CP by contiguous parts of the item's rows, the
+        last PP stage. `encoder` holds the rows (forward), `encoder_grads` takes their gradients
+        (backward): the same replicas, but for an encoder replicated over cp, whose cp ranks all
+        hold the (dp) group's rows and each takes back the gradients of the rows consumed by its LLM
+        CP rank (llm cp mod the encoder's cp), so that a row's gradient reaches one of them."""
+        if e.cp_replicated:
+            self.enc_group = enc_dp
+            last_stage = e.first_rank + e.tp * e.cp * (enc_dp + e.dp * (e.pp - 1))
+            enc_index = _offset_within(self.enc_group, self.count)
+            self.encoder = _Side(last_stage, e.tp * e.cp, enc_index, 1, num_rows)
+            self.encoder_grads = _Side(last_stage + e.tp * (llm_cp % e.cp), e.tp, enc_index, 1, num_rows)
+            return
+        self.enc_group = enc_dp * e.cp + enc_cp  # (dp, cp) holding the rows
+        enc_index = _offset_within(self.enc_group, self.count)  # the group's rows in row order
+        self.encoder = self.encoder_grads = _Side(
+            e.first_rank + e.tp * (self.enc_group + e.cp * e.dp * (e.pp - 1)), e.tp, enc_index, 1, num_rows)
 
 
 def _lengths(starts: np.ndarray, end: int) -> np.ndarray:
@@ -413,17 +429,17 @@ def plan_edge(
     _check_batch(batch, encoder, llm)
     segs = _Segments(batch, encoder, llm)
     forward = _route(rank, world_size, segs, segs.encoder, segs.llm)
-    backward = _route(rank, world_size, segs, segs.llm, segs.encoder)
+    backward = _route(rank, world_size, segs, segs.llm, segs.encoder_grads)
     enc_coords, llm_coords = encoder.coords(rank), llm.coords(rank)
     num_source_rows = 0
     if enc_coords and enc_coords["pp"] == encoder.pp - 1:
-        group = enc_coords["dp"] * encoder.cp + enc_coords["cp"]
+        group = enc_coords["dp"] if encoder.cp_replicated else enc_coords["dp"] * encoder.cp + enc_coords["cp"]
         num_source_rows = int(segs.count[segs.enc_group == group].sum())
     num_dest_slots = 0
     if llm_coords and llm_coords["pp"] == 0:
         seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
         num_dest_slots = seq_local * (batch.num_samples // llm.dp)
-    return RankPlan(rank, forward, backward, num_source_rows, num_dest_slots)
+    return RankPlan(rank, forward, backward, num_source_rows, num_dest_slots, encoder.cp_replicated)
 
 
 class PlanCache:

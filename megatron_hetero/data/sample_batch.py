@@ -19,9 +19,8 @@ from megatron_hetero.data.bad_data import BadSample, DataError
 @dataclass
 class Media:
     """A kind's items: fixed-size ones [n, ...], or native-resolution ones (`grids` given: item i a
-    (t, h, w) grid of patches) as every item's patches back to back [sum of t*h*w, patch values],
-    with the rows each sends into the sequence (`rows`, the positions' count per item; fixed-size
-    items without `rows` send the kind's tokens_per_item each)."""
+    (t, h, w) grid of patches) as every item's patches back to back [sum of t*h*w, patch values];
+    `rows`: the rows each item sends into the sequence, where the model's kind does not say it."""
 
     items: torch.Tensor  # [n, ...] or [patches, ...]
     counts: torch.Tensor  # [B] int64, items per sample
@@ -31,9 +30,8 @@ class Media:
 
     @staticmethod
     def cat(parts: list["Media"]) -> "Media":
-        return Media(*(torch.cat([getattr(p, key) for p in parts]) for key in ("items", "counts", "positions")),
-                     *(None if getattr(parts[0], key) is None else torch.cat([getattr(p, key) for p in parts])
-                       for key in ("grids", "rows")))
+        return Media(*(None if getattr(parts[0], key) is None else torch.cat([getattr(p, key) for p in parts])
+                       for key in ("items", "counts", "positions", "grids", "rows")))
 
 
 @dataclass

@@ -90,16 +90,19 @@ class VLMFamily:
         """The scheme whose spelling every key of a checkpoint's files has."""
         known = {name for part in self.parts.values() for rule in part.rules(sizes) for name in rule.hf}
         known |= set(self.copies(sizes))
-        for scheme in self.schemes:
-            if scheme.rules is not None:
-                names = {name for rules in scheme.rules(sizes).values() for rule in rules for name in rule.hf}
-                if all(key in names or scheme.to_memory(key) in self.copies(sizes) for key in keys):
-                    return scheme
-            elif all(scheme.to_memory(key) in known or self._dropped(scheme.to_memory(key)) for key in keys):
-                return scheme
-        unknown = next(key for key in keys if key not in known and not self._dropped(key))
-        raise HFMappingError(f"{self.name}: tensor {unknown} is no tensor of this family's checkpoints (neither "
-                             f"the Hub's key names nor transformers'); is it a {self.name} model?")
+        unknown = {scheme.name: self._unknown(keys, sizes, scheme, known) for scheme in self.schemes}
+        best = min(self.schemes, key=lambda scheme: len(unknown[scheme.name]))
+        if unknown[best.name]:  # named in the spelling most of the files' keys have
+            raise HFMappingError(f"{self.name}: tensor {unknown[best.name][0]} is no tensor of this family's "
+                                 f"checkpoints (in {best.name} key names); is it a {self.name} model?")
+        return best
+
+    def _unknown(self, keys, sizes: ModelSizes, scheme: KeyScheme, known: set) -> list[str]:
+        """The keys `scheme` does not spell: known = the in-memory names of the rules and copies."""
+        if scheme.rules is not None:  # the files' own names
+            names = {name for rules in scheme.rules(sizes).values() for rule in rules for name in rule.hf}
+            return [key for key in keys if key not in names and scheme.to_memory(key) not in self.copies(sizes)]
+        return [key for key in keys if scheme.to_memory(key) not in known and not self._dropped(scheme.to_memory(key))]
 
     def _dropped(self, key: str) -> bool:
         return any(key.startswith(part.hf_dropped) for part in self.parts.values() if part.hf_dropped)

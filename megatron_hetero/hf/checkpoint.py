@@ -43,10 +43,8 @@ def _start_world(layout) -> bool:
         return False
     if layout is not None and "WORLD_SIZE" in os.environ:
         init_distributed()
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    else:  # an in-memory store: no port to take (another tool's may be in use)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 

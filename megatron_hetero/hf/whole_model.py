@@ -13,9 +13,11 @@ processor), copied beside the checkpoint. The export writes config.json, model.s
 imported spelling and dtypes: bit-identical to the import's files without training) and those files.
 """
 
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -57,24 +59,28 @@ def _copy_files(model_dir: Path, save: Path) -> dict:
     return dict(dir=str(target.resolve()), names=names)
 
 
-def _family(config):
+def _config(model_dir: Path):
+    """(family, transformers config) of a model directory: the family from config.json's model_type
+    first (a config of another model may not even build under transformers' classes)."""
+    from transformers import AutoConfig
+
+    if not (model_dir / CONFIG).is_file():
+        raise HFMappingError(f"--model {model_dir} holds no {CONFIG}; give a Hugging Face model directory")
     try:
-        return family_of_config(config)
+        family = family_of_config(SimpleNamespace(**json.loads((model_dir / CONFIG).read_text())))
+        return family, AutoConfig.from_pretrained(model_dir)
     except UnknownFamilyError as error:
         raise HFMappingError(str(error)) from None
+    except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as error:
+        raise HFMappingError(f"{model_dir / CONFIG}: not a config transformers reads ({error})") from None
 
 
 def import_model(model_dir: str, save: str) -> Path:
     """Write `save`/release, its tracker and model.json from a whole VLM's Hugging Face directory."""
-    from transformers import AutoConfig
-
     from megatron_hetero.training.full_state import load_full_tensors
 
     model_dir, save_dir = Path(model_dir), Path(save)
-    if not (model_dir / CONFIG).is_file():
-        raise HFMappingError(f"--model {model_dir} holds no {CONFIG}; give a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(model_dir)
-    family = _family(config)
+    family, config = _config(model_dir)
     sizes = family.sizes(config)
     tensors = _read_tensors(model_dir)
     scheme = family.scheme_of(tensors, sizes)

@@ -38,18 +38,18 @@ from megatron_hetero.runtime.model import ModelCall, ModelParts
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,
                     dtype: torch.dtype = torch.float32, packed: bool = False,
-                    grad_accum_fusion: bool = False) -> ModelParts:
+                    config_fields: dict | None = None) -> ModelParts:
     """This rank's stage of every module it holds, its weights in `dtype` (`packed`: the LLM sees
-    packed sequences, --pack-samples; `grad_accum_fusion`: weight gradients accumulate into DDP's
-    main_grad in the GEMM, Megatron's --gradient-accumulation-fusion, for parts DDP wraps);
-    module i of the layout from seed + i, so a module's weights do not depend on what else a rank
-    holds, nor on its TP or PP size."""
-    fusion = {"gradient_accumulation_fusion": grad_accum_fusion}
+    packed sequences, --pack-samples; `config_fields`: TransformerConfig fields every module takes
+    from Megatron's flags, training/providers.megatron_config_fields); module i of the layout from
+    seed + i, so a module's weights do not depend on what else a rank holds, nor on its TP or PP
+    size."""
+    fusion = config_fields or {}
     parts = {}
     for index, module in enumerate(run.modules.values()):
         if not module.held:
             continue
-        layout, pgs = module.layout, module.pgs
+        layout, pgs = module.layout, module.groups.layer_groups()
         if layout.role == "llm":
             def build(whole, layout=layout, module=module):
                 pgs = module.groups.all_experts_here() if whole else module.pgs
@@ -97,15 +97,13 @@ class VLMAdapter:
         return torch.empty(shape, dtype=self.dtype, device=_device())
 
     def _item_shapes(self, kind, call: ModelCall) -> tuple[np.ndarray, np.ndarray]:
-        """(rows each item sends into the sequence, tokens it runs through the encoder) [items]:
-        native-resolution items (with grids) their own, fixed-size ones the kind's; rows the batch's
-        where it has them (InternVL's tiles: fewer rows than tokens, after the pixel shuffle)."""
-        grids, rows = call.kwargs.get(grids_key(kind.name)), call.kwargs.get(rows_key(kind.name))
-        if grids is not None:
-            return rows.cpu().numpy(), grids.prod(1).cpu().numpy()
+        """(rows each item sends into the sequence, tokens it runs through the encoder) [items]: the
+        batch's where it has them (`<kind>_rows`; native-resolution items' grids), else the kind's."""
         items = int(call.kwargs[counts_key(kind.name)].sum())
+        rows, grids = call.kwargs.get(rows_key(kind.name)), call.kwargs.get(grids_key(kind.name))
         rows = np.full(items, kind.tokens_per_item(self.sizes)) if rows is None else rows.cpu().numpy()
-        return rows, np.full(items, kind.stage_tokens(self.sizes))
+        tokens = np.full(items, kind.stage_tokens(self.sizes)) if grids is None else grids.prod(1).cpu().numpy()
+        return rows, tokens
 
     def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
         """Each item's rows; items go to the encoder's DP ranks by the cost of their tokens (all

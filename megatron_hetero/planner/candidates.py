@@ -42,8 +42,9 @@ class Candidate:
     @property
     def runnable(self) -> bool:
         """Whether megatron-hetero's trainer runs it as a layout file: the homogeneous baseline only
-        when it has no CP and no PP (then it is the colocated layout with equal TP and DP)."""
-        return self.placement != "homogeneous" or (self.llm.cp == 1 and self.llm.pp == 1)
+        without PP (then it is the colocated layout with equal TP and DP, the encoders replicated
+        over the LLM's CP: cp_replicated)."""
+        return self.placement != "homogeneous" or self.llm.pp == 1
 
     def describe(self) -> str:
         parts = []
@@ -57,7 +58,7 @@ class Candidate:
     def hetero_layout(self, world_size: int) -> HeteroLayout:
         """The layout file's content (validated by megatron_hetero.layout)."""
         if not self.runnable:
-            raise ValueError(f"{self.describe()}: the homogeneous baseline with CP or PP is not a layout "
+            raise ValueError(f"{self.describe()}: the homogeneous baseline with PP is not a layout "
                              f"megatron-hetero runs; pick a colocated or non-colocated candidate")
         placement = "colocated" if self.placement == "homogeneous" else self.placement
         modules = self.layouts
@@ -123,7 +124,8 @@ def encoder_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Clu
 def homogeneous_encoder(shape: ModuleShape, llm: ModuleLayout, cluster: Cluster) -> ModuleLayout | None:
     """The encoder as Megatron runs it today: the LLM's tp, cp (replicated) and dp, on its first
     stage; None when it cannot (its heads do not split over that TP)."""
-    layout = ModuleLayout(shape.name, "encoder", tp=llm.tp, cp=llm.cp, dp=llm.dp, freeze=shape.frozen)
+    layout = ModuleLayout(shape.name, "encoder", tp=llm.tp, cp=llm.cp, dp=llm.dp, freeze=shape.frozen,
+                          cp_replicated=llm.cp > 1)
     return None if layout_problem(shape, layout, "homogeneous", cluster) else layout
 
 
@@ -142,8 +144,9 @@ def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, .
 
 def is_homogeneous(encoders: tuple[ModuleLayout, ...], llm: ModuleLayout) -> bool:
     """Whether colocated module layouts are Megatron's homogeneous one (that the trainer can run):
-    every encoder takes the LLM's TP and DP, and the LLM has no CP or PP."""
-    return llm.cp == 1 and llm.pp == 1 and all(e.tp == llm.tp and e.dp == llm.dp for e in encoders)
+    every encoder takes the LLM's TP, DP and CP (replicated over it), and the LLM has no PP."""
+    return llm.pp == 1 and all(e.tp == llm.tp and e.dp == llm.dp and e.cp == llm.cp
+                               and e.cp_replicated == (llm.cp > 1) for e in encoders)
 
 
 def enumerate_candidates(workload: Workload, cluster: Cluster):

@@ -52,10 +52,31 @@ def module_params(shape: ModuleShape, llm_hidden: int) -> int:
 
 
 def attended_tokens(shape: ModuleShape) -> float:
-    """Keys one query attends to on average: its whole item for an encoder (bidirectional), half
-    the sequence for the causal LLM (assumes the attention kernel skips fully masked blocks, as
-    flash attention and SDPA's causal path do)."""
+    """Keys one query attends to on average: the shape's `attention_keys` where given, else its
+    whole item for an encoder (bidirectional), half the sequence for the causal LLM (assumes the
+    attention kernel skips fully masked blocks, as flash attention and SDPA's causal path do)."""
+    if shape.attention_keys:
+        return shape.attention_keys
     return shape.tokens_per_item if shape.role == "encoder" else shape.seq_length / 2
+
+
+def _window_sides(side: int, window: int) -> list[int]:
+    """The lengths of the windows cutting one side of `side` units, `window` each (the last shorter)."""
+    return [min(window, side - start) for start in range(0, side, window)]
+
+
+def window_attention_keys(grids: list[tuple[int, int]], window: int, merge: int, full_layers: int,
+                          layers: int) -> float:
+    """Keys a query attends to, averaged over the tokens and layers, in a ViT whose items are
+    patch grids (h, w) of different sizes (native resolution), each attending to itself in
+    `full_layers` layers and within windows of window x window patches in the others (Qwen2.5-VL:
+    windows cut the grid of merge x merge blocks, so `window` is a multiple of `merge`): sum over
+    segments of length^2, over the tokens."""
+    tokens = sum(h * w for h, w in grids)
+    whole = sum((h * w) ** 2 for h, w in grids)
+    windowed = sum((a * b) ** 2 for h, w in grids
+                   for a in _window_sides(h, window) for b in _window_sides(w, window))
+    return (full_layers * whole + (layers - full_layers) * windowed) / (layers * tokens)
 
 
 def layer_forward_flops_per_token(shape: ModuleShape) -> float:

@@ -102,8 +102,8 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
         f"{prediction.memory_gb:.0f} GB/GPU",
         f"# Train with --global-batch-size {workload.global_batch} --micro-batch-size {candidate.micro_batch}"
         + (" --use-distributed-optimizer" if workload.distributed_optimizer else ""),
-        *(["# The prediction assumes full activation recomputation, which the trainer does not do yet"]
-          if candidate.recompute else []),
+        *(["# The prediction assumes full activation recomputation: add --recompute-granularity full "
+           "--recompute-method uniform --recompute-num-layers 1"] if candidate.recompute else []),
         f"placement: {layout.placement}",
         "modules:",
     ]
@@ -116,6 +116,8 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
             lines.append("    sp: true")
         if module.freeze:
             lines.append("    freeze: true")
+        if module.cp_replicated:
+            lines.append("    cp_replicated: true")
         if layout.placement == "non_colocated":
             lines.append(f"    ranks: {module.ranks.start}-{module.ranks.stop - 1}")
     lines.append("edges:")

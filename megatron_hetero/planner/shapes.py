@@ -33,7 +33,7 @@ def positive_int(value) -> bool:
 class ModuleShape:
     """A module's size and its work per sample.
 
-    Encoders: `tokens_per_item` tokens run through the encoder per image or clip, `items_per_sample`
+    Encoders: `tokens_per_item` tokens (on average) run through the encoder per image or clip, `items_per_sample`
     items per sample, `output_tokens_per_item` rows per item enter the LLM (fewer than the tokens
     with pixel shuffle; 0: as many), through an MLP projector of hidden width `projector_ffn` (0: a
     linear projection). The LLM: `seq_length` tokens per sample, `vocab` output classes; with
@@ -57,6 +57,9 @@ class ModuleShape:
     frozen: bool = False
     experts: int = 0  # 0: a dense MLP
     topk: int = 0
+    # Keys a query attends to, averaged over the tokens and layers (counts.window_attention_keys:
+    # items of several sizes, windowed layers); 0: its whole item (encoders), half the sequence (the llm).
+    attention_keys: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -75,6 +78,8 @@ class ModuleShape:
             value = getattr(self, key)
             if not (positive_int(value) or value == 0):
                 raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+        if not (isinstance(self.attention_keys, (int, float)) and self.attention_keys >= 0):
+            raise ValueError(f"{where}: attention_keys must be a non-negative number, got {self.attention_keys!r}")
         if self.experts and not 1 <= self.topk <= self.experts:
             raise ValueError(f"{where}: topk {self.topk} must be between 1 and experts {self.experts}")
         if self.experts and self.role != "llm":

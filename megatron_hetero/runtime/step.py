@@ -21,8 +21,10 @@ from typing import Callable
 import numpy as np
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
+from torch.profiler import record_function
 
 from megatron_hetero.boundary import PlanCache, boundary_exchange, check_agreement
+from megatron_hetero.boundary.exchange import ANNOTATION
 from megatron_hetero.data.batches import module_slice
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import Adapter, ModelCall, Media
@@ -97,11 +99,12 @@ class StepContext:
         self.num_tokens = self.num_tokens.to(device)
         # Plans from metadata that differs between ranks would not pair up: check it first.
         check_agreement({f"{name} (microbatch {i})": b for (name, i), b in batches.items()}, device)
-        for encoder in layout.encoders:
-            cache = self.plan_caches.setdefault(encoder.name, PlanCache())
-            self.plans[encoder.name] = [
-                cache.plan(batches[encoder.name, i], encoder, layout.llm, self.run.rank, layout.world_size)
-                for i in range(self.num_microbatches)]
+        with record_function(ANNOTATION + "plans"):
+            for encoder in layout.encoders:
+                cache = self.plan_caches.setdefault(encoder.name, PlanCache())
+                self.plans[encoder.name] = [
+                    cache.plan(batches[encoder.name, i], encoder, layout.llm, self.run.rank, layout.world_size)
+                    for i in range(self.num_microbatches)]
 
     # ---- running parts of the model through the script's forward step --------------------------
     def run_encoder(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:

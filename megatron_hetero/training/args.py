@@ -224,7 +224,7 @@ def _check_stages(args, layout) -> None:
         flag, n = layers[module.name]
         rules.check(ArgsError, rules.stages_problem(module, n, f"--{flag}"))
     rules.check(ArgsError, rules.sequence_problem(args.seq_length, layout.llm))
-    if args.data_path:  # a sample longer than --seq-length is skipped (data/conversations.py)
+    if args.data_path or model_family(args):  # a sample longer than --seq-length is skipped (data/conversations.py)
         return
     sizes = model_sizes(args)
     items = {"vision": image_counts(args)[1]}  # the most images; one clip
@@ -269,7 +269,7 @@ def _check_sizes(args, layout) -> None:
     sizes += [(m, *encoder_kind(m).size_flags(args)[1:]) for m in layout.encoders]
 
     def name(flag: str) -> str:  # a described model's sizes are its model.json's, not flags
-        return f"{args.model_sizes}'s {flag.replace('-', ' ')}" if args.model_sizes else f"--{flag}"
+        return f"{args.model_sizes}'s {flag.replace('-', '_')}" if args.model_sizes else f"--{flag}"
 
     for module, (hidden_flag, hidden), (heads_flag, heads) in sizes:
         rules.check(ArgsError, rules.head_width_problem(hidden, name(hidden_flag), heads, name(heads_flag)),
@@ -290,6 +290,11 @@ def _check_family(args, layout) -> None:
         family_named(family)
     except UnknownFamilyError as error:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
+    for module in layout.encoders:
+        if module.pp > 1:
+            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
+    if args.mock_data:  # the benchmarks' own batches (training/bench.py)
+        return
     if not args.data_path:
         raise ArgsError(f"--model-sizes {args.model_sizes} describes a {family} model: train it on conversation "
                         f"data (--data-path FILE); the shapes data is for the reference model")
@@ -306,9 +311,6 @@ def _check_family(args, layout) -> None:
         if getattr(args, flag) != default:
             raise ArgsError(f"--{flag.replace('_', '-')}: a {family} model's images are its image processor's "
                             f"(model.json); drop the flag")
-    for module in layout.encoders:
-        if module.pp > 1:
-            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
 
 
 def check_args(args, layout) -> None:

@@ -11,7 +11,9 @@ with Megatron's signature (bench_mimo: upstream MIMO's schedules).
 
 import itertools
 import json
+import os
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -20,15 +22,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hetero.boundary.exchange import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
-from megatron_hetero.planner.presets import BenchWorkload, trainer_workload
+from megatron_hetero.planner.presets import FAMILY_BENCHES, BenchWorkload, trainer_workload
 from megatron_hetero.training.args import ArgsError, parse_script_args
 
+# Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
+PHASE_STEPS = 3
 PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
 # Megatron's --bf16: bf16 weights, fp32 main params and Adam in megatron-core's optimizer (the
 # records before the move to megatron.training kept fp32 weights under bf16 autocast).
@@ -50,9 +55,34 @@ def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: 
     return replace(w, micro_batch=micro_batch or w.micro_batch)
 
 
+def family_sizes(w: BenchWorkload) -> ModelSizes:
+    """A VLM family workload's model sizes (its Hugging Face config, the LLM at depth w.layers)."""
+    from transformers import AutoConfig
+
+    from megatron_hetero.families import family_named
+
+    bench = FAMILY_BENCHES[w.name]
+    config = {**bench.config, "text_config": {**bench.config["text_config"], "num_hidden_layers": w.layers}}
+    sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+    return replace(sizes, seq_length=w.seq_length)
+
+
+def _family_model_file(w: BenchWorkload) -> str:
+    """A model.json (sizes only: the bench trains on synthetic batches) of a family workload."""
+    handle, path = tempfile.mkstemp(prefix=f"{w.name}_", suffix=".json")
+    with os.fdopen(handle, "w") as f:
+        json.dump({"sizes": sizes_to_dict(family_sizes(w))}, f)
+    return path
+
+
 def workload_flags(w: BenchWorkload, layout_file: str, bf16: bool) -> list[str]:
     """examples/pretrain_vlm.py's flags (Megatron's and its own) that train the workload under the
-    layout file; `bf16`: Megatron's --bf16."""
+    layout file; `bf16`: Megatron's --bf16. A family's model comes from a model.json (--model-sizes),
+    its batches are the benchmark's own (--mock-data)."""
+    if w.family:
+        return ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch), "--micro-batch-size",
+                str(w.micro_batch), "--model-sizes", _family_model_file(w), "--seq-length", str(w.seq_length),
+                "--mock-data", *(["--bf16"] if bf16 else [])]
     flags = ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch),
              "--micro-batch-size", str(w.micro_batch), "--image-size", str(w.image_size),
              "--patch-size", str(w.patch_size), "--enc-hidden-size", str(w.enc_hidden),
@@ -68,11 +98,47 @@ def workload_args(w: BenchWorkload, layout_file: str, bf16: bool):
     return parse_script_args(workload_flags(w, layout_file, bf16), validate=False)
 
 
-def trainer_vocab_size() -> int:
-    """The padded vocabulary the model is built with (the demo tokenizer's), whatever the workload."""
+def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
+    """The padded vocabulary the model is built with: a family workload's own, else (the reference
+    model, any workload) the demo tokenizer's."""
     from megatron_hetero.models.vlm import padded_vocab_size  # imports megatron-core: only when asked
 
-    return padded_vocab_size(ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
+    family = w is not None and w.family
+    return padded_vocab_size(family_sizes(w) if family else ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
+
+
+def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
+    """A family workload's global batch: every sample with the workload's images (random patches),
+    each `<image>` expanded as the family's data does, then random text carrying the loss."""
+    from transformers import AutoConfig
+
+    from megatron_hetero.families import family_named
+
+    bench, sizes = FAMILY_BENCHES[w.name], family_sizes(w)
+    images = family_named(w.family).media(sizes, bench.processor,
+                                          AutoConfig.for_model(bench.model_type, **bench.config).to_dict())
+    tokens, items = images.tokens(None), [images.items(width, height) for width, height in w.image_sizes]
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(w.global_batch):
+        # text below the image tokens' ids (special tokens, at the vocabulary's end in these models)
+        ids = torch.randint(0, min(*tokens.prefix, tokens.placeholder, *tokens.suffix), (w.seq_length,), generator=g)
+        at, starts = 1, []
+        for item in items:
+            expanded = [*tokens.prefix, *[tokens.placeholder] * sum(item.rows), *tokens.suffix]
+            starts.append(at + len(tokens.prefix))
+            ids[at : at + len(expanded)] = torch.tensor(expanded)
+            at += len(expanded)
+        if at >= w.seq_length:
+            raise ValueError(f"{w.name}: {at} image tokens do not fit a {w.seq_length}-token sequence")
+        media = images.media(items, torch.nonzero(ids == tokens.placeholder).flatten())
+        media.items = torch.rand(media.items.shape, generator=g)
+        loss_mask = torch.zeros(w.seq_length)
+        loss_mask[at : w.seq_length - 1] = 1.0
+        grids = [grid for item in items for grid in item.grids]
+        samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, {"vision": media},
+                              position_ids=images.position_ids(w.seq_length, starts, grids)))
+    return samples
 
 
 def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0) -> list[Sample]:
@@ -179,7 +245,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         hetero.train()
         hetero.config.grad_scale_func = optimizer.scale_loss
         hetero.config.timers = get_timers()
-        batch = synthetic_batch(w, CaptionTokenizer())
+        batch = family_batch(w) if w.family else synthetic_batch(w, CaptionTokenizer())
         micro = global_microbatches(batch, w.micro_batch * hetero.run.layout.llm.dp)
         yield Session(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
                       RerunDataIterator(itertools.cycle(micro)))
@@ -226,35 +292,41 @@ class _BackwardPhases:
         return self.adapter.llm_forward(module, call, share, media, hidden)
 
 
-def _steps(session: Session, n: int, forward_backward_func) -> float:
-    """Seconds per training step over n steps."""
-    start = time.perf_counter()
+def _steps(session: Session, n: int, forward_backward_func) -> list[float]:
+    """Seconds of each of n training steps (the GPU synchronized at each step's end: the host runs
+    ahead by at most one step's launches, which the next synchronization absorbs)."""
+    times = []
     for _ in range(n):
+        start = time.perf_counter()
         session.train_step(forward_backward_func)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / max(n, 1)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
             forward_backward_func=None) -> dict:
-    """Train the workload's batch: `warmup` steps, `steps` timed free-running, then `steps` with the
-    phase timers on; returns the record (rank 0 also appends it to `out` and prints it)."""
+    """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
+    record), then PHASE_STEPS with the phase timers on; returns the record (rank 0 also appends it
+    to `out` and prints it)."""
     hetero, world = session.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
     _steps(session, warmup, forward_backward_func)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     waited = hetero.clock.waiting_s
-    step_s = _steps(session, steps, forward_backward_func)
+    step_times = _steps(session, steps, forward_backward_func)
+    step_s = sum(step_times) / len(step_times)
     waiting_s = (hetero.clock.waiting_s - waited) / steps
     hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
     hetero.timers.enabled = True  # the breakdown pass: phases synchronized
-    _steps(session, steps, forward_backward_func)
-    phases = {k: v / steps for k, v in hetero.timers.seconds.items()}
+    phase_steps = min(steps, PHASE_STEPS)
+    _steps(session, phase_steps, forward_backward_func)
+    phases = {k: v / phase_steps for k, v in hetero.timers.seconds.items()}
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
-    flops = model_flops(w, trainer_vocab_size(), frozen)
+    flops = model_flops(w, trainer_vocab_size(w), frozen)
     mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -262,7 +334,8 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     record = dict(
         workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
         micro_batch=w.micro_batch,
-        step_s=step_s, tokens_per_s=w.global_batch * w.seq_length / step_s,
+        step_s=step_s, step_s_min=min(step_times), step_s_max=max(step_times), steps=len(step_times),
+        tokens_per_s=w.global_batch * w.seq_length / step_s,
         tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
         encoder_flops_share=flops["encoder"] / sum(flops.values()),
         peak_gb_max=max(r["peak_gb"] for r in gathered),
@@ -302,7 +375,7 @@ def profile_step(session: Session, path: str, forward_backward_func=None) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         session.train_step(forward_backward_func)
         torch.cuda.synchronize()
@@ -324,6 +397,10 @@ def profile_step(session: Session, path: str, forward_backward_func=None) -> dic
         lines += ["", "| kernel | family | calls | ms |", "| --- | --- | --- | --- |"]
         lines += [f"| {e.key[:90]} | {kernel_family(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.1f} |"
                   for e in top]
+        lines += ["", "Our annotated ranges (host time from entry to exit; GPU time of the kernels they launch):", "",
+                  "| range | calls | host ms | GPU ms |", "| --- | --- | --- | --- |"]
+        lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
+                  for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
         Path(path).write_text("\n".join(lines) + "\n")
         print(json.dumps(dict(profile=path, **summary)))
     return summary

@@ -19,10 +19,21 @@ from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import model_description, model_sizes, tokenizer
 
 
+def megatron_config_fields(args) -> dict:
+    """The TransformerConfig fields every module takes from Megatron's own flags, as
+    core_transformer_config_from_args would: --gradient-accumulation-fusion (weight gradients
+    accumulate into DDP's main_grad in the GEMM, for parts DDP wraps) and activation recomputation
+    (--recompute-granularity full|selective, --recompute-method uniform|block,
+    --recompute-num-layers, --recompute-modules)."""
+    return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+                recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules)
+
+
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
     return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
-                           packed=args.pack_samples > 1, grad_accum_fusion=args.gradient_accumulation_fusion)
+                           packed=args.pack_samples > 1, config_fields=megatron_config_fields(args))
 
 
 def image_processing(args, sizes):

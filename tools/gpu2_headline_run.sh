@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 28's headline on 2 GPUs, one call of about 9 minutes: the long-context workload W5 (W4's
+# 25-head InternViT-6B-wide encoder, 16 images of 1024 tokens per sample, into the 7B LLM at 32K;
+# LLM depth $LLM_LAYERS, default 12) under Megatron's homogeneous layouts that can run it and under
+# heterogeneous ones, each with and without full recomputation where memory may need it, all with
+# the distributed optimizer; then the planner's predictions for the same layouts on this GPU's memory.
+# Homogeneous: TP2 (refused: the encoder's 25 heads), DP2, CP2 with the encoder replicated on both
+# CP ranks (gpu2_homogeneous_cp2). Heterogeneous: vision DP2 -> LLM TP2+SP, vision DP2 -> LLM CP2.
+# Records: $OUT/bench_e2e.jsonl (with each run's step-time spread), planner.txt.
+set -uo pipefail
+export LLM_LAYERS=${LLM_LAYERS:-12} SKIP_BOUNDARY=1 SKIP_MOE=1
+D=--use-distributed-optimizer
+R=$D,--recompute-granularity,full,--recompute-method,uniform,--recompute-num-layers,1
+RUNS=${RUNS:-"W5:gpu2_homogeneous_tp2:$D W5:gpu2_colocated_sp:$D W5:gpu2_homogeneous_dp2:$R W5:gpu2_homogeneous_cp2:$D
+  W5:gpu2_homogeneous_cp2:$R W5:gpu2_colocated_sp:$R W5:gpu2_colocated_cp2:$D"} \
+  bash "$(dirname "$0")/gpu2_layouts_run.sh"
+out=${OUT:-out}
+memory=$(python3 -c 'import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))')
+for layout in gpu2_colocated_sp gpu2_homogeneous_dp2 gpu2_homogeneous_cp2 gpu2_colocated_cp2; do
+  echo "== plan_layout W5 L$LLM_LAYERS, $memory GB: $layout"
+  python3 tools/plan_layout.py --workload W5 --llm-layers "$LLM_LAYERS" --gpu-memory-gb "$memory" \
+    --calibration tools/calibration_h200_measured.json --layouts "examples/layouts/$layout.yaml" --top 8
+done > "$out/planner.txt" 2>&1
+grep -A12 "^best" "$out/planner.txt" | head -30
