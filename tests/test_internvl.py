@@ -22,6 +22,7 @@ from tests.internvl_models import (
     internvl_dir,
 )
 from tests.distributed import collect_distributed
+from tests.test_hf import _run_stages
 
 TOL = 1e-4
 SEQ = 64
@@ -35,21 +36,6 @@ def _imported(name: str):
     family = family_named("internvl")
     sizes = family.sizes(hf.config, ModelSizes(seq_length=SEQ))
     return hf, family, sizes, family.to_ours(hf.state_dict(), sizes)
-
-
-def _stages(module, pgs, first_input, forward, shape):
-    """forward(module, x) through this rank's pipeline stage; the last stage's output (else None)."""
-    rank, size = pgs.pp.rank(), pgs.pp.size()
-    ranks = dist.get_process_group_ranks(pgs.pp)
-    x = first_input
-    if rank > 0:
-        x = torch.empty(shape)
-        dist.recv(x, ranks[rank - 1])
-    out = forward(module, x)
-    if rank < size - 1:
-        dist.send(out.contiguous(), ranks[rank + 1])
-        return None
-    return out
 
 
 def _from_last_stage(x, pgs, shape):
@@ -73,7 +59,7 @@ def _case(name: str, layout: str, vision, llm, sizes, pgs) -> dict:
         tokens = 1 + sizes.patches_per_image
         rows = torch.empty(0, sizes.hidden_size)
         if len(pixels):
-            rows = _stages(vision, pgs, pixels, lambda m, x: m(x), (tokens, len(pixels), sizes.enc_hidden_size))
+            rows = _run_stages(vision, pgs, pixels, lambda m, x: m(x), (tokens, len(pixels), sizes.enc_hidden_size))
             rows = _from_last_stage(rows, pgs, (ids.eq(IMAGE_TOKEN).sum().item(), sizes.hidden_size))
         # transformers fills image tokens sample by sample; our embedding is [s, b, h]: row s * b + sample
         sample, position = ids.eq(IMAGE_TOKEN).nonzero(as_tuple=True)
@@ -85,7 +71,7 @@ def _case(name: str, layout: str, vision, llm, sizes, pgs) -> dict:
                 return llm_forward(model, ids, positions, [(rows, at)])
             return llm_forward(model, ids, positions, [], hidden=hidden)
 
-        logits = _stages(llm, pgs, None, forward, (SEQ, ids.shape[0], sizes.hidden_size))
+        logits = _run_stages(llm, pgs, None, forward, (SEQ, ids.shape[0], sizes.hidden_size))
         if logits is not None:
             pairs[batch_name] = (logits[..., :VOCAB], want)
     return pairs
@@ -177,8 +163,10 @@ def test_every_spelling_maps_to_the_same_weights_and_back(name, tmp_path):
     and OpenGVLab's original ones: the same state of our modules; each exports its own spelling back
     bit for bit (no tensor dropped or added)."""
     hf, family, sizes, ours = _imported(name)
-    memory = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and sizes.llm_arch.tied_embeddings)}
-    spellings = {"transformers": memory, "hf_files": _saved(hf, tmp_path), "opengvlab": _opengvlab_spelled(memory, sizes)}
+    tied = sizes.llm_arch.tied_embeddings
+    memory = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and tied)}
+    spellings = {"transformers": memory, "hf_files": _saved(hf, tmp_path),
+                 "opengvlab": _opengvlab_spelled(memory, sizes)}
     for scheme_name, spelled in spellings.items():
         scheme = family.scheme_of(spelled, sizes)
         assert scheme.name == scheme_name
