@@ -6,8 +6,9 @@ spelling save_pretrained writes, and OpenGVLab's original spelling), `export --o
 several sizes, a text-only sample, a corrupt and a missing image): 3 steps under vision TP2 -> LLM TP2
 equal one process's; that run's checkpoint exports to a directory transformers loads and `hf compare`
 finds equal to the checkpoint. Under the `families` marker (make test-families): the layout matrix
-(vision DP2 -> LLM CP2 / PP2, non-colocated vision -> LLM TP2 and vision DP2 -> LLM PP2, vision TP2
-DP2 -> LLM TP2 CP2 SP), `hf compare` under a 4-rank layout, a resume under another layout.
+(vision DP2 -> LLM CP2 / PP2, non-colocated vision -> LLM TP2, vision DP2 -> LLM PP2 and vision PP2 ->
+LLM TP2, vision TP2 DP2 -> LLM TP2 CP2 SP), `hf compare` under a 4-rank layout, a resume under
+another layout.
 The helpers are Qwen2.5-VL's tests' (tests/test_qwen2_5_vl.py): the same commands, another family."""
 
 import os
@@ -35,9 +36,13 @@ LAYOUTS = {
                          "  llm: {role: llm, tp: 2, cp: 2, sp: true}\n",
     "noncolocated_vdp2_lpp2": "placement: non_colocated\nmodules:\n  vision: {role: encoder, dp: 2, ranks: 0-1}\n"
                               "  llm: {role: llm, pp: 2, ranks: 2-3}\n",
+    "noncolocated_vpp2_ltp2": "placement: non_colocated\nmodules:\n  vision: {role: encoder, pp: 2, ranks: 0-1}\n"
+                              "  llm: {role: llm, tp: 2, ranks: 2-3}\n",
 }
-WORLD = {"single": 1, "noncolocated_v1_ltp2": 3, "vtp2dp2_ltp2cp2sp": 4, "noncolocated_vdp2_lpp2": 4}
-MATRIX = ["vdp2_lcp2", "vdp2_lpp2", "noncolocated_v1_ltp2", "vtp2dp2_ltp2cp2sp", "noncolocated_vdp2_lpp2"]
+WORLD = {"single": 1, "noncolocated_v1_ltp2": 3, "vtp2dp2_ltp2cp2sp": 4, "noncolocated_vdp2_lpp2": 4,
+         "noncolocated_vpp2_ltp2": 4}
+MATRIX = ["vdp2_lcp2", "vdp2_lpp2", "noncolocated_v1_ltp2", "vtp2dp2_ltp2cp2sp", "noncolocated_vdp2_lpp2",
+          "noncolocated_vpp2_ltp2"]
 
 
 def _ok(result) -> str:

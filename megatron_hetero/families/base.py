@@ -63,7 +63,8 @@ class VLMFamily:
     its mapping; prefixes: module name -> the in-memory key prefixes of its tensors; schemes: the
     key spellings files may use (the first, in-memory, is transformers'); finish(sizes, config): the
     family's further sizes and checks across modules; vision_builder, media_builder,
-    settings_reader: "module:function" paths (see build_vision, media, processor_settings)."""
+    settings_reader: "module:function" paths (see build_vision, media, processor_settings);
+    vision_stages: whether the vision module may have pp > 1."""
 
     name: str
     architecture: str
@@ -77,6 +78,8 @@ class VLMFamily:
     # in-memory keys whose tensors are copies of others (tied embeddings) -> the key they copy:
     # the rules read only the original; an export writes a copy where the imported files had it
     copies: Callable[[ModelSizes], dict[str, str]] = lambda sizes: {}
+    # the vision tower splits over pipeline stages (the vision module's pp; a StageEncoder's stages)
+    vision_stages: bool = False
 
     # ---- Hugging Face config and weights ---------------------------------------------------------
     def sizes(self, config, base: ModelSizes = ModelSizes()) -> ModelSizes:

@@ -281,8 +281,9 @@ def _check_sizes(args, layout) -> None:
 
 def _check_family(args, layout) -> None:
     """A VLM family's model (--model-sizes of a whole-model import): known to this version, trained
-    on conversation data with its Hugging Face tokenizer, its vision tower one pipeline stage, and
-    its images as its image processor makes them."""
+    on conversation data with its Hugging Face tokenizer (holding the family's image tokens), its
+    vision tower one pipeline stage unless the family's splits into stages, and its images as its
+    image processor makes them."""
     family = model_family(args)
     if not family:
         return
@@ -291,7 +292,7 @@ def _check_family(args, layout) -> None:
     except UnknownFamilyError as error:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
     for module in layout.encoders:
-        if module.pp > 1:
+        if module.pp > 1 and not family_named(family).vision_stages:
             raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
     if args.mock_data:  # the benchmarks' own batches (training/bench.py)
         return

@@ -17,4 +17,5 @@ INTERNVL = VLMFamily(
     finish=hf.finish,
     schemes=(TRANSFORMERS, hf.HF_FILES, hf.OPENGVLAB),
     copies=hf.copies,
+    vision_stages=True,
 )
