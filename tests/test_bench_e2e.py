@@ -143,7 +143,7 @@ def test_family_workload_counts_the_vit_as_it_runs():
         want = (full * pairs["images"] + (layers - full) * pairs["windows"]) / (layers * int(grids.prod(1).sum()))
         vision = bench.workload().encoders[0]
         assert attended_tokens(vision) == pytest.approx(want, rel=1e-12)
-        assert vision.tokens_per_sample == int(grids.prod(1).sum()) and vision.rows_per_sample * 4 == vision.tokens_per_sample
+        assert vision.tokens_per_sample == int(grids.prod(1).sum()) == 4 * vision.rows_per_sample
 
 
 def test_family_workload_trains_on_cpu(tmp_path):

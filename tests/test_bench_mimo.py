@@ -85,8 +85,11 @@ def test_upstream_mimo_matches_ours_and_bench_e2e(tmp_path):
     assert mimo["layout"] == "upstream_mimo_colocated" and ours["layout"] == "gpu2_colocated"
     assert mimo.keys() == ours.keys() and mimo["phases"].keys() == ours["phases"].keys()
     assert all(v > 0 for v in mimo["phases"].values()), mimo["phases"]
-
+    # Each module's attention kernel, as the start-up line says it (CPUs: SDPA, and why).
     w = BENCH_WORKLOADS["tiny"]
+    assert ours["attention"] == {"vision": f"sdpa (head dim {w.enc_hidden // w.enc_heads}: no GPU)",
+                                 "llm": f"sdpa (head dim {w.hidden // w.heads}: no GPU)"}
+
     flops = model_flops(w, trainer_vocab_size(), frozen_encoder=False)
     for record in (mimo, ours):
         assert record["tokens_per_s"] * record["step_s"] == pytest.approx(w.global_batch * w.seq_length)
@@ -96,3 +99,4 @@ def test_upstream_mimo_matches_ours_and_bench_e2e(tmp_path):
     table = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_e2e.py"), "--report", out], check=True,
                            cwd=ROOT, env=env, capture_output=True, text=True).stdout
     assert "| tiny | 2 | upstream_mimo_colocated | 2 |" in table and "| tiny | 2 | gpu2_colocated | 2 |" in table
+    assert "| vision sdpa, llm sdpa |" in table

@@ -75,7 +75,7 @@ def test_dead_rank_stops_every_rank(tmp_path, layout, module, rank, phase, launc
     exits non-zero within a bounded time, with a line naming the lost rank and the phase its last
     heartbeat was in; no process is left. Under torchrun (which ends the other workers with SIGTERM)
     and started directly (each rank finds out itself)."""
-    mark = f"HETERO_TEST_MARK_{tmp_path.name}"
+    mark = f"HETERO_TEST_MARK_{os.getpid()}_{tmp_path.name}"  # unique also beside other checkouts' test runs
     killed = tmp_path / "killed"
     env = {"HETERO_TEST_FAULT": f"kill:{module}:3:{rank}", "HETERO_TEST_KILLED": str(killed), mark: "1"}
     args = ["--hetero-layout", str(LAYOUTS / f"{layout}.yaml"), *FLAGS, "--hetero-heartbeat-interval", "0.5"]

@@ -135,7 +135,8 @@ def test_data_is_the_processors(qwen):
         dataset.collate([(sample, paths)])  # decodes its images
         want = processor(images=[Image.open(p) for p in paths], return_tensors="pt") if paths else None
         media = sample.media["vision"]
-        text = tok.apply_chat_template([{"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+        roles = {"human": "user", "gpt": "assistant"}
+        text = tok.apply_chat_template([{"role": roles[t["from"]], "content": t["value"]}
                                         for t in records[index]["conversations"]], tokenize=False)
         for grid in (want["image_grid_thw"] if paths else []):
             pads = "<|image_pad|>" * int(grid.prod() // MERGE**2)
@@ -181,6 +182,9 @@ def test_import_export_round_trip(tmp_path, variant):
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(src, dtype=torch.bfloat16)
         model.save_pretrained(src)
         _transformers_names(src)
+        tensors = _tensors(src)  # a tied output layer some files carry as a copy of the embedding
+        tensors["lm_head.weight"] = tensors["model.language_model.embed_tokens.weight"].clone()
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     original = _tensors(src)
     assert any(k.startswith("model.visual.") for k in original) == variant.startswith("transformers")
     for command in (("import", "--model", src, "--save", tmp_path / "ckpt"),
@@ -200,7 +204,8 @@ def test_import_export_round_trip(tmp_path, variant):
 
 
 def test_import_refusals(tmp_path):
-    """A tensor no rule maps and a model type no family maps: one error line each, nothing written."""
+    """A tensor no rule maps, a tied copy that differs from its original, a model type no family
+    maps: one error line each, nothing written."""
     src = qwen2_5_vl_dir(tmp_path / "hf")
     tensors = _tensors(src)
     save_file({**tensors, "visual.extra.weight": torch.zeros(2)}, src / "model.safetensors")
@@ -208,6 +213,10 @@ def test_import_refusals(tmp_path):
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: qwen2_5_vl: tensor "
                                                                                         "visual.extra.weight")
     assert not (tmp_path / "ckpt" / "release").exists()
+    tied = qwen2_5_vl_dir(tmp_path / "tied", tied=True)
+    save_file({**_tensors(tied), "lm_head.weight": torch.zeros(1)}, tied / "model.safetensors")
+    result = _cli("import", "--model", tied, "--save", tmp_path / "ckpt")
+    assert result.returncode == 2 and "lm_head.weight differs from model.embed_tokens.weight" in result.stderr
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
     result = _cli("import", "--model", src, "--save", tmp_path / "ckpt")
@@ -256,6 +265,15 @@ def test_training_equals_one_process(qwen, reference, layout):
 def test_training_equals_one_process_matrix(qwen, reference, layout):
     """The rest of the matrix: vision DP2 -> LLM TP2 with SP, LLM CP2, LLM PP2."""
     assert_same_steps(reference, train(*qwen, layout, layout, 2))
+
+
+@pytest.mark.families
+def test_packed_samples_equal_unpacked(qwen):
+    """--pack-samples 2 (two samples per sequence, M-RoPE positions per sample) under LLM CP2 equals
+    the unpacked one-process run at the same sequence length."""
+    longer = ["--seq-length", str(2 * SEQ)]
+    plain = train(*qwen, "plain", "single", 1, longer)
+    assert_same_steps(plain, train(*qwen, "packed", "lcp2", 2, [*longer, "--pack-samples", "2"]))
 
 
 def test_checkpoint_resumes_under_another_layout(qwen):

@@ -55,7 +55,6 @@ from megatron_hetero.training.bench import (
     workload_args,
 )
 
-
 WORKLOADS = {**BENCH_WORKLOADS, **FAMILY_BENCH_WORKLOADS}
 
 
@@ -91,13 +90,14 @@ def run(opts) -> dict:
 def report(path: str, png: str | None) -> None:
     records = [json.loads(line) for line in open(path)]
     head = ["workload", "LLM layers", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "step s", "enc FLOPs", "peak GB",
-            "waiting", *(f"{p} s" for p in PHASES)]
+            "waiting", *(f"{p} s" for p in PHASES), "attention"]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in records:
         cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
                  _step_cell(r), f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
                  f"{100 * r['waiting_share_max']:.1f}%",
-                 *(f"{r['phases'][p]:.3f}" for p in PHASES)]
+                 *(f"{r['phases'][p]:.3f}" for p in PHASES),
+                 ", ".join(f"{m} {k.split(' ')[0]}" for m, k in r.get("attention", {}).items())]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     if png:
         _bar_chart(records, png)

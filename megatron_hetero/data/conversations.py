@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.boundary import assign_items
+from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
 from megatron_hetero.data.energon import EnergonRecords, ImagePart, is_energon_dataset
 from megatron_hetero.data.images import ImageError, check_image
 from megatron_hetero.data.media import ImageItems, ImageProcessing
-from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch, pack
+from megatron_hetero.data.sample_batch import Sample, SampleBatch, pack
 from megatron_hetero.data.tokenizer import IMAGE_TOKEN
 
 VISION = "vision"  # the encoder kind whose items these samples carry

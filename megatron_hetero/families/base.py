@@ -59,12 +59,12 @@ def _call(path: str, *args, **kwargs):
 @dataclass(frozen=True)
 class VLMFamily:
     """name: ours (ModelSizes.family; the registry, families/__init__.py, says which config.json
-    model_types it imports); architecture: the transformers class an export names; parts: module name ("vision", "llm") ->
-    its mapping; prefixes: module name -> the in-memory key prefixes of its tensors; schemes: the
-    key spellings files may use (the first, in-memory, is transformers'); finish(sizes, config): the
-    family's further sizes and checks across modules; vision_builder, media_builder,
-    settings_reader: "module:function" paths (see build_vision, media, processor_settings);
-    vision_stages: whether the vision module may have pp > 1."""
+    model_types it imports); architecture: the transformers class of the whole model; parts: module
+    name ("vision", "llm") -> its mapping; prefixes: module name -> the in-memory key prefixes of its
+    tensors; schemes: the key spellings files may use (the first, in-memory, is transformers');
+    finish(sizes, config): the family's further sizes and checks across modules; vision_builder,
+    media_builder, settings_reader: "module:function" paths (see build_vision, media,
+    processor_settings); vision_stages: whether the vision module may have pp > 1."""
 
     name: str
     architecture: str
@@ -119,15 +119,23 @@ class VLMFamily:
     def to_ours(self, hf_state: dict[str, torch.Tensor], sizes: ModelSizes,
                 scheme: KeyScheme = TRANSFORMERS) -> dict[str, dict[str, torch.Tensor]]:
         """module name -> our module's full (TP1/PP1) state dict, from the files' tensors."""
+        copies = self.copies(sizes)
+        memory = {scheme.to_memory(key): tensor for key, tensor in hf_state.items()}
+        self._check_copies(memory, copies, scheme)
         if scheme.rules is not None:
             return self._through_file_rules(hf_state, sizes, scheme)
-        copies = set(self.copies(sizes))
         split = {name: {} for name in self.parts}
-        for key, tensor in hf_state.items():
-            key = scheme.to_memory(key)
+        for key, tensor in memory.items():
             if key not in copies:
                 split[self._module_of(key)][key] = tensor
         return {name: part.to_ours(split[name], sizes) for name, part in self.parts.items()}
+
+    def _check_copies(self, memory: dict[str, torch.Tensor], copies: dict[str, str], scheme: KeyScheme) -> None:
+        """A tied copy in the files (in-memory names here) must equal its original: never dropped silently."""
+        for key, original in copies.items():
+            if key in memory and original in memory and not torch.equal(memory[key], memory[original]):
+                raise HFMappingError(f"{self.name}: {scheme.to_file(key)} differs from {scheme.to_file(original)}, "
+                                     f"which the config ties it to; untie it in config.json or make them equal")
 
     def to_hf(self, states: dict[str, dict[str, torch.Tensor]], sizes: ModelSizes,
               scheme: KeyScheme = TRANSFORMERS) -> dict[str, torch.Tensor]:

@@ -1,14 +1,17 @@
 """`python -m megatron_hetero.hf compare`: a conversion check users can run. transformers' forward (on
-rank 0) and ours (every module under its layout: `--hetero-layout L.yaml` under torchrun, or one
-process) on the same conversation samples with the same pixels; per sample both losses (mean cross
-entropy over the assistant's tokens) and the largest |logit difference| over the sample's tokens,
-then `max |logit diff| X over N samples`; exit code 1 above --tolerance.
+rank 0, on the CPU, fp32) and ours (every module under its layout: `--hetero-layout L.yaml` under
+torchrun, or one process; fp32) on the same conversation samples (our data path: tokens, pixels,
+positions) with the same pixels; per sample both losses (mean cross entropy over the assistant's
+tokens) and the largest |logit difference| over the sample's sequence (its padding too: causal
+attention, so it changes nothing before), then `max |logit diff| X over N samples`; exit code 1
+above --tolerance.
 
     python -m megatron_hetero.hf compare --model HF_DIR --load CKPT --data-path FILE [--image-root DIR]
         [--seq-length N] [--tolerance T] [--num-samples N] [--hetero-layout L.yaml]
 
 Our logits are gathered over the LLM's TP (its output layer's gather), CP (load-balanced chunks put
-back in order) and PP (the last stage holds them) onto rank 0, a sample at a time.
+back in order) and PP (the last stage holds them) onto rank 0, a global microbatch (one sample per
+LLM DP rank) at a time.
 """
 
 import os
@@ -106,9 +109,8 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> flo
     return float((losses * mask).sum() / mask.sum()) if mask.sum() else float("nan")
 
 
-def _compare(hf_model, images, sample, ours: torch.Tensor, vocab: int) -> tuple[float, float, float]:
-    """(transformers' loss, ours, max |logit diff|) of one sample over its whole sequence (the padding
-    after its tokens included: causal attention, so they change nothing before)."""
+def _sample_report(hf_model, images, sample, ours: torch.Tensor, vocab: int) -> tuple[float, float, float]:
+    """(transformers' loss, ours, max |logit diff|) of one sample over its whole sequence."""
     ids = sample.input_ids[None]
     with torch.no_grad():
         theirs = hf_model(input_ids=ids, **images.hf_inputs(ids, sample.media[VISION])).logits[0].float()
@@ -165,7 +167,7 @@ def compare(args) -> int:
             ours = _our_logits(model, kwargs, sizes.seq_length)
             for j, (sample, _) in enumerate(samples[first : first + dp]):
                 if hf_model is not None:
-                    theirs_loss, our_loss, diff = _compare(hf_model, dataset.spec.images, sample, ours[j],
+                    theirs_loss, our_loss, diff = _sample_report(hf_model, dataset.spec.images, sample, ours[j],
                                                            sizes.vocab_size)
                     worst = max(worst, diff)
                     print(f"sample {first + j}: loss transformers {theirs_loss:.6f} ours {our_loss:.6f} "

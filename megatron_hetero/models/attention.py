@@ -1,26 +1,35 @@
-"""Core attention for megatron-core layer specs without Transformer Engine, on torch's
-scaled_dot_product_attention (flash / memory-efficient kernels on GPUs), with context parallelism.
+"""Core attention for megatron-core layer specs without Transformer Engine, with context parallelism,
+on torch's scaled_dot_product_attention or, where attention_kernels.py chooses it for the module
+(--attention-backend, the GPU, the head dim), flash-attn-4 (FA4). Both kernels get the same
+queries, keys and masks below; FA4 takes [b, s, heads, d] and groups of query heads natively.
 
 Causal attention with CP: the local sequence is Megatron's load-balanced layout (chunks r and
 2cp-1-r of 2cp, see context_parallel.py). Keys and values are all-gathered over the CP group
 (backward: reduce-scatter), put in sequence order, and each local chunk's queries attend to the key
-prefix that ends at the chunk's last position, with a bottom-right-aligned causal mask. No mask is
-materialized where the kernel can avoid it. The caller's attention_mask is ignored for causal
-attention; for padding / arbitrary / no_mask an explicit mask is honoured (True = masked out,
-megatron's convention), which needs CP = 1.
+prefix that ends at the chunk's last position, with a bottom-right-aligned causal mask (FA4's
+causal mask is bottom-right aligned too). No mask is materialized where the kernel can avoid it. The
+caller's attention_mask is ignored for causal attention; for padding / arbitrary / no_mask an
+explicit mask is honoured (True = masked out, megatron's convention) on SDPA, which needs CP = 1.
 
 Packed sequences (several samples back to back in one sequence): megatron-core's PackedSeqParams
-with qkv_format "sbhd" and `seq_idx` [b, s], the sample (document) of every position of the whole
-sequence. A query attends to the keys before it of its own document only, with or without CP (a
-mask from the documents at the local queries' global positions and at every key's). RoPE keeps the
-packed positions: attention scores depend on the distance between positions only, so a document's
-scores equal its unpacked ones.
+with qkv_format "sbhd", `seq_idx` [b, s], the sample (document) of every position of the whole
+sequence, and `cu_seqlens_q` its document boundaries over the flattened [b * s] (packed_seq_params()
+builds both). A query attends to the keys before it of its own document only, with or without CP:
+on SDPA through a mask from the documents at the local queries' global positions and at every
+key's; on FA4 through its variable-length entry, each document's part of a local chunk one segment
+against its keys up to the chunk's end. RoPE keeps the packed positions: attention scores depend on
+the distance between positions only, so a document's scores equal its unpacked ones.
+
+varlen_attention is the same variable-length attention for callers with their own segments (a
+native-resolution ViT's packed images).
 """
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
@@ -28,6 +37,15 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
+from megatron_hetero.models.attention_kernels import (
+    FA4,
+    Fa4,
+    KernelChoice,
+    config_dtype,
+    kernel_for,
+    load_fa4,
+    run_fa4,
+)
 from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
@@ -53,10 +71,165 @@ def _document_mask(documents: torch.Tensor, cp: int, cp_rank: int) -> torch.Tens
     return (same & (keys[None, :] <= queries[:, None]))[:, None]
 
 
+def document_cu_seqlens(documents: torch.Tensor) -> torch.Tensor:
+    """int32 [segments + 1]: where each document starts in the flattened [b * s] of documents [b, s]
+    (a document is a run of equal ids; a row's start always starts one), and b * s at the end."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    total = torch.tensor([documents.numel()], device=documents.device)
+    return torch.cat([starts.flatten().nonzero().squeeze(1), total]).to(torch.int32)
+
+
+def packed_seq_params(documents: torch.Tensor, device) -> PackedSeqParams:
+    """The attention's PackedSeqParams of a packed batch with documents [b, s] (the sample of every
+    position of the whole sequence): seq_idx, and the boundaries computed where `documents` is (on
+    the host for a loader's batch: no device synchronization). max_seqlen is the sequence length:
+    megatron-core's RoPE sizes its table from it."""
+    s = documents.shape[1]
+    cu = document_cu_seqlens(documents).to(device)
+    return PackedSeqParams(qkv_format="sbhd", seq_idx=documents.to(device), cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=s, max_seqlen_kv=s)
+
+
+class QueryChunk(NamedTuple):
+    """A run of local queries: local[0]:local[1] of the local sequence, global positions start:end;
+    under a causal mask they see the keys 0:end."""
+
+    local: tuple[int, int]
+    start: int
+    end: int
+
+
+def query_chunks(seq_len: int, cp: int, cp_rank: int) -> list[QueryChunk]:
+    """The CP rank's queries as runs of consecutive global positions: the whole sequence without CP,
+    chunks r and 2cp-1-r with it (context_parallel.py)."""
+    if cp == 1:
+        return [QueryChunk((0, seq_len), 0, seq_len)]
+    chunk = seq_len // (2 * cp)
+    return [QueryChunk((half * chunk, (half + 1) * chunk), index * chunk, (index + 1) * chunk)
+            for half, index in enumerate((cp_rank, 2 * cp - 1 - cp_rank))]
+
+
+def chunk_cu_seqlens(cu: torch.Tensor, seq_len: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Documents cu [n + 1] over the flattened [b * seq_len] cut to a query chunk [start, end) of every
+    row: (cu_q over [b * (end - start)] queries, cu_k over [b * end] keys 0:end of every row). Segment
+    i is document i's queries in the chunk against its keys before the chunk's end: both end at the
+    same position, so a bottom-right causal mask lets a query see its document's earlier keys; a
+    document outside the chunk is an empty segment. Device-side, no synchronization."""
+    first, last = cu[:-1].long(), cu[1:].long()
+    row = first // seq_len  # documents never cross rows
+    first, last = first - row * seq_len, last - row * seq_len
+    queries = last.clamp(start, end) - first.clamp(start, end)
+    keys = last.clamp(0, end) - first.clamp(0, end)
+    return tuple(F.pad(n.cumsum(0), (1, 0)).to(torch.int32) for n in (queries, keys))
+
+
+def _fa4_documents(fa4: Fa4, kernel: KernelChoice, q, k, v, cu, chunks, scale) -> torch.Tensor:
+    """Per-document causal attention through FA4's varlen entry, one call per query chunk.
+    q [b, s_local, h, d], k, v [b, s, hk, d] (the whole sequence) -> [b, s_local, h, d]."""
+    b, s = k.shape[:2]
+    outs = []
+    for (a, e), start, end in chunks:
+        cu_q, cu_k = chunk_cu_seqlens(cu, s, start, end)
+        keys = [t[:, :end].reshape(b * end, *t.shape[2:]) for t in (k, v)]
+        out = run_fa4(fa4.varlen_func, kernel, q[:, a:e].reshape(b * (e - a), *q.shape[2:]), *keys,
+                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=e - a, max_seqlen_k=end,
+                      softmax_scale=scale, causal=True)
+        outs.append(out.view(b, e - a, *out.shape[1:]))
+    return torch.cat(outs, dim=1)
+
+
+def _attend_fa4(fa4: Fa4, kernel: KernelChoice, q, k, v, causal, packed, chunks, scale) -> torch.Tensor:
+    """q [s_local, b, h, d], k, v [s, b, hk, d] -> [b, s_local, h, d] on FA4."""
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    if packed is not None:
+        return _fa4_documents(fa4, kernel, q, k, v, packed.cu_seqlens_q, chunks, scale)
+    if not causal:
+        return run_fa4(fa4.func, kernel, q, k, v, softmax_scale=scale, causal=False)
+    return torch.cat([run_fa4(fa4.func, kernel, q[:, a:e], k[:, :end], v[:, :end], softmax_scale=scale, causal=True)
+                      for (a, e), _, end in chunks], dim=1)
+
+
+def _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, **sdpa_kwargs) -> torch.Tensor:
+    """q [s_local, b, h, d], k, v [s, b, hk, d] -> [b, h, s_local, d] on torch SDPA."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:  # after the CP gather: fewer bytes gathered
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if packed is not None:
+        mask = _document_mask(packed.seq_idx, cp, cp_rank)
+    if packed is not None or not causal:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
+    return torch.cat([_causal_attention(q[:, :, a:e], k[:, :, :end], v[:, :, :end], **sdpa_kwargs)
+                      for (a, e), _, end in chunks], dim=2)
+
+
+def attend(q, k, v, kernel: KernelChoice, scale: float, causal: bool, mask: torch.Tensor | None = None,
+           packed: PackedSeqParams | None = None, cp: int = 1, cp_rank: int = 0, dropout: float = 0.0,
+           fa4: Fa4 | None = None) -> torch.Tensor:
+    """Attention of a CP rank's queries q [s_local, b, h, d] over the whole sequence's keys and values
+    k, v [s, b, hk, d] (gathered, in sequence order) -> [s_local, b, h * d]. causal: bottom-right
+    aligned per query chunk (query_chunks); otherwise `mask` (True = may attend; SDPA only) or none;
+    packed: per document. kernel: the module's choice; fa4: FA4's entries (default: the installed ones;
+    tests pass a stand-in). FA4 runs neither an explicit mask nor dropout."""
+    chunks = query_chunks(k.shape[0], cp, cp_rank)
+    if kernel.kernel == FA4 and mask is None and dropout == 0.0:
+        out = _attend_fa4(fa4 or load_fa4()[0], kernel, q, k, v, causal, packed, chunks, scale)
+        return out.transpose(0, 1).flatten(2)
+    out = _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, dropout_p=dropout, scale=scale)
+    return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def _segment_groups(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    """(query lengths, key lengths, starts of q, starts of k) per group of segments of one shape."""
+    bounds = torch.stack([cu_q, cu_k]).long().cpu()  # one host synchronization
+    starts, lengths = bounds[:, :-1], bounds[:, 1:] - bounds[:, :-1]
+    shapes = lengths.T.unique(dim=0).tolist()
+    for lq, lk in shapes:
+        same = (lengths[0] == lq) & (lengths[1] == lk)
+        yield lq, lk, starts[0, same], starts[1, same]
+
+
+def _varlen_sdpa(q, k, v, cu_q, cu_k, scale, causal) -> torch.Tensor:
+    """varlen_attention on torch SDPA: the segments of one shape stacked into one batched call."""
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # a segment without keys: zeros, as FA4's
+    for lq, lk, start_q, start_k in _segment_groups(cu_q, cu_k):
+        if lq == 0 or lk == 0:
+            continue
+        index_q = (start_q[:, None] + torch.arange(lq)).to(q.device)  # [n, lq]
+        index_k = (start_k[:, None] + torch.arange(lk)).to(q.device)
+        # [n, l, heads, d] -> [n, heads, l, d]
+        qs, ks, vs = (x[i].transpose(1, 2) for x, i in ((q, index_q), (k, index_k), (v, index_k)))
+        if ks.shape[1] != qs.shape[1]:
+            ks, vs = (t.repeat_interleave(qs.shape[1] // ks.shape[1], dim=1) for t in (ks, vs))
+        part = (_causal_attention(qs, ks, vs, scale=scale) if causal
+                else F.scaled_dot_product_attention(qs, ks, vs, scale=scale))
+        out = out.index_put((index_q.flatten(),), part.transpose(1, 2).flatten(0, 1))
+    return out
+
+
+def varlen_attention(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, kernel: KernelChoice, softmax_scale: float | None = None,
+                     causal: bool = False, fa4: Fa4 | None = None) -> torch.Tensor:
+    """Attention within the segments of packed sequences, flash-attention's varlen convention:
+    q [total_q, heads, d], k, v [total_k, kv heads, d]; segment i's queries q[cu_q[i]:cu_q[i+1]]
+    attend to its keys k[cu_k[i]:cu_k[i+1]] (int32 cu_seqlens, from 0; causal: bottom-right aligned,
+    the j-th query of a segment sees keys up to len_k - len_q + j); max_seqlen_*: bounds of the
+    segment lengths. kernel: kernel_for(the module's config, head dim, dropout): FA4's varlen entry
+    (fa4: its stand-in in tests), else torch SDPA, the segments of each shape in one batched call
+    (one host synchronization for the boundaries). Returns [total_q, heads, d]."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if kernel.kernel == FA4:
+        return run_fa4((fa4 or load_fa4()[0]).varlen_func, kernel, q, k, v, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       softmax_scale=scale, causal=causal)
+    return _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
 class SDPAttention(MegatronModule):
     """Drop-in for megatron-core's DotProductAttention (same constructor and forward), supporting
     context parallelism for causal attention. [s, b, heads, hn] in, [s, b, heads * hn] out;
-    grouped-query attention by repeating key/value heads (after the CP gather: fewer bytes)."""
+    grouped-query attention by repeating key/value heads on SDPA (after the CP gather: fewer bytes),
+    natively on FA4. `kernel`: this module's kernel choice (attention_kernels.kernel_for)."""
 
     def __init__(
         self,
@@ -84,6 +257,8 @@ class SDPAttention(MegatronModule):
         # megatron's softmax: no change to the result, so the plain scale is used.
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.kernel = kernel_for(config.attention_backend, config.kv_channels, config_dtype(config), self.dropout_p,
+                                 config.flash_attention_version)
 
     def forward(
         self,
@@ -99,9 +274,10 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention does not support attention_bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         packed = packed_seq_params
-        if packed is not None and (packed.qkv_format != "sbhd" or packed.seq_idx is None or mask_type not in _CAUSAL):
-            raise ValueError("SDPAttention takes packed sequences as qkv_format 'sbhd' with seq_idx (the document of "
-                             "every position, [b, s]) and causal attention")
+        if packed is not None and (packed.qkv_format != "sbhd" or packed.seq_idx is None
+                                   or packed.cu_seqlens_q is None or mask_type not in _CAUSAL):
+            raise ValueError("SDPAttention takes packed sequences as qkv_format 'sbhd' with seq_idx and "
+                             "cu_seqlens_q (models.attention.packed_seq_params) and causal attention")
         if mask_type not in _CAUSAL + _MASK_OPTIONAL:
             raise ValueError(f"SDPAttention does not support attn_mask_type {mask_type.name}")
         if self.cp > 1:
@@ -113,44 +289,26 @@ class SDPAttention(MegatronModule):
                 )
                 for t in (key, value)
             )
-        # [s, b, heads, hn] -> [b, heads, s, hn]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:
-            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-        sdpa_kwargs = dict(dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale)
+        causal = mask_type in _CAUSAL
+        mask = None if causal or attention_mask is None else ~attention_mask
+        dropout = self.dropout_p if self.training else 0.0
         # Dropout in a TP region draws from the TP-rank-specific stream, as megatron's attention does.
         dropout_rng = (
             get_cuda_rng_tracker().fork()
-            if sdpa_kwargs["dropout_p"] > 0 and not self.config.sequence_parallel
+            if dropout > 0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
         with dropout_rng:
-            if packed is not None:
-                mask = _document_mask(packed.seq_idx, self.cp, self.cp_group.rank() if self.cp > 1 else 0)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
-            elif mask_type not in _CAUSAL:
-                mask = None if attention_mask is None else ~attention_mask
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
-            elif self.cp == 1:
-                out = _causal_attention(q, k, v, **sdpa_kwargs)
-            else:
-                out = self._cp_causal_attention(q, k, v, sdpa_kwargs)
-        # [b, heads, s, hn] -> [s, b, heads * hn]
-        return out.permute(2, 0, 1, 3).flatten(2)
+            return attend(query, key, value, self.kernel, self.softmax_scale, causal, mask, packed, self.cp,
+                          self.cp_group.rank() if self.cp > 1 else 0, dropout)
 
-    def _cp_causal_attention(self, q, k, v, sdpa_kwargs) -> torch.Tensor:
-        """Local queries (chunks r and 2cp-1-r) against the whole sequence's keys, in order."""
-        chunk = q.shape[2] // 2
-        r = self.cp_group.rank()
-        outs = []
-        for half, chunk_index in enumerate((r, 2 * self.cp - 1 - r)):
-            keys_end = (chunk_index + 1) * chunk
-            outs.append(
-                _causal_attention(
-                    q[:, :, half * chunk : (half + 1) * chunk],
-                    k[:, :, :keys_end],
-                    v[:, :, :keys_end],
-                    **sdpa_kwargs,
-                )
-            )
-        return torch.cat(outs, dim=2)
+
+def attention_summary(module: torch.nn.Module) -> str:
+    """What a model part's core attention runs, for the start-up line and benchmark records: our
+    kernel choices (e.g. "fa4 (head dim 128)"), or the class of another core attention (Transformer
+    Engine's); "none" for a part without attention."""
+    found = []
+    for name, sub in module.named_modules():
+        if name.endswith("core_attention"):
+            found.append(str(sub.kernel) if hasattr(sub, "kernel") else type(sub).__name__)  # ours have a kernel
+    return "; ".join(dict.fromkeys(found)) or "none"

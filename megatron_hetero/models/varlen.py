@@ -3,40 +3,21 @@ run every image of a rank in one call, their tokens back to back, each image att
 only (and, in windowed layers, each window to itself). The segments are given as cu_seqlens
 ([segments + 1] cumulative token counts, flash-attention's convention).
 
-`varlen_attention` is the one function that computes it: here torch's SDPA, one call per distinct
-segment length (the segments of a length stacked into a batch: windows are mostly of one size, so a
-few calls per layer, and no mask is materialized); flash-attn's varlen entry (issue 30) replaces it
-on GPUs. `SegmentAttention` is a megatron-core core attention (DotProductAttention's constructor and
-forward) that calls it with the segments its layer uses: whole items, or windows in a windowed layer.
+`SegmentAttention` is a megatron-core core attention (DotProductAttention's constructor and forward)
+that runs models/attention.py's `varlen_attention` (flash-attn-4's varlen entry where the module's
+kernel choice allows it, else torch SDPA, the segments of each length in one batched call) over the
+segments its layer uses: whole items, or windows in a windowed layer.
 """
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Bidirectional attention of q, k, v [t, heads, d] within each segment of cu_seqlens (int,
-    [segments + 1], from 0 to t); returns [t, heads, d]."""
-    bounds = cu_seqlens.tolist()
-    starts, lengths = torch.tensor(bounds[:-1]), torch.tensor(bounds[1:]) - torch.tensor(bounds[:-1])
-    outs, order = [], []
-    for length in lengths.unique().tolist():
-        if length == 0:
-            continue
-        index = (starts[lengths == length][:, None] + torch.arange(length)).to(q.device)  # [n, length]
-        # [n, length, heads, d] -> [n, heads, length, d]
-        qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2).flatten(0, 1))
-        order.append(index.flatten())
-    if not outs:
-        return q.new_zeros(q.shape)
-    return torch.cat(outs)[torch.cat(order).argsort()]
+from megatron_hetero.models.attention import varlen_attention
+from megatron_hetero.models.attention_kernels import config_dtype, kernel_for
 
 
 @dataclass
@@ -66,6 +47,8 @@ class SegmentAttention(MegatronModule):
             raise ValueError("SegmentAttention has no attention dropout; set attention_dropout 0")
         self.windowed = full_layers is not None and layer_number - 1 not in full_layers
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
+        self.kernel = kernel_for(config.attention_backend, config.kv_channels, config_dtype(config), 0.0,
+                                 config.flash_attention_version)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: SegmentParams | None = None) -> torch.Tensor:
@@ -74,5 +57,8 @@ class SegmentAttention(MegatronModule):
         segments = packed_seq_params.cu_seqlens_q
         if self.windowed and packed_seq_params.windows is not None:
             segments = packed_seq_params.windows
-        out = varlen_attention(query[:, 0], key[:, 0], value[:, 0], segments, self.softmax_scale)
+        longest = int(segments.diff().max()) if len(segments) > 1 else 0  # on the host: the grids' own
+        segments = segments.to(device=query.device, dtype=torch.int32)
+        out = varlen_attention(query[:, 0], key[:, 0], value[:, 0], segments, segments, longest, longest,
+                               self.kernel, self.softmax_scale)
         return out.flatten(1)[:, None]

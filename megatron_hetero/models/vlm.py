@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.boundary.exchange import write_rows
+from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch
 from megatron_hetero.models import specs
@@ -197,7 +197,8 @@ def llm_forward(
     and where they go in the text embedding [s', b, h] (s' the SP-local length; rows [n] of its
     [s' * b, h] view: boundary.input_rows), written there in place of the text;
     later stages take the previous stage's `hidden` instead. `documents` [b, S]: a packed batch's
-    sample of every position of the whole sequence (attention stays within one).
+    sample of every position of the whole sequence (attention stays within one; on the host, so that
+    its document boundaries cost no device synchronization).
 
     Returns the next stage's input [s', b, h], or on the last stage per-token losses [b, s] with
     labels, else full-vocabulary logits [b, s, V]."""
@@ -210,10 +211,7 @@ def llm_forward(
             decoder_input = write_rows(decoder_input, rows, at)
     else:
         llm.set_input_tensor(hidden)
-    packed = None
-    if documents is not None:
-        s = documents.shape[1]
-        packed = PackedSeqParams(qkv_format="sbhd", seq_idx=documents, max_seqlen_q=s, max_seqlen_kv=s)
+    packed = None if documents is None else packed_seq_params(documents, input_ids.device)
     return llm(
         input_ids=None,
         position_ids=position_ids,

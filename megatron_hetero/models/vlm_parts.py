@@ -44,7 +44,7 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
     from Megatron's flags, training/providers.megatron_config_fields); module i of the layout from
     seed + i, so a module's weights do not depend on what else a rank holds, nor on its TP or PP
     size."""
-    fusion = config_fields or {}
+    fields = config_fields or {}
     parts = {}
     for index, module in enumerate(run.modules.values()):
         if not module.held:
@@ -53,10 +53,10 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
         if layout.role == "llm":
             def build(whole, layout=layout, module=module):
                 pgs = module.groups.all_experts_here() if whole else module.pgs
-                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed, **fusion)
+                return build_llm(sizes, layout.tp, pgs, dtype, whole=whole, sp=layout.sp, packed=packed, **fields)
         else:
             def build(whole, layout=layout, pgs=pgs):
-                return encoder_builder(layout, sizes)(sizes, layout.tp, pgs, dtype, whole=whole, **fusion)
+                return encoder_builder(layout, sizes)(sizes, layout.tp, pgs, dtype, whole=whole, **fields)
         parts[module.name] = build_stage(build, seed + index, layout.pp, ep=layout.ep)
     return ModelParts(parts, VLMAdapter(run, sizes, ablate_vision, dtype))
 
@@ -142,7 +142,7 @@ class VLMAdapter:
         b_local = ids.shape[0]
         rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)
-        documents = None if documents is None else documents[share].to(_device())
+        documents = None if documents is None else documents[share]  # on the host: llm_forward moves it
         position_ids = call.kwargs.get(POSITION_IDS_KEY)
         if position_ids is None:  # RoPE: this rank's positions (the rotary embedding is the sequence's)
             position_ids = positions.to(_device())[None].expand_as(ids)

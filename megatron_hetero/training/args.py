@@ -293,7 +293,8 @@ def _check_family(args, layout) -> None:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
     for module in layout.encoders:
         if module.pp > 1 and not family_named(family).vision_stages:
-            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; set its pp: 1")
+            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; "
+                            f"set its pp: 1")
     if args.mock_data:  # the benchmarks' own batches (training/bench.py)
         return
     if not args.data_path:
@@ -314,6 +315,38 @@ def _check_family(args, layout) -> None:
                             f"(model.json); drop the flag")
 
 
+def _module_head_dims(args, layout) -> dict[str, int]:
+    """Every module's attention head dim (its TransformerConfig's kv_channels)."""
+    sizes = model_sizes(args)
+    dims = {layout.llm.name: sizes.llm_arch.head_dim or args.hidden_size // args.num_attention_heads}
+    for module in layout.encoders:
+        (_, _), (_, hidden), (_, heads) = encoder_kind(module).size_flags(args)
+        dims[module.name] = hidden // heads
+    return dims
+
+
+def _check_attention(args, layout) -> None:
+    """--attention-backend flash: every module's attention on flash-attn-4 (where our layers run,
+    models/attention_kernels.py), or the line saying why not; local is Megatron's --spec switch."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_hetero.models.attention_kernels import AttentionKernelError, backend_mode, kernel_for
+    from megatron_hetero.patches.startup import has_te
+
+    if args.attention_backend == AttnBackend.local:
+        raise ArgsError("--attention-backend local is Megatron's switch to its --spec local models; for torch "
+                        "SDPA in these layers use --attention-backend unfused")
+    if backend_mode(args.attention_backend) != "flash" or has_te():
+        return
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    for name, head_dim in _module_head_dims(args, layout).items():
+        try:
+            kernel_for(args.attention_backend, head_dim, dtype, 0.0, args.flash_attention_version)
+        except AttentionKernelError as error:
+            raise ArgsError(f"module {name}: {error}") from None
+
+
 def check_args(args, layout) -> None:
     """Batch and size arithmetic the run needs; raises ArgsError with the flag to change."""
     import torch
@@ -324,6 +357,7 @@ def check_args(args, layout) -> None:
                         "drop --bf16 on CPU")
     _check_family(args, layout)
     _check_sizes(args, layout)
+    _check_attention(args, layout)
     _check_data(args, layout)
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:

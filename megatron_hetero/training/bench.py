@@ -327,7 +327,11 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(w), frozen)
-    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases)
+    from megatron_hetero.models.attention import attention_summary  # imports megatron-core
+
+    attention = {m.name: attention_summary(m.part) for m in run.modules.values() if m.held}
+    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases,
+                attention=attention)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     bf16 = session.args.bf16
@@ -341,6 +345,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
         peak_gb_max=max(r["peak_gb"] for r in gathered),
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
+        attention={name: kernel for r in gathered for name, kernel in r["attention"].items()},
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
     )
@@ -352,9 +357,10 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
 
 
 # Kernel families of a profile, by name (the first that matches): where a step's GPU time goes.
+# Attention first: flash-attn-4's kernels, compiled by CUTLASS's CuTe DSL, carry "cutlass" too.
 KERNEL_FAMILIES = (
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
     ("communication", ("nccl",)),
     ("normalization", ("norm",)),
     ("softmax / cross entropy", ("softmax", "cross_entropy", "log_softmax", "nll")),

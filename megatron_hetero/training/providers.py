@@ -14,6 +14,7 @@ from megatron_hetero.data.conversations import ConversationSamples, Conversation
 from megatron_hetero.data.images import ImageSpec
 from megatron_hetero.data.media import TileImages
 from megatron_hetero.families import family_named
+from megatron_hetero.models.attention import attention_summary
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import model_description, model_sizes, tokenizer
@@ -22,18 +23,29 @@ from megatron_hetero.training.args import model_description, model_sizes, tokeni
 def megatron_config_fields(args) -> dict:
     """The TransformerConfig fields every module takes from Megatron's own flags, as
     core_transformer_config_from_args would: --gradient-accumulation-fusion (weight gradients
-    accumulate into DDP's main_grad in the GEMM, for parts DDP wraps) and activation recomputation
+    accumulate into DDP's main_grad in the GEMM, for parts DDP wraps), activation recomputation
     (--recompute-granularity full|selective, --recompute-method uniform|block,
-    --recompute-num-layers, --recompute-modules)."""
+    --recompute-num-layers, --recompute-modules) and the attention kernel (--attention-backend,
+    --flash-attention-version: models/attention_kernels.py)."""
     return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
                 recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-                recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules)
+                recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules,
+                attention_backend=args.attention_backend, flash_attention_version=args.flash_attention_version)
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
     args = get_args()
-    return build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
-                           packed=args.pack_samples > 1, config_fields=megatron_config_fields(args))
+    parts = build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
+                            packed=args.pack_samples > 1, config_fields=megatron_config_fields(args))
+    report_attention(args.hetero_run, parts.parts)
+    return parts
+
+
+def report_attention(run, parts: dict) -> None:
+    """One start-up line per module, from its first rank: the attention kernel it runs."""
+    for name, part in parts.items():
+        if not any(run.modules[name].coords().values()):
+            print(f"attention: {name}: {attention_summary(part)}", flush=True)
 
 
 def image_processing(args, sizes):

@@ -22,7 +22,6 @@ VISION_FIELDS = (
     Field(f"{_V}num_heads", "enc_num_attention_heads"),
     Field(f"{_V}intermediate_size", "arch.ffn_hidden_size"),
     Field(f"{_V}hidden_act", "arch.activation", choices=tuple(ACTIVATIONS)),
-    Field(f"{_V}patch_size", "patch_size"),
     Field(f"{_V}in_channels", "family.in_channels"),
     Field(f"{_V}patch_size", "family.patch_size"),
     Field(f"{_V}temporal_patch_size", "family.temporal_patch_size"),

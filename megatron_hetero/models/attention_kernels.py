@@ -1,0 +1,191 @@
+"""Which attention kernel a module runs: torch SDPA everywhere, flash-attn-4 (FA4, the optional `fa4`
+extra) where it can be trusted.
+
+flash-attn-4 4.0.0b36's backward is silently wrong at some head dims (72 and 80 on the H100: dq/dk/dv
+~100% off against fp32 attention while every forward is right; ../shared/GPU-KERNELS.md). So FA4 is
+chosen per shape, never by import alone: it must import, the GPU's architecture must be one it
+targets (Hopper sm90, Blackwell sm100), and the head dim must be one whose gradients were checked on
+that GPU model (CHECKED_HEAD_DIMS). Elsewhere torch SDPA; CPUs always.
+
+Megatron's own `--attention-backend` chooses (Megatron-LM users already pass it, default auto; it
+reaches every module's TransformerConfig as `attention_backend`, and Transformer Engine's layers read
+it in their own sense where they are used instead of ours):
+- auto: FA4 where it is checked, SDPA elsewhere. An unchecked head dim is not padded: zero-padding to
+  a checked one is exact but was slower than cuDNN on the H100 (GPU-KERNELS.md, pad check).
+- flash: FA4 for every module, an unchecked head dim zero-padded to the next checked one with the
+  true head dim's softmax scale (exact, at the padded FLOPs); where FA4 cannot run exactly, one line
+  saying why (AttentionKernelError), never a silent fallback.
+- fused, unfused, local: torch SDPA (torch picks its cuDNN, flash or memory-efficient kernel).
+`--flash-attention-version` 2 or 3 pins a generation we do not run: no FA4.
+
+The choice is pure (choose_kernel: device, import status, dtype, head dim in, a KernelChoice out),
+so that it is tested without a GPU; kernel_for(config) feeds it this process's facts.
+"""
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnBackend
+
+FA4 = "fa4"
+SDPA = "sdpa"
+
+# Head dims whose flash-attn-4 gradients (dq, dk, dv against fp32 math attention, max |diff| / max |ref|
+# as small as cuDNN's: 0.003-0.005) were checked, by GPU model as torch.cuda.get_device_name() names it.
+# Source: ../shared/attention_grad_check.py, one H100, 2026-11-25, flash-attn-4 4.0.0b36 (hd 72 and 80
+# failed there: 0.98 and 1.29). tools/gpu_fa4_check.sh re-checks every listed dim and prints the entry
+# for the GPU it runs on: add a GPU (or a wheel version) only from its output.
+CHECKED_HEAD_DIMS: dict[str, tuple[int, ...]] = {
+    "NVIDIA H100 80GB HBM3": (64, 96, 128),
+}
+# Head dims checked on this GPU minutes ago by tools/gpu_fa4_check.py, which sets this for its own
+# runs where CHECKED_HEAD_DIMS has no entry for the GPU yet; it adds to the table, never removes.
+CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
+FA4_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200)
+FA4_DTYPES = (torch.bfloat16, torch.float16)
+FA4_INSTALL = "pip install 'megatron-hetero[fa4]'"
+
+
+class AttentionKernelError(ValueError):
+    """--attention-backend flash where flash-attn-4 cannot run exactly; one line saying why."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # torch.cuda.get_device_name(), or "cpu"
+    capability: tuple[int, int] | None = None  # None: no CUDA device
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """kernel: FA4 or SDPA; head_dim: the module's; run_head_dim: what the kernel computes at (FA4 at
+    an unchecked head dim: the checked one it is zero-padded to); reason: why not FA4."""
+
+    kernel: str
+    head_dim: int
+    run_head_dim: int
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.kernel == SDPA:
+            return f"sdpa (head dim {self.head_dim}{': ' + self.reason if self.reason else ''})"
+        if self.run_head_dim != self.head_dim:
+            return f"fa4 (head dim {self.head_dim} zero-padded to {self.run_head_dim})"
+        return f"fa4 (head dim {self.head_dim})"
+
+
+def backend_mode(attention_backend) -> str:
+    """Megatron's --attention-backend (an AttnBackend or its name) as "auto", "flash" or "sdpa"."""
+    name = attention_backend.name if isinstance(attention_backend, AttnBackend) else str(attention_backend)
+    if name not in AttnBackend.__members__:
+        raise AttentionKernelError(f"--attention-backend {name}: use one of {', '.join(AttnBackend.__members__)}")
+    return {"auto": "auto", "flash": "flash"}.get(name, SDPA)
+
+
+def checked_head_dims(device_name: str, environ=os.environ) -> tuple[int, ...]:
+    """CHECKED_HEAD_DIMS's entry for the GPU, with those of CHECKED_ENV ("64,96,128") added."""
+    extra = [int(d) for d in environ.get(CHECKED_ENV, "").replace(",", " ").split()]
+    return tuple(sorted({*CHECKED_HEAD_DIMS.get(device_name, ()), *extra}))
+
+
+def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, dropout: float,
+                flash_attention_version: int | None, checked: tuple[int, ...]) -> str | None:
+    """Why FA4 cannot run this module at all (whatever its head dim), or None."""
+    if device.capability is None:
+        return "no GPU"
+    if device.capability[0] not in FA4_ARCH_MAJORS:
+        return f"flash-attn-4 targets sm90/sm100, not {device.name} (sm{device.capability[0]}{device.capability[1]})"
+    if flash_attention_version not in (None, 4):
+        return f"--flash-attention-version {flash_attention_version}: megatron-hetero's layers run flash-attn-4 only"
+    if import_problem:
+        return import_problem
+    if dtype not in FA4_DTYPES:
+        return f"flash-attn-4 runs bf16/fp16, not {str(dtype).removeprefix('torch.')} (--bf16)"
+    if dropout > 0:
+        return f"attention dropout {dropout}: flash-attn-4 has none"
+    if not checked:
+        return (f"flash-attn-4's gradients are not checked on {device.name}: run tools/gpu_fa4_check.sh there "
+                f"and add its line to CHECKED_HEAD_DIMS")
+    return None
+
+
+def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: str | None = None,
+                  dtype: torch.dtype = torch.bfloat16, dropout: float = 0.0,
+                  flash_attention_version: int | None = None, checked: tuple[int, ...] = ()) -> KernelChoice:
+    """The kernel of a module with this head dim under `mode` (backend_mode); `checked`: the head dims
+    checked on `device` (checked_head_dims). Raises AttentionKernelError where mode "flash" cannot be
+    served exactly."""
+    if mode == SDPA:
+        return KernelChoice(SDPA, head_dim, head_dim, "chosen by --attention-backend")
+    problem = fa4_problem(device, import_problem, dtype, dropout, flash_attention_version, checked)
+    if problem is None and head_dim in checked:
+        return KernelChoice(FA4, head_dim, head_dim)
+    padded = next((d for d in sorted(checked) if d > head_dim), None)
+    if problem is None and mode == "flash" and padded is not None:
+        return KernelChoice(FA4, head_dim, padded)
+    if problem is None:
+        problem = f"not among the head dims checked on {device.name} ({', '.join(map(str, checked))})"
+    if mode == "flash":
+        raise AttentionKernelError(f"--attention-backend flash: head dim {head_dim}: {problem}; or use "
+                                   f"--attention-backend auto")
+    return KernelChoice(SDPA, head_dim, head_dim, problem)
+
+
+def current_device() -> Device:
+    if not torch.cuda.is_available():
+        return Device("cpu")
+    return Device(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+
+
+class Fa4(NamedTuple):
+    """flash_attn.cute's entries: func([b, s, h, d] x3, ...), varlen_func([total, h, d] x3, ...)."""
+
+    func: Callable
+    varlen_func: Callable
+
+
+@functools.cache
+def load_fa4() -> tuple[Fa4 | None, str | None]:
+    """(flash-attn-4's entries, None), or (None, why it does not import)."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
+        first_line = (str(error).splitlines() or [""])[0][:100]
+        return None, f"flash-attn-4 does not import ({type(error).__name__}: {first_line}); {FA4_INSTALL}"
+    return Fa4(flash_attn_func, flash_attn_varlen_func), None
+
+
+def kernel_for(attention_backend, head_dim: int, dtype: torch.dtype, dropout: float = 0.0,
+               flash_attention_version: int | None = None) -> KernelChoice:
+    """choose_kernel for a module on this process's GPU: Megatron's --attention-backend and
+    --flash-attention-version, the module's head dim, compute dtype (config_dtype) and dropout."""
+    mode = backend_mode(attention_backend)
+    device = current_device()
+    import_problem = None
+    if mode != SDPA and device.capability is not None:
+        import_problem = load_fa4()[1]
+    return choose_kernel(mode, head_dim, device, import_problem=import_problem, dtype=dtype, dropout=dropout,
+                         flash_attention_version=flash_attention_version,
+                         checked=checked_head_dims(device.name) if device.capability else ())
+
+
+def config_dtype(config) -> torch.dtype:
+    """The dtype a TransformerConfig's layers compute attention in."""
+    return torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else config.params_dtype
+
+
+def run_fa4(fn: Callable, choice: KernelChoice, q, k, v, **kwargs) -> torch.Tensor:
+    """fn(q, k, v, **kwargs) (an Fa4 entry, or a stand-in with its signature) at the choice's head dim:
+    q, k, v zero-padded on the last dim where it is larger (the caller passes the true head dim's
+    softmax_scale: q.k and P.v are unchanged, the padded output columns are zero and cut off); FA4
+    returns (out, lse) or out, depending on its version."""
+    pad = choice.run_head_dim - q.shape[-1]
+    if pad:
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    out = fn(q, k, v, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    return out[..., : out.shape[-1] - pad] if pad else out

@@ -1,0 +1,362 @@
+"""The attention kernel choice and the flash-attn-4 path, without a GPU (CI never has flash-attn-4).
+
+- which kernel each device / import status / dtype / head dim / --attention-backend gets (pure);
+- zero-padding the head dim with the true dim's softmax scale: outputs and gradients equal the
+  unpadded ones (SDPA standing in for the kernel);
+- the index math of the FA4 path (CP's query chunks, packed documents' cu_seqlens cut to them, the
+  varlen entry) against torch SDPA with the block mask, through a small pure-torch stand-in with
+  flash-attn-4's call signatures (the plumbing is verified here, the kernel's numbers by
+  tools/gpu_fa4_check.sh on a GPU).
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnBackend
+
+from megatron_hetero.models import attention, attention_kernels
+from megatron_hetero.models.attention import (
+    attend,
+    chunk_cu_seqlens,
+    document_cu_seqlens,
+    packed_seq_params,
+    query_chunks,
+    varlen_attention,
+)
+from megatron_hetero.models.attention_kernels import (
+    CHECKED_ENV,
+    FA4,
+    SDPA,
+    AttentionKernelError,
+    Device,
+    Fa4,
+    KernelChoice,
+    backend_mode,
+    checked_head_dims,
+    choose_kernel,
+    run_fa4,
+)
+from megatron_hetero.models.context_parallel import cp_positions
+
+H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
+H100_DIMS = attention_kernels.CHECKED_HEAD_DIMS[H100.name]
+
+
+# ---- the choice (pure) ----------------------------------------------------------------------------
+def _choose(mode, head_dim, device=H100, **kwargs):
+    kwargs.setdefault("checked", checked_head_dims(device.name, environ={}) if device.capability else ())
+    return choose_kernel(mode, head_dim, device, **kwargs)
+
+
+def test_backend_mode_is_megatrons_attention_backend():
+    assert [backend_mode(b) for b in AttnBackend] == ["flash", SDPA, SDPA, SDPA, "auto"]
+    assert backend_mode("auto") == "auto"
+    with pytest.raises(AttentionKernelError, match="--attention-backend cudnn: use one of"):
+        backend_mode("cudnn")
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_auto_takes_fa4_at_the_checked_head_dims(head_dim):
+    assert _choose("auto", head_dim) == KernelChoice(FA4, head_dim, head_dim)
+    assert str(_choose("auto", head_dim)) == f"fa4 (head dim {head_dim})"
+
+
+@pytest.mark.parametrize("head_dim, padded", [(72, 96), (80, 96), (32, 64), (100, 128)])
+def test_unchecked_head_dims_sdpa_under_auto_padded_under_flash(head_dim, padded):
+    """GPU-KERNELS.md: FA4's gradients are wrong at 72 and 80 on the H100 and padding does not pay."""
+    auto = _choose("auto", head_dim)
+    assert auto.kernel == SDPA and "not among the head dims checked on NVIDIA H100" in auto.reason
+    assert _choose("flash", head_dim) == KernelChoice(FA4, head_dim, padded)
+    assert str(_choose("flash", head_dim)) == f"fa4 (head dim {head_dim} zero-padded to {padded})"
+
+
+def test_sdpa_backends_never_take_fa4():
+    for name in ("fused", "unfused", "local"):
+        assert _choose(backend_mode(name), 128).kernel == SDPA
+
+
+@pytest.mark.parametrize("device, kwargs, reason", [
+    (Device("cpu"), {}, "no GPU"),
+    (Device("NVIDIA A100-SXM4-80GB", (8, 0)), {}, "targets sm90/sm100"),
+    (Device("NVIDIA H200", (9, 0)), {}, "not checked on NVIDIA H200: run tools/gpu_fa4_check.sh"),
+    (H100, {"import_problem": "flash-attn-4 does not import (ImportError: x)"}, "does not import"),
+    (H100, {"dtype": torch.float32}, "runs bf16/fp16, not float32"),
+    (H100, {"dropout": 0.1}, "attention dropout 0.1"),
+    (H100, {"flash_attention_version": 3}, "--flash-attention-version 3"),
+])
+def test_why_not_fa4(device, kwargs, reason):
+    """auto falls back to SDPA and says why; flash refuses with the same reason in one line."""
+    choice = _choose("auto", 128, device, **kwargs)
+    assert choice.kernel == SDPA and reason in choice.reason and reason in str(choice)
+    refusal = "--attention-backend flash: head dim 128: .*" + reason.split(":")[0]
+    with pytest.raises(AttentionKernelError, match=refusal):
+        _choose("flash", 128, device, **kwargs)
+
+
+def test_flash_refuses_a_head_dim_above_every_checked_one():
+    with pytest.raises(AttentionKernelError, match="head dim 256: not among the head dims checked"):
+        _choose("flash", 256)
+
+
+def test_checked_head_dims_table_and_environment():
+    assert checked_head_dims(H100.name, environ={}) == H100_DIMS
+    assert checked_head_dims("NVIDIA H200", environ={}) == ()
+    assert checked_head_dims("NVIDIA H200", environ={CHECKED_ENV: "128,64"}) == (64, 128)
+    assert checked_head_dims(H100.name, environ={CHECKED_ENV: "80"}) == tuple(sorted({*H100_DIMS, 80}))
+    assert _choose("auto", 128, Device("NVIDIA H200", (9, 0)), checked=(64, 128)).kernel == FA4
+
+
+def test_kernel_for_on_cpu_is_sdpa_whatever_the_flag():
+    """CPU and CI: SDPA; an explicit flash on a machine without a GPU is one line."""
+    assert attention_kernels.kernel_for(AttnBackend.auto, 16, torch.bfloat16) == KernelChoice(SDPA, 16, 16, "no GPU")
+    with pytest.raises(AttentionKernelError, match="flash: head dim 16: no GPU"):
+        attention_kernels.kernel_for(AttnBackend.flash, 16, torch.bfloat16)
+
+
+# ---- a pure-torch stand-in with flash-attn-4's signatures ------------------------------------------
+def _reference(q, k, v, scale, causal):
+    """One sequence: q [lq, h, d], k, v [lk, hk, d]; causal bottom-right aligned (flash-attention's);
+    computed in fp32 at least, as the kernel accumulates."""
+    dtype = q.dtype
+    q, k, v = (t.to(torch.promote_types(dtype, torch.float32)) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        lq, lk = q.shape[0], k.shape[0]
+        allowed = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(dtype)
+
+
+def fake_func(q, k, v, *, softmax_scale, causal):
+    """flash_attn.cute.flash_attn_func: [b, s, h, d] in, (out, lse) out."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[0] == k.shape[0]
+    return torch.stack([_reference(*x, softmax_scale, causal) for x in zip(q, k, v)]), None
+
+
+def fake_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """flash_attn.cute.flash_attn_varlen_func: [total, h, d] in, (out, lse) out; checks the contract."""
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and len(cu_seqlens_q) == len(cu_seqlens_k)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert cu_q[0] == cu_k[0] == 0 and cu_q[-1] == q.shape[0] and cu_k[-1] == k.shape[0]
+    outs = []
+    for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        assert 0 <= b - a <= max_seqlen_q and 0 <= d - c <= max_seqlen_k
+        if b > a:
+            assert d > c, "queries without keys"
+            outs.append(_reference(q[a:b], k[c:d], v[c:d], softmax_scale, causal))
+    return torch.cat(outs), None
+
+
+FAKE = Fa4(fake_func, fake_varlen_func)
+SD = KernelChoice(SDPA, 8, 8)
+
+
+def _leaves(*shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_() for s in shapes]
+
+
+def _grads(fn, leaves, seed=1):
+    """fn's output and the gradients of the leaves under a fixed random output gradient."""
+    for x in leaves:
+        x.grad = None
+    out = fn()
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    (out * g).sum().backward()
+    return [out.detach()] + [x.grad.clone() for x in leaves]
+
+
+def _assert_same(got, want, tol=1e-10):
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"tensor {i}: {m}")
+
+
+# ---- zero-padding ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("head_dim, padded", [(72, 96), (72, 128), (80, 96), (80, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_zero_padding_is_exact(head_dim, padded, causal):
+    """q, k, v padded to the checked head dim with the true dim's scale: outputs and dq/dk/dv equal
+    the unpadded attention's (SDPA standing in for the kernel)."""
+    leaves = _leaves((2, 24, 4, head_dim), (2, 24, 2, head_dim), (2, 24, 2, head_dim))
+    scale = head_dim**-0.5
+
+    def sdpa_like_fa4(q, k, v, *, softmax_scale, causal):  # FA4's layout and tuple return, on SDPA
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, is_causal=causal, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    padded_run = _grads(lambda: run_fa4(sdpa_like_fa4, KernelChoice(FA4, head_dim, padded), *leaves,
+                                        softmax_scale=scale, causal=causal), leaves)
+    plain = _grads(lambda: sdpa_like_fa4(*leaves, softmax_scale=scale, causal=causal)[0], leaves)
+    assert padded_run[0].shape[-1] == head_dim
+    _assert_same(padded_run, plain)
+
+
+# ---- the FA4 path's index math against SDPA with the block mask ------------------------------------
+def test_document_boundaries():
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [2, 2, 3, 3, 3, 3, 3, 4]])
+    assert document_cu_seqlens(documents).tolist() == [0, 3, 5, 8, 10, 15, 16]  # a row starts a document
+    cu = document_cu_seqlens(documents)
+    assert [t.tolist() for t in chunk_cu_seqlens(cu, 8, 0, 8)] == [cu.tolist()] * 2
+    # chunk 2:4 of each row: documents' queries there, their keys from their start to position 4
+    assert [t.tolist() for t in chunk_cu_seqlens(cu, 8, 2, 4)] == [[0, 1, 2, 2, 2, 4, 4], [0, 3, 4, 4, 6, 8, 8]]
+    params = packed_seq_params(documents, "cpu")
+    assert params.cu_seqlens_q.tolist() == cu.tolist() and params.max_seqlen_q == 8
+    assert query_chunks(8, 2, 1) == [((0, 2), 2, 4), ((2, 4), 4, 6)]
+
+
+DOCUMENTS = torch.tensor([[0] * 5 + [1] * 9 + [2] * 2,  # row 0: documents across CP chunk borders
+                          [3] * 16])  # row 1: one document
+
+
+def _cp_run(kernel, fa4, cp, q, k, v, causal=True, packed=None):
+    """attend over every CP rank's queries (k, v as the gather leaves them): the ranks' outputs in
+    sequence order [s, b, h * d]."""
+    s = q.shape[0]
+    out = torch.empty(s, q.shape[1], q.shape[2] * v.shape[3], dtype=q.dtype)
+    for rank in range(cp):
+        at = cp_positions(s, cp, rank)
+        out = out.index_put((at,), attend(q[at], k, v, kernel, q.shape[-1] ** -0.5, causal, packed=packed,
+                                          cp=cp, cp_rank=rank, fa4=fa4))
+    return out
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("run_head_dim", [8, 16])
+def test_fa4_path_equals_sdpa(cp, packed, run_head_dim):
+    """Causal attention with GQA over CP ranks (each rank's query chunks against the gathered keys),
+    packed or not, on the FA4 path (stand-in kernel, padded where run_head_dim > 8) equals the SDPA
+    path of one process (document mask): outputs and gradients."""
+    leaves = _leaves((16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8))
+    params = packed_seq_params(DOCUMENTS, "cpu") if packed else None
+    fa4 = KernelChoice(FA4, 8, run_head_dim)
+    got = _grads(lambda: _cp_run(fa4, FAKE, cp, *leaves, packed=params), leaves)
+    want = _grads(lambda: _cp_run(SD, None, 1, *leaves, packed=params), leaves)
+    _assert_same(got, want)
+
+
+def test_fa4_path_full_attention():
+    """Encoders: full attention (no mask) on the FA4 path equals SDPA's."""
+    leaves = _leaves((12, 3, 4, 8), (12, 3, 4, 8), (12, 3, 4, 8))
+    got = _grads(lambda: attend(*leaves, KernelChoice(FA4, 8, 16), 0.3, False, fa4=FAKE), leaves)
+    want = _grads(lambda: attend(*leaves, SD, 0.3, False), leaves)
+    _assert_same(got, want)
+
+
+def test_packed_documents_do_not_see_each_other():
+    """The SDPA reference itself: a document's outputs are those of the document alone."""
+    q, k, v = (x.detach() for x in _leaves((16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8)))
+    out = attend(q, k, v, SD, 8**-0.5, True, packed=packed_seq_params(DOCUMENTS, "cpu"))
+    alone = attend(q[5:14, :1], k[5:14, :1], v[5:14, :1], SD, 8**-0.5, True)
+    torch.testing.assert_close(out[5:14, :1], alone, rtol=1e-12, atol=1e-12)
+
+
+# ---- varlen_attention (packed images of a native-resolution ViT) -----------------------------------
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_attention_sdpa_and_fa4_paths(causal):
+    """Segments of several lengths (some repeated: one batched SDPA call per shape), GQA, keys
+    longer than queries; the SDPA path and the FA4 path (stand-in, padded) against the reference."""
+    lens_q, lens_k = [3, 5, 3, 7, 5], [3, 6, 3, 7, 5]
+    cu_q, cu_k = (F.pad(torch.tensor(n).cumsum(0), (1, 0)).to(torch.int32) for n in (lens_q, lens_k))
+    leaves = _leaves((sum(lens_q), 4, 8), (sum(lens_k), 2, 8), (sum(lens_k), 2, 8))
+    kwargs = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=7, softmax_scale=0.3,
+                  causal=causal)
+    want = _grads(lambda: fake_varlen_func(*leaves, **kwargs)[0], leaves)
+    _assert_same(_grads(lambda: varlen_attention(*leaves, kernel=SD, **kwargs), leaves), want)
+    _assert_same(_grads(lambda: varlen_attention(*leaves, kernel=KernelChoice(FA4, 8, 16), fa4=FAKE, **kwargs),
+                        leaves), want)
+
+
+def test_varlen_attention_default_scale_is_the_head_dims():
+    q, k, v = (x.detach() for x in _leaves((6, 2, 8), (6, 2, 8), (6, 2, 8)))
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    torch.testing.assert_close(varlen_attention(q, k, v, cu, cu, 4, 4, SD),
+                               fake_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4,
+                                                max_seqlen_k=4, softmax_scale=1 / math.sqrt(8), causal=False)[0])
+
+
+# ---- the module ----------------------------------------------------------------------------------
+def test_module_on_the_fa4_path(monkeypatch):
+    """SDPAttention with the FA4 choice ([s, b, heads, d] in, [s, b, heads * d] out, GQA, causal) gives
+    SDPA's outputs and gradients; the start-up summary names each module's choice."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hetero.models.vlm import _config
+
+    config = _config(32, 1, 4, 1, torch.float64, num_query_groups=2)
+    no_cp = SimpleNamespace(cp=None)  # the module reads only its CP group
+    ours = attention.SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=no_cp)
+    assert attention.attention_summary(torch.nn.ModuleDict({"core_attention": ours})) == "sdpa (head dim 8: no GPU)"
+    leaves = _leaves((16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8))
+    want = _grads(lambda: ours(*leaves, None), leaves)
+    monkeypatch.setattr(attention, "load_fa4", lambda: (FAKE, None))
+    ours.kernel = KernelChoice(FA4, 8, 16)
+    _assert_same(_grads(lambda: ours(*leaves, None), leaves), want)
+
+
+# ---- tools/gpu_fa4_check.py's measuring, on CPU ----------------------------------------------------
+class _DoubledGradient(torch.autograd.Function):
+    """The identity whose backward doubles the gradient: a kernel with a right forward and a wrong
+    backward, as flash-attn-4 4.0.0b36 at head dims 72 and 80 on the H100."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def _wrong_backward(fn):
+    def kernel(q, k, v, **kwargs):
+        out, lse = fn(q, k, v, **kwargs)
+        return _DoubledGradient.apply(out), lse
+    return kernel
+
+
+def _check_tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tools"))
+    import gpu_fa4_check
+
+    monkeypatch.setattr(gpu_fa4_check, "DEVICE", "cpu")
+    return gpu_fa4_check
+
+
+def test_gpu_check_passes_right_kernels_and_fails_a_wrong_backward(monkeypatch):
+    """The GPU script's cases (causal GQA, full, packed images, CP2 halves with packed documents) in
+    bf16 against its fp32 reference: SDPA and the FA4 path with a right stand-in pass; a stand-in whose
+    forward is right and backward wrong fails on dq/dk/dv, not on the output."""
+    tool = _check_tool(monkeypatch)
+    cases = [tool.dense_case("causal gqa", 1, 32, 4, 2, 8, True), tool.dense_case("full", 3, 12, 2, 2, 8, False),
+             tool.varlen_case("images", [5, 9, 3, 9], 2, 8),
+             tool.cp_case("cp2 documents", 2, 32, 4, 2, 8, 2, tool._documents(2, 32, [[10, 22], [32]]))]
+    monkeypatch.setattr(attention, "load_fa4", lambda: (FAKE, None))
+    for case in cases:
+        for kernel in (KernelChoice(SDPA, 8, 8), KernelChoice(FA4, 8, 8), KernelChoice(FA4, 8, 16)):
+            record = tool.measure(case, "test", kernel, iters=0)
+            assert record["ok"], record
+    monkeypatch.setattr(attention, "load_fa4", lambda: (Fa4(*map(_wrong_backward, FAKE)), None))
+    for case in cases:
+        record = tool.measure(case, "test", KernelChoice(FA4, 8, 8), iters=0)
+        assert record["out_err"] < tool.TOLERANCE and min(record[f"d{x}_err"] for x in "qkv") > 0.5, record
+        assert not record["ok"]
+
+
+def test_gpu_check_compares_two_loss_curves(monkeypatch, tmp_path, capsys):
+    tool = _check_tool(monkeypatch)
+    for name, losses in (("sdpa", [2.0, 1.5, 1.25]), ("fa4", [2.0, 1.5, 1.5])):
+        lines = [json.dumps({"step": i + 1, "loss": x}) for i, x in enumerate(losses)] + ['{"caption_accuracy": 1}']
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    assert tool.compare_losses(str(tmp_path / "sdpa.jsonl"), str(tmp_path / "fa4.jsonl")) == 0
+    out = capsys.readouterr().out
+    assert "| 3 | 1.25000 | 1.50000 | +0.25000 |" in out
+    assert "3 steps: max |difference| 0.25000 (step 3)" in out

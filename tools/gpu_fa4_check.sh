@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 30 on one GPU: flash-attn-4 against fp32 attention at every attention shape the workloads use,
+# with each backend's speed (tools/gpu_fa4_check.py: exit 1 if a chosen path's gradients are off), then
+# a 200-step loss comparison of examples/pretrain_vlm.py, SDPA (--attention-backend unfused) against
+# flash-attn-4 (--attention-backend flash: the LLM's head dim 128 as it is, the ViT's 72 zero-padded),
+# packed sequences (the LLM's per-document varlen path) included.
+#
+# flash-attn-4: from $FA4_SITE when set (installed by an earlier call on this warm machine, e.g.
+# FA4_SITE=$HOME/fasite), else installed here into $HOME/fasite from the carried wheels: call 1 copied
+# .fa4a to /tmp/fa4parts, this call carries .fa4b (the recipe: .fa4a/README.txt in the lead's checkout).
+# CHECK=0 / LOSS=0 skip a part; QUICK=1: 4K instead of 16K sequences, fewer timing runs; STEPS (200).
+# Where CHECKED_HEAD_DIMS has no entry for this GPU, the loss runs take the head dims the check passed
+# here (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS, kept in $SITE/checked_head_dims.txt for a later call).
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+CU13_SHA256=50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90
+SITE=${FA4_SITE:-$HOME/fasite}
+if [ -z "${FA4_SITE:-}" ]; then
+  cat /tmp/fa4parts/cu13.part.00 .fa4b/cu13.part.01 > "/tmp/fa4parts/$CU13" \
+    || { echo "error: the carried parts are missing: run call 1 (.fa4a) first, then carry .fa4b"; exit 2; }
+  echo "$CU13_SHA256  /tmp/fa4parts/$CU13" | sha256sum -c --quiet || { echo "error: the joined wheel is corrupt"; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" /tmp/fa4parts/*.whl || exit 2
+fi
+# --target skips the .pth file that puts the DSL's packages on the path.
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+check=0
+if [ "${CHECK:-1}" != 0 ]; then
+  echo "== $(date +%T) tools/gpu_fa4_check.py"
+  python3 tools/gpu_fa4_check.py ${QUICK:+--quick} --out "$out" > "$out/fa4_check.log" 2>&1; check=$?
+  cp "$out/fa4_checked_head_dims.txt" "$SITE/checked_head_dims.txt" 2>/dev/null
+  grep -E "\| (auto|flash|sdpa)|FAIL|negative control|CHECKED_HEAD_DIMS|head dims whose|^(PASS|FAIL|error)" \
+    "$out/fa4_check.log" | cut -c1-230
+  echo "gpu_fa4_check.py: exit $check"
+fi
+if [ "${LOSS:-1}" != 0 ]; then
+  [ -f "$SITE/checked_head_dims.txt" ] && export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$SITE/checked_head_dims.txt")
+  # A GPU-sized model: SigLIP-like ViT (224 px / 14: 256 tokens, 16 heads x 72) into an LLM of 8 heads
+  # x 128, two samples packed per 1024-token sequence.
+  FLAGS="--hetero-layout examples/layouts/single.yaml --bf16 --train-iters ${STEPS:-200} --global-batch-size 32
+    --micro-batch-size 8 --pack-samples 2 --seq-length 1024 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 20
+    --log-interval 50 --seed 1234 --image-size 224 --patch-size 14 --enc-hidden-size 1152 --enc-num-layers 4
+    --enc-num-attention-heads 16 --hidden-size 1024 --num-attention-heads 8 --num-layers 4"
+  for backend in unfused flash; do
+    echo "== $(date +%T) pretrain_vlm.py --attention-backend $backend" | tee -a "$out/loss_runs.log"
+    # shellcheck disable=SC2086
+    torchrun --nproc-per-node 1 examples/pretrain_vlm.py $FLAGS --attention-backend $backend \
+      --metrics-file "$out/loss_$backend.jsonl" >> "$out/loss_runs.log" 2>&1
+    echo "exit $?"; grep -E "^attention:|^error" "$out/loss_runs.log" | tail -2
+  done
+  python3 tools/gpu_fa4_check.py --compare-losses "$out/loss_unfused.jsonl" "$out/loss_flash.jsonl" \
+    | tee -a "$out/loss_runs.log" | grep -E "^\| (1|50|100|150|200) |steps:"
+fi
+exit $check
