@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron_hetero.families import family_named
 from megatron_hetero.hf import HFMappingError
 from megatron_hetero.models.sizes import ModelSizes
+from tests.distributed import collect_distributed
 from tests.internvl_models import (
     CONFIGS,
     IMAGE_TOKEN,
@@ -21,7 +22,6 @@ from tests.internvl_models import (
     hf_model,
     internvl_dir,
 )
-from tests.distributed import collect_distributed
 from tests.test_hf import _run_stages
 
 TOL = 1e-4

@@ -53,7 +53,8 @@ def llm_rules(sizes: ModelSizes, prefix: str = "model.") -> list:
             Same(f"{ours}mlp.linear_fc2.weight", f"{hf}mlp.down_proj.weight"),
         ]
         if arch.qk_norm:
-            rules += [Same(f"{ours}self_attention.{x}_layernorm.weight", f"{hf}self_attn.{x}_norm.weight") for x in "qk"]
+            rules += [Same(f"{ours}self_attention.{x}_layernorm.weight", f"{hf}self_attn.{x}_norm.weight")
+                      for x in "qk"]
     return rules
 
 

@@ -17,10 +17,10 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.boundary.exchange import write_rows
+from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch
-from megatron_hetero.models import specs
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 
