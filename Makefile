@@ -40,6 +40,7 @@ demo: setup $(DEMO_DATA)
 	$(VENV)/bin/torchrun --nproc-per-node 4 examples/pretrain_vlm.py @examples/demo_args.txt --data-path $(DEMO_DATA)
 
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not families" tests
 
 # The VLM families' whole layout matrix (tests marked `families`): slower, multi-process.

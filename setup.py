@@ -33,6 +33,7 @@ setup(
         "hf": ["transformers>=5", "safetensors"],
         # megatron-energon datasets as --data-path (megatron_hetero/data/energon.py).
         "energon": ["megatron-energon>=7"],
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7"],
+        # The tests, and ruff (pyproject.toml's settings), which `make test` runs first.
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff"],
     },
 )

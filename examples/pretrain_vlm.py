@@ -25,10 +25,10 @@ from megatron_hetero.data.bad_data import DataError  # noqa: E402
 from megatron_hetero.data.megatron_data import CaptionSamples  # noqa: E402
 from megatron_hetero.data.shapes import ShapesDataset  # noqa: E402
 from megatron_hetero.models.kinds import encoder_kind  # noqa: E402
-from megatron_hetero.patches.hetero_args import fail  # noqa: E402
 from megatron_hetero.patches.metrics import write_record  # noqa: E402
 from megatron_hetero.training.args import image_counts, model_sizes, parse_script_args  # noqa: E402
 from megatron_hetero.training.evaluation import evaluate_captions, report_waiting  # noqa: E402
+from megatron_hetero.training.layout_args import fail  # noqa: E402
 from megatron_hetero.training.providers import conversation_dataset, forward_step, model_provider  # noqa: E402
 
 

@@ -11,16 +11,22 @@ import argparse
 import re
 import sys
 from dataclasses import dataclass
+from enum import StrEnum
 
 import yaml
 
 __all__ = [
     "AXES",
+    "ColocatedSchedule",
     "EXPERT_AXES",
     "Edge",
     "HeteroLayout",
     "LayoutError",
     "ModuleLayout",
+    "Placement",
+    "Role",
+    "dp_rank_of",
+    "dp_samples",
     "load_layout",
     "parse_layout",
 ]
@@ -29,8 +35,39 @@ __all__ = [
 AXES = ("tp", "cp", "dp", "pp")
 # Expert layers' order over the same ranks: expert tp fastest, then ep, expert dp, pp.
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
-ROLES = ("encoder", "llm")
-PLACEMENTS = ("colocated", "non_colocated")
+
+
+class _Named(StrEnum):
+    """A choice of a fixed set, equal to its name as written in files and flags (its one check:
+    the constructor, `Placement(text)`)."""
+
+    def __repr__(self) -> str:  # as the plain string (a layout's repr is what checkpoints record)
+        return repr(self.value)
+
+
+class Placement(_Named):
+    """How the modules share the ranks."""
+
+    COLOCATED = "colocated"  # every module spans every rank
+    NON_COLOCATED = "non_colocated"  # each module on a rank range of its own, disjoint
+
+
+class Role(_Named):
+    ENCODER = "encoder"
+    LLM = "llm"
+
+
+class ColocatedSchedule(_Named):
+    """How a colocated rank orders its encoder work around a pipelined LLM's (--hetero-colocated-
+    schedule; schedules/colocated.py and colocated_order.py)."""
+
+    RECOMPUTE = "recompute"  # encoder forwards without a graph, the pipeline, each forward again with its backward
+    THREE_PHASE = "three-phase"  # every encoder forward, the pipeline, every encoder backward
+    BUBBLES = "bubbles"  # encoder work inside the pipeline's warm-up and cool-down
+
+
+ROLES = tuple(Role)
+PLACEMENTS = tuple(Placement)
 TOP_KEYS = ("placement", "modules", "edges")
 MODULE_KEYS = ("role", "kind", *AXES, "sp", "freeze", "cp_replicated", "ranks", "ep", "etp")
 
@@ -40,6 +77,26 @@ _RANKS = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
 
 class LayoutError(ValueError):
     """A user mistake in a layout; the message is one line naming the module, field and fix."""
+
+
+def dp_rank_of(samples, num_samples: int, dp: int):
+    """The data-parallel rank (of `dp`) that takes each of `samples` (an int or an integer array) of a
+    batch of `num_samples`: each rank a contiguous slice, in rank order, as Megatron splits a batch.
+    The rule's one home (dp_samples is its inverse)."""
+    return samples // (num_samples // dp)
+
+
+def dp_samples(num_samples: int, dp: int, dp_rank: int) -> slice:
+    """The contiguous slice of a batch of `num_samples` that data-parallel rank `dp_rank` (of `dp`) takes."""
+    per_rank = num_samples // dp
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+
+def _placement(value) -> Placement:
+    """A layout's placement, checked (the one place)."""
+    if not isinstance(value, str) or value not in PLACEMENTS:
+        raise LayoutError(f"placement {value!r} is not valid; use placement: colocated or placement: non_colocated")
+    return Placement(value)
 
 
 def _is_int(value) -> bool:
@@ -82,8 +139,9 @@ class ModuleLayout:
                 f"module name {self.name!r} is not valid; use letters, digits and _ (e.g. vision)"
             )
         where = f"module {self.name}"
-        if self.role not in ROLES:
+        if not isinstance(self.role, str) or self.role not in ROLES:
             raise LayoutError(f"{where}: role {self.role!r} is not valid; use role: encoder or role: llm")
+        object.__setattr__(self, "role", Role(self.role))
         for axis in AXES:
             value = getattr(self, axis)
             if not _is_int(value) or value < 1:
@@ -175,6 +233,10 @@ class ModuleLayout:
             offset = offset * extent + coords[axis]
         return self.first_rank + offset
 
+    def dp_samples(self, num_samples: int, dp_rank: int) -> slice:
+        """The slice of a batch of `num_samples` this module's data-parallel rank `dp_rank` takes."""
+        return dp_samples(num_samples, self.dp, dp_rank)
+
     def coords(self, rank: int) -> dict[str, int] | None:
         if rank not in self.ranks:
             return None
@@ -209,10 +271,7 @@ class HeteroLayout:
     def __post_init__(self):
         object.__setattr__(self, "modules", tuple(self.modules))
         object.__setattr__(self, "edges", tuple(self.edges))
-        if self.placement not in PLACEMENTS:
-            raise LayoutError(
-                f"placement {self.placement!r} is not valid; use placement: colocated or placement: non_colocated"
-            )
+        object.__setattr__(self, "placement", _placement(self.placement))
         if not _is_int(self.world_size) or self.world_size < 1:
             raise LayoutError(f"world size must be a positive integer, got {self.world_size!r}; use 1 or more")
         if not self.modules:
@@ -423,9 +482,7 @@ def parse_layout(data: dict, world_size: int) -> HeteroLayout:
         raise LayoutError(f"world size must be a positive integer, got {world_size!r}; use 1 or more")
     if "placement" not in data:
         raise LayoutError("placement missing; add placement: colocated or placement: non_colocated")
-    placement = data["placement"]
-    if placement not in PLACEMENTS:
-        raise LayoutError(f"placement {placement!r} is not valid; use placement: colocated or placement: non_colocated")
+    placement = _placement(data["placement"])
     modules = data.get("modules")
     if not isinstance(modules, dict) or not modules:
         raise LayoutError("modules missing or empty; give a mapping of module names to settings, one with role: llm")

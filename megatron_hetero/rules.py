@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.layout import ColocatedSchedule, ModuleLayout, Placement
 from megatron_hetero.models.sizes import AUDIO_FRAMES_PER_TOKEN
 
 __all__ = [
@@ -79,7 +79,7 @@ def encoder_cp_problem(encoder: ModuleLayout, replicated: bool = False) -> str |
 def encoder_pp_problem(encoder: ModuleLayout, placement: str) -> str | None:
     """Only an encoder on ranks of its own is pipelined; a colocated one (also the planner's
     "homogeneous" placement) runs whole before the LLM's stages."""
-    if encoder.pp != 1 and placement != "non_colocated":
+    if encoder.pp != 1 and placement != Placement.NON_COLOCATED:
         return (f"module {encoder.name}: a colocated encoder runs unpipelined beside every LLM stage; "
                 f"set pp: 1 and use dp or tp for its ranks")
     return None
@@ -88,7 +88,7 @@ def encoder_pp_problem(encoder: ModuleLayout, placement: str) -> str | None:
 def colocated_schedule_problem(placement: str, llm: ModuleLayout, schedule: str) -> str | None:
     """--hetero-colocated-schedule orders a colocated rank's encoder work around a pipelined LLM's
     (schedules/colocated_order.py); elsewhere there is nothing to order."""
-    if schedule != "recompute" and (placement != "colocated" or llm.pp == 1):
+    if schedule != ColocatedSchedule.RECOMPUTE and (placement != Placement.COLOCATED or llm.pp == 1):
         return (f"--hetero-colocated-schedule {schedule} applies to colocated layouts with llm pp > 1 "
                 f"(this one: {placement}, pp {llm.pp}); drop the flag")
     return None

@@ -1,4 +1,5 @@
-"""megatron-hetero's changes to megatron-core and megatron.training, one module per concern.
+"""megatron-hetero's changes to megatron-core, megatron.training and torch, one module per concern,
+each through _patch.py (checked against the upstream signature, recorded, undoable).
 
 Installed as `megatron_hetero.patches`. `apply()` installs every patch (idempotent); the launcher
 (`python -m megatron_hetero.launch SCRIPT.py ...`) calls it before running the script, and scripts
@@ -7,8 +8,31 @@ that import megatron_hetero themselves call it first:
     import megatron_hetero.patches
     megatron_hetero.patches.apply()
 
-Without `--hetero-layout` the patched functions behave as upstream's (the CPU ones apart, which
-only act where no GPU is present).
+Without `--hetero-layout` these act as upstream does: hetero_init, hetero_model, hetero_optimizer,
+hetero_data, hetero_schedule, faults, rerun, checkpointing's save and load (each checks for the run
+a layout builds), metrics (only with --metrics-file), arguments' layout handling. These act
+without a layout too, as defaults, each for its reason:
+- startup: Megatron-LM's scripts start with only the wheel (the compiled dataset helpers, CPU
+  allowed, CLIP's ln_pre without TE) and CUDA_DEVICE_MAX_CONNECTIONS=1 where unset (Megatron's
+  check asks for it with TP or CP); without them those scripts stop before training;
+- arguments: fused kernels that need apex or TE default off without them (else the first forward
+  fails), gloo on CPUs; our flags are accepted (inert unless given);
+- cpu: only where no GPU is present (CUDA-only calls on the host; nothing changes on GPUs);
+- quiet: one line instead of ~40 "TE/apex not installed" warnings per process;
+- layer_specs: without TE, Megatron-LM's local spec gets our core attention (torch SDPA) and norms,
+  2.27x the local spec's TFLOPS (LLM layers, TP2 on 2 H200s: 468 vs 207; docs/benchmarks.md);
+- rope: on GPUs, RoPE's rotation as one compiled kernel each way, +1.5% TFLOPS on W1 (one H200;
+  the same numbers up to bf16 rounding; MEGATRON_HETERO_EAGER_ROPE=1 for upstream's);
+- grad_accum_fusion: without apex, --gradient-accumulation-fusion (Megatron's default) on torch's
+  GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/benchmarks.md);
+- fused_adam: on GPUs, torch's fused Adam kernel instead of foreach: one step over 2.1B parameters
+  62 -> 22 ms on an H100;
+- torch_adam: the distributed optimizer's checkpoints with torch's Adam load at all, and resume
+  with the right bias correction (three upstream faults without TE/apex);
+- grad_sync: --overlap-grad-reduce where a bucket's last-microbatch gradients never all arrived
+  (only then: upstream asserts);
+- checkpointing's results queue: a synchronous save's results travel in a thread queue, not a new
+  Manager process per rank (tens of CPU seconds per save on a small machine).
 """
 
 from megatron_hetero.patches import quiet
@@ -39,6 +63,7 @@ from megatron_hetero.patches._patch import PatchError, check_version  # noqa: E4
 
 
 def apply() -> None:
+    startup.set_cuda_connections()  # before CUDA starts
     check_version()
     startup.apply()
     arguments.apply()

@@ -19,7 +19,6 @@ problem stops every rank with one line naming the checkpoint, the module and wha
 """
 
 import copy
-import json
 import os
 import queue
 import shutil
@@ -29,10 +28,17 @@ import torch.distributed as dist
 from megatron.training import get_args, print_rank_0
 
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.patches.hetero_args import fail
+from megatron_hetero.runtime.checkpoint import (
+    TRACKER,
+    CheckpointError,
+    fsync_dir,
+    hetero_record,
+    inspect_checkpoint,
+    write_tracker,
+)
+from megatron_hetero.training.layout_args import fail
 
 STAGING = ".staging"
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _group_kwargs(run) -> dict:
@@ -43,41 +49,12 @@ def _group_kwargs(run) -> dict:
                 expt_dp_group=getattr(pgs, "expt_dp", None) or pgs.dp, rng_state_key_prefix=f"{run.primary.name}.")
 
 
-def hetero_record(layout, model_file: str | None = None) -> dict:
-    """What a checkpoint says about the run that wrote it; `model_file`: the model description the
-    run was built from (`--model-sizes`, e.g. an import's model.json: an export needs it)."""
-    record = dict(layout=repr(layout), rank_map=layout.rank_map(),
-                  optimizer_modules=[m.name for m in (*layout.encoders, layout.llm) if not m.freeze])
-    if model_file:
-        record["model"] = json.loads(Path(model_file).read_text())
-    return record
-
-
 def _fsync_tree(path: Path) -> None:
     for root, _, files in os.walk(path):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_tracker(save_dir: Path, iteration: int) -> None:
-    """The tracker names `iteration`, atomically and durably."""
-    tmp = save_dir / f".{TRACKER}.tmp"
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, save_dir / TRACKER)
-    _fsync_dir(save_dir)
+        fsync_dir(Path(root))
 
 
 def publish(save_dir: Path, iteration: int) -> None:
@@ -94,7 +71,7 @@ def publish(save_dir: Path, iteration: int) -> None:
         shutil.rmtree(old)
     else:
         os.replace(staged, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     write_tracker(save_dir, iteration)
     (save_dir / STAGING / TRACKER).unlink(missing_ok=True)  # Megatron's, written into the staging root
 
@@ -139,8 +116,6 @@ def _generate_state_dict(original):
 
 def _load_checkpoint(original):
     def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, *args, **kwargs):
-        from megatron_hetero.runtime.checkpoint import CheckpointError, inspect_checkpoint
-
         megatron_args = get_args()
         run = megatron_args.hetero_run
         load_dir = getattr(megatron_args, load_arg)
@@ -161,7 +136,8 @@ def _load_checkpoint(original):
         if optimizer is not None:
             optimizer.fresh = set(found.fresh_modules)
             for name in found.fresh_modules:
-                print_rank_0(f" module {name} had no optimizer state in the checkpoint (frozen then): its optimizer starts anew")
+                print_rank_0(f" module {name} had no optimizer state in the checkpoint (frozen then): its optimizer "
+                             f"starts anew")
         try:
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
                             *args, **{**kwargs, **_group_kwargs(run)})

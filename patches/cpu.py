@@ -25,14 +25,13 @@ Active only while no GPU is present (apply() does nothing with CUDA). Targets me
 
 import atexit
 import contextlib
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.patches._patch import PASS_THROUGH, applied, enter, replace, temporarily
 
 
 def _is_cuda(device) -> bool:
@@ -96,24 +95,23 @@ class _HostEvent:
         return True
 
 
-def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
-    return torch.get_rng_state()
+def _cpu_rng_state(original):
+    return lambda *args, **kwargs: torch.get_rng_state()
 
 
-def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
-    torch.set_rng_state(new_state)
+def _set_cpu_rng_state(original):
+    def set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+        torch.set_rng_state(new_state)
+    return set_rng_state
 
 
-@contextlib.contextmanager
 def _one_device_counted():
     """megatron.training's distributed init and seeding set up model parallelism only when a GPU is
     counted: let them count one, and make selecting it a no-op."""
-    count, set_device = torch.cuda.device_count, torch.cuda.set_device
-    torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda device: None)
-    try:
-        yield
-    finally:
-        torch.cuda.device_count, torch.cuda.set_device = count, set_device
+    stack = contextlib.ExitStack()
+    stack.enter_context(temporarily("torch.cuda.device_count", lambda original: lambda: 1, PASS_THROUGH))
+    stack.enter_context(temporarily("torch.cuda.set_device", lambda original: lambda device: None, ("device",)))
+    return stack
 
 
 def _keeping_cpu_rng(original):
@@ -169,7 +167,8 @@ def _counting_one_device(original):
     return wrapper
 
 
-_mode: _CudaToCpu | None = None
+MODE = "torch functions: device='cuda' -> cpu, tensor.cuda(), tensor.type() (a TorchFunctionMode)"
+_MODE = _CudaToCpu()
 
 
 def destroy_groups_at_clean_exit() -> None:
@@ -179,46 +178,60 @@ def destroy_groups_at_clean_exit() -> None:
         dist.destroy_process_group()
 
 
-def apply() -> None:
-    """Install the CPU redirections (idempotent; nothing with CUDA)."""
-    global _mode
-    if torch.cuda.is_available() or _mode is not None:
-        return
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
-    from megatron.core.tensor_parallel import random as mcore_random
+# torch.cuda's functions and classes on the host: (target, replacement maker, params or kind).
+_HOST_CUDA = (
+    ("current_device", lambda original: lambda: "cpu", PASS_THROUGH),
+    ("current_stream", lambda original: lambda *args, **kwargs: _HostStream(), PASS_THROUGH),
+    ("default_stream", lambda original: lambda *args, **kwargs: _HostStream(), PASS_THROUGH),
+    ("Stream", lambda original: _HostStream, type),
+    ("Event", lambda original: _HostEvent, type),
+    ("stream", lambda original: lambda stream=None: contextlib.nullcontext(), ("stream",)),
+    ("synchronize", lambda original: lambda *args, **kwargs: None, PASS_THROUGH),
+    ("get_rng_state", _cpu_rng_state, PASS_THROUGH),
+    ("set_rng_state", _set_cpu_rng_state, ("new_state",)),
+    ("manual_seed", lambda original: lambda seed: torch.default_generator.manual_seed(int(seed)), ("seed",)),
+    ("manual_seed_all", lambda original: lambda seed: None, ("seed",)),  # torch.manual_seed: after the CPU's
+)
 
+
+def _cp_slice_on_host(original):
     from megatron_hetero.models.context_parallel import cp_slice
 
-    # validate_args asks for it with TP or CP; it orders CUDA kernel launches, nothing on CPUs.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    atexit.register(destroy_groups_at_clean_exit)  # before the watchdog's: it runs after it
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda *args, **kwargs: _HostStream()
-    torch.cuda.default_stream = lambda *args, **kwargs: _HostStream()
-    torch.cuda.Stream = _HostStream
-    torch.cuda.Event = _HostEvent
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.get_rng_state = _cpu_rng_state
-    torch.cuda.set_rng_state = _set_cpu_rng_state
-    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    torch.cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it after seeding the CPU
-    mcore_random._get_cuda_rng_state = _cpu_rng_state
-    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
-    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = (
-        lambda pos_emb, seq_dim, cp_group: cp_slice(pos_emb, seq_dim, cp_group.size(), cp_group.rank()))
+    return lambda pos_emb, seq_dim, cp_group: cp_slice(pos_emb, seq_dim, cp_group.size(), cp_group.rank())
+
+
+def _megatron_on_host() -> None:
+    """megatron-core's and megatron.training's CUDA-only calls (see the module docstring)."""
+    random = "megatron.core.tensor_parallel.random"
+    replace(f"{random}._get_cuda_rng_state", _cpu_rng_state, PASS_THROUGH)
+    replace(f"{random}._set_cuda_rng_state", _set_cpu_rng_state, ("new_state",))
+    replace("megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
+            _cp_slice_on_host, ("pos_emb", "seq_dim", "cp_group"))
     # Without a GPU there is no architecture to query: report one before Blackwell (no change of path).
-    replace("megatron.training.arguments.get_device_arch_version", lambda original: lambda: 0)
-    replace("megatron.training.initialize._initialize_distributed", _counting_one_device)
-    replace("megatron.training.initialize._set_random_seed", _counting_one_device)
-    replace("megatron.training.initialize._warmup_jit_function", _keeping_cpu_rng)
+    replace("megatron.training.arguments.get_device_arch_version", _no_architecture, PASS_THROUGH)
+    replace("megatron.training.initialize._initialize_distributed", _counting_one_device, PASS_THROUGH)
+    replace("megatron.training.initialize._set_random_seed", _counting_one_device, PASS_THROUGH)
+    replace("megatron.training.initialize._warmup_jit_function", _keeping_cpu_rng, PASS_THROUGH)
     replace("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu", _host_split_sizes,
             params=("tensor", "as_numpy", "record_stream"))
     replace("megatron.core.tensor_parallel.mappings._gather_along_first_dim", _uneven_gather,
             params=("input_", "group", "output_split_sizes", "use_global_buffer"))
     replace("megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim", _uneven_reduce_scatter,
             params=("input_", "group", "input_split_sizes", "use_global_buffer"))
-    dist.new_group = _on_default_backend(dist.new_group)
-    dist.new_subgroups_by_enumeration = _on_default_backend(dist.new_subgroups_by_enumeration)
-    _mode = _CudaToCpu()
-    _mode.__enter__()  # for the life of the process
+
+
+def _no_architecture(original):
+    return lambda: 0
+
+
+def apply() -> None:
+    """Install the CPU redirections (idempotent; nothing with CUDA)."""
+    if torch.cuda.is_available() or MODE in applied():
+        return
+    atexit.register(destroy_groups_at_clean_exit)  # before the watchdog's: it runs after it
+    for name, make, check in _HOST_CUDA:
+        replace(f"torch.cuda.{name}", make, **({"kind": check} if check is type else {"params": check}))
+    _megatron_on_host()
+    for name in ("new_group", "new_subgroups_by_enumeration"):
+        replace(f"torch.distributed.{name}", _on_default_backend, ("backend",))
+    enter(MODE, _MODE)  # for the life of the process

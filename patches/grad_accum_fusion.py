@@ -10,10 +10,11 @@ beta 1), the same operation as apex's kernel: this patch gives megatron-core tha
 imports, where apex is missing. W1 on one H200: docs/benchmarks.md.
 """
 
-import sys
 import types
 
 import torch
+
+from megatron_hetero.patches._patch import provide_module, set_value
 
 MODULE = "fused_weight_gradient_mlp_cuda"
 
@@ -31,10 +32,11 @@ def accumulate_wgrad(input: torch.Tensor, grad_output: torch.Tensor, main_grad: 
 def apply() -> None:
     from megatron.core.tensor_parallel import layers
 
-    if layers._grad_accum_fusion_available:  # apex's own kernel
+    if layers._grad_accum_fusion_available:  # apex's own kernel (or this patch's, applied already)
         return
     module = types.ModuleType(MODULE, "megatron-hetero: apex's weight-gradient accumulation on torch's GEMM")
     module.wgrad_gemm_accum_fp32 = module.wgrad_gemm_accum_fp16 = accumulate_wgrad
-    sys.modules[MODULE] = module
-    layers.fused_weight_gradient_mlp_cuda = module
-    layers._grad_accum_fusion_available = True
+    provide_module(MODULE, module)  # utils.drain_embedding_wgrad_compute imports it by name
+    owner = "megatron.core.tensor_parallel.layers"
+    set_value(f"{owner}.{MODULE}", module, types.ModuleType, create=True)
+    set_value(f"{owner}._grad_accum_fusion_available", True, bool)

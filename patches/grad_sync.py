@@ -37,4 +37,4 @@ def _reset(original):
 
 def apply() -> None:
     replace(f"{OWNER}.finish_grad_sync", _finish_grad_sync, params=("force_all_reduce",))
-    replace(f"{OWNER}.reset", _reset)
+    replace(f"{OWNER}.reset", _reset, params=("self",))

@@ -13,28 +13,29 @@ global microbatch, so every rank stops at the same one).
 
 import contextlib
 
-from megatron.core import parallel_state
 from megatron.training import get_args, print_rank_0
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.data.bad_data import DataError, one_line
+from megatron_hetero.patches._patch import PASS_THROUGH, replace, temporarily
+from megatron_hetero.training.layout_args import fail
 
 
 @contextlib.contextmanager
 def _one_data_parallel_rank(args, llm_dp: int):
-    saved = (args.micro_batch_size, getattr(args, "eval_micro_batch_size", None),
-             parallel_state.get_data_parallel_rank, parallel_state.get_data_parallel_world_size)
+    """Upstream's loader built as for one data-parallel rank reading LLM-dp times the micro batch."""
+    sizes = (args.micro_batch_size, getattr(args, "eval_micro_batch_size", None))
     args.micro_batch_size *= llm_dp
-    if saved[1] is not None:
+    if sizes[1] is not None:
         args.eval_micro_batch_size *= llm_dp
-    parallel_state.get_data_parallel_rank = lambda *a, **k: 0
-    parallel_state.get_data_parallel_world_size = lambda *a, **k: 1
+    state = "megatron.core.parallel_state"
     try:
-        yield
+        with temporarily(f"{state}.get_data_parallel_rank", lambda rank: lambda *a, **k: 0, PASS_THROUGH), \
+                temporarily(f"{state}.get_data_parallel_world_size", lambda size: lambda *a, **k: 1, PASS_THROUGH):
+            yield
     finally:
-        (args.micro_batch_size, eval_mbs, parallel_state.get_data_parallel_rank,
-         parallel_state.get_data_parallel_world_size) = saved
-        if eval_mbs is not None:
-            args.eval_micro_batch_size = eval_mbs
+        args.micro_batch_size, eval_micro_batch_size = sizes
+        if eval_micro_batch_size is not None:
+            args.eval_micro_batch_size = eval_micro_batch_size
 
 
 class _ReportingLoader:
@@ -47,9 +48,6 @@ class _ReportingLoader:
         return len(self.loader)
 
     def __iter__(self):
-        from megatron_hetero.data.bad_data import DataError, one_line
-        from megatron_hetero.patches.hetero_args import fail
-
         try:
             for batch in self.loader:
                 skipped = batch.pop("skipped")

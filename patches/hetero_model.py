@@ -18,9 +18,9 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.training import get_args
 
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.patches.hetero_args import fail
-from megatron_hetero.runtime.forward_backward import finalize_hetero_grads
+from megatron_hetero.runtime.grads import finalize_hetero_grads
 from megatron_hetero.runtime.model import HeteroModel, ModelParts
+from megatron_hetero.training.layout_args import fail
 
 
 def _scale_reduced_gradients(ddp: DistributedDataParallel, factor: float) -> None:
@@ -112,4 +112,4 @@ def _megatron_args_set() -> bool:
 def apply() -> None:
     replace("megatron.training.training.get_model", _get_model,
             params=("model_provider_func", "model_type", "wrap_with_ddp", "config", "pg_collection"))
-    replace("megatron.core.models.multimodal.llava_model.LLaVAModel", _llava_class)
+    replace("megatron.core.models.multimodal.llava_model.LLaVAModel", _llava_class, kind=type)

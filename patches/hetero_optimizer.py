@@ -14,34 +14,29 @@ optimizer is built, the alignment runs over that module's ranks.
 
 import contextlib
 
-import torch.distributed as dist
-from megatron.core import optimizer as mcore_optimizer
 from megatron.core.models.mimo.optimizer import ModuleOptimizerInfo
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.patches._patch import replace, temporarily
 from megatron_hetero.runtime.model import HeteroModel
 from megatron_hetero.runtime.optimizer import HeteroOptimizer
 
 
-@contextlib.contextmanager
 def _param_groups_aligned_within(group):
     """megatron-core's `_get_param_groups` with its world collectives taken over `group`."""
-    get_param_groups = mcore_optimizer._get_param_groups
-
-    def within_group(*args, **kwargs):
-        world_size, all_gather_object = dist.get_world_size, dist.all_gather_object
-        dist.get_world_size = lambda group_=None: world_size(group_ or group)
-        dist.all_gather_object = lambda out, obj, group_=None: all_gather_object(out, obj, group=group_ or group)
-        try:
-            return get_param_groups(*args, **kwargs)
-        finally:
-            dist.get_world_size, dist.all_gather_object = world_size, all_gather_object
-
-    mcore_optimizer._get_param_groups = within_group
-    try:
-        yield
-    finally:
-        mcore_optimizer._get_param_groups = get_param_groups
+    def within(get_param_groups):
+        def get_param_groups_within(*args, **kwargs):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(temporarily(
+                    "torch.distributed.get_world_size", lambda size: lambda group_=None: size(group_ or group),
+                    ("group",)))
+                stack.enter_context(temporarily(
+                    "torch.distributed.all_gather_object",
+                    lambda gather: lambda out, obj, group_=None: gather(out, obj, group=group_ or group),
+                    ("object_list", "obj", "group")))
+                return get_param_groups(*args, **kwargs)
+        return get_param_groups_within
+    return temporarily("megatron.core.optimizer._get_param_groups", within,
+                       ("model_chunks", "config", "config_overrides"))
 
 
 def _get_megatron_optimizer(original):

@@ -3,8 +3,8 @@
 
 from megatron.training import get_args
 
-from megatron_hetero.patches._patch import replace
-from megatron_hetero.runtime.forward_backward import forward_backward
+from megatron_hetero.patches._patch import PASS_THROUGH, replace
+from megatron_hetero.schedules.forward_backward import forward_backward
 
 
 def _get_forward_backward_func(original):
@@ -16,4 +16,4 @@ def _get_forward_backward_func(original):
 
 
 def apply() -> None:
-    replace("megatron.training.training.get_forward_backward_func", _get_forward_backward_func)
+    replace("megatron.training.training.get_forward_backward_func", _get_forward_backward_func, PASS_THROUGH)

@@ -6,7 +6,7 @@ spec's TFLOPS on one H100). Dense layers only (a spec with experts stays upstrea
 importable, scripts choose TE's spec and nothing here applies.
 """
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.patches._patch import PASS_THROUGH, replace
 from megatron_hetero.patches.startup import has_te
 
 
@@ -30,4 +30,4 @@ def _vit_spec(original):
 def apply() -> None:
     replace("megatron.core.models.multimodal.llava_spec.decoder_model_with_local_default_spec", _decoder_spec,
             params=("num_experts", "moe_grouped_gemm"))
-    replace("megatron.core.models.vision.vit_layer_specs.get_vit_layer_with_local_spec", _vit_spec)
+    replace("megatron.core.models.vision.vit_layer_specs.get_vit_layer_with_local_spec", _vit_spec, PASS_THROUGH)

@@ -96,7 +96,8 @@ def _training_log(original):
 
 
 def apply() -> None:
-    replace("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker._aggregate", _keeping_moe_scalars)
+    replace("megatron.core.transformer.moe.moe_logging.MoEMetricsTracker._aggregate", _keeping_moe_scalars,
+            params=("self",))
     replace("megatron.training.training.training_log", _training_log,
             params=("loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale",
                     "report_memory_flag", "skipped_iter", "grad_norm"))

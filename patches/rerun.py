@@ -9,7 +9,7 @@ checkpoint is written, and the run exits with the state machine's code.
 
 from megatron.training import get_args, print_rank_0
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.patches._patch import PASS_THROUGH, replace
 
 
 def _save_checkpoint_and_time(original):
@@ -23,4 +23,4 @@ def _save_checkpoint_and_time(original):
 
 
 def apply() -> None:
-    replace("megatron.training.training.save_checkpoint_and_time", _save_checkpoint_and_time)
+    replace("megatron.training.training.save_checkpoint_and_time", _save_checkpoint_and_time, PASS_THROUGH)

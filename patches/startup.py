@@ -7,17 +7,43 @@
   softmax) need apex or TE: without them the flags default off (gradient-accumulation fusion stays:
   grad_accum_fusion.py runs it on torch's GEMM);
 - CLIPViTModel builds `ln_pre` from torch's LayerNorm when TE is absent and passes it `config=`:
-  megatron-core's WrappedTorchNorm takes that signature.
+  megatron-core's WrappedTorchNorm takes that signature;
+- megatron.training's validate_args stops every run with TP or CP on GPUs before Blackwell unless
+  `CUDA_DEVICE_MAX_CONNECTIONS=1` is in the environment (one connection keeps the order in which
+  kernels are launched, which its overlap of TP/CP communication with compute relies on): set where
+  unset, before CUDA starts, with one line saying so (`set_cuda_connections`, the first thing
+  `apply()` does, so every script that applies the plugin gets it, launcher or not).
 """
 
 import importlib.util
+import os
 
 import torch
 
-from megatron_hetero.patches._patch import replace
+from megatron_hetero.patches._patch import PASS_THROUGH, replace
 
 FUSION_FLAGS = ("persist_layer_norm", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
                 "masked_softmax_fusion")
+
+
+CUDA_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def set_cuda_connections(gpus: bool | None = None) -> str | None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 where the environment lacks it; the notice printed on GPUs (rank
+    0; on CPUs the variable changes nothing), or None where nothing was set."""
+    if CUDA_CONNECTIONS in os.environ:
+        return None
+    os.environ[CUDA_CONNECTIONS] = "1"
+    if not (torch.cuda.is_available() if gpus is None else gpus):
+        return None
+    late = " (CUDA had started in this process already: export it before Python starts)" \
+        if torch.cuda.is_initialized() else ""
+    notice = (f"megatron-hetero: set {CUDA_CONNECTIONS}=1, which Megatron needs with TP or CP on GPUs before "
+              f"Blackwell{late}; export another value to override")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(notice, flush=True)
+    return notice
 
 
 def has_te() -> bool:
@@ -67,7 +93,7 @@ def _clip_init(original):
 
 
 def apply() -> None:
-    replace("megatron.core.datasets.utils.compile_helpers", _compile_helpers)
+    replace("megatron.core.datasets.utils.compile_helpers", _compile_helpers, PASS_THROUGH)
     replace("megatron.training.training.initialize_megatron", _initialize_megatron, params=("allow_no_cuda",))
     replace("megatron.core.models.vision.clip_vit_model.CLIPViTModel.__init__", _clip_init,
             params=("ln_pre_impl",))

@@ -22,6 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Megatron-LM's own scripts (the client we serve): ../shared/megatron-lm, or a checkout named by MEGATRON_LM.
+MEGATRON_LM_SCRIPT = Path(os.environ.get("MEGATRON_LM") or Path(__file__).parents[2] / "shared" / "megatron-lm",
+                          "pretrain_vlm.py")
 
 # Imported once by the fork server (set before it starts: the first launch starts it).
 PRELOAD = ["torch", "megatron_hetero.patches", "megatron.training", "tests.distributed"]

@@ -9,6 +9,7 @@ kill:MODULE:ITER:RANK   rank RANK SIGKILLs itself in MODULE's forward at iterati
                         heartbeats there (so that its last heartbeat names the phase) and after
                         writing the time to $HETERO_TEST_KILLED
 hang:MODULE:ITER:RANK   the same with SIGSTOP: the rank stops, its sockets stay open (a hung rank)
+oom:MODULE:ITER:RANK    rank RANK's MODULE forward raises torch's out-of-memory error at iteration ITER
 """
 
 import os
@@ -41,8 +42,15 @@ def _inject(parts, kind: str, module: str, start: int) -> None:
         part.register_forward_hook(lambda _m, _i, out: out * nan if _from_iteration(start) else None)
     elif kind in ("kill", "hang"):
         part.register_forward_hook(lambda *_: _kill(kind) if _from_iteration(start) else None)
+    elif kind == "oom":
+        part.register_forward_hook(lambda *_: _out_of_memory() if _from_iteration(start) else None)
     else:
         raise ValueError(kind)
+
+
+def _out_of_memory() -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                 "79.11 GiB of which 1.06 GiB is free.")
 
 
 def _kill(kind: str) -> None:

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatron_hetero.patches
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
+from megatron_hetero.runtime.timers import PhaseTimers
 from megatron_hetero.training.args import ArgsError, check_args
 from megatron_hetero.training.bench import global_microbatches, sized_workload, synthetic_batch, workload_args
-from megatron_hetero.training.timers import PhaseTimers
 from tests.distributed import _free_port, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +106,7 @@ def test_nested_phases_count_once_and_switch_relabels():
 def _parameters_as_built(rank, world_size):
     from megatron_hetero.training.bench import megatron_session
 
+    megatron_hetero.patches.apply()
     with megatron_session(BENCH_WORKLOADS["tiny"], str(LAYOUTS / "single.yaml"), bf16=False) as session:
         return [tuple(p.shape) for p in session.hetero.parameters()]
 

@@ -50,9 +50,11 @@ def _first_step(session, forward_backward):
 
 
 def _parity_and_record(rank, world_size, out):
-    from megatron_hetero.runtime.forward_backward import forward_backward
+    import megatron_hetero.patches
+    from megatron_hetero.schedules.forward_backward import forward_backward
     from megatron_hetero.training.bench import megatron_session
 
+    megatron_hetero.patches.apply()
     tool = _load_tool()
     w = BENCH_WORKLOADS["tiny"]
     for placement, frozen in CASES:

@@ -11,9 +11,9 @@ import torch
 
 from megatron_hetero.boundary import (
     BoundaryBatch,
-    assign_items,
     BoundaryError,
     BoundaryMismatch,
+    assign_items,
     boundary_exchange,
     check_agreement,
     filled_slots,
@@ -298,7 +298,7 @@ def _plans(batch, encoder, llm_layout, world_size):
     return [plan_edge(batch, encoder, llm_layout, r, world_size) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("encoder, llm_layout", [(e[0], l) for e, l in COLOCATED_4 if len(e) == 1])
+@pytest.mark.parametrize("encoder, llm_layout", [(e[0], llm) for e, llm in COLOCATED_4 if len(e) == 1])
 def test_each_row_reaches_each_consumer_once(encoder, llm_layout):
     """Byte-minimal: the rows received equal rows x consumers per row, and a rank that holds a
     replica of a row it consumes receives it from itself (no bytes leave the rank)."""

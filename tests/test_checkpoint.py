@@ -140,6 +140,14 @@ def test_reshard_non_colocated_to_colocated(non_colocated):
     assert_continues(non_colocated.metrics, non_colocated.resume("to_co", "demo_colocated", 4))
 
 
+def test_reshard_vocabulary_padding(tmp):
+    """Saved by one process (the vocabulary padded to 128 rows), loaded under LLM TP3 (padded to 384:
+    the load zero-fills the rows the checkpoint lacks, which are not the model's)."""
+    sizes = ["--hidden-size", "48", "--num-attention-heads", "6"]
+    saved = Saved(tmp, "vocab_tp1", "single", 1, sizes)
+    assert_continues(saved.metrics, saved.resume("vocab_tp3", "colocated_vdp3_ltp3", 3, sizes))
+
+
 def test_reshard_world_4_to_2_to_6(colocated, tmp):
     """4 processes save at 5; 2 processes load it and save at 8; 6 processes load that."""
     two = colocated.resume("w2", "w2_vdp2_ltp2", 2, ["--save", str(tmp / "w2_ckpt"), "--save-interval", "4"])
@@ -207,7 +215,8 @@ def test_damaged_checkpoint_is_one_line(colocated, tmp, tag, damage, flags, expe
     result = _one_process(["--load", str(directory), *flags], tmp)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2, result.stderr[-3000:]
-    assert len(errors) == 1 and f"checkpoint {directory / 'iter_0000005'}: " in errors[0] and expected in errors[0], errors
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert f"checkpoint {directory / 'iter_0000005'}: " in errors[0], errors
     assert "module " in errors[0] or tag == "no_metadata"
     assert "Traceback" not in result.stderr
 

@@ -156,7 +156,8 @@ def test_packing_puts_samples_back_to_back(tmp_path):
     assert (b["input_ids"].flatten()[b["vision_positions"] + 192 * torch.repeat_interleave(
         torch.arange(4), b["vision_counts"] * ROWS)] == CaptionTokenizer().image_id).all()
     tight = _dataset(path, seq_length=64, pack_samples=2)
-    too_long = r"--pack-samples 2: samples \d+-\d+ of a global microbatch need \d+ tokens together, more than --seq-length 64"
+    too_long = (r"--pack-samples 2: samples \d+-\d+ of a global microbatch need \d+ tokens together, more than "
+                r"--seq-length 64")
     with pytest.raises(DataError, match=too_long):
         tight.collate([tight[i] for i in range(8)])
 
@@ -265,7 +266,7 @@ def test_tiles_and_normalization(tmp_path):
     pixels = _png(tmp_path / "wide.png", 64, 32)
     thumbnail = np.array(Image.fromarray(pixels).resize((32, 32), Image.Resampling.BICUBIC))
     for name, (mean, std) in NORMALIZATION.items():
-        tiles = load_tiles(tmp_path / "wide.png", ImageSpec(32, 4, name))
+        tiles = load_tiles(tmp_path / "wide.png", ImageSpec(32, 4, (mean, std)))
         expected = [pixels[:, :32], pixels[:, 32:], thumbnail]
         mean, std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
         for tile, want in zip(tiles, expected):
@@ -350,8 +351,8 @@ def test_resume_reads_the_same_samples(tmp_path):
 def test_bad_json_list(tmp_path):
     """In a JSON list, non-UTF-8 text skips that sample only; a file that is not JSON is one error."""
     good = json.loads(write_conversations(tmp_path, 2, seed=4).read_text())
-    text = b"[" + json.dumps(good[0]).encode() + b', {"id": "x", "conversations": [{"from": "gpt", "value": "\xff"}]}, ' \
-        + json.dumps(good[1]).encode() + b"]"
+    bad = b'{"id": "x", "conversations": [{"from": "gpt", "value": "\xff"}]}'
+    text = b"[" + json.dumps(good[0]).encode() + b", " + bad + b", " + json.dumps(good[1]).encode() + b"]"
     (tmp_path / "mixed.json").write_bytes(text)
     sample, _ = _dataset(tmp_path / "mixed.json")[1]
     assert [b.reason for b in sample.skipped] == ["non_utf8"]

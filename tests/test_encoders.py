@@ -65,7 +65,8 @@ def _check_stages(rank, world_size):
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.models.init import build_stage
     from megatron_hetero.models.vlm import build_audio_encoder, build_llm, build_vision_encoder, causal_mask
-    from megatron_hetero.patches import cpu, parallel_state
+    from megatron_hetero.patches import cpu
+    from megatron_hetero.runtime import parallel_state
 
     cpu.apply()
     pgs = build_module_groups(ModuleLayout("module", "encoder", tp=TP, pp=PP)).pgs

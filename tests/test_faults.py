@@ -1,6 +1,7 @@
 """Faults during training fail fast with a line that says what happened (issue 18): non-finite
 gradients name their module; a dead rank ends every other rank, named with its phase."""
 
+import dataclasses
 import io
 import os
 import signal
@@ -48,8 +49,9 @@ def _direct(args: list, env: dict, nproc: int) -> list[subprocess.Popen]:
     """The script in `nproc` processes started directly (no torchrun: srun-style launches)."""
     port = _free_port()
     return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "fault_script.py"), *args],
-                             env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), **env),
+                             env=dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                                      WORLD_SIZE=str(nproc), **env),
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(nproc)]
 
@@ -98,8 +100,39 @@ def test_dead_rank_stops_every_rank(tmp_path, layout, module, rank, phase, launc
     survivors = {int(line.split()[2]) for line in lines}
     assert survivors == set(range(4)) - {rank}, out[-4000:]
     assert all(f"rank {rank} (last heard in {phase} at iteration 3)" in line for line in lines), lines
-    assert "Traceback" not in "\n".join(l for l in out.splitlines() if l.startswith("[rank"))
+    assert "Traceback" not in "\n".join(line for line in out.splitlines() if line.startswith("[rank"))
     assert not _left_running(mark)
+
+
+def test_out_of_memory_is_one_line_per_rank():
+    """Rank 1 runs out of GPU memory in the vision encoder's forward at iteration 2: it says so in one
+    line (module, phase, the allocation, the flags that use less memory); the other rank stops with one
+    line naming it; no traceback."""
+    result = torchrun(["--hetero-layout", str(LAYOUTS / "gpu2_colocated.yaml"), *FLAGS],
+                      env=dict(HETERO_TEST_FAULT="oom:vision:2:1"))
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    lines = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert sorted(int(line.split()[2]) for line in lines) == [0, 1], out[-4000:]
+    own = next(line for line in lines if line.startswith("error: rank 1 "))
+    for part in ("out of GPU memory in module vision's forward", "tried to allocate 2.00 GiB",
+                 "--recompute-granularity full", "--use-distributed-optimizer", "--micro-batch-size 1"):
+        assert part in own, own
+    other = next(line for line in lines if line.startswith("error: rank 0 "))
+    assert "out of GPU memory in module vision's forward" in other and "reported by rank 1" in other, other
+    ranks_output = "\n".join(line for line in out.splitlines() if line.startswith("[rank"))
+    assert "Traceback" not in ranks_output and "OutOfMemoryError" not in out, out[-4000:]  # torchrun's own aside
+
+
+def test_out_of_memory_names_the_planners_answer():
+    """For a planner preset (bench_e2e's workloads) the line adds the planner's best layout that fits."""
+    from megatron_hetero.planner import BENCH_WORKLOADS
+    from megatron_hetero.runtime.failures import planner_answer
+
+    answer = planner_answer(dataclasses.replace(BENCH_WORKLOADS["W1"], layers=8), 2, 141.0)  # bench_e2e's 8 layers
+    assert answer.startswith("the planner's best for W1 on 2 GPUs: ") and "GB/GPU predicted" in answer, answer
+    assert "tools/plan_layout.py --workload W1 --gpus 2 --gpu-memory-gb 141" in answer
+    assert "finds no layout of W1 that fits 2 GPUs of 1 GB" in planner_answer(BENCH_WORKLOADS["W1"], 2, 1.0)
 
 
 def test_report_line_is_one_write(monkeypatch):

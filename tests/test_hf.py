@@ -17,6 +17,7 @@ from transformers import (
     CLIPModel,
     CLIPVisionConfig,
     CLIPVisionModel,
+    CLIPVisionModelWithProjection,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -27,10 +28,11 @@ from transformers import (
     SiglipVisionModel,
 )
 
+from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.hf import FAMILIES, HFMappingError, export_hf, family_of, import_hf, load_full_tensors
 from megatron_hetero.hf.rules import FusedQKV
+from megatron_hetero.models.full_state import FullStateError, tp_part, tp_whole
 from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.training.full_state import FullStateError, tp_part, tp_whole
 from tests.distributed import collect_distributed
 
 SEQ, BATCH, VOCAB, IMAGE = 16, 2, 100, 32
@@ -50,11 +52,17 @@ MODELS = {
                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "siglip": lambda: SiglipVisionModel(SiglipVisionConfig(**_VISION, vision_use_head=False)),
     "clip": lambda: CLIPVisionModel(CLIPVisionConfig(**_VISION)),
+    # Files with tensors our encoder does not hold (carried from import to export unchanged):
+    # SigLIP's attention-pooling head (transformers' default), CLIP's projection beside the tower.
+    "siglip_head": lambda: SiglipVisionModel(SiglipVisionConfig(**_VISION)),
+    "clip_projection": lambda: CLIPVisionModelWithProjection(CLIPVisionConfig(**_VISION, projection_dim=16)),
 }
+SIGLIP_FAMILY = FAMILIES["siglip_vision_model"]
 LLMS = ("llama", "qwen2_tied", "qwen2_untied", "qwen3")
+WITH_UNTRAINED = ("siglip_head", "clip_projection")  # the same towers as siglip's and clip's
 # layout -> ModuleLayout sizes on 2 ranks ("one_rank": each rank a whole model, dp 2); encoders have no CP.
 LAYOUTS = {"one_rank": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
-CASES = [(m, lay) for m in MODELS for lay in LAYOUTS if m in LLMS or lay != "cp2"]
+CASES = [(m, lay) for m in MODELS for lay in LAYOUTS if (m in LLMS or lay != "cp2") and m not in WITH_UNTRAINED]
 
 
 @torch.no_grad()
@@ -90,6 +98,10 @@ def _hf_outputs(name: str, model, x) -> dict[str, torch.Tensor]:
     out = model(x)
     if name == "siglip":
         return {"hidden": out.last_hidden_state}
+    if name == "siglip_head":
+        return {"hidden": out.last_hidden_state, "pooled": out.pooler_output}
+    if name == "clip_projection":
+        return {"hidden": out.last_hidden_state, "projected": out.image_embeds}
     return {"hidden": model.post_layernorm(out.last_hidden_state), "pooled": out.pooler_output}
 
 
@@ -156,7 +168,7 @@ def _worker(rank, world_size):
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.patches import cpu
-    from megatron_hetero.patches.parallel_state import init_outside_training
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     cpu.apply()
     init_outside_training(0, tp_rank=0)
@@ -198,7 +210,8 @@ def test_import_export_round_trip_is_bit_identical(tmp_path, name):
     original = _saved(model, tmp_path / "hf")
     imported = import_hf(tmp_path / "hf")
     assert imported.family is family_of(model.config)[0]
-    export_hf(tmp_path / "out", imported.family, imported.sizes, imported.state, imported.config)
+    export_hf(tmp_path / "out", imported.family, imported.sizes, imported.state, imported.config,
+              imported.untrained, imported.prefix, imported.processor)
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert exported.keys() == original.keys()
     for key, tensor in original.items():
@@ -211,8 +224,10 @@ def test_transformers_loads_an_export(tmp_path, name, with_base_config):
     model = _hf_model(name)
     family, config = family_of(model.config)
     sizes = family.sizes(config)
-    export_hf(tmp_path, family, sizes, family.to_ours(model.state_dict(), sizes), config if with_base_config else None)
-    auto = AutoModelForCausalLM if name in LLMS else AutoModel
+    state = model.state_dict()
+    export_hf(tmp_path, family, sizes, family.to_ours(state, sizes), config if with_base_config else None,
+              family.untrained(state), family.prefix(state))
+    auto = AutoModelForCausalLM if name in LLMS else type(model) if name == "clip_projection" else AutoModel
     loaded = auto.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(model)
     x = _inputs(name)
@@ -220,16 +235,34 @@ def test_transformers_loads_an_export(tmp_path, name, with_base_config):
         assert torch.equal(_hf_outputs(name, loaded, x)[key], want), key
 
 
-def test_siglip_pooling_head_is_dropped():
-    """Our encoder emits every token: the head goes, the tower stays."""
-    torch.manual_seed(0)
-    model = SiglipVisionModel(SiglipVisionConfig(**_VISION, vision_use_head=True))
-    family, config = family_of(model.config)
-    sizes = family.sizes(config)
-    exported = family.to_hf(family.to_ours(model.state_dict(), sizes), sizes)
-    state = model.state_dict()
-    assert exported.keys() == {k for k in state if not k.startswith("head.")}
-    assert family.config(sizes, config).vision_use_head is False
+def test_tensors_the_encoder_does_not_hold_come_back():
+    """SigLIP's pooling head and CLIP's projection are not our encoder's: an import carries them (and
+    the file's key prefix) to the export, which writes them unchanged with the head still in the
+    config (round trip and transformers' outputs: the tests above)."""
+    for name, kept in (("siglip_head", "head."), ("clip_projection", "visual_projection.")):
+        state = _hf_model(name).state_dict()
+        family, config = family_of(_hf_model(name).config)
+        untrained = family.untrained(state)
+        assert untrained and untrained.keys() == {k for k in state if k.startswith(kept)}, name
+    config = family_of(_hf_model("siglip_head").config)[1]
+    assert SIGLIP_FAMILY.config(SIGLIP_FAMILY.sizes(config), config).vision_use_head is True
+
+
+def test_image_processor_normalization_is_recorded(tmp_path):
+    """A vision tower's pixel normalization is its image processor's (preprocessor_config.json),
+    else transformers' default for the family; export writes the processor back."""
+    from transformers import SiglipImageProcessor
+
+    model = _hf_model("siglip")
+    model.save_pretrained(tmp_path / "default")
+    assert import_hf(tmp_path / "default").sizes.vision_arch.pixel_normalization == NORMALIZATION["siglip"]
+    model.save_pretrained(tmp_path / "own")
+    SiglipImageProcessor(image_mean=[0.1, 0.2, 0.3], image_std=[0.4, 0.5, 0.6]).save_pretrained(tmp_path / "own")
+    imported = import_hf(tmp_path / "own")
+    assert imported.sizes.vision_arch.pixel_normalization == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    export_hf(tmp_path / "out", imported.family, imported.sizes, imported.state, imported.config,
+              imported.untrained, imported.prefix, imported.processor)
+    assert list(SiglipImageProcessor.from_pretrained(tmp_path / "out").image_mean) == [0.1, 0.2, 0.3]
 
 
 def test_vision_tower_of_a_clip_checkpoint(tmp_path):
@@ -309,3 +342,8 @@ def test_unsupported_family_and_keys():
         family.to_ours({k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}, sizes)
     with pytest.raises(HFMappingError, match="model.extra.weight .* has no counterpart"):
         family.to_ours({**state, "model.extra.weight": torch.zeros(1)}, sizes)
+    tied = _hf_model("qwen2_tied")
+    family, config = family_of(tied.config)
+    state = {**tied.state_dict(), "lm_head.weight": torch.zeros_like(tied.lm_head.weight)}
+    with pytest.raises(HFMappingError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        family.to_ours(state, family.sizes(config))

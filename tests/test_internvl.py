@@ -83,10 +83,10 @@ _HF = {}
 def _worker(rank, world_size):
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
+    from megatron_hetero.models.full_state import load_full_tensors
     from megatron_hetero.models.vlm import build_llm
     from megatron_hetero.patches import cpu
-    from megatron_hetero.patches.parallel_state import init_outside_training
-    from megatron_hetero.training.full_state import load_full_tensors
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     cpu.apply()
     init_outside_training(0, tp_rank=0)

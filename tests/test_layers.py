@@ -91,9 +91,9 @@ def _run_llm(pgs, tp, cp, sp, num_query_groups, qk_norm):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
+    from megatron_hetero.models.full_state import full_tensors
     from megatron_hetero.models.vlm import build_llm, llm_forward
-    from megatron_hetero.patches.parallel_state import init_outside_training
-    from megatron_hetero.training.full_state import full_tensors
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     sizes = _sizes(qk_norm)
     init_outside_training(SEED, tp_rank=pgs.tp.rank())
@@ -163,7 +163,7 @@ def _megatron_local_pairs(ref_pgs):
     from megatron_hetero.models.attention import SDPAttention
     from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
     from megatron_hetero.models.vlm import _config, causal_mask
-    from megatron_hetero.patches.parallel_state import init_outside_training
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     init_outside_training(SEED, tp_rank=0)
     torch.manual_seed(SEED)

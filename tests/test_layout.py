@@ -248,7 +248,8 @@ def with_module(data, name, **changes):
         ({"placement": "colocated", "modules": {}}, 4, ["modules missing or empty"]),
         (colocated(), 0, ["world size", "got 0"]),
         # module keys and values
-        (with_module(colocated(), "llm", tpp=2), 4, ["module llm", "'tpp'", "allowed keys: role, kind, tp, cp, dp, pp"]),
+        (with_module(colocated(), "llm", tpp=2), 4,
+         ["module llm", "'tpp'", "allowed keys: role, kind, tp, cp, dp, pp"]),
         (with_module(colocated(), "vision", tp=0, dp=4), 4, ["module vision", "tp must be a positive integer"]),
         (with_module(colocated(), "vision", dp=-4), 4, ["module vision", "dp must be a positive integer"]),
         (with_module(colocated(), "vision", dp="4"), 4, ["module vision", "dp must be a positive integer", "'4'"]),

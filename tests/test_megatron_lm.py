@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import MEGATRON_LM_SCRIPT as SCRIPT
 from tests.distributed import _free_port
 
-ROOT = Path(__file__).parent.parent
-MEGATRON_LM = Path(os.environ.get("MEGATRON_LM") or ROOT.parent / "shared" / "megatron-lm")
-SCRIPT = MEGATRON_LM / "pretrain_vlm.py"
 if not SCRIPT.is_file():
     pytest.skip(f"Megatron-LM's scripts not found ({SCRIPT}): put a Megatron-LM checkout (branch core_r0.19.0) "
                 f"at ../shared/megatron-lm or name one in MEGATRON_LM", allow_module_level=True)
@@ -81,7 +79,8 @@ def _train(directory: Path, nproc: int, *flags: str) -> dict[str, list[float]]:
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-             *LAUNCH[1:], "--metrics-file", str(directory / "metrics.jsonl"), *flags], cwd=directory, env=ENV, stdout=stdout, stderr=stderr, start_new_session=True)
+             *LAUNCH[1:], "--metrics-file", str(directory / "metrics.jsonl"), *flags],
+            cwd=directory, env=ENV, stdout=stdout, stderr=stderr, start_new_session=True)
         try:
             code = proc.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -164,7 +163,8 @@ TORCH_LOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:")  # torch's own logger (e.g. "N
     (1, SINGLE_RANK, ["--tensor-model-parallel-size", "4"],
      ["--tensor-model-parallel-size 4 conflicts with module llm's tp=1", "drop the flag"]),
     (1, "placement: colocated\nmodules:\n  vision: {role: encoder}\n  audio: {role: encoder}\n"
-     "  llm: {role: llm}\nedges: [vision -> llm, audio -> llm]\n", [], ["one vision encoder", "2 encoders", "keep one"]),
+     "  llm: {role: llm}\nedges: [vision -> llm, audio -> llm]\n", [],
+     ["one vision encoder", "2 encoders", "keep one"]),
     (2, "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n  llm: {role: llm, cp: 2}\n", [],
      ["module llm", "set cp: 1"]),
     (1, SINGLE_RANK, ["--bf16"], ["--bf16 needs GPUs", "drop --bf16 on CPU"]),

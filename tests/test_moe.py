@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from megatron_hetero.layout import load_layout
 from megatron_hetero.models.context_parallel import cp_positions
 from tests.test_parity import LAYOUTS, _assert_reproduces, _run, _train_and_capture

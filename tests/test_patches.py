@@ -3,8 +3,10 @@ replaces it once, and that a patch refuses upstream code it was not written for 
 
 import contextlib
 import copy
+import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 import megatron.core
@@ -13,9 +15,11 @@ import torch
 
 from megatron_hetero import launch
 from megatron_hetero.patches import PatchError, _patch, apply, check_version
-from tests.distributed import _free_port, run_distributed
+from tests.distributed import run_distributed
 
-# The upstream functions (and class) apply() replaces; the CPU ones only where no GPU is present.
+# Everything apply() changes, in the order it does (the CPU ones only where no GPU is present): the
+# upstream functions and classes it replaces, the values it sets, a module it provides, the context
+# it enters. A new patch must be added here, and to the README's table.
 TARGETS = [
     "megatron.core.datasets.utils.compile_helpers",
     "megatron.training.training.initialize_megatron",
@@ -28,23 +32,57 @@ TARGETS = [
     "megatron.training.training.get_megatron_optimizer",
     "megatron.training.training.build_pretraining_data_loader",
     "megatron.training.training.get_forward_backward_func",
-    "megatron.training.training.save_checkpoint_and_time",
-    "megatron.training.training.train_step",
-    "megatron.training.training.train",
+    "megatron.training.training.save_checkpoint",
+    "megatron.training.training.load_checkpoint",
+    "megatron.training.checkpointing.generate_state_dict",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async.get_write_results_queue",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
     "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.finish_grad_sync",
     "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup.reset",
+    "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker._aggregate",
+    "megatron.training.training.training_log",
+    "megatron.training.training.train_step",
+    "megatron.training.training.train",
+    "megatron.training.training.setup_model_and_optimizer",
+    "megatron.training.training.save_checkpoint_and_time",
+    "megatron.core.models.multimodal.llava_spec.decoder_model_with_local_default_spec",
+    "megatron.core.models.vision.vit_layer_specs.get_vit_layer_with_local_spec",
     "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
     "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
 ]
 CPU_TARGETS = [
+    *(f"torch.cuda.{name}" for name in ("current_device", "current_stream", "default_stream", "Stream", "Event",
+                                        "stream", "synchronize", "get_rng_state", "set_rng_state", "manual_seed",
+                                        "manual_seed_all")),
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+    "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
     "megatron.training.arguments.get_device_arch_version",
+    "megatron.training.initialize._initialize_distributed",  # again: counting one device
     "megatron.training.initialize._set_random_seed",
     "megatron.training.initialize._warmup_jit_function",
+    "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
+    "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
+    "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+    "torch.distributed.new_group",
+    "torch.distributed.new_subgroups_by_enumeration",
 ]
-# Set directly (not through _patch.replace) by patches/cpu.py.
-CPU_ATTRIBUTES = [(torch.cuda, name) for name in
-                  ("current_device", "current_stream", "Stream", "Event", "synchronize", "get_rng_state",
-                   "set_rng_state", "manual_seed", "manual_seed_all")]
+# Without apex (the module megatron-core imports for gradient-accumulation fusion, and its flags).
+NO_APEX_TARGETS = [
+    "sys.modules['fused_weight_gradient_mlp_cuda']",
+    "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
+    "megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
+]
+
+
+def _expected() -> list[str]:
+    """What apply() changes here, sorted (a target changed by two patches appears twice)."""
+    from megatron_hetero.patches import cpu
+
+    cpu_targets = [*CPU_TARGETS, cpu.MODE] if not torch.cuda.is_available() else []
+    return sorted(TARGETS + cpu_targets + (NO_APEX_TARGETS if importlib.util.find_spec("apex") is None else []))
 
 
 def _wraps(function, original) -> bool:
@@ -56,27 +94,80 @@ def _wraps(function, original) -> bool:
     return False
 
 
+def _value(path: str):
+    if path.startswith("sys.modules"):
+        return sys.modules.get(path.split("'")[1])
+    try:
+        return _patch.upstream(path)[2]
+    except PatchError:
+        return None  # not there before the patch created it
+
+
 def _check_apply(rank, world_size):
-    targets = TARGETS + (CPU_TARGETS if not torch.cuda.is_available() else [])
-    originals = {path: _patch.upstream(path)[2] for path in targets}
+    targets = [t for t in _expected() if not t.startswith("torch functions")]
+    replaced = [t for t in targets if t not in NO_APEX_TARGETS]
+    originals = {path: _value(path) for path in targets}
+    os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     apply()
-    patched = {path: _patch.upstream(path)[2] for path in targets}
-    for path in targets:
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # where the plugin is applied, launcher or not
+    assert sorted(_patch.applied()) == _expected(), "apply() changes exactly the targets listed here"
+    patched = {path: _value(path) for path in targets}
+    for path in replaced:
         assert patched[path] is not originals[path], f"{path} not replaced"
         assert _wraps(patched[path].__wrapped__, originals[path]), f"{path} does not wrap the original"
-    attributes = [getattr(owner, name) for owner, name in CPU_ATTRIBUTES]
-    applied = dict(_patch._applied)
-    apply()
-    assert {path: _patch.upstream(path)[2] for path in targets} == patched
-    assert [getattr(owner, name) for owner, name in CPU_ATTRIBUTES] == attributes
-    assert _patch._applied == applied
+    apply()  # a second time: nothing changes
+    assert sorted(_patch.applied()) == _expected()
+    assert {path: _value(path) for path in targets} == patched
+    _patch.undo()  # every change undone: upstream's objects again
+    assert _patch.applied() == [] and {path: _value(path) for path in targets} == originals
+    if not torch.cuda.is_available():  # device='cuda' is no longer sent to the CPU
+        try:
+            torch.empty(1, device="cuda")
+            raise AssertionError("the CPU mode is still entered after undo()")
+        except (RuntimeError, AssertionError) as error:
+            assert "still entered" not in str(error)
+    apply()  # and again
+    assert sorted(_patch.applied()) == _expected()
+    assert all(_wraps(_value(path).__wrapped__, originals[path]) for path in replaced)
 
 
 def test_apply_replaces_each_target_once():
-    """After apply(), each target is a new function whose __wrapped__ chain reaches upstream's; a
-    second apply() leaves every one (and the CPU redirections) as the first left them. In a spawned
-    process: the patches stay for the life of the process they are applied in."""
+    """apply() changes exactly the targets listed here (the README's table lists them too); each
+    replaced one is a new function whose __wrapped__ chain reaches upstream's; a second apply()
+    changes nothing; undo() restores every upstream object and leaves the CPU mode, and apply()
+    works again. In a spawned process: the patches stay for the life of the process they are
+    applied in."""
     run_distributed(_check_apply, 1)
+
+
+def test_readme_table_lists_every_target():
+    """The README's patch table names every target apply() changes (without megatron's prefix)."""
+    table = (Path(__file__).parent.parent / "README.md").read_text().split("| patch | upstream")[1].split("\n\n")[0]
+    from megatron_hetero.patches import cpu
+
+    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS
+               if t.removeprefix("megatron.") not in table and t != cpu.MODE]
+    assert not missing, f"the README's patch table lacks {missing}"
+
+
+def test_cuda_connections_set_where_unset(monkeypatch, capsys):
+    """apply() sets CUDA_DEVICE_MAX_CONNECTIONS=1 where the environment lacks it (Megatron's argument
+    check asks for it with TP or CP on GPUs), with one line on GPUs (rank 0), none on CPUs; a value
+    the user set stays. (That apply() does it: test_apply_replaces_each_target_once.)"""
+    from megatron_hetero.patches import startup
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    notice = startup.set_cuda_connections(gpus=True)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert capsys.readouterr().out.splitlines() == [notice] and "CUDA_DEVICE_MAX_CONNECTIONS=1" in notice
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert startup.set_cuda_connections(gpus=True) is None and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setenv("RANK", "1")
+    assert startup.set_cuda_connections(gpus=True) and capsys.readouterr().out == ""  # rank 0 says it
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert startup.set_cuda_connections(gpus=False) is None and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
 @pytest.mark.parametrize("path", [
@@ -299,8 +390,8 @@ import torch.distributed as dist
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))  # runs last
 from megatron_hetero.patches import cpu
 cpu.apply()
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-dist.init_process_group("gloo", rank=0, world_size=1)
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # a port of its own, taken at once
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 if sys.argv[1] == "raise":
     raise RuntimeError("the run failed")
 """
@@ -313,7 +404,8 @@ def test_process_groups_destroyed_at_a_clean_exit(ending, destroyed):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending, str(_free_port())], capture_output=True,
-                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    result = subprocess.run([sys.executable, "-c", SCRIPT_AT_EXIT, ending], capture_output=True,
+                            text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == (0 if destroyed else 1), result.stderr[-2000:]
     assert f"initialized at exit: {not destroyed}" in result.stdout, result.stdout[-2000:]

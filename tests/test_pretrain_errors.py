@@ -78,7 +78,8 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_2_2.yaml"),
       "--images-per-sample", "4"], None, "--seq-length 32 cannot hold <bos>, 64 image/audio tokens"),
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_2_2.yaml"),
-      "--pack-samples", "3", "--micro-batch-size", "2"], None, "--micro-batch-size 2 is not a multiple of --pack-samples 3"),
+      "--pack-samples", "3", "--micro-batch-size", "2"], None,
+     "--micro-batch-size 2 is not a multiple of --pack-samples 3"),
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_2_2.yaml"),
       "--pack-samples", "2"], None, "caption and <eos> 2 times (--pack-samples 2); use --seq-length"),
 ])

@@ -67,7 +67,7 @@ def rank_times(encoders, pixels: np.ndarray, assignment: np.ndarray, dp: int, op
     return times
 
 
-def main() -> int:
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, default=8, help="the encoder's DP ranks")
     parser.add_argument("--samples", type=int, default=128, help="samples in the global batch")
@@ -84,12 +84,23 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.samples % opts.dp:
         parser.error(f"--samples {opts.samples} must split over --dp {opts.dp} for the by-sample baseline")
+    return opts
 
-    from megatron_hetero.boundary.balance import balance_items, by_sample, imbalance, item_cost, rank_loads, skewed_batch
+
+def main() -> int:
+    opts = parse_args()
+    from megatron_hetero.boundary.balance import (
+        balance_items,
+        by_sample,
+        imbalance,
+        item_cost,
+        rank_loads,
+        skewed_batch,
+    )
     from megatron_hetero.groups import build_module_groups, init_distributed
     from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.patches import cpu
-    from megatron_hetero.patches.parallel_state import init_outside_training
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     cpu.apply()  # nothing with a GPU
     device = init_distributed()
@@ -117,7 +128,8 @@ def main() -> int:
     loads = np.concatenate([rank_loads(costs, a, opts.dp) for a in (before, after)])
     ms = np.concatenate([record["ms_before"], record["ms_after"]])
     (fixed, per_load), *_ = np.linalg.lstsq(np.stack([np.ones_like(loads), loads], axis=1), ms, rcond=None)
-    record.update(fit_fixed_ms=round(float(fixed), 2), fit_r2=float(1 - np.var(ms - fixed - per_load * loads) / np.var(ms)))
+    r2 = float(1 - np.var(ms - fixed - per_load * loads) / np.var(ms))
+    record.update(fit_fixed_ms=round(float(fixed), 2), fit_r2=r2)
     record.update(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                   device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     print(json.dumps(record))

@@ -82,6 +82,27 @@ def kernels(step, device) -> int:
     return sum(1 for e in prof.events() if e.cpu_parent is None)
 
 
+def _boundary_share(results: dict, rows, plan, device, iters: int) -> None:
+    """The boundary's own share of each variant (minus the text-only step), a plain copy of the rows
+    to compare with, the CPU time of one call, and the rows' throughput."""
+    for name in ("direct", "merge"):
+        for way in ("forward", "backward"):
+            results[f"{name}_boundary_{way}_ms"] = results[f"{name}_{way}_ms"] - results[f"text_{way}_ms"]
+            kernels_added = results[f"{name}_{way}_kernels"] - results[f"text_{way}_kernels"]
+            results[f"{name}_boundary_{way}_kernels"] = kernels_added
+    copy = rows.detach().clone()
+    results["clone_ms"] = timed(lambda: copy.clone(), device, iters)
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        boundary_exchange(rows, plan)  # CPU time to enqueue one call (the device's work not waited for)
+    results["forward_call_cpu_ms"] = (time.perf_counter() - start) * 1e3
+    for key in ("direct_boundary_forward", "direct_boundary_backward", "clone"):
+        # Read once + written once: the rows' bytes twice.
+        ms = results[f"{key}_ms"]
+        results[f"{key}_rows_GBps"] = 2 * results["row_bytes"] / (ms * 1e-3) / 1e9 if ms > 0 else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = init_distributed()
@@ -123,22 +144,7 @@ def main(argv=None) -> int:
         results[f"{name}_backward_ms"] = timed(backward, device, args.iters)
         results[f"{name}_forward_kernels"] = kernels(forward, device)
         results[f"{name}_backward_kernels"] = kernels(backward, device)
-    for name in ("direct", "merge"):
-        for way in ("forward", "backward"):
-            results[f"{name}_boundary_{way}_ms"] = results[f"{name}_{way}_ms"] - results[f"text_{way}_ms"]
-            kernels_added = results[f"{name}_{way}_kernels"] - results[f"text_{way}_kernels"]
-            results[f"{name}_boundary_{way}_kernels"] = kernels_added
-    copy = rows.detach().clone()
-    results["clone_ms"] = timed(lambda: copy.clone(), device, args.iters)
-    sync(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        boundary_exchange(rows, plan)  # CPU time to enqueue one call (the device's work not waited for)
-    results["forward_call_cpu_ms"] = (time.perf_counter() - start) * 1e3
-    for key in ("direct_boundary_forward", "direct_boundary_backward", "clone"):
-        # Read once + written once: the rows' bytes twice.
-        ms = results[f"{key}_ms"]
-        results[f"{key}_rows_GBps"] = 2 * results["row_bytes"] / (ms * 1e-3) / 1e9 if ms > 0 else None
+    _boundary_share(results, rows, plan, device, args.iters)
     print(json.dumps(results, indent=1))
     if args.json:
         with open(args.json, "w") as f:

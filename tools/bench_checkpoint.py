@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+import megatron_hetero.patches
 from megatron_hetero.planner import BENCH_WORKLOADS
 from megatron_hetero.training.bench import (
     measure_checkpoint,
@@ -30,6 +31,7 @@ def run(opts) -> dict:
     layout = load_layout(opts.hetero_layout, int(os.environ.get("WORLD_SIZE", 1)))
     w = sized_workload(BENCH_WORKLOADS[opts.workload], layout, opts.llm_layers)
     bf16 = torch.cuda.is_available()
+    megatron_hetero.patches.apply()
     with megatron_session(w, opts.hetero_layout, bf16, opts.extra) as session:
         return measure_checkpoint(session, w, Path(opts.hetero_layout).stem, opts.dir, opts.out)
 

@@ -42,9 +42,10 @@ from pathlib import Path
 
 import torch
 
+import megatron_hetero.patches
+from megatron_hetero.layout import ColocatedSchedule
 from megatron_hetero.planner import BENCH_WORKLOADS
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
-from megatron_hetero.schedules.colocated_order import SCHEDULES
 from megatron_hetero.training.bench import (
     PHASES,
     measure,
@@ -79,6 +80,7 @@ def run(opts) -> dict:
             f"{name} ({opts.colocated_schedule})"
     if opts.flags:
         name = f"{name} [{opts.flags}]"
+    megatron_hetero.patches.apply()
     with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
         record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
         if opts.profile:
@@ -93,7 +95,8 @@ def report(path: str, png: str | None) -> None:
             "waiting", *(f"{p} s" for p in PHASES), "attention"]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in records:
-        cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
+        cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}",
+                 f"{r['tflops_per_gpu']:.1f}",
                  _step_cell(r), f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
                  f"{100 * r['waiting_share_max']:.1f}%",
                  *(f"{r['phases'][p]:.3f}" for p in PHASES),
@@ -136,7 +139,7 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="samples per LLM DP rank and microbatch (default: the workload's; 0: the "
                              "smallest the layout accepts)")
-    parser.add_argument("--colocated-schedule", choices=SCHEDULES, default="recompute",
+    parser.add_argument("--colocated-schedule", choices=tuple(ColocatedSchedule), default="recompute",
                         help="colocated layouts with LLM pp>1: --hetero-colocated-schedule (the record's layout "
                              "name says which, unless recompute)")
     parser.add_argument("--flags", default="",

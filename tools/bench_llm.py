@@ -56,7 +56,7 @@ def run(opts) -> dict:
     from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.models.context_parallel import cp_positions
     from megatron_hetero.models.vlm import llm_forward
-    from megatron_hetero.patches.parallel_state import init_outside_training
+    from megatron_hetero.runtime.parallel_state import init_outside_training
 
     device = init_distributed()
     pgs = build_module_groups(ModuleLayout("llm", "llm", tp=opts.tp, cp=opts.cp, sp=opts.sp)).pgs

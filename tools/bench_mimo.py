@@ -48,7 +48,8 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_hetero.data.batches import VISION, module_slice
+import megatron_hetero.patches
+from megatron_hetero.data.batches import VISION
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.planner import BENCH_WORKLOADS
 from megatron_hetero.training.bench import measure, megatron_session, run_reporting_errors
@@ -98,14 +99,14 @@ class TimedMimo(MimoModel):
         kwargs = {}
         if vision.held:
             param = next(vision.part.parameters())
-            share = module_slice(len(input_ids), vision.layout.dp, vision.coords()["dp"])
+            share = vision.layout.dp_samples(len(input_ids), vision.coords()["dp"])
             first = torch.cat([vision_counts.new_zeros(1), vision_counts.cumsum(0)])  # each sample's first image
             pixels = images[first[share.start] : first[share.stop]].to(param.device, param.dtype)
             kwargs.update(modality_inputs={VISION: {"vit": {"x": pixels}}},
                           input_ids=input_ids[share].to(param.device))
         if llm.held:
             device = next(llm.part.parameters()).device
-            share = module_slice(len(input_ids), llm.layout.dp, llm.coords()["dp"])
+            share = llm.layout.dp_samples(len(input_ids), llm.coords()["dp"])
             ids = input_ids[share].to(device)
             kwargs.update(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=device).expand_as(ids),
                           labels=labels[share].to(device), loss_mask=loss_mask[share].to(device))
@@ -254,6 +255,7 @@ def run(opts) -> dict:
     w = BENCH_WORKLOADS[opts.workload]
     w = replace(w, layers=opts.llm_layers or w.layers)
     layout_file = str(LAYOUT_DIR / LAYOUTS[opts.placement, w.frozen])
+    megatron_hetero.patches.apply()
     with megatron_session(w, layout_file, not opts.fp32 and torch.cuda.is_available()) as session:
         upstream = UpstreamMimo(session)
         record = measure(session, w, f"upstream_mimo_{opts.placement}", opts.warmup, opts.steps, opts.out,

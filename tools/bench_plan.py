@@ -17,6 +17,7 @@ exchange of a plan does, once); "cached" is a PlanCache hit for a fresh batch of
 import argparse
 import time
 from dataclasses import replace
+
 import numpy as np
 
 from megatron_hetero.boundary import BoundaryBatch, PlanCache, assign_items, plan_edge

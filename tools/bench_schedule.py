@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_hetero.schedules.colocated_order import SCHEDULES, predicted_step
+from megatron_hetero.layout import ColocatedSchedule
+from megatron_hetero.schedules.colocated_order import predicted_step
 from megatron_hetero.training.long_run import read_records, rss_mib, worker_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,11 +64,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("extra", nargs="*", help="flags for the script (after --)")
     args = parser.parse_args(argv)
-    results = [measure(schedule, args.iters, args.extra) for schedule in SCHEDULES]
+    results = [measure(schedule, args.iters, args.extra) for schedule in ColocatedSchedule]
     base = results[0]["step_s"]
     # The ideal timeline of this pipeline (pp 2, 8 microbatches) at two encoder weights per
     # microbatch (a stage's forward = 1): what the measured gains compare with.
-    predicted = {share: {s: predicted_step(s, 2, 8, share) for s in SCHEDULES} for share in (0.5, 1.0)}
+    predicted = {share: {s: predicted_step(s, 2, 8, share) for s in ColocatedSchedule} for share in (0.5, 1.0)}
     print(f"{'schedule':<12} {'step ms':>8} {'vs recompute':>12} {'predicted (share 0.5 / 1.0)':>28} "
           f"{'waiting':>8}  peak RSS MiB per rank")
     for r in results:

@@ -1,7 +1,8 @@
 """Build the shipped caption tokenizer, megatron_hetero/data/shapes_caption.model.
 
 A sentencepiece "word" model trained on every caption the shapes dataset can produce, so each
-caption word is exactly one token. Ids: pad=0, unk=1, bos=2, eos=3, <image>=4, then the words. Regenerating gives a byte-identical file:
+caption word is exactly one token. Ids: pad=0, unk=1, bos=2, eos=3, <image>=4, then the words.
+Regenerating gives a byte-identical file:
 
     python tools/build_tokenizer.py [--output PATH]
 """

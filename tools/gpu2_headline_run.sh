@@ -6,11 +6,18 @@
 # the distributed optimizer; then the planner's predictions for the same layouts on this GPU's memory.
 # Homogeneous: TP2 (refused: the encoder's 25 heads), DP2, CP2 with the encoder replicated on both
 # CP ranks (gpu2_homogeneous_cp2). Heterogeneous: vision DP2 -> LLM TP2+SP, vision DP2 -> LLM CP2.
-# Records: $OUT/bench_e2e.jsonl (with each run's step-time spread), planner.txt.
+# Records: $OUT/bench_e2e.jsonl (with each run's step-time spread), planner.txt. The DP2 baseline with
+# partial recomputation and the runs the first call had no time for (the default list filled a
+# 10-minute call on 2 H200s): BLOCK_LAYERS="6 9" tools/gpu2_headline_run.sh
 set -uo pipefail
 export LLM_LAYERS=${LLM_LAYERS:-12} SKIP_BOUNDARY=1 SKIP_MOE=1
 D=--use-distributed-optimizer
 R=$D,--recompute-granularity,full,--recompute-method,uniform,--recompute-num-layers,1
+# Partial recomputation for the DP2 baseline: the first N layers of each module's block (Megatron's
+# --recompute-method block), the rest keeping their activations.
+B=$D,--recompute-granularity,full,--recompute-method,block,--recompute-num-layers
+[ -n "${BLOCK_LAYERS:-}" ] && RUNS="$(for n in $BLOCK_LAYERS; do printf 'W5:gpu2_homogeneous_dp2:%s,%s ' "$B" "$n"; done)
+  W5:gpu2_colocated_cp2:$D W5:gpu2_colocated_sp:$R"
 RUNS=${RUNS:-"W5:gpu2_homogeneous_tp2:$D W5:gpu2_colocated_sp:$D W5:gpu2_homogeneous_dp2:$R W5:gpu2_homogeneous_cp2:$D
   W5:gpu2_homogeneous_cp2:$R W5:gpu2_colocated_sp:$R W5:gpu2_colocated_cp2:$D"} \
   bash "$(dirname "$0")/gpu2_layouts_run.sh"

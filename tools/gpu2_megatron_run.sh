@@ -59,10 +59,12 @@ fi
 fault() {  # kind (kill or hang), extra flags
   local kind=$1; shift
   local start=$(date +%s.%N)
-  HETERO_TEST_FAULT=$kind:llm:5:1 HETERO_TEST_KILLED=$out/fault_$kind.time timeout 150 torchrun --nproc-per-node 2 \
-    tests/fault_script.py --hetero-layout $LAYOUTS/gpu2_colocated.yaml --train-iters 20 --global-batch-size 32 \
+  # A port of its own, and whatever the fault leaves (a stopped rank) killed after: later runs need 29500.
+  HETERO_TEST_FAULT=$kind:llm:5:1 HETERO_TEST_KILLED=$out/fault_$kind.time timeout -s KILL 120 torchrun \
+    --nproc-per-node 2 --master-port 29611 tests/fault_script.py --hetero-layout $LAYOUTS/gpu2_colocated.yaml --train-iters 20 --global-batch-size 32 \
     --micro-batch-size 8 --lr 1e-3 --log-interval 1 --bf16 "$@" > "$out/fault_$kind.log" 2>&1
   local rc=$? end=$(date +%s.%N)
+  pkill -9 -f tests/fault_script.py || true
   echo "fault $kind: exit $rc, $(python3 -c "print(f'{$end - float(open(\"$out/fault_$kind.time\").read()):.1f}')" 2>/dev/null) s from the fault to the end"
   grep "^error" "$out/fault_$kind.log" | head -3
 }

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_ops import timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench_ops import timed
 from megatron_hetero.models.attention import attend, packed_seq_params, varlen_attention
 from megatron_hetero.models.attention_kernels import (
     CHECKED_HEAD_DIMS,

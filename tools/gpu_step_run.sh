@@ -16,8 +16,10 @@ sed -i '/grad_accum_fusion.apply()\|fused_adam.apply()/d' $before/patches/__init
 sed -i 's/"masked_softmax_fusion")/"masked_softmax_fusion", "gradient_accumulation_fusion")/' $before/patches/startup.py
 grep -q '"gradient_accumulation_fusion")' $before/patches/startup.py && ! grep -q "fused_adam.apply()" \
   $before/patches/__init__.py || { echo "the copy without the patches could not be made: see the sed lines"; exit 1; }
+install_checkout $before /tmp/before_fusion_site || { echo "the copy without the patches did not install"; exit 1; }
 e2e() {  # checkout, workload, layout, record tag, extra flags
-  (cd "$1" && PYTHONPATH=$PWD:/tmp/site timeout 240 torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$2" \
+  site=/tmp/megatron_hetero_site; [ "$1" = "$before" ] && site=/tmp/before_fusion_site
+  (cd "$1" && PYTHONPATH=$site:/tmp/site timeout 240 torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$2" \
     --llm-layers "$LLM_LAYERS" --hetero-layout "examples/layouts/$3.yaml" --out "$out/bench_e2e_$4.jsonl" "${@:5}" \
     >> "$out/bench_e2e.log" 2>&1); echo "$2 $4: exit $?"
 }

@@ -10,7 +10,8 @@ Every figure is a prediction of the cost model in megatron_hetero/planner/ (its 
 the model, megatron_hetero.planner.calibration's the calibration JSON format), not a measurement.
 Presets: W1, W2, W3 (a SigLIP-so400m ViT into a 7B LLM on 2 GPUs), W4 (encoder-heavy: an
 InternViT-6B-wide ViT into a 7B LLM on 2 GPUs), tiny (a CPU-sized check), paper (a 6B ViT into a
-70B LLM on 64 GPUs) and moe (a ViT into a Qwen3-30B-A3B-shaped MoE LLM on 8 GPUs); see megatron_hetero.planner.presets. A workload file is JSON:
+70B LLM on 64 GPUs) and moe (a ViT into a Qwen3-30B-A3B-shaped MoE LLM on 8 GPUs); see
+megatron_hetero.planner.presets. A workload file is JSON:
 
     {"encoders": [{"name": "vision", "hidden": 1152, "layers": 27, "heads": 16, "ffn": 4304,
                    "tokens_per_item": 729, "items_per_sample": 16, "projector_ffn": 16384}],
@@ -116,6 +117,27 @@ def print_table(title: str, predictions: list) -> None:
         print(f"{number:>3}. {p.reason}")
 
 
+def _report_gains(result, paper: bool):
+    """Print the best homogeneous layout and each placement's predicted gain over it; return it."""
+    reference = result.best("homogeneous")
+    print()
+    if reference is None:
+        print("best homogeneous: none fits in memory; no gain to report")
+        return None
+    number = result.ranked.index(reference) + 1
+    print(f"best homogeneous: #{number} {reference.candidate.describe()} (mb {reference.candidate.micro_batch}), "
+          f"{reference.step_s:.2f} s/step, {reference.tflops_per_gpu:.0f} TFLOPS/GPU")
+    for placement in ("colocated", "non_colocated"):
+        best = result.best(placement)
+        published = f"  (published: {PUBLISHED[placement]})" if paper else ""
+        if best is None:
+            print(f"predicted gain, best {placement}: none fits{published}")
+        else:
+            print(f"predicted gain, best {placement} over best homogeneous: {_gain(best, reference)} "
+                  f"[{best.candidate.describe()}]{published}")
+    return reference
+
+
 def report(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top {args.top}: print at least 1 layout")
@@ -141,22 +163,7 @@ def report(args) -> int:
         print_table(f"best {min(args.top, len(result.ranked))}:", result.ranked[:args.top])
     else:
         print("no layout fits in memory")
-    reference = result.best("homogeneous")
-    print()
-    if reference is None:
-        print("best homogeneous: none fits in memory; no gain to report")
-    else:
-        number = result.ranked.index(reference) + 1
-        print(f"best homogeneous: #{number} {reference.candidate.describe()} (mb {reference.candidate.micro_batch}), "
-              f"{reference.step_s:.2f} s/step, {reference.tflops_per_gpu:.0f} TFLOPS/GPU")
-        for placement in ("colocated", "non_colocated"):
-            best = result.best(placement)
-            published = f"  (published: {PUBLISHED[placement]})" if args.workload == "paper" else ""
-            if best is None:
-                print(f"predicted gain, best {placement}: none fits{published}")
-            else:
-                print(f"predicted gain, best {placement} over best homogeneous: {_gain(best, reference)} "
-                      f"[{best.candidate.describe()}]{published}")
+    reference = _report_gains(result, args.workload == "paper")
     if result.over_memory:
         print()
         print_table(f"fastest {min(3, len(result.over_memory))} over memory (each at its smallest-memory micro batch):",

@@ -139,6 +139,34 @@ def planned_minimum(batch, encoder, llm, world_size) -> int:
     return rows
 
 
+def _check_edge(layout, edge, batch, rank: int, world_size: int, args, dtype, device) -> tuple:
+    """One edge's exchange forward and backward, checked against the single-process re-layout and
+    timed: (edge, batch, encoder, busiest rank's off-rank bytes, all ranks', seconds, mismatch)."""
+    cuda = device.type == "cuda"
+    row_bytes = args.hidden_size * torch.finfo(dtype).bits // 8
+    encoder = layout.module(edge.src)
+    run = EdgeRun(layout, encoder, batch, rank, world_size, args.hidden_size, dtype, device)
+    slots, grad = run.run()
+    ok = torch.equal(slots, run.want_slots) and torch.equal(grad, run.want_grad)
+    times = []
+    for _ in range(args.iters):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        run.run()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    moved = sum(routes.bytes_sent_off_rank(rank, row_bytes) for routes in (run.plan.forward, run.plan.backward))
+    stats = torch.tensor([moved, float(np.median(times)) if times else 0.0, 0.0 if ok else 1.0],
+                         dtype=torch.float64, device=device)
+    total = stats.clone()
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total)
+    return edge, batch, encoder, stats[0].item(), total[0].item(), stats[1].item(), stats[2].item()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -159,38 +187,13 @@ def main(argv=None) -> int:
         return 0
 
     device = init_distributed()
-    cuda = device.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     row_bytes = args.hidden_size * torch.finfo(dtype).bits // 8
     dist.barrier()  # the first collective on the world group includes every rank (NCCL P2P needs it)
 
-    failures = 0
-    report = []
-    for edge, batch in zip(layout.edges, batches):
-        encoder = layout.module(edge.src)
-        run = EdgeRun(layout, encoder, batch, rank, world_size, args.hidden_size, dtype, device)
-        slots, grad = run.run()
-        ok = torch.equal(slots, run.want_slots) and torch.equal(grad, run.want_grad)
-        times = []
-        for _ in range(args.iters):
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            start = time.perf_counter()
-            run.run()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        plan = run.plan
-        moved = (plan.forward.bytes_sent_off_rank(rank, row_bytes)
-                 + plan.backward.bytes_sent_off_rank(rank, row_bytes))
-        stats = torch.tensor([moved, float(np.median(times)) if times else 0.0, 0.0 if ok else 1.0],
-                             dtype=torch.float64, device=device)
-        total = stats.clone()
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        dist.all_reduce(total)
-        failures += int(stats[2].item())
-        report.append((edge, batch, encoder, stats[0].item(), total[0].item(), stats[1].item(), stats[2].item()))
+    report = [_check_edge(layout, edge, batch, rank, world_size, args, dtype, device)
+              for edge, batch in zip(layout.edges, batches)]
+    failures = sum(int(entry[-1]) for entry in report)
 
     if rank == 0:
         print(layout.rank_map())

@@ -12,6 +12,8 @@ import heapq
 
 import numpy as np
 
+from megatron_hetero.layout import dp_rank_of
+
 
 def item_cost(tokens, hidden: int) -> np.ndarray:
     """Relative encoder work of items of `tokens` tokens each (linear layers plus attention)."""
@@ -47,7 +49,7 @@ def by_sample(items_per_sample, dp: int) -> np.ndarray:
     parallelism, the unbalanced baseline; the samples must split evenly)."""
     counts = np.asarray(items_per_sample, dtype=np.int64)
     assert len(counts) % dp == 0, "by_sample needs the samples to split evenly over the ranks"
-    return np.repeat(np.arange(len(counts)) // (len(counts) // dp), counts)
+    return np.repeat(dp_rank_of(np.arange(len(counts)), len(counts), dp), counts)
 
 
 def rank_loads(costs, assignment: np.ndarray, dp: int) -> np.ndarray:

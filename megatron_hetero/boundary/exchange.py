@@ -37,7 +37,6 @@ from megatron_hetero.boundary.plan import (
     metadata_summary,
 )
 
-
 # Prefix of the torch.profiler ranges that mark the boundary's work (a profile's own table of
 # them: training/bench.profile_step); a range costs nothing unless a profiler runs.
 ANNOTATION = "hetero::"

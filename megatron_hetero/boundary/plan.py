@@ -44,7 +44,7 @@ from itertools import zip_longest
 import numpy as np
 
 from megatron_hetero import rules
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.layout import ModuleLayout, dp_rank_of
 
 
 class BoundaryError(ValueError):
@@ -103,7 +103,7 @@ class BoundaryBatch:
     def items_of(self, dp_rank: int, dp: int) -> np.ndarray:
         """Mask [items] of the items an encoder's DP rank `dp_rank` (of `dp`) encodes."""
         if self.item_dp is None:  # one item per sample, contiguous slices of the samples
-            return np.arange(self.num_samples) // (self.num_samples // dp) == dp_rank
+            return dp_rank_of(np.arange(self.num_samples), self.num_samples, dp) == dp_rank
         return self.item_dp == dp_rank
 
     @cached_property
@@ -265,7 +265,8 @@ class _Segments:
 
         # LLM: DP by sample, CP by load-balanced chunks, TP parts with SP, first PP stage.
         b_local = batch.num_samples // llm.dp
-        llm_dp, local_sample = np.divmod(sample, b_local)
+        llm_dp = dp_rank_of(sample, batch.num_samples, llm.dp)
+        local_sample = sample - llm_dp * b_local
         if llm.cp > 1:
             chunk, offset = np.divmod(positions, chunk_len)
             llm_cp = np.where(chunk < llm.cp, chunk, 2 * llm.cp - 1 - chunk)
@@ -280,7 +281,7 @@ class _Segments:
         seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
         self.llm = _Side(base, width, local_sample * seq_local + local_pos, 1, batch.seq_len * b_local)
 
-        enc_dp = sample // (batch.num_samples // encoder.dp) if batch.item_dp is None else batch.item_dp[item]
+        enc_dp = dp_rank_of(sample, batch.num_samples, encoder.dp) if batch.item_dp is None else batch.item_dp[item]
         enc_cp = ((k + 1) * encoder.cp - 1) // np.maximum(item_n[item], 1)
         self._encoder_sides(encoder, enc_dp, enc_cp, llm_cp, num_rows)
 

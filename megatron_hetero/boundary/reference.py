@@ -33,8 +33,7 @@ def llm_share(full: torch.Tensor, layout: ModuleLayout, rank: int) -> torch.Tens
     c = layout.coords(rank)
     if c is None or c["pp"] != 0:
         return full[:0, 0]
-    b = full.shape[1] // layout.dp
-    x = full[:, c["dp"] * b : (c["dp"] + 1) * b]
+    x = full[:, layout.dp_samples(full.shape[1], c["dp"])]
     if layout.cp > 1:
         chunks = x.chunk(2 * layout.cp)
         x = torch.cat([chunks[c["cp"]], chunks[2 * layout.cp - 1 - c["cp"]]])

@@ -1,4 +1,5 @@
-"""Global batches of fused image-caption sequences, and each module's slice of them.
+"""Global batches of fused image-caption sequences (each module's DP rank takes its slice of them:
+layout.dp_samples).
 
 A sample's fused sequence is `<bos> <image>*kP caption <eos> <pad>...`: the placeholder expands to
 its k images' P patch tokens each (k may be 0), whose input embeddings are the encoder rows
@@ -20,7 +21,6 @@ import torch
 from megatron_hetero.boundary import BoundaryBatch
 from megatron_hetero.data.shapes import ShapesDataset, ShapesSample
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-
 
 # The media of a fused sequence, keys of GlobalBatch.boundaries: the rows of each come from its encoder.
 VISION, AUDIO = "vision", "audio"
@@ -54,12 +54,6 @@ class GlobalBatch:
     def audio(self, samples: slice) -> torch.Tensor:
         """[n, mel_bins, frames]: the clips of samples[samples], in sample order (one per sample)."""
         return torch.stack([s.audio for s in self.samples[samples]])
-
-
-def module_slice(num_samples: int, dp: int, dp_rank: int) -> slice:
-    """A module's DP rank holds a contiguous slice of the batch."""
-    per_rank = num_samples // dp
-    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
 def sample_images(index: int, count: int, num_images: int) -> list[int]:

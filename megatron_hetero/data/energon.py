@@ -5,7 +5,8 @@ A sample holds a `json` part, the LLaVA-style record (data/conversations.py) who
 the sample's own image parts, and those parts (`0.png`, `1.png`, ...; data/make_dataset.py's
 write_energon converts a LLaVA JSON file to this). A `json` part that is the conversation list
 itself, the image a part of its own (`jpg`, ...), as Megatron-LM's
-examples/multimodal/convert_llava_pretrain_to_wds.py writes LLaVA-Pretrain, reads too. Samples are read by index through energon's own
+examples/multimodal/convert_llava_pretrain_to_wds.py writes LLaVA-Pretrain, reads too. Samples are
+read by index through energon's own
 indexed tar reader (the `.tar.idx` files `energon prepare` writes), so that every rank reads the
 global microbatches Megatron's sampler asks for, and the data position is Megatron's consumed
 samples, saved in its checkpoints.
@@ -79,7 +80,8 @@ class EnergonRecords:
             return BadSample("malformed", self.path, where, f"json part is not JSON ({error.msg})")
         parts = {k: v for k, v in sample.items() if isinstance(v, bytes)}
         if isinstance(record, list):  # the conversations alone (Megatron-LM's LLaVA-Pretrain conversion)
-            images = sorted((k for k in parts if k.rsplit(".", 1)[-1].lower() in IMAGE_PARTS), key=lambda k: (len(k), k))
+            images = sorted((k for k in parts if k.rsplit(".", 1)[-1].lower() in IMAGE_PARTS),
+                            key=lambda k: (len(k), k))
             record = {"conversations": record, **({"image": images} if images else {})}
         if isinstance(record, dict):
             record["__parts__"], record["__where__"] = parts, where

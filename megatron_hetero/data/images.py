@@ -12,8 +12,10 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-# Per-channel (mean, std) of the encoders' preprocessing. "none" keeps pixels in [0, 1]: this
-# project's reference vision encoder rescales them itself (VisionArch.rescale_pixels).
+# Per-channel (mean, std) of the encoders' preprocessing, by --image-normalization name (transformers'
+# SiglipImageProcessor and CLIPImageProcessor defaults). "none" keeps pixels in [0, 1]: this project's
+# reference vision encoder rescales them itself (VisionArch.rescale_pixels); an imported tower's
+# comes with it (VisionArch.pixel_normalization).
 NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "none": ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0)),
     "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
@@ -29,7 +31,13 @@ class ImageError(ValueError):
 class ImageSpec:
     size: int  # side of a tile in pixels
     max_tiles: int = 1  # 1: the whole image resized to one tile
-    normalization: str = "none"
+    normalization: tuple = NORMALIZATION["none"]  # (mean, std) per channel
+
+
+def normalize(pixels: torch.Tensor, normalization: tuple) -> torch.Tensor:
+    """Images [..., 3, H, W] in [0, 1] normalized with (mean, std) per channel."""
+    mean, std = (torch.tensor(v, dtype=pixels.dtype).view(3, 1, 1) for v in normalization)
+    return (pixels - mean) / std
 
 
 def tile_grid(width: int, height: int, max_tiles: int) -> tuple[int, int]:
@@ -63,8 +71,7 @@ def check_image(path) -> tuple[int, int]:
 
 def _normalized(image: Image.Image, spec: ImageSpec) -> torch.Tensor:
     pixels = torch.from_numpy(np.array(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-    mean, std = (torch.tensor(v).view(3, 1, 1) for v in NORMALIZATION[spec.normalization])
-    return (pixels - mean) / std
+    return normalize(pixels, spec.normalization)
 
 
 def open_rgb(path) -> Image.Image:

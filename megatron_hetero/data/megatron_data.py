@@ -13,6 +13,7 @@ import torch
 
 from megatron_hetero.data.bad_data import SkipReport
 from megatron_hetero.data.batches import AUDIO, VISION, GlobalBatch, caption_batch
+from megatron_hetero.data.images import normalize
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch, pack
 from megatron_hetero.data.shapes import ShapesDataset
 from megatron_hetero.data.tokenizer import CaptionTokenizer
@@ -28,9 +29,17 @@ def images_per_sample(indices, image_counts: tuple[int, int]) -> list[int]:
     return (low + hashed % np.uint64(high - low + 1)).astype(int).tolist()
 
 
-def _media(batch: GlobalBatch, kinds: list[EncoderKind]) -> dict[str, Media]:
+def _images(batch: GlobalBatch, samples: slice, sizes: ModelSizes) -> torch.Tensor:
+    """The batch's images in [0, 1], normalized as the vision encoder takes them (an imported one's
+    image processor: VisionArch.pixel_normalization)."""
+    images = batch.images(samples)
+    normalization = sizes.vision_arch.pixel_normalization
+    return images if normalization is None else normalize(images, normalization)
+
+
+def _media(batch: GlobalBatch, kinds: list[EncoderKind], sizes: ModelSizes) -> dict[str, Media]:
     everything = slice(0, len(batch.indices))
-    made = {VISION: lambda: Media(batch.images(everything), batch.image_counts(everything),
+    made = {VISION: lambda: Media(_images(batch, everything, sizes), batch.image_counts(everything),
                                   torch.from_numpy(batch.boundaries[VISION].positions)),
             AUDIO: lambda: Media(batch.audio(everything), torch.ones(len(batch.indices), dtype=torch.long),
                                  torch.from_numpy(batch.boundaries[AUDIO].positions))}
@@ -45,7 +54,7 @@ def shapes_batch(shapes: ShapesDataset, indices: list[int], sizes: ModelSizes, k
     batch = caption_batch(shapes, [i % len(shapes) for i in indices], tokenizer, sizes.patches_per_image,
                           sizes.seq_length, with_captions, tokens_per_clip=clip,
                           images_per_sample=images_per_sample(indices, image_counts))
-    return SampleBatch(batch.input_ids, batch.labels, batch.loss_mask, _media(batch, kinds), [])
+    return SampleBatch(batch.input_ids, batch.labels, batch.loss_mask, _media(batch, kinds, sizes), [])
 
 
 def samples_dict(shapes: ShapesDataset, indices: list[int], sizes: ModelSizes, kinds: list[EncoderKind],

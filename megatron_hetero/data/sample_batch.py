@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_hetero.data.bad_data import BadSample, DataError
+from megatron_hetero.models.kinds import DOCUMENTS_KEY, POSITION_IDS_KEY, counts_key, grids_key, positions_key, rows_key
 
 
 @dataclass
@@ -66,7 +67,7 @@ class SampleBatch:
                            [bad for s in samples for bad in s.skipped], documents, position_ids)
 
     def model_kwargs(self, input_keys: dict[str, str]) -> dict:
-        """The model call's arguments (models/vlm_parts.py); input_keys: kind name -> its argument.
+        """The model call's arguments (its keys: models/kinds.py); input_keys: kind name -> its argument.
         Per kind, ragged over the samples: every item `<input key>` [n, ...], the items per sample
         `<kind>_counts` [B] and the positions their rows fill `<kind>_positions` [n x rows per item]."""
         out = dict(input_ids=self.input_ids, labels=self.labels, loss_mask=self.loss_mask)
@@ -83,10 +84,6 @@ class SampleBatch:
         if self.position_ids is not None:
             out[POSITION_IDS_KEY] = self.position_ids
         return out
-
-
-DOCUMENTS_KEY = "document_ids"  # the model call's argument holding a packed batch's documents [B, S]
-POSITION_IDS_KEY = "position_ids"  # the model call's argument holding M-RoPE position ids [B, 3, S]
 
 
 def pack(samples: list[Sample], per_pack: int, pad_id: int) -> list[Sample]:
@@ -132,23 +129,3 @@ def _packed_position_ids(group: list[Sample], lengths: list[int], seq: int) -> t
     parts = [s.position_ids[:, :n] for s, n in zip(group, lengths)]
     start, tail = max((int(p.max()) + 1 for p in parts if p.numel()), default=0), seq - sum(lengths)
     return torch.cat([*parts, torch.arange(start, start + tail).expand(3, tail)], 1)
-
-
-def grids_key(kind: str) -> str:
-    """The model call's argument holding a kind's native-resolution items' patch grids [n, 3]."""
-    return f"{kind}_grids"
-
-
-def rows_key(kind: str) -> str:
-    """The model call's argument holding the rows each of a kind's items sends into the sequence [n]."""
-    return f"{kind}_rows"
-
-
-def counts_key(kind: str) -> str:
-    """The model call's argument holding a kind's items per sample."""
-    return f"{kind}_counts"
-
-
-def positions_key(kind: str) -> str:
-    """The model call's argument holding the sequence positions of a kind's rows."""
-    return f"{kind}_positions"

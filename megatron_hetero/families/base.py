@@ -101,14 +101,12 @@ class VLMFamily:
         return best
 
     def _unknown(self, keys, sizes: ModelSizes, scheme: KeyScheme, known: set) -> list[str]:
-        """The keys `scheme` does not spell: known = the in-memory names of the rules and copies."""
+        """The keys `scheme` does not spell (every tensor of the files is read: none is dropped);
+        known = the in-memory names of the rules and copies."""
         if scheme.rules is not None:  # the files' own names
             names = {name for rules in scheme.rules(sizes).values() for rule in rules for name in rule.hf}
             return [key for key in keys if key not in names and scheme.to_memory(key) not in self.copies(sizes)]
-        return [key for key in keys if scheme.to_memory(key) not in known and not self._dropped(scheme.to_memory(key))]
-
-    def _dropped(self, key: str) -> bool:
-        return any(key.startswith(part.hf_dropped) for part in self.parts.values() if part.hf_dropped)
+        return [key for key in keys if scheme.to_memory(key) not in known]
 
     def _module_of(self, key: str) -> str:
         for name, prefixes in self.prefixes.items():
@@ -154,10 +152,10 @@ class VLMFamily:
         copies = {scheme.to_file(key) for key in self.copies(sizes)}
         rules = scheme.rules(sizes)
         out = {}
-        for name, part in self.parts.items():
+        for name in self.parts:
             mine = {n for rule in rules[name] for n in rule.hf}
             state = {k: t for k, t in hf_state.items() if k in mine}
-            out[name] = apply_rules(rules[name], state, to_hf=False, ignored=part.hf_dropped)
+            out[name] = apply_rules(rules[name], state, to_hf=False)
         unread = sorted(set(hf_state) - copies - {n for module in rules.values() for rule in module for n in rule.hf})
         if unread:
             raise HFMappingError(f"{self.name}: tensor {unread[0]} has no counterpart in our modules")

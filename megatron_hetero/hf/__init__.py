@@ -13,7 +13,7 @@ from megatron_hetero.hf.family import Family
 from megatron_hetero.hf.files import Imported, export_hf, import_hf
 from megatron_hetero.hf.registry import FAMILIES, family_of
 from megatron_hetero.hf.rules import HFMappingError
-from megatron_hetero.training.full_state import load_full_tensors
+from megatron_hetero.models.full_state import load_full_tensors
 
 __all__ = ["FAMILIES", "Family", "HFMappingError", "Imported", "export_hf", "family_of", "import_hf",
            "load_full_tensors"]

@@ -71,6 +71,9 @@ def _export(args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import megatron_hetero.patches
+
+    megatron_hetero.patches.apply()  # megatron-core on CPUs; this command line is an entry point
     try:
         if args.command == "compare":
             from megatron_hetero.hf.compare import compare

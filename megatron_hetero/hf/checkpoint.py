@@ -25,43 +25,50 @@ from megatron_hetero.hf.rules import HFMappingError
 from megatron_hetero.models.sizes import ModelSizes, sizes_from_dict, sizes_to_dict
 
 MODEL_FILE = "model.json"
-MODULES = ("vision", "llm")
+
+
+def untrained_file(name: str) -> str:
+    """The file beside model.json holding module `name`'s Hugging Face tensors it does not hold."""
+    return f"hf_untrained_{name}.safetensors"
 
 
 def describe(sizes: ModelSizes, imported: dict) -> dict:
-    """model.json: our sizes, and per module the Hugging Face family and config it came from."""
+    """model.json: our sizes, and per module the Hugging Face family and config it came from, where
+    its files keep our keys, its image processor's config, and the file of its untrained tensors."""
     return dict(sizes=sizes_to_dict(sizes),
-                hf={name: dict(model_type=i.config.model_type, config=i.config.to_dict()) for name, i in imported.items()})
+                hf={name: dict(model_type=i.config.model_type, config=i.config.to_dict(), prefix=i.prefix,
+                               processor=i.processor, untrained=untrained_file(name) if i.untrained else None)
+                    for name, i in imported.items()})
 
 
 def _start_world(layout) -> bool:
-    """The default process group, where none is: torchrun's world for a layout, else one process.
-    True if started here."""
+    """The default process group, where none is: torchrun's world for a layout, else one process on
+    a store of its own, at a port the system picks (no other job's). True if started here."""
     from megatron_hetero.groups import init_distributed
 
     if dist.is_initialized():
         return False
     if layout is not None and "WORLD_SIZE" in os.environ:
         init_distributed()
-    else:  # an in-memory store: no port to take (another tool's may be in use)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     return True
 
 
 @contextmanager
 def model_under(sizes: ModelSizes, layout=None):
     """This rank's HeteroModel (its stage of every module it holds, weights from seed 0) under
-    `layout`; None: a one-process world holding every module whole (tp = pp = 1)."""
+    `layout`; None: a one-process world holding every module whole (tp = pp = 1). On CPUs
+    megatron-core runs with megatron_hetero.patches applied (the command line applies them)."""
     from megatron_hetero.layout import parse_layout
     from megatron_hetero.models.vlm_parts import build_vlm_parts
-    from megatron_hetero.patches import cpu
-    from megatron_hetero.patches.parallel_state import init_outside_training, point_at
     from megatron_hetero.runtime.context import build_run
     from megatron_hetero.runtime.model import HeteroModel
+    from megatron_hetero.runtime.parallel_state import init_outside_training, point_at
 
     started = _start_world(layout)
     try:
-        cpu.apply()
         layout = layout or parse_layout({"placement": "colocated", "edges": ["vision -> llm"],
                                          "modules": {"vision": {"role": "encoder"}, "llm": {"role": "llm"}}}, 1)
         run = build_run(layout)
@@ -82,38 +89,10 @@ def one_process_model(sizes: ModelSizes):
     return model_under(sizes)
 
 
-def _record(model, description: dict) -> dict:
-    from megatron_hetero.patches.checkpointing import hetero_record
-
-    return {**hetero_record(model.run.layout), "optimizer_modules": [], "model": description}
-
-
-def _write_release(model, sizes: ModelSizes, description: dict, save: str) -> Path:
-    """Write the model's weights as `save`/release (a staged save, then the tracker) and model.json."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_hetero.patches.checkpointing import write_tracker
-
-    save_dir = Path(save)
-    staged, final = save_dir / ".staging" / "release", save_dir / "release"
-    if final.exists():
-        raise HFMappingError(f"{final} exists; choose another --save directory")
-    state_dict = dict(model=model.sharded_state_dict(), iteration=0, checkpoint_version=3.0,
-                      args=_checkpoint_args(sizes), hetero=_record(model, description))
-    shutil.rmtree(staged, ignore_errors=True)
-    staged.mkdir(parents=True)
-    dist_checkpointing.save(state_dict, str(staged))
-    os.replace(staged, final)
-    write_tracker(save_dir, "release")
-    (save_dir / MODEL_FILE).write_text(json.dumps(description, indent=1))
-    return save_dir
-
-
 def import_checkpoint(vision_dir: str, llm_dir: str, save: str, projector: str | None = None) -> Path:
-    """Write `save`/release (and the tracker, and model.json) from two Hugging Face directories."""
-    from safetensors.torch import load_file
-
-    from megatron_hetero.training.full_state import load_full_tensors
+    """Write `save`/release (and the tracker, model.json and the untrained tensors beside it) from two
+    Hugging Face directories."""
+    from safetensors.torch import load_file, save_file
 
     vision = import_hf(vision_dir)
     if vision.family.module != "vision":
@@ -121,17 +100,45 @@ def import_checkpoint(vision_dir: str, llm_dir: str, save: str, projector: str |
     llm = import_hf(llm_dir, base=vision.sizes)
     if llm.family.module != "llm":
         raise HFMappingError(f"--llm {llm_dir} holds a {llm.family.name} model, not a language model")
-    sizes = llm.sizes
+    save_dir = Path(save)
+    if (save_dir / "release").exists():
+        raise HFMappingError(f"{save_dir / 'release'} exists; choose another --save directory")
     vision_state = dict(vision.state)
     if projector is not None:
-        vision_state.update({name: t for name, t in load_file(projector).items()})
-    description = describe(sizes, {"vision": vision, "llm": llm})
+        vision_state.update(load_file(projector))
+    save_dir.mkdir(parents=True, exist_ok=True)
+    imported = {"vision": vision, "llm": llm}
+    (save_dir / MODEL_FILE).write_text(json.dumps(describe(llm.sizes, imported), indent=1))
+    for name, i in imported.items():
+        if i.untrained:
+            save_file({k: t.contiguous() for k, t in i.untrained.items()}, save_dir / untrained_file(name))
+    states = {"vision": vision_state, "llm": llm.state}
+    missing = {"vision": vision.family.ours_only if projector is None else (), "llm": ()}
+    write_release(save_dir, llm.sizes, states, missing)
+    return save_dir
+
+
+def write_release(save_dir: Path, sizes: ModelSizes, states: dict, missing: dict) -> None:
+    """The release checkpoint of our modules' full state dicts (`missing`: prefixes each may lack),
+    recording the model.json already beside it."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_hetero.models.full_state import load_full_tensors
+    from megatron_hetero.runtime.checkpoint import hetero_record, write_tracker
+
     with one_process_model(sizes) as model:
-        for name, imported, state in (("vision", vision, vision_state), ("llm", llm, llm.state)):
+        for name, state in states.items():
             module = model.run.modules[name]
-            missing = imported.family.ours_only if projector is None else ()
-            load_full_tensors(module.part, state, module.pgs.tp, allow_missing=missing)
-        return _write_release(model, sizes, description, save)
+            load_full_tensors(module.part, state, module.pgs.tp, allow_missing=missing[name])
+        record = {**hetero_record(model.run.layout, save_dir / MODEL_FILE), "optimizer_modules": []}
+        state_dict = dict(model=model.sharded_state_dict(), iteration=0, checkpoint_version=3.0,
+                          args=_checkpoint_args(sizes), hetero=record)
+        staged, final = save_dir / ".staging" / "release", save_dir / "release"
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir(parents=True)
+        dist_checkpointing.save(state_dict, str(staged))
+        os.replace(staged, final)
+        write_tracker(save_dir, "release")
 
 
 def _checkpoint_args(sizes: ModelSizes):
@@ -141,24 +148,41 @@ def _checkpoint_args(sizes: ModelSizes):
                                  pipeline_model_parallel_size=1, consumed_train_samples=0)
 
 
-def read_description(load: str, model_file: str | None = None) -> dict:
-    """The model description of a checkpoint: `model_file`, else the one its save recorded."""
-    from megatron.core.dist_checkpointing import load_common_state_dict
+def _checkpoint_path(load: str) -> str:
     from megatron.training.checkpointing import get_checkpoint_name
 
-    if model_file is not None:
-        return json.loads(Path(model_file).read_text())
-    tracker = Path(load) / "latest_checkpointed_iteration.txt"
+    from megatron_hetero.runtime.checkpoint import TRACKER
+
+    tracker = Path(load) / TRACKER
     if not tracker.is_file():
         raise HFMappingError(f"--load {load} holds no checkpoint ({tracker.name} is missing)")
     text = tracker.read_text().strip()
     release = text == "release"
-    path = get_checkpoint_name(load, 0 if release else int(text), release, return_base_dir=True)
-    description = (load_common_state_dict(path).get("hetero") or {}).get("model")
+    return get_checkpoint_name(load, 0 if release else int(text), release, return_base_dir=True)
+
+
+def read_description(load: str, model_file: str | None = None) -> tuple[dict, dict]:
+    """The model description of a checkpoint (`model_file`, else the one its save recorded) and
+    each module's untrained Hugging Face tensors (those the checkpoint carries, else the files beside
+    `model_file`)."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    from megatron_hetero.runtime.checkpoint import UNTRAINED, model_record, module_entries
+
+    path = _checkpoint_path(load)
+    record = load_common_state_dict(path).get("hetero") or {}
+    if model_file is not None:
+        record = {**model_record(model_file), **{k: v for k, v in record.items() if k == UNTRAINED and v}}
+    description = record.get("model")
     if description is None:
         raise HFMappingError(f"checkpoint {path} records no Hugging Face model description; give the "
                              f"model.json of its import with --model-sizes")
-    return description
+    untrained = record.get(UNTRAINED) or {}
+    for name, hf in module_entries(description).items():
+        if hf.get("untrained") and name not in untrained:
+            raise HFMappingError(f"checkpoint {path} lacks module {name}'s Hugging Face tensors it does not "
+                                 f"train ({hf['untrained']}); give the model.json of its import with --model-sizes")
+    return description, untrained
 
 
 @contextmanager
@@ -166,19 +190,16 @@ def loaded_model(load: str, sizes: ModelSizes, layout=None):
     """The model (model_under: one process holding every module whole, or `layout`'s stages) holding
     the weights of checkpoint `load` (its tracker's iteration)."""
     from megatron.core import dist_checkpointing
-    from megatron.training.checkpointing import get_checkpoint_name
 
-    text = (Path(load) / "latest_checkpointed_iteration.txt").read_text().strip()
-    path = get_checkpoint_name(load, 0 if text == "release" else int(text), text == "release", return_base_dir=True)
     with model_under(sizes, layout) as model:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, _checkpoint_path(load))
         model.load_state_dict(loaded["model"])
         yield model
 
 
 def full_states(model) -> dict[str, dict[str, torch.Tensor]]:
     """module name -> its full (TP1/PP1) state dict, of a one-process model."""
-    from megatron_hetero.training.full_state import full_tensors
+    from megatron_hetero.models.full_state import full_tensors
 
     with torch.no_grad():
         return {name: full_tensors(m.part, m.pgs.tp) for name, m in model.run.modules.items()}
@@ -188,7 +209,7 @@ def export_checkpoint(load: str, outs: dict[str, str], model_file: str | None = 
     """Hugging Face directories (module name -> directory) of the weights in checkpoint `load`."""
     from transformers import AutoConfig
 
-    description = read_description(load, model_file)
+    description, untrained = read_description(load, model_file)
     if "family" in description:
         raise HFMappingError(f"--load {load} holds a whole {description['family']} model: export it with --out DIR")
     sizes = sizes_from_dict(description["sizes"])
@@ -196,8 +217,8 @@ def export_checkpoint(load: str, outs: dict[str, str], model_file: str | None = 
         states = full_states(model)
     for name, out in outs.items():
         hf = description["hf"][name]
-        family = FAMILIES[hf["model_type"]]
         config = {k: v for k, v in hf["config"].items() if k != "model_type"}
         dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
         state = {k: t.to(dtype) for k, t in states[name].items()}  # in the dtype the imported files had
-        export_hf(out, family, sizes, state, AutoConfig.for_model(hf["model_type"], **config))
+        export_hf(out, FAMILIES[hf["model_type"]], sizes, state, AutoConfig.for_model(hf["model_type"], **config),
+                  untrained.get(name), hf.get("prefix", ""), hf.get("processor"))

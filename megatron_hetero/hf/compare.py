@@ -82,22 +82,21 @@ def _gathered_logits(run, logits, seq: int) -> list[tuple[int, torch.Tensor]]:
 
 def _our_logits(model, kwargs: dict, seq: int) -> dict[int, torch.Tensor]:
     """Our logits [S, V] of each sample of one global microbatch, on rank 0 (sample -> logits)."""
-    from megatron_hetero.data.batches import module_slice
-    from megatron_hetero.runtime.step import StepContext
+    from megatron_hetero.schedules.forward_backward import step_context
     from megatron_hetero.schedules.pipeline import run_stage
-    from megatron_hetero.schedules.stages import LLMStage
+    from megatron_hetero.schedules.stages import GivenRows, LLMStage
     from megatron_hetero.training.evaluation import logits_step, route_media
 
     run = model.run
-    ctx = StepContext(run, model.adapter, logits_step, [kwargs], model.config, True, model.clock, model.timers,
-                      model.plan_caches)
-    ctx.prepare()
+    ctx = step_context(model, logits_step, [kwargs], forward_only=True)
     media = route_media(ctx)
     mine = []
-    if run.llm.held:
-        run_stage(LLMStage(ctx, media=media), 1, ctx.clock)
-        share = module_slice(len(kwargs["input_ids"]), run.llm.layout.dp, run.llm.coords()["dp"])
-        mine = [(share.start + j, t) for j, t in _gathered_logits(run, ctx.losses[0] if ctx.losses else None, seq)]
+    llm = run.llm
+    if llm.held:
+        results = run_stage(LLMStage(ctx, GivenRows(media)), 1, ctx.clock)
+        share = llm.layout.dp_samples(len(kwargs["input_ids"]), llm.coords()["dp"])
+        logits = results.forward[0][0] if llm.last_stage else None
+        mine = [(share.start + j, t) for j, t in _gathered_logits(run, logits, seq)]
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     return dict(sum(gathered, [])) if gathered is not None else {}
@@ -145,7 +144,7 @@ def compare(args) -> int:
     from megatron_hetero.hf.checkpoint import loaded_model, read_description
     from megatron_hetero.models.sizes import sizes_from_dict
 
-    description = read_description(args.load, args.model_sizes)
+    description, _ = read_description(args.load, args.model_sizes)
     if "family" not in description:
         raise HFMappingError(f"--load {args.load} holds no whole-model import (python -m megatron_hetero.hf import "
                              f"--model DIR); compare needs the whole model")

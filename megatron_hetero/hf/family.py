@@ -49,11 +49,15 @@ class Family:
     """name: ours; model_type: config.json's; module: "llm" or "vision" (what our builders build,
     and the ModelSizes arch it sets, llm_arch or vision_arch); hf_fixed: config values the mapping
     assumes (checked on import, written on export); arch: our arch fields the family implies;
-    rules(sizes): the weight rules; hf_dropped: Hugging Face key prefixes we have no counterpart for
-    (e.g. SigLIP's pooling head), dropped on import; ours_only: our key prefixes Hugging Face has no
-    counterpart for (an encoder's projector), absent on import and left out on export; hf_prefix:
-    where a model that holds ours as a part keeps its keys (a CLIP text + vision checkpoint's
-    "vision_model."): with such keys, only they are imported."""
+    rules(sizes): the weight rules; hf_kept: Hugging Face key prefixes of tensors our module does not
+    hold (SigLIP's pooling head, older files' position ids): carried unchanged from import to export
+    (`untrained`); hf_tied: (name, the name it is tied to) of a tensor that is another one again (a
+    tied lm_head in a file): checked equal on import, left to transformers' tying on export;
+    ours_only: our key prefixes Hugging Face has no counterpart for (an encoder's projector), absent
+    on import and left out on export; hf_prefix: where a model that holds ours as a part keeps its
+    keys (a CLIP text + vision checkpoint's "vision_model."): with such keys, only they are ours;
+    pixels: vision, the image processor's (mean, std) where a directory has no
+    preprocessor_config.json (transformers' defaults for the family)."""
 
     name: str
     model_type: str
@@ -63,10 +67,12 @@ class Family:
     hf_fixed: dict
     arch: dict
     rules: Callable[[ModelSizes], list]
-    hf_dropped: tuple[str, ...] = ()
+    hf_kept: tuple[str, ...] = ()
+    hf_tied: tuple[tuple[str, str], ...] = ()
     ours_only: tuple[str, ...] = ()
-    hf_export: dict = field(default_factory=dict)  # further values written on export only
+    hf_export: dict = field(default_factory=dict)  # config values written on export without a base config
     hf_prefix: str = ""
+    pixels: tuple | None = None
 
     @property
     def _arch_field(self) -> str:
@@ -102,19 +108,39 @@ class Family:
             value = getattr(arch if f.ours.startswith("arch.") else sizes, name)
             if value is not None:  # None: Hugging Face derives it as we do
                 _set(values, f.hf, value)
-        for path, value in {**self.hf_fixed, **self.hf_export}.items():
+        for path, value in {**({} if base is not None else self.hf_export), **self.hf_fixed}.items():
             _set(values, path, value)
-        values["architectures"] = [self.architecture]
+        values["architectures"] = values.get("architectures") or [self.architecture]
         return AutoConfig.for_model(self.model_type, **values)
+
+    def prefix(self, hf_state: dict) -> str:
+        """The prefix of our keys in `hf_state` ("" where they have none)."""
+        return self.hf_prefix if self.hf_prefix and any(n.startswith(self.hf_prefix) for n in hf_state) else ""
 
     def to_ours(self, hf_state: dict[str, torch.Tensor], sizes: ModelSizes) -> dict[str, torch.Tensor]:
         """Our module's full (TP1/PP1) state dict, but for `ours_only`, from a Hugging Face state dict."""
-        if self.hf_prefix and any(name.startswith(self.hf_prefix) for name in hf_state):
-            hf_state = {name.removeprefix(self.hf_prefix): t for name, t in hf_state.items()
-                        if name.startswith(self.hf_prefix)}
-        return apply_rules(self.rules(sizes), hf_state, to_hf=False, ignored=self.hf_dropped)
+        prefix, rules = self.prefix(hf_state), self.rules(sizes)
+        ours = {name.removeprefix(prefix): t for name, t in hf_state.items() if name.startswith(prefix)}
+        read = {name for rule in rules for name in rule.hf}
+        tied = tuple(name for name, _ in self.hf_tied if name not in read)  # untied, a rule reads it
+        for name, source in self.hf_tied:
+            if name in tied and name in ours and not torch.equal(ours[name], ours[source]):
+                raise HFMappingError(f"{prefix}{name} differs from {prefix}{source}, to which the config ties it "
+                                     f"(tie_word_embeddings); set it false or save the model again")
+        return apply_rules(rules, ours, to_hf=False, ignored=self.hf_kept + tied)
 
-    def to_hf(self, state: dict[str, torch.Tensor], sizes: ModelSizes) -> dict[str, torch.Tensor]:
-        """The Hugging Face state dict (as save_pretrained writes it) of our module's full state dict."""
-        return apply_rules(self.rules(sizes), state, to_hf=True, ignored=self.ours_only)
+    def untrained(self, hf_state: dict[str, torch.Tensor], whole_file: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors of `hf_state` our module does not hold, under their names there, to write back
+        unchanged on export: ours under `hf_kept`, and with `whole_file` (the file holds this
+        family's model, not a larger one around it, e.g. a vision tower with a projection) those
+        outside our prefix."""
+        prefix = self.prefix(hf_state)
+        kept = self.hf_kept
+        return {name: t for name, t in hf_state.items()
+                if (name.removeprefix(prefix).startswith(kept) if name.startswith(prefix) else whole_file)}
 
+    def to_hf(self, state: dict[str, torch.Tensor], sizes: ModelSizes, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The Hugging Face state dict (as save_pretrained writes it) of our module's full state dict,
+        its keys under `prefix` (where the imported file had them)."""
+        out = apply_rules(self.rules(sizes), state, to_hf=True, ignored=self.ours_only)
+        return {prefix + name: t for name, t in out.items()}

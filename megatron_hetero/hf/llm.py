@@ -5,8 +5,8 @@ All three have the same weight layout otherwise."""
 
 from megatron_hetero.hf.family import Family, Field
 from megatron_hetero.hf.rules import PaddedRows, Same, Stacked, qkv_rules
-from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.models.vlm import ACTIVATIONS, padded_vocab_size
+from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
+from megatron_hetero.models.vlm import ACTIVATIONS
 
 
 def llm_fields(prefix: str = "") -> tuple[Field, ...]:
@@ -59,7 +59,7 @@ def llm_rules(sizes: ModelSizes, prefix: str = "model.") -> list:
 
 
 # A tied lm_head.weight (in a model's state_dict(), not in its files) is the embedding again.
-_COMMON = dict(module="llm", fields=FIELDS, rules=llm_rules, hf_dropped=("lm_head.weight",))
+_COMMON = dict(module="llm", fields=FIELDS, rules=llm_rules, hf_tied=(("lm_head.weight", "model.embed_tokens.weight"),))
 LLAMA = Family("llama", "llama", "LlamaForCausalLM", hf_fixed={"attention_bias": False, "mlp_bias": False, **ROPE},
                arch=ARCH, **_COMMON)
 QWEN2 = Family("qwen2", "qwen2", "Qwen2ForCausalLM", hf_fixed={"use_sliding_window": False, **ROPE},

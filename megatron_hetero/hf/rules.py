@@ -31,8 +31,9 @@ class Same:
 
 @dataclass(frozen=True)
 class PaddedRows(Same):
-    """An embedding (or output layer) whose `vocab` rows we pad with zeros to `rows` (see
-    vlm.padded_vocab_size): logits of the padding are 0 and never a label."""
+    """An embedding (or output layer) whose `vocab` rows we pad with zeros to `rows` (the TP-1 padded
+    vocabulary, sizes.padded_vocab_size); the padding is not the model's (models/vocab.py): export
+    strips it."""
 
     vocab: int
     rows: int

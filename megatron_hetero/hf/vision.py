@@ -2,10 +2,13 @@
 patch convolution (CLIP's without bias), learned positions, pre-norm layers with biases, the
 post-layernorm as the block's final norm; CLIP adds a class token and a layernorm before the layers.
 
-Our encoder emits every token after the final norm, not pooled outputs: SigLIP's pooling head is
-dropped on import (exports set vision_use_head false), and for CLIP the post-layernorm, which
-Hugging Face applies to the class token's output alone (pooler_output), normalizes every token."""
+Our encoder emits every token after the final norm, not pooled outputs: SigLIP's pooling head (and
+any tensor of the file our encoder does not hold) is carried unchanged from import to export
+(Family.untrained), and for CLIP the post-layernorm, which Hugging Face applies to the class token's
+output alone (pooler_output), normalizes every token. Pixels arrive normalized as the directory's
+image processor says (recorded at import: VisionArch.pixel_normalization)."""
 
+from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.hf.family import Family, Field
 from megatron_hetero.hf.rules import Flattened, Same, qkv_rules, same_params
 from megatron_hetero.models.sizes import ModelSizes
@@ -54,8 +57,8 @@ def vision_rules(sizes: ModelSizes) -> list:
 _COMMON = dict(module="vision", fields=FIELDS, hf_fixed={"num_channels": CHANNELS}, rules=vision_rules,
                ours_only=("projector.",), hf_prefix="vision_model.")
 POSITION_IDS = "embeddings.position_ids"  # a tensor in older files
-SIGLIP = Family("siglip", "siglip_vision_model", "SiglipVisionModel", arch=ARCH,
-                hf_dropped=("head.", POSITION_IDS), hf_export={"vision_use_head": False}, **_COMMON)
+SIGLIP = Family("siglip", "siglip_vision_model", "SiglipVisionModel", arch=ARCH, hf_kept=("head.", POSITION_IDS),
+                hf_export={"vision_use_head": False}, pixels=NORMALIZATION["siglip"], **_COMMON)
 CLIP = Family("clip", "clip_vision_model", "CLIPVisionModel",
               arch={**ARCH, "patch_bias": False, "class_token": True, "pre_norm": True},
-              hf_dropped=(POSITION_IDS,), **_COMMON)
+              hf_kept=(POSITION_IDS,), pixels=NORMALIZATION["clip"], **_COMMON)

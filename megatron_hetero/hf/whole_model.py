@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_hetero.families import UnknownFamilyError, family_named, family_of_config
-from megatron_hetero.hf.checkpoint import _write_release, full_states, loaded_model, one_process_model, read_description
+from megatron_hetero.hf.checkpoint import MODEL_FILE, full_states, loaded_model, read_description, write_release
 from megatron_hetero.hf.rules import HFMappingError
 from megatron_hetero.models.sizes import sizes_from_dict, sizes_to_dict
 
@@ -77,8 +77,6 @@ def _config(model_dir: Path):
 
 def import_model(model_dir: str, save: str) -> Path:
     """Write `save`/release, its tracker and model.json from a whole VLM's Hugging Face directory."""
-    from megatron_hetero.training.full_state import load_full_tensors
-
     model_dir, save_dir = Path(model_dir), Path(save)
     family, config = _config(model_dir)
     sizes = family.sizes(config)
@@ -93,11 +91,9 @@ def import_model(model_dir: str, save: str) -> Path:
                 scheme=scheme.name, dtypes=_dtypes(tensors),
                 copies=sorted(key for key in family.copies(sizes) if scheme.to_file(key) in tensors)),
         processor=family.processor_settings(str(model_dir), config), files=_copy_files(model_dir, save_dir))
-    with one_process_model(sizes) as model:
-        for name, state in states.items():
-            module = model.run.modules[name]
-            load_full_tensors(module.part, state, module.pgs.tp)
-        return _write_release(model, sizes, description, save)
+    (save_dir / MODEL_FILE).write_text(json.dumps(description, indent=1))
+    write_release(save_dir, sizes, states, {name: () for name in states})
+    return save_dir
 
 
 def _scheme(family, name: str):
@@ -108,7 +104,7 @@ def export_model(load: str, out: str, model_file: str | None = None) -> Path:
     """A Hugging Face directory of the whole model in checkpoint `load` (imported or trained, any layout)."""
     from safetensors.torch import save_file
 
-    description = read_description(load, model_file)
+    description, _ = read_description(load, model_file)
     if "family" not in description:
         raise HFMappingError(f"--load {load} holds no whole-model import; export its modules with --vision-out "
                              f"and --llm-out")

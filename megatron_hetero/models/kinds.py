@@ -1,6 +1,9 @@
 """The registry of encoder kinds this project's model builds (a layout module's `kind:`): what each
 kind reads from a sample, its size flags, how many tokens an item puts into the LLM sequence, and
-its builder. Importable without megatron-core (flags are parsed first)."""
+its builder; and the model call's arguments per kind (`input_key`, counts_key, positions_key, and
+for native-resolution items grids_key and rows_key; with packing DOCUMENTS_KEY, with M-RoPE
+POSITION_IDS_KEY), which the data (data/sample_batch.py) produces and the model
+(models/vlm_parts.py) reads. Importable without megatron-core (flags are parsed first)."""
 
 from dataclasses import dataclass
 from typing import Callable
@@ -43,6 +46,30 @@ ENCODER_KINDS = {
     "audio": EncoderKind("audio", "audio", "audio", lambda s: s.tokens_per_clip, lambda s: s.tokens_per_clip,
                          "build_audio_encoder"),
 }
+
+
+DOCUMENTS_KEY = "document_ids"  # the model call's argument holding a packed batch's documents [B, S]
+POSITION_IDS_KEY = "position_ids"  # the model call's argument holding M-RoPE position ids [B, 3, S]
+
+
+def counts_key(kind: str) -> str:
+    """The model call's argument holding a kind's items per sample."""
+    return f"{kind}_counts"
+
+
+def positions_key(kind: str) -> str:
+    """The model call's argument holding the sequence positions of a kind's rows."""
+    return f"{kind}_positions"
+
+
+def grids_key(kind: str) -> str:
+    """The model call's argument holding a kind's native-resolution items' patch grids [n, 3]."""
+    return f"{kind}_grids"
+
+
+def rows_key(kind: str) -> str:
+    """The model call's argument holding the rows each of a kind's items sends into the sequence [n]."""
+    return f"{kind}_rows"
 
 
 class UnknownKindError(ValueError):

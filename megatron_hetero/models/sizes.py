@@ -1,6 +1,7 @@
 """Model sizes and architecture choices, importable without megatron-core (flag parsing happens
 before any heavy import)."""
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 # The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
@@ -46,6 +47,10 @@ class LLMArch(TransformerArch):
     # width) sections, each rotated by its own position id (models/mrope.py); None: 1D RoPE.
     mrope_section: tuple[int, ...] | None = None
 
+    def __post_init__(self):  # JSON and Hugging Face configs give lists
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+
 
 @dataclass(frozen=True)
 class VisionArch(TransformerArch):
@@ -53,6 +58,13 @@ class VisionArch(TransformerArch):
     class_token: bool = False  # a learned token before the patches: attended to, not emitted
     pre_norm: bool = False  # a norm between the embeddings and the first layer
     rescale_pixels: bool = True  # images in [0, 1] mapped to [-1, 1]; False: they arrive normalized
+    # ((mean), (std)) per channel that pixels in [0, 1] are normalized with before this encoder: its
+    # image processor's, recorded at import (the data applies it); None: none (pixels in [0, 1]).
+    pixel_normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+    def __post_init__(self):  # JSON gives lists
+        if self.pixel_normalization is not None:
+            object.__setattr__(self, "pixel_normalization", tuple(tuple(v) for v in self.pixel_normalization))
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,8 @@ class ModelSizes:
     num_attention_heads: int = 4
     seq_length: int = 32
     vocab_size: int = 22
-    # Padded vocabulary: fixed, so that every TP size (dividing it) builds the same model.
+    # The vocabulary is padded to a multiple of this (Megatron's --make-vocab-size-divisible-by) that
+    # the LLM's TP size divides: padded_vocab_size.
     vocab_multiple: int = 128
     llm_arch: LLMArch = field(default_factory=LLMArch)
     vision_arch: VisionArch = field(default_factory=VisionArch)
@@ -93,6 +106,15 @@ class ModelSizes:
         return self.audio_frames // AUDIO_FRAMES_PER_TOKEN
 
 
+def padded_vocab_size(sizes: ModelSizes, tp: int = 1) -> int:
+    """Rows of the LLM's embedding and output layer under TP size `tp`: the vocabulary rounded up to a
+    multiple of lcm(vocab_multiple, tp) (every TP rank holds whole rows). The rows past the
+    vocabulary are not the model's (models/vlm.py: vocab_padding), so the model is the same for every
+    TP size; `tp=1` gives the layout-independent ("whole") size checkpoints and exports use."""
+    multiple = math.lcm(sizes.vocab_multiple, tp)
+    return -(-sizes.vocab_size // multiple) * multiple
+
+
 def sizes_to_dict(sizes: ModelSizes) -> dict:
     """Plain values (JSON) of `sizes`, architectures included; sizes_from_dict's inverse."""
     return asdict(sizes)
@@ -106,6 +128,5 @@ def sizes_from_dict(values: dict) -> ModelSizes:
     llm = dict(values.get("llm_arch", {}))
     if llm.get("moe") is not None:
         llm["moe"] = MoEArch(**llm["moe"])
-    if llm.get("mrope_section") is not None:  # a JSON list
-        llm["mrope_section"] = tuple(llm["mrope_section"])
-    return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": VisionArch(**values.get("vision_arch", {}))})
+    vision = VisionArch(**values.get("vision_arch", {}))
+    return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": vision})

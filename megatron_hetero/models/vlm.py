@@ -20,9 +20,10 @@ from megatron_hetero.boundary.exchange import write_rows
 from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
-from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch
+from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch, padded_vocab_size
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
+from megatron_hetero.models.vocab import first_rows_init, pad_vocab
 
 # TransformerArch.activation -> megatron-core's activation_func, under Hugging Face's hidden_act names.
 ACTIVATIONS = {
@@ -77,10 +78,6 @@ def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp:
     return TransformerConfig(**{**fields, **overrides})
 
 
-def padded_vocab_size(sizes: ModelSizes) -> int:
-    return -(-sizes.vocab_size // sizes.vocab_multiple) * sizes.vocab_multiple
-
-
 def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
     """(pp size, pre_process, post_process) of the module this rank builds."""
     if whole:
@@ -126,7 +123,8 @@ def build_llm(
     whole: bool = False, sp: bool = False, transformer_layer_spec=None, packed: bool = False, **config_overrides,
 ) -> GPTModel:
     """This rank's LLM stage; its CP size is `pgs.cp`'s (the sequence layout does not change the
-    weights), `sp` turns on sequence parallelism; transformer_layer_spec replaces our layers (e.g.
+    weights), its vocabulary padded for `tp` (models/vocab.py: the padding is not the model's), `sp`
+    turns on sequence parallelism; transformer_layer_spec replaces our layers (e.g.
     megatron-core's local spec, to compare); `packed`: it will see packed sequences (our attention
     even where Transformer Engine imports: specs.llm_uses_te); config_overrides: further
     TransformerConfig fields (e.g. num_query_groups)."""
@@ -139,11 +137,13 @@ def build_llm(
                      cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
     te = specs.llm_uses_te(packed)
-    model = GPTModel(
+    whole_rows = padded_vocab_size(sizes)  # the padding's own initial weights do not depend on tp
+    config.embedding_init_method = first_rows_init(config.embedding_init_method, whole_rows)
+    spec = transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te)
+    llm = GPTModel(
         config=config,
-        transformer_layer_spec=transformer_layer_spec
-        or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te),
-        vocab_size=padded_vocab_size(sizes),
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(sizes, tp),
         max_sequence_length=sizes.seq_length,
         pre_process=first,
         post_process=last,
@@ -152,11 +152,12 @@ def build_llm(
         share_embeddings_and_output_weights=arch.tied_embeddings,
         pg_collection=pgs,
     )
+    pad_vocab(llm, sizes.vocab_size, whole_rows, pgs.tp)
     if arch.mrope_section is not None:
         # M-RoPE takes the whole sequence's position ids [3, b, S] and keeps this rank's
         # load-balanced CP chunks: of the LLM's own cp group, not parallel_state's.
-        model.rotary_pos_emb.cp_group = pgs.cp
-    return model
+        llm.rotary_pos_emb.cp_group = pgs.cp
+    return llm
 
 
 def _moe_fields(moe: MoEArch | None, pgs: ProcessGroupCollection) -> dict:

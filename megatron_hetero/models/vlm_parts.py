@@ -18,18 +18,18 @@ import numpy as np
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, assign_items, input_rows
-from megatron_hetero.data.sample_batch import (
+from megatron_hetero.families import family_named
+from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.models.init import build_stage
+from megatron_hetero.models.kinds import (
     DOCUMENTS_KEY,
     POSITION_IDS_KEY,
     counts_key,
+    encoder_kind,
     grids_key,
     positions_key,
     rows_key,
 )
-from megatron_hetero.families import family_named
-from megatron_hetero.models.context_parallel import cp_positions
-from megatron_hetero.models.init import build_stage
-from megatron_hetero.models.kinds import encoder_kind
 from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.vlm import build_llm, llm_forward
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
@@ -137,8 +137,9 @@ class VLMAdapter:
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         llm, coords = module.layout, module.coords()
         positions = cp_positions(self.sizes.seq_length, llm.cp, coords["cp"])
-        ids, labels, loss_mask = (None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
-                                  for key in ("input_ids", "labels", "loss_mask"))
+        ids, labels, loss_mask = (
+            None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
+            for key in ("input_ids", "labels", "loss_mask"))
         b_local = ids.shape[0]
         rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)

@@ -188,7 +188,8 @@ class Calibration:
         known = {f.name for f in fields(cls)}
         for key in data:
             if key not in known | {"notes"}:
-                raise ValueError(f"calibration: unknown key {key!r}; known keys: {', '.join(sorted(known | {'notes'}))}")
+                raise ValueError(f"calibration: unknown key {key!r}; known keys: "
+                                 f"{', '.join(sorted(known | {'notes'}))}")
         return cls(**{k: v for k, v in data.items() if k != "notes"})
 
     @classmethod

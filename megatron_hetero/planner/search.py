@@ -29,7 +29,9 @@ def best_micro_batch(model: CostModel, group: list[Candidate]) -> Prediction:
     closest to fitting."""
     predictions = [model.predict(c) for c in group]
     fitting = [p for p in predictions if p.fits]
-    return min(fitting, key=lambda p: (p.step_s, p.memory_gb)) if fitting else min(predictions, key=lambda p: (p.memory_gb, p.step_s))
+    if fitting:
+        return min(fitting, key=lambda p: (p.step_s, p.memory_gb))
+    return min(predictions, key=lambda p: (p.memory_gb, p.step_s))
 
 
 def plan(workload: Workload, cluster: Cluster, calibration: Calibration) -> Plan:

@@ -151,7 +151,8 @@ class Workload:
         if not positive_int(self.global_batch):
             raise ValueError(f"global batch must be a positive integer, got {self.global_batch!r}")
         if not (positive_int(self.micro_batch) or self.micro_batch == 0):
-            raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), got {self.micro_batch!r}")
+            raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), "
+                             f"got {self.micro_batch!r}")
         for key in ("distributed_optimizer", "allow_recompute"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
 from megatron_hetero.groups import ModuleGroups, build_groups
-from megatron_hetero.layout import HeteroLayout, ModuleLayout
+from megatron_hetero.layout import ColocatedSchedule, HeteroLayout, ModuleLayout, Placement
 
 
 @dataclass
@@ -60,7 +60,7 @@ class HeteroRun:
     optimizer: object = None  # its per-module optimizers (megatron-core MimoOptimizer), once built
     phase: str = "setup"  # what this rank is doing, outside the schedules' named phases (failure reports)
     watchdog: object = None  # this rank's heartbeats (runtime/watchdog.py), once started
-    colocated_schedule: str = "recompute"  # colocated, LLM pp > 1: schedules/colocated_order.py
+    colocated_schedule: ColocatedSchedule = ColocatedSchedule.RECOMPUTE  # colocated, LLM pp > 1
     # An ordered colocated schedule (not recompute): world groups of their own for the boundary's
     # rows and its gradients, so that their point-to-point messages never pair with the pipeline's
     # or each other's.
@@ -85,11 +85,13 @@ class HeteroRun:
         return f"HeteroRun({self.layout.placement}, rank {self.rank})"
 
 
-def build_run(layout: HeteroLayout, colocated_schedule: str = "recompute") -> HeteroRun:
+def build_run(layout: HeteroLayout, colocated_schedule: str = ColocatedSchedule.RECOMPUTE) -> HeteroRun:
     """Collective over the world: every module's process groups."""
     groups = build_groups(layout)
     boundary_groups = None
-    if layout.placement == "colocated" and layout.llm.pp > 1 and colocated_schedule != "recompute":
+    colocated_schedule = ColocatedSchedule(colocated_schedule)
+    if (layout.placement == Placement.COLOCATED and layout.llm.pp > 1
+            and colocated_schedule != ColocatedSchedule.RECOMPUTE):
         boundary_groups = tuple(dist.new_group(list(range(layout.world_size))) for _ in ("rows", "grads"))
     return HeteroRun(layout, dist.get_rank(), {name: ModuleRuntime(g) for name, g in groups.items()},
                      colocated_schedule=colocated_schedule, boundary_groups=boundary_groups)

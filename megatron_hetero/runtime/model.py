@@ -2,11 +2,11 @@
 every module it spans, each wrapped in megatron-core DDP over the module's own groups.
 
 Megatron's loop calls `forward_step_func(data_iterator, model)`, and the script's forward step calls
-`model(...)` with the microbatch. The schedules (runtime/step.py) pass a *view* of this model as
-`model`: a callable that runs one part of the work on the script's arguments (an encoder stage, the
-LLM stage, or, colocated without LLM pipelining, encoder -> boundary -> LLM in one autograd graph).
-What the arguments mean (which are per sample, what an encoder returns, how rows enter the LLM) is
-the model family's `Adapter` (models/llava.py for Megatron-LM's LLaVAModel, models/vlm.py for ours).
+`model(...)` with the microbatch. The schedules never call this model: the step captures the
+script's calls and replays them with a *view* of it as `model` (runtime/step.py: ScriptCalls,
+LLMView), and runs each module's stage through the model family's `Adapter`. What the arguments
+mean (which are per sample, what an encoder returns, how rows enter the LLM) is the model family's
+`Adapter` (models/llava.py for Megatron-LM's LLaVAModel, models/vlm.py for ours).
 """
 
 from dataclasses import dataclass
@@ -16,8 +16,8 @@ import torch
 
 from megatron_hetero.boundary import BoundaryBatch, RankPlan
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
-from megatron_hetero.schedules.pipeline import Clock
-from megatron_hetero.training.timers import PhaseTimers
+from megatron_hetero.runtime.parallel_state import pointed_at
+from megatron_hetero.runtime.timers import Clock, PhaseTimers
 
 
 @dataclass
@@ -105,10 +105,6 @@ class HeteroModel(torch.nn.Module):
         sharded state dict under `<module name>.`, built with the module's own groups (its tensor
         slices, its stages' global layer numbers, replicas over its dp x cp), so keys and global
         shapes do not depend on the layout that saved them."""
-        # Imported here: importing the patches package applies nothing but imports every patch,
-        # some of which import this module.
-        from megatron_hetero.patches.parallel_state import pointed_at
-
         assert not sharded_offsets, "a heterogeneous model is one chunk"
         out = {}
         for m in self._held():

@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from megatron.core.models.mimo.optimizer import MimoOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_hetero.runtime.parallel_state import pointed_at
 
 COMMON = "common"  # a module's common optimizer state, one sharded object
 
@@ -75,8 +76,6 @@ class HeteroOptimizer(MimoOptimizer):
                 if info.is_active and info.optimizer is not None and name not in self.fresh]
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None, **kwargs):
-        from megatron_hetero.patches.parallel_state import pointed_at  # see HeteroModel.sharded_state_dict
-
         out = {}
         for name, info in self._stateful():
             pgs = info.pg_collection

@@ -1,18 +1,20 @@
-"""One training (or evaluation) step of a heterogeneous run inside megatron.training's loop.
+"""One training (or evaluation) step of a heterogeneous run inside megatron.training's loop: what the
+schedules (schedules/colocated.py, schedules/non_colocated.py) run it with.
 
-`forward_backward` has the signature of megatron-core's forward-backward functions (what
-`get_forward_backward_func()` returns; patches/hetero_schedule.py hands it out under
-`--hetero-layout`). It builds a `StepContext` and runs the placement's schedule
-(schedules/colocated.py, schedules/non_colocated.py), which call the script's forward step through
-views of the model (`EncoderView`, `LLMView`, `ColocatedView`) and megatron-core's own
-`forward_step` / `backward_step`, so the loss function, its scaling and the reported losses are
-Megatron's.
+Megatron's loop hands the forward-backward function (schedules/forward_backward.py) the data
+iterator and the script's `forward_step(data_iterator, model)`, which reads a batch and calls
+`model(...)` with it. A heterogeneous step needs every microbatch's arguments before any module runs
+(each edge's boundary plan is computed from them) and runs each module's part on its own ranks.
+`ScriptCalls` says how the forward step serves that; `StepContext` holds the step's microbatches,
+their boundary plans, and the parts of a step the schedules compose: an encoder's forward on a
+microbatch, the LLM stage's forward through the script's forward step (`LLMView` as its `model`),
+and a backward through some modules (`GradSync` keeps DDP's gradient reduction for each module's
+last one).
 
 Data: every rank's iterator yields global microbatches (micro batch size x LLM dp samples; see
-patches/hetero_data.py). The step takes its microbatches from it once and replays microbatch i to the
-forward step whenever a view of it runs (an encoder forward, the LLM stage, a recomputation). The
-LLM's DP ranks take contiguous slices of the samples; an encoder's DP ranks take the items (images,
-clips) the boundary metadata assigns them by cost (boundary/balance.py), possibly none.
+patches/hetero_data.py). The LLM's DP ranks take contiguous slices of the samples
+(layout.dp_samples); an encoder's DP ranks take the items (images, clips) the boundary metadata
+assigns them by cost (boundary/balance.py), possibly none.
 """
 
 from dataclasses import dataclass, field
@@ -23,47 +25,118 @@ import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
 from torch.profiler import record_function
 
-from megatron_hetero.boundary import PlanCache, boundary_exchange, check_agreement
+from megatron_hetero.boundary import PlanCache, check_agreement
 from megatron_hetero.boundary.exchange import ANNOTATION
-from megatron_hetero.data.batches import module_slice
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
-from megatron_hetero.runtime.model import Adapter, ModelCall, Media
-from megatron_hetero.schedules.pipeline import Clock
-from megatron_hetero.training.timers import PhaseTimers
+from megatron_hetero.runtime.model import Adapter, ModelCall
+from megatron_hetero.runtime.timers import Clock, PhaseTimers
+
+
+class _Capture:
+    """A `model` that records the script's call (the forward step's outputs are discarded)."""
+
+    call: ModelCall | None = None
+
+    def set_input_tensor(self, tensor):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        self.call = ModelCall(args, kwargs)
+        return None, None
+
+
+@dataclass
+class ScriptCalls:
+    """The script's forward step and the step's microbatches: the forward step is captured once per
+    microbatch and replayed once more on ranks that hold the LLM.
+
+    Per microbatch i:
+    1. `capture` (every rank, before anything runs): the iterator's microbatch i is read once, and
+       the forward step runs on it with a `model` that records its arguments (`calls[i]`, a
+       ModelCall); the boundary plans and every encoder's forward work from these;
+    2. `replay(i)` (ranks holding the LLM, as the LLM stage runs i): the forward step runs again on
+       the same microbatch (an iterator of it alone), through megatron-core's forward_step with the
+       LLM stage as `model` (LLMView); on the last stage its loss function runs.
+    So the script's forward step runs twice per microbatch where the LLM is held, once elsewhere.
+    A script author must let it run again on the same batch: read the batch from the iterator it is
+    given and change nothing else. Megatron-LM's get_batch broadcasts over the tensor-parallel group
+    at each call: every rank of a module's TP group runs the forward step as often, so those
+    broadcasts pair."""
+
+    forward_step_func: Callable
+    items: list  # microbatch i's raw data (None where this rank has no iterator)
+    calls: list = field(default_factory=list)  # microbatch i's model arguments, once captured
+
+    def capture(self) -> None:
+        for i in range(len(self.items)):
+            view = _Capture()
+            self.forward_step_func(self.replay(i), view)
+            self.calls.append(view.call)
+
+    def replay(self, i: int):
+        return None if self.items[i] is None else iter([self.items[i]])
+
+
+class GradSync:
+    """Megatron's no_sync convention, per module: every backward of a step through a module runs
+    under its DDP's no_sync but the last, whose gradient hooks then issue the buckets' reductions
+    (with --overlap-grad-reduce, overlapping that backward). Every schedule runs one backward per
+    microbatch through each trainable module a rank holds, so a module's last backward is its
+    `num_microbatches`-th: `before` counts them."""
+
+    def __init__(self, run: HeteroRun, num_microbatches: int):
+        self.held = {name: m.ddp.no_sync() for name, m in run.modules.items() if m.ddp is not None}
+        for context in self.held.values():
+            context.__enter__()
+        self.remaining = dict.fromkeys(self.held, num_microbatches)
+
+    def before(self, modules: list[ModuleRuntime]) -> None:
+        """A backward through `modules` is about to run."""
+        for module in modules:
+            if module.name in self.remaining:
+                self.remaining[module.name] -= 1
+                assert self.remaining[module.name] >= 0, f"more backwards through {module.name} than microbatches"
+                if self.remaining[module.name] == 0:  # its last: the hooks may reduce
+                    self.held.pop(module.name).__exit__(None, None, None)
+
+    def release(self) -> None:
+        """End of the step (or a failure): every module still held is released."""
+        for context in self.held.values():
+            context.__exit__(None, None, None)
+        self.held.clear()
 
 
 @dataclass
 class StepContext:
-    """What the schedules need for one step: the run, the microbatches, their boundary plans, and
-    how to call the script's forward step on microbatch i with a view of the model."""
+    """What the schedules need for one step: the run, the script's calls, their boundary plans, and
+    the parts of the step (encoder forward, LLM forward step, backward)."""
 
     run: HeteroRun
     adapter: Adapter
-    forward_step_func: Callable
-    items: list  # microbatch i's raw data (None where this rank has no iterator)
+    script: ScriptCalls
     config: object  # the primary module's TransformerConfig: Megatron's schedule settings
     forward_only: bool
     clock: Clock
     timers: PhaseTimers
-    plan_caches: dict
-    calls: list = field(default_factory=list)  # microbatch i's model arguments
+    plan_caches: dict  # encoder name -> PlanCache, kept by the model across steps
     batch_size: int = 0  # samples in a global microbatch
     plans: dict = field(default_factory=dict)  # encoder name -> [RankPlan per microbatch]
     batches: dict = field(default_factory=dict)  # (encoder name, microbatch) -> its BoundaryBatch
     losses: list = field(default_factory=list)  # Megatron's forward_data_store (last LLM stage)
     num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
-    held_sync: dict = field(default_factory=dict)  # module name -> its entered DDP no_sync context
+    grad_sync: GradSync | None = None  # training steps: set by `prepare`
 
     @property
     def num_microbatches(self) -> int:
-        return len(self.items)
+        return len(self.script.items)
 
-    def replay(self, i: int):
-        return None if self.items[i] is None else iter([self.items[i]])
+    @property
+    def calls(self) -> list[ModelCall]:
+        return self.script.calls
 
     def share(self, module: ModuleRuntime) -> slice:
-        """The samples of a global microbatch that the LLM's data-parallel rank takes."""
-        return module_slice(self.batch_size, module.layout.dp, module.coords()["dp"])
+        """The samples of a global microbatch that the module's data-parallel rank takes."""
+        return module.layout.dp_samples(self.batch_size, module.coords()["dp"])
 
     def encoder_items(self, module: ModuleRuntime, i: int) -> torch.Tensor:
         """The items of microbatch i that encoder `module`'s data-parallel rank encodes (indices into
@@ -71,26 +144,10 @@ class StepContext:
         batch, dp = self.batches[module.name, i], module.coords()["dp"]
         return torch.from_numpy(np.flatnonzero(batch.items_of(dp, module.layout.dp)))
 
-    def encoder_forward(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
-        """Encoder stage forward on microbatch i through the adapter (rows on its last stage). A DP
-        rank without items runs nothing: its output is empty, on a trainable last stage a leaf that
-        needs grad, so that the colocated boundary's backward still runs its exchange."""
-        call, items = self.calls[i], self.encoder_items(module, i)
-        trainable = module.ddp is not None and torch.is_grad_enabled()
-        if len(items) == 0:
-            if module.last_stage:
-                return self.adapter.boundary_like().requires_grad_(trainable)
-            return self.adapter.stage_hidden_like(module, call, items)
-        with torch.set_grad_enabled(trainable):
-            return self.adapter.encoder_forward(module, call, items, hidden)
-
     def prepare(self) -> None:
-        """Every microbatch's model arguments (one forward-step call each, through a capturing
-        view) and, from them, every edge's boundary plan."""
-        for i in range(self.num_microbatches):
-            capture = _Capture()
-            self.forward_step_func(self.replay(i), capture)
-            self.calls.append(capture.call)
+        """Every microbatch's model call (ScriptCalls.capture) and, from them, every edge's boundary
+        plan; a training step's modules under no_sync (GradSync)."""
+        self.script.capture()
         self.batch_size = self.adapter.batch_size(self.calls[0])
         layout = self.run.layout
         self.batches = batches = {(e.name, i): self.adapter.boundary_batch(e.name, call)
@@ -105,51 +162,48 @@ class StepContext:
                 self.plans[encoder.name] = [
                     cache.plan(batches[encoder.name, i], encoder, layout.llm, self.run.rank, layout.world_size)
                     for i in range(self.num_microbatches)]
+        if not self.forward_only:
+            self.grad_sync = GradSync(self.run, self.num_microbatches)
 
-    # ---- running parts of the model through the script's forward step --------------------------
-    def run_encoder(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
-        """Encoder stage forward on microbatch i (rows on its last stage)."""
-        view = EncoderView(self, module, i, hidden)
-        with self.timers("encoder-forward"):
-            output, _ = self.forward_step_func(self.replay(i), view)
-        return output
+    def finish(self) -> None:
+        """The step's end (or a failure): every module's gradient reduction released."""
+        if self.grad_sync is not None:
+            self.grad_sync.release()
 
-    def llm_forward_step(self, i: int, view) -> torch.Tensor:
-        """Megatron's forward_step on microbatch i with `view` (an LLMView or ColocatedView): on the
-        last LLM stage the script's loss function runs and its report joins `losses`."""
+    # ---- the parts of a step ---------------------------------------------------------------------
+    def encoder_forward(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
+        """This rank's stage of encoder `module` on microbatch i (its rows on the last stage), on the
+        captured call. A DP rank without items runs nothing: its output is empty, on a trainable
+        last stage a leaf that needs grad, so that the colocated boundary's backward still runs its
+        exchange."""
+        call, items = self.calls[i], self.encoder_items(module, i)
+        trainable = module.ddp is not None and torch.is_grad_enabled()
+        with self.timers("encoder-forward", module.name):
+            if len(items) == 0:
+                if module.last_stage:
+                    return self.adapter.boundary_like().requires_grad_(trainable)
+                return self.adapter.stage_hidden_like(module, call, items)
+            with torch.set_grad_enabled(trainable):
+                return self.adapter.encoder_forward(module, call, items, hidden)
+
+    def llm_forward_step(self, i: int, view: "LLMView") -> list:
+        """Megatron's forward_step on microbatch i, the script's forward step replayed with `view` as
+        its model: [the stage's output]; on the last LLM stage the script's loss function runs, its
+        report joins `losses` and its token count `num_tokens`."""
         llm = self.run.llm
-        with self.timers("llm-forward"):
+        with self.timers("llm-forward", llm.name):
             output, num_tokens = forward_step(
-                self.forward_step_func, self.replay(i), view, self.num_microbatches, view.inputs,
+                self.script.forward_step_func, self.script.replay(i), view, self.num_microbatches, [None],
                 self.losses, self.config, llm.layout.cp, is_last_stage=llm.last_stage)
         self.num_tokens += num_tokens.to(self.num_tokens.device)
         return output
 
-    # ---- DDP gradient reduction (Megatron's no_sync convention) ---------------------------------
-    def hold_grad_sync(self) -> None:
-        """Every trainable module's backwards run under its DDP's no_sync until `last_backward`
-        releases it: with --overlap-grad-reduce its buckets' reductions are issued from the hooks of
-        its last backward of the step only, overlapping that backward."""
-        for name, module in self.run.modules.items():
-            if module.ddp is not None:
-                self.held_sync[name] = module.ddp.no_sync()
-                self.held_sync[name].__enter__()
-
-    def last_backward(self, *modules: ModuleRuntime) -> None:
-        """The next backward is the step's last one through `modules`: their hooks may reduce."""
-        for module in modules:
-            held = self.held_sync.pop(module.name, None)
-            if held is not None:
-                held.__exit__(None, None, None)
-
-    def release_grad_sync(self) -> None:
-        """End of the step (or a failure): every module still held is released."""
-        self.last_backward(*[self.run.modules[name] for name in list(self.held_sync)])
-
-    def backward(self, inputs: list, outputs: list, output_grads: list) -> list:
-        """Backpropagate a stage's output (the loss on the last LLM stage, scaled by Megatron's loss
-        scale) and return the gradients of `inputs` (None entries stay None). Megatron's own
-        backward_step expects outputs its schedules have pseudo-freed; ours are still in flight."""
+    def backward(self, modules: list[ModuleRuntime], inputs: list, outputs: list, output_grads: list) -> list:
+        """Backpropagate a stage's output through `modules` (the loss on the last LLM stage, scaled by
+        Megatron's loss scale) and return the gradients of `inputs` (None entries stay None).
+        Megatron's own backward_step expects outputs its schedules have pseudo-freed; ours are still
+        in flight."""
+        self.grad_sync.before(modules)
         for x in inputs:
             if x is not None:
                 x.retain_grad()
@@ -161,40 +215,13 @@ class StepContext:
         return [None if x is None else x.grad for x in inputs]
 
 
-class _Capture:
-    """A view that records the model call (the forward step's outputs are discarded)."""
-
-    call: ModelCall | None = None
-
-    def set_input_tensor(self, tensor):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        self.call = ModelCall(args, kwargs)
-        return None, None
-
-
-class EncoderView:
-    """`model` for one encoder stage on microbatch i: returns (rows or hidden, None). The script's
-    call is microbatch i's (captured in prepare)."""
-
-    def __init__(self, ctx: StepContext, module: ModuleRuntime, i: int, hidden=None):
-        self.ctx, self.module, self.i, self.hidden = ctx, module, i, hidden
-
-    def set_input_tensor(self, tensor):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        return self.ctx.encoder_forward(self.module, self.i, self.hidden), None
-
-
 class LLMView:
-    """`model` for the LLM stage: `media` (encoder name -> slots) on the first stage, the previous
-    stage's output `hidden` on later ones. `inputs`: what backward returns gradients for."""
+    """`model` for the LLM stage in the script's replayed forward step: `media` (encoder name ->
+    Media: the rows the boundary delivered) on the first stage, the previous stage's output
+    `hidden` on later ones."""
 
-    def __init__(self, ctx: StepContext, media: dict, hidden=None, inputs=None):
+    def __init__(self, ctx: StepContext, media: dict, hidden=None):
         self.ctx, self.media, self.hidden = ctx, media, hidden
-        self.inputs = inputs if inputs else [None]
 
     def set_input_tensor(self, tensor):
         pass  # the input (hidden) is already held
@@ -203,28 +230,3 @@ class LLMView:
         llm = self.ctx.run.llm
         return self.ctx.adapter.llm_forward(llm, ModelCall(args, kwargs), self.ctx.share(llm),
                                             self.media, self.hidden)
-
-
-class ColocatedView:
-    """`model` for one colocated microbatch without LLM pipelining: every encoder's forward, the
-    boundary (autograd: its backward routes the row gradients back), the LLM's forward."""
-
-    inputs = [None]
-
-    def __init__(self, ctx: StepContext, i: int):
-        self.ctx, self.i = ctx, i
-
-    def set_input_tensor(self, tensor):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        ctx, call = self.ctx, ModelCall(args, kwargs)
-        media = {}
-        for name, module in ctx.run.encoders.items():
-            with ctx.timers("encoder-forward"):
-                rows = ctx.encoder_forward(module, self.i)
-            plan = ctx.plans[name][self.i]
-            with ctx.timers("boundary"):
-                media[name] = Media(boundary_exchange(rows, plan), plan)
-        llm = ctx.run.llm
-        return ctx.adapter.llm_forward(llm, call, ctx.share(llm), media, None)

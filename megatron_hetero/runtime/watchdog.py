@@ -151,6 +151,16 @@ class Watchdog:
             self._report(f"no rank is lost; {cause}")
         self._reporting.release()
 
+    def report(self, message: str) -> NoReturn:
+        """This rank stops the job: `message` recorded as its fault (every rank stops within an
+        interval, each with one line naming it), this rank's own line, exit."""
+        self._reporting.acquire()  # not while the thread reports
+        try:
+            self.store.compare_set(PREFIX + "fault", "", f"{message} (reported by rank {self.rank})")
+        except Exception as error:  # noqa: BLE001 (the store is gone with the job)
+            self._unreachable(error)
+        self._exit(f"{self._own()}: {message}")
+
     def _report(self, message: str) -> NoReturn:
         self.store.compare_set(PREFIX + "fault", "", f"{message} (reported by rank {self.rank})")
         self._exit(f"{self._own()}: {message}")

@@ -1,129 +1,158 @@
 """Colocated placement: every module spans all ranks, the encoders with pp=1.
 
-LLM pp=1: microbatch by microbatch, encoder forward, boundary forward, LLM forward/backward, boundary
-backward, encoder backward (one autograd graph through the boundary): encoder activations are held
-for one microbatch at a time.
+LLM pp=1 (`_per_microbatch`): microbatch by microbatch, every encoder's forward and boundary
+exchange, the LLM's forward step, then one backward through the LLM, the boundary and the encoders
+(one autograd graph): encoder activations are held for one microbatch at a time.
 
 LLM pp>1 (the encoder's backward needs gradients that the LLM pipeline returns at its end), by
 --hetero-colocated-schedule:
-- recompute (default): the encoders run forward without a graph for every microbatch and only their
-  boundary rows are kept; the LLM runs its 1F1B pipeline; then each microbatch's slot gradients go
-  back across the boundary and the encoder recomputes that microbatch's forward and runs its
-  backward. Encoder activation memory stays one microbatch's, for one extra encoder forward.
-- three-phase, bubbles: each rank runs its encoder work and its LLM stage's in the order
-  colocated_order.py gives (no recompute; the boundary's two sides posted apart, on groups of their
-  own). Evaluation (forward only) runs as recompute does, without the recompute.
+- recompute (default, `_recompute`): the encoders run forward without a graph for every
+  microbatch and only their boundary rows are kept; the LLM runs its 1F1B pipeline; then each
+  microbatch's row gradients go back across the boundary and the encoder recomputes that
+  microbatch's forward and runs its backward. Encoder activation memory stays one microbatch's,
+  for one extra encoder forward.
+- three-phase, bubbles (`_ordered`): each rank runs its encoder work and its LLM stage's in the
+  order colocated_order.py gives (no recompute; the boundary's two sides posted apart, on groups of
+  their own). Evaluation (forward only) runs as recompute does, without the recompute.
 """
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_hetero.boundary import boundary_exchange
 from megatron_hetero.boundary.exchange import exchange_gradients, split_recvs, split_sends
-from megatron_hetero.runtime.step import ColocatedView, StepContext
+from megatron_hetero.layout import ColocatedSchedule
+from megatron_hetero.runtime.model import Media
+from megatron_hetero.runtime.step import LLMView, StepContext
 from megatron_hetero.schedules.colocated_order import colocated_order
-from megatron_hetero.schedules.pipeline import Link, run_stage
-from megatron_hetero.schedules.stages import LLMStage
+from megatron_hetero.schedules.pipeline import Op, OpKind, execute, run_stage
+from megatron_hetero.schedules.stages import GivenRows, LLMStage
 
 
 def colocated_step(ctx: StepContext) -> None:
-    if ctx.run.llm.layout.pp > 1 and not ctx.forward_only and ctx.run.colocated_schedule != "recompute":
-        _ordered_step(ctx)
-        return
     if ctx.run.llm.layout.pp == 1:
-        for i in range(ctx.num_microbatches):
-            view = ColocatedView(ctx, i)
-            with torch.set_grad_enabled(not ctx.forward_only):
-                out = ctx.llm_forward_step(i, view)
-            if not ctx.forward_only:
-                if i == ctx.num_microbatches - 1:
-                    ctx.last_backward(*ctx.run.modules.values())
-                with ctx.timers("llm-backward"):
-                    ctx.backward(view.inputs, out, [None])
-        return
+        _per_microbatch(ctx)
+    elif ctx.forward_only or ctx.run.colocated_schedule == ColocatedSchedule.RECOMPUTE:
+        _recompute(ctx)
+    else:
+        _ordered(ctx)
 
-    encoders = ctx.run.encoders
+
+def encoders_to_llm(ctx: StepContext, i: int) -> dict[str, Media]:
+    """Every encoder's forward on microbatch i and the boundary exchange of its rows (autograd: the
+    exchange's backward routes the row gradients back): encoder name -> the rows this LLM rank takes."""
+    media = {}
+    for name, module in ctx.run.encoders.items():
+        rows = ctx.encoder_forward(module, i)
+        plan = ctx.plans[name][i]
+        with ctx.timers("boundary"):
+            media[name] = Media(boundary_exchange(rows, plan), plan)
+    return media
+
+
+def _per_microbatch(ctx: StepContext) -> None:
+    """LLM pp=1: encoders, boundary, LLM forward; one backward through all of them."""
+    for i in range(ctx.num_microbatches):
+        with torch.set_grad_enabled(not ctx.forward_only):
+            out = ctx.llm_forward_step(i, LLMView(ctx, encoders_to_llm(ctx, i)))
+        if not ctx.forward_only:
+            with ctx.timers("llm-backward", ctx.run.llm.name):
+                ctx.backward(list(ctx.run.modules.values()), [], out, [None])
+
+
+def _recompute(ctx: StepContext) -> None:
+    """LLM pp>1: encoder rows without a graph, the LLM pipeline, each encoder microbatch again."""
+    encoders, M = ctx.run.encoders, ctx.num_microbatches
     with torch.no_grad():
-        media = {n: [boundary_exchange(ctx.run_encoder(m, i), ctx.plans[n][i])
-                     for i in range(ctx.num_microbatches)] for n, m in encoders.items()}
-    stage = LLMStage(ctx, media=media)
-    run_stage(stage, ctx.num_microbatches, ctx.clock)
+        media = {n: [boundary_exchange(ctx.encoder_forward(m, i), ctx.plans[n][i]) for i in range(M)]
+                 for n, m in encoders.items()}
+    stage = LLMStage(ctx, GivenRows(media))
+    results = run_stage(stage, M, ctx.clock)
     del media
     if ctx.forward_only:
         return
     for name, module in encoders.items():
         if module.ddp is None:
             continue
-        for i in range(ctx.num_microbatches):
-            # Later LLM stages hold no slots: they only receive their encoder rows' gradients.
-            grad_slots = stage.media_grads[name].pop(i, None)
-            if grad_slots is None:
-                grad_slots = ctx.adapter.boundary_like()
-            rows = ctx.run_encoder(module, i)  # recomputed, with its graph
+        for i in range(M):
+            # The first stage's backward returned the rows' gradients; later stages hold no rows.
+            grads = dict(zip(stage.routed, results.backward[i])) if stage.first else {}
+            rows = ctx.encoder_forward(module, i)  # recomputed, with its graph
             with ctx.timers("boundary"):
-                grad_rows = exchange_gradients(grad_slots, ctx.plans[name][i])
-            if i == ctx.num_microbatches - 1:
-                ctx.last_backward(module)
-            with ctx.timers("encoder-backward"):
-                ctx.backward([None], [rows], [grad_rows])
+                grad_rows = exchange_gradients(grads.get(name, ctx.adapter.boundary_like()), ctx.plans[name][i])
+            with ctx.timers("encoder-backward", name):
+                ctx.backward([module], [None], [rows], [grad_rows])
 
 
-class _SplitLLMStage(LLMStage):
-    """The LLM stage of an ordered colocated step: on the first stage its microbatches' slots come
-    from split_recvs (this rank's own rows copied in) and their gradients leave by split_sends (this
-    rank's own kept for its encoder's backward)."""
+@dataclass
+class OwnRows:
+    """What this rank hands itself between its encoder ops and its first LLM stage in an ordered
+    step: its encoders' rows its own LLM rank takes, and their gradients back ((encoder, i) -> rows)."""
 
-    def __init__(self, ctx: StepContext):
-        super().__init__(ctx)
+    rows: dict = field(default_factory=dict)
+    grads: dict = field(default_factory=dict)
+
+
+class SplitRows:
+    """The LLM's first stage in an ordered step: rows arrive by split_recvs (this rank's own copied
+    in) on the rows' group, gradients leave by split_sends (this rank's own kept) on theirs."""
+
+    def __init__(self, ctx: StepContext, own: OwnRows):
+        self.ctx, self.own = ctx, own
         self.rows_group, self.grads_group = ctx.run.boundary_groups
-        self.own_rows, self.own_grads = {}, {}  # (encoder, microbatch) -> this rank's side
 
-    def recv_forward(self, i):
-        if not self.first:
-            return super().recv_forward(i)
+    def recv(self, i):
         like = self.ctx.adapter.boundary_like()
-        return [split_recvs(plans[i], "forward", like, self.own_rows.pop((name, i), None), self.rows_group)
+        return [split_recvs(plans[i], "forward", like, self.own.rows.pop((name, i), None), self.rows_group)
                 for name, plans in self.ctx.plans.items()]
 
-    def send_backward(self, i, grads):
-        if not self.first:
-            return super().send_backward(i, grads)
-        routed = [n for n in self.trainable if n in self.ctx.plans]
-        self.own_grads.update({(n, i): g for n, g in zip(routed, grads)})
-        return [split_sends(g, self.ctx.plans[n][i], "backward", self.grads_group) for n, g in zip(routed, grads)]
+    def rows(self, i, received):
+        return dict(zip(self.ctx.plans, received))
+
+    def send_grads(self, i, grads):
+        self.own.grads.update({(name, i): g for name, g in grads.items()})
+        return [split_sends(g, self.ctx.plans[name][i], "backward", self.grads_group) for name, g in grads.items()]
 
 
-def _ordered_step(ctx: StepContext) -> None:
+def _ordered(ctx: StepContext) -> None:
+    """LLM pp>1, three-phase or bubbles: the rank's ops in colocated_order's order, one executor."""
     run, llm = ctx.run, ctx.run.llm
-    stage = _SplitLLMStage(ctx)
+    own = OwnRows()
+    stage = LLMStage(ctx, SplitRows(ctx, own))
+    rows_group, grads_group = run.boundary_groups
     order = colocated_order(run.colocated_schedule, llm.coords()["pp"], llm.layout.pp, ctx.num_microbatches,
-                            list(run.encoders), stage.trainable)
-    last_backward = {op.encoder: op for op in order if op.kind == "EB"}
-    link = Link(ctx.clock)
+                            list(run.encoders), stage.routed)
     saved = {}  # (encoder, microbatch) -> its rows with their graph, until the encoder's backward
-    for op in order:
-        if op.kind == "EF":
-            rows = ctx.run_encoder(run.encoders[op.encoder], op.i)
-            if op.encoder in stage.trainable:
+
+    def receives(op: Op) -> list:
+        if op.kind == OpKind.EF:
+            return []
+        if op.kind == OpKind.EB:
+            key = (op.encoder, op.i)
+            return [split_recvs(ctx.plans[op.encoder][op.i], "backward", saved[key], own.grads.pop(key, None),
+                                grads_group)]
+        return stage.recv_forward(op.i) if op.kind == OpKind.F else stage.recv_backward(op.i)
+
+    def compute(op: Op, received: list) -> list:
+        if op.kind == OpKind.EF:
+            rows = ctx.encoder_forward(run.encoders[op.encoder], op.i)
+            if op.encoder in stage.routed:
                 saved[op.encoder, op.i] = rows
             if stage.first:
-                stage.own_rows[op.encoder, op.i] = rows.detach()
-            with ctx.timers("boundary"):
-                link.exchange([split_sends(rows, ctx.plans[op.encoder][op.i], "forward", stage.rows_group)], [])
-        elif op.kind == "EB":
-            rows = saved.pop((op.encoder, op.i))
-            own = stage.own_grads.pop((op.encoder, op.i), None)
-            with ctx.timers("boundary"):
-                (grad_rows,) = link.exchange(
-                    [], [split_recvs(ctx.plans[op.encoder][op.i], "backward", rows, own, stage.grads_group)])
-            if op == last_backward[op.encoder]:
-                ctx.last_backward(run.encoders[op.encoder])
-            with ctx.timers("encoder-backward"):
-                ctx.backward([None], [rows], [grad_rows])
-        elif op.kind == "F":
-            received = link.exchange([], stage.recv_forward(op.i))
-            link.exchange(stage.send_forward(op.i, stage.forward(op.i, received)), [])
-        else:
-            received = link.exchange([], stage.recv_backward(op.i))
-            link.exchange(stage.send_backward(op.i, stage.backward(op.i, received)), [])
-    assert not saved and not stage.own_rows and not stage.own_grads, "every microbatch's work ran"
-    link.finish()
+                own.rows[op.encoder, op.i] = rows.detach()
+            return [split_sends(rows, ctx.plans[op.encoder][op.i], "forward", rows_group)]
+        if op.kind == OpKind.EB:
+            with ctx.timers("encoder-backward", op.encoder):
+                ctx.backward([run.encoders[op.encoder]], [None], [saved.pop((op.encoder, op.i))], received)
+            return []
+        if op.kind == OpKind.F:
+            return stage.send_forward(op.i, stage.forward(op.i, received))
+        return stage.send_backward(op.i, stage.backward(op.i, received))
+
+    def phase(op: Op):  # the boundary's transfers are the encoder ops'
+        return ctx.timers("boundary") if op.kind in (OpKind.EF, OpKind.EB) else nullcontext()
+
+    execute(order, receives, compute, ctx.clock, phase=phase)
+    assert not saved and not own.rows and not own.grads, "every microbatch's work ran"

@@ -23,23 +23,12 @@ of the whole step: with sends that do not block, no rank waits on one that waits
 functions, the same on every rank.
 """
 
-from dataclasses import dataclass
+from megatron_hetero.layout import ColocatedSchedule
+from megatron_hetero.schedules.pipeline import Op, OpKind, one_f_one_b
 
-from megatron_hetero.schedules.pipeline import one_f_one_b
-
-SCHEDULES = ("recompute", "three-phase", "bubbles")
+EF, EB, F, B = OpKind.EF, OpKind.EB, OpKind.F, OpKind.B
 FORWARD, BACKWARD = 1.0, 2.0  # the ideal timeline's relative op lengths (backward ~ 2x forward)
 LOOKAHEAD = 1  # encoder forwards run this many microbatches ahead of the first stage's need
-
-
-@dataclass(frozen=True, order=True)
-class Op:
-    """One unit of a rank's work: "EF"/"EB" an encoder's forward/backward (encoder: its name),
-    "F"/"B" the LLM stage's forward/backward, of microbatch i."""
-
-    kind: str
-    i: int
-    encoder: str = ""
 
 
 def llm_timeline(pp: int, num_microbatches: int) -> dict[tuple[int, str, int], tuple[float, float]]:
@@ -54,15 +43,15 @@ def llm_timeline(pp: int, num_microbatches: int) -> dict[tuple[int, str, int], t
         for s in range(pp):
             while position[s] < len(orders[s]):
                 kind, i = orders[s][position[s]]
-                dep = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
-                if kind == "B" and s == pp - 1:
-                    dep = (s, "F", i)
-                if kind == "F" and s == 0:
+                dep = (s - 1, F, i) if kind == F else (s + 1, B, i)
+                if kind == B and s == pp - 1:
+                    dep = (s, F, i)
+                if kind == F and s == 0:
                     dep = None
                 if dep is not None and dep not in done:
                     break
                 start = max(free[s], done[dep][1] if dep is not None else 0.0)
-                end = start + (FORWARD if kind == "F" else BACKWARD)
+                end = start + (FORWARD if kind == F else BACKWARD)
                 done[s, kind, i], free[s] = (start, end), end
                 position[s] += 1
                 progressed = True
@@ -74,7 +63,7 @@ def colocated_order(schedule: str, stage: int, pp: int, num_microbatches: int, e
                     trainable: list[str], lookahead: int = LOOKAHEAD) -> list[Op]:
     """The ops of a rank at LLM stage `stage`, in the order it runs them. `encoders`: every encoder
     (layout order); `trainable`: those that run a backward."""
-    if schedule not in ("three-phase", "bubbles"):
+    if schedule not in (ColocatedSchedule.THREE_PHASE, ColocatedSchedule.BUBBLES):
         raise ValueError(f"colocated schedule {schedule!r} is not an order: one of three-phase, bubbles")
     assert set(trainable) <= set(encoders), (trainable, encoders)
     timeline = llm_timeline(pp, num_microbatches)
@@ -85,14 +74,14 @@ def colocated_order(schedule: str, stage: int, pp: int, num_microbatches: int, e
             keyed.append(((start, 1, i, 0), Op(kind, i)))
     for e, name in enumerate(encoders):
         for i in range(num_microbatches):
-            if schedule == "three-phase":
+            if schedule == ColocatedSchedule.THREE_PHASE:
                 forward_at, backward_at = -1.0, last + 1.0
             else:
-                forward_at = timeline[0, "F", max(i - lookahead, 0)][0]
-                backward_at = timeline[0, "B", i][1]
-            keyed.append(((forward_at, 0, i, e), Op("EF", i, name)))
+                forward_at = timeline[0, F, max(i - lookahead, 0)][0]
+                backward_at = timeline[0, B, i][1]
+            keyed.append(((forward_at, 0, i, e), Op(EF, i, name)))
             if name in trainable:
-                keyed.append(((backward_at, 0, i, e), Op("EB", i, name)))
+                keyed.append(((backward_at, 0, i, e), Op(EB, i, name)))
     return [op for _, op in sorted(keyed)]
 
 
@@ -101,14 +90,14 @@ def dependencies(op: Op, stage: int, pp: int, encoders: list[str]) -> list[tuple
     encoder forwards (their rows) before the first stage's forward, the pipeline's neighbours, the
     first stage's slot gradients before an encoder backward (a stage's own earlier ops come first
     anyway)."""
-    if op.kind == "F":
+    if op.kind == F:
         if stage > 0:
             return [(stage - 1, op)]
-        return [(s, Op("EF", op.i, e)) for s in range(pp) for e in encoders]
-    if op.kind == "B":
-        return [(stage + 1, op)] if stage < pp - 1 else [(stage, Op("F", op.i))]
-    if op.kind == "EB":
-        return [(0, Op("B", op.i))]
+        return [(s, Op(EF, op.i, e)) for s in range(pp) for e in encoders]
+    if op.kind == B:
+        return [(stage + 1, op)] if stage < pp - 1 else [(stage, Op(F, op.i))]
+    if op.kind == EB:
+        return [(0, Op(B, op.i))]
     return []
 
 
@@ -135,7 +124,7 @@ def simulate(orders: list[list[Op]], durations, gang: bool = False) -> tuple[flo
                 continue
             op = orders[s][position[s]]
             members = [s]
-            if gang and op.kind in ("EF", "EB"):
+            if gang and op.kind in (EF, EB):
                 members = [t for t in range(pp) if position[t] < len(orders[t]) and orders[t][position[t]] == op]
                 if len(members) < pp:
                     continue
@@ -149,7 +138,8 @@ def simulate(orders: list[list[Op]], durations, gang: bool = False) -> tuple[flo
                 position[t] += 1
             progressed = True
         if not progressed:
-            raise RuntimeError(f"deadlock at {[orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])]}")
+            stuck = [orders[s][position[s]] for s in range(pp) if position[s] < len(orders[s])]
+            raise RuntimeError(f"deadlock at {stuck}")
     step = max(free)
     return step, [step - b for b in busy]
 
@@ -159,13 +149,14 @@ def predicted_step(schedule: str, pp: int, num_microbatches: int, encoder_share:
     trainable encoder whose forward per microbatch takes `encoder_share` (its backward twice that).
     "recompute" runs as three-phase with each encoder backward preceded by its forward again.
     `gang`: the encoder's ops synchronize every stage (its TP/CP groups span LLM stages)."""
-    order = "three-phase" if schedule == "recompute" else schedule
-    extra = encoder_share if schedule == "recompute" else 0.0
+    recompute = schedule == ColocatedSchedule.RECOMPUTE
+    order = ColocatedSchedule.THREE_PHASE if recompute else schedule
+    extra = encoder_share if recompute else 0.0
 
     def durations(stage, op):
-        if op.kind in ("EF", "EB"):
-            return encoder_share * (BACKWARD if op.kind == "EB" else FORWARD) + (extra if op.kind == "EB" else 0.0)
-        return BACKWARD if op.kind == "B" else FORWARD
+        if op.kind in (EF, EB):
+            return encoder_share * (BACKWARD if op.kind == EB else FORWARD) + (extra if op.kind == EB else 0.0)
+        return BACKWARD if op.kind == B else FORWARD
 
     orders = [colocated_order(order, s, pp, num_microbatches, ["encoder"], ["encoder"]) for s in range(pp)]
     return simulate(orders, durations, gang=gang)[0]

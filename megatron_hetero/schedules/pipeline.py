@@ -1,26 +1,52 @@
-"""One pipeline stage's forward/backward over the microbatches of a step, in 1F1B order.
+"""A rank's ops of a step in order, and the one executor of their sends and receives.
 
-The order is Megatron's non-interleaved 1F1B (`forward_backward_pipelining_without_interleaving`):
+`one_f_one_b` is Megatron's non-interleaved 1F1B order (`forward_backward_pipelining_without_interleaving`):
 a stage with k stages downstream of it runs min(k, M) forwards (warm-up), then alternates one
-forward and one backward (steady state), then drains the backwards (cool-down). Its communication
-calls pair up with its neighbours' the same way (send forward + receive backward in one batch, send
-backward + receive forward in the next), which is what keeps NCCL's in-order point-to-point streams
-from deadlocking. A stage without backward (a frozen module) runs every forward ahead.
+forward and one backward (steady state), then drains the backwards (cool-down). A stage without
+backward (a frozen module) runs every forward ahead. colocated_order.py orders a colocated rank's
+encoder and LLM ops the same way, as Ops.
 
-The stage decides what a microbatch's forward and backward are and which transfers feed them (a
-boundary plan, a neighbouring stage of its module, or nothing); this file only orders them and
-measures how long the stage waits for data.
+`execute` runs any such order: each op's receives are posted and waited for, the op computes, its
+sends are posted (waited for at the step's end, so that no op blocks on a neighbour not ready to
+receive). `run_stage` executes one stage's 1F1B order with Megatron's pairing of communication (an
+op's sends in one batch with the next op's receives when the two differ: send forward + receive
+backward, send backward + receive forward), which keeps NCCL's in-order point-to-point streams from
+deadlocking. The stage decides what a microbatch's forward and backward are and which transfers
+feed them (a boundary, a neighbouring stage of its module, or nothing); this file orders them.
 """
 
-import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_hetero.boundary.exchange import Transfer, post
+from megatron_hetero.runtime.timers import Clock
+
+
+class OpKind(StrEnum):
+    """A unit of a rank's work on one microbatch."""
+
+    F = "F"  # the LLM stage's (or a pipelined module stage's) forward
+    B = "B"  # its backward
+    EF = "EF"  # a colocated encoder's forward
+    EB = "EB"  # a colocated encoder's backward
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One unit of a rank's work: `kind` on microbatch `i` (`encoder`: the encoder of EF/EB)."""
+
+    kind: OpKind
+    i: int
+    encoder: str = ""
 
 
 def warmup_microbatches(stages_downstream: int, num_microbatches: int) -> int:
@@ -28,15 +54,16 @@ def warmup_microbatches(stages_downstream: int, num_microbatches: int) -> int:
     return min(stages_downstream, num_microbatches)
 
 
-def one_f_one_b(stages_downstream: int, num_microbatches: int, backward: bool = True) -> list[tuple[str, int]]:
-    """The stage's compute order: ("F", i) / ("B", i), i the microbatch."""
+def one_f_one_b(stages_downstream: int, num_microbatches: int, backward: bool = True) -> list[tuple[OpKind, int]]:
+    """The stage's compute order: (F, i) / (B, i), i the microbatch."""
+    F, B = OpKind.F, OpKind.B
     if not backward:
-        return [("F", i) for i in range(num_microbatches)]
+        return [(F, i) for i in range(num_microbatches)]
     warmup = warmup_microbatches(stages_downstream, num_microbatches)
-    order = [("F", i) for i in range(warmup)]
+    order = [(F, i) for i in range(warmup)]
     for i in range(num_microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
+        order += [(F, warmup + i), (B, i)]
+    return order + [(B, i) for i in range(num_microbatches - warmup, num_microbatches)]
 
 
 def stage_send(tensor: torch.Tensor, peer: int) -> Transfer:
@@ -67,40 +94,6 @@ class Stage(Protocol):
 
 
 @dataclass
-class Clock:
-    """Time this rank spends blocked on data from other ranks (on GPUs, after draining its own
-    queued compute, so that its compute is not counted as waiting)."""
-
-    device: torch.device
-    waiting_s: float = 0.0
-    step_s: float = 0.0  # training steps' forward-backward time, the waiting share's denominator
-
-    def _sync(self):
-        # The compute stream only: a device-wide synchronize would also wait for the posted
-        # receives (NCCL runs them on its own streams) before the clock starts, hiding the wait.
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    @contextmanager
-    def blocked(self):
-        """Counts the time inside as waiting (a blocking receive, or waits on posted ones)."""
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.waiting_s += time.perf_counter() - start
-
-    def wait(self, works) -> None:
-        if not works:
-            return
-        with self.blocked():
-            for work in works:
-                work.wait()
-
-
-@dataclass
 class Link:
     """Posted transfers: receives are waited on when their results are needed; sends only at the
     end of the step, so that a stage never blocks on a neighbour that is not ready to receive."""
@@ -123,29 +116,62 @@ class Link:
         self.unfinished_sends.clear()
 
 
-def run_stage(stage: Stage, num_microbatches: int, clock: Clock) -> None:
-    """Run the stage's forwards and backwards of one step in 1F1B order. Communication pairs like
-    Megatron's: an op's sends go in one batch with the next op's receives when the two ops differ
-    (F then B: send forward + receive backward; B then F: send backward + receive forward), and in a
-    batch of their own before them when the ops are alike (warm-up, cool-down)."""
+Receives = Callable[[Op], list[Transfer]]
+Compute = Callable[[Op, list], list[Transfer]]
+
+
+def execute(order: list[Op], receives: Receives, compute: Compute, clock: Clock,
+            paired: Callable[[Op, Op], bool] = lambda op, following: False,
+            phase: Callable[[Op], object] = lambda op: nullcontext()) -> None:
+    """Run `order`: for each op, its `receives(op)` posted and waited for, `compute(op, received)`
+    (which returns the op's sends), its sends posted. `paired(op, following)`: op's sends go in one
+    batch with the following op's receives; `phase(op)`: the context an op's transfers run in (a
+    timer)."""
     link = Link(clock)
-    order = one_f_one_b(stage.stages_downstream, num_microbatches, stage.runs_backward)
-
-    def receives(op):
-        kind, i = op
-        return stage.recv_forward(i) if kind == "F" else stage.recv_backward(i)
-
-    received = link.exchange([], receives(order[0])) if order else []
-    for k, (kind, i) in enumerate(order):
-        if kind == "F":
-            sends = stage.send_forward(i, stage.forward(i, received))
-        else:
-            sends = stage.send_backward(i, stage.backward(i, received))
+    received = []
+    if order:
+        with phase(order[0]):
+            received = link.exchange([], receives(order[0]))
+    for k, op in enumerate(order):
+        sends = compute(op, received)
         following = order[k + 1] if k + 1 < len(order) else None
-        if following is not None and following[0] != kind:
-            received = link.exchange(sends, receives(following))
-        else:
+        with phase(op):
+            if following is not None and paired(op, following):
+                received = link.exchange(sends, receives(following))
+                continue
             link.exchange(sends, [])
-            if following is not None:
+        if following is not None:
+            with phase(following):
                 received = link.exchange([], receives(following))
     link.finish()
+
+
+@dataclass
+class StageResults:
+    """What a stage's ops returned per microbatch: forward outputs (the LLM's last stage: its loss,
+    or logits) and backward gradients (the LLM's first stage: each encoder's row gradients)."""
+
+    forward: dict = field(default_factory=dict)
+    backward: dict = field(default_factory=dict)
+
+
+def run_stage(stage: Stage, num_microbatches: int, clock: Clock) -> StageResults:
+    """Run the stage's forwards and backwards of one step in 1F1B order, with Megatron's pairing of
+    communication: an op's sends in one batch with the next op's receives when the two ops differ
+    (F then B: send forward + receive backward; B then F: send backward + receive forward), in a
+    batch of their own before them when the ops are alike (warm-up, cool-down)."""
+    results = StageResults()
+
+    def receives(op: Op) -> list[Transfer]:
+        return stage.recv_forward(op.i) if op.kind == OpKind.F else stage.recv_backward(op.i)
+
+    def compute(op: Op, received: list) -> list[Transfer]:
+        if op.kind == OpKind.F:
+            results.forward[op.i] = outputs = stage.forward(op.i, received)
+            return stage.send_forward(op.i, outputs)
+        results.backward[op.i] = grads = stage.backward(op.i, received)
+        return stage.send_backward(op.i, grads)
+
+    order = [Op(kind, i) for kind, i in one_f_one_b(stage.stages_downstream, num_microbatches, stage.runs_backward)]
+    execute(order, receives, compute, clock, paired=lambda op, following: op.kind != following.kind)
+    return results

@@ -1,16 +1,20 @@
 """The pipeline stages a rank runs: one stage of an encoder or one stage of the LLM (see pipeline.py
-for the order they run in). Each keeps what its microbatches need between forward and backward and
-runs them through the step context (the script's forward step, Megatron's forward/backward step).
+for the order they run in). Each keeps what its microbatches need between forward and backward,
+runs them through the step context, and returns its outputs and input gradients to the executor.
 
 Links between stages: inside a module, a stage talks to the stage before and after it at the same
-(tp, cp, dp) coordinates; between an encoder's last stage and the LLM's first, the boundary plan of
-the microbatch routes rows forward and gradients back (non-colocated), or the colocated schedule has
-already moved the rows (`media` given) and collects their gradients.
+(tp, cp, dp) coordinates. The LLM's first stage takes each encoder's rows through its
+`BoundaryRows`: the boundary plan's transfers (non-colocated: `ExchangedRows`), rows a colocated
+schedule has already moved (`GivenRows`), or the two sides of an ordered colocated step
+(colocated.py: `SplitRows`); the same object sends their gradients back.
 """
+
+from typing import Protocol
 
 import torch
 
-from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, forward_recvs, forward_sends
+from megatron_hetero.boundary.exchange import Transfer, backward_recvs, backward_sends, forward_recvs, forward_sends
+from megatron_hetero.runtime.context import ModuleRuntime
 from megatron_hetero.runtime.model import Media
 from megatron_hetero.runtime.step import LLMView, StepContext
 from megatron_hetero.schedules.pipeline import stage_recv, stage_send
@@ -30,9 +34,10 @@ def _grads(grads: list, inputs: list) -> list:
 
 
 class EncoderStage:
-    """This rank's stage of an encoder over the step's microbatches."""
+    """This rank's stage of an encoder over the step's microbatches; its last stage's rows leave
+    through the boundary plan (non-colocated)."""
 
-    def __init__(self, ctx: StepContext, module, forward_only: bool = False):
+    def __init__(self, ctx: StepContext, module: ModuleRuntime, forward_only: bool = False):
         self.ctx, self.module = ctx, module
         self.name, layout = module.name, module.layout
         self.first, self.last = module.first_stage, module.last_stage
@@ -52,7 +57,7 @@ class EncoderStage:
     def forward(self, i, received):
         x = None if self.first else received[0].requires_grad_(self.runs_backward)
         with torch.set_grad_enabled(self.runs_backward):
-            y = self.ctx.run_encoder(self.module, i, x)
+            y = self.ctx.encoder_forward(self.module, i, x)
         if self.runs_backward:
             self.saved[i] = (x, y)
         return [y]
@@ -69,35 +74,76 @@ class EncoderStage:
 
     def backward(self, i, received):
         x, y = self.saved.pop(i)
-        if i == self.ctx.num_microbatches - 1:  # 1F1B's last backward
-            self.ctx.last_backward(self.module)
-        with self.ctx.timers("encoder-backward"):
-            grads = self.ctx.backward([x], [y], [received[0]])
+        with self.ctx.timers("encoder-backward", self.name):
+            grads = self.ctx.backward([self.module], [x], [y], [received[0]])
         return _grads(grads, [x])
 
     def send_backward(self, i, grads):
         return [] if self.first else [stage_send(grads[0], self.prev)]
 
 
+class BoundaryRows(Protocol):
+    """How the LLM's first stage gets each encoder's rows of microbatch i (in ctx.plans order) and
+    returns their gradients (trainable encoders, in their order)."""
+
+    def recv(self, i: int) -> list[Transfer]: ...
+    def rows(self, i: int, received: list) -> dict[str, torch.Tensor]: ...
+    def send_grads(self, i: int, grads: dict[str, torch.Tensor]) -> list[Transfer]: ...
+
+
+class ExchangedRows:
+    """Non-colocated: rows arrive by the boundary plan's transfers, gradients leave by them."""
+
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+
+    def recv(self, i):
+        like = self.ctx.adapter.boundary_like()
+        return [forward_recvs(plans[i], like) for plans in self.ctx.plans.values()]
+
+    def rows(self, i, received):
+        return dict(zip(self.ctx.plans, received))
+
+    def send_grads(self, i, grads):
+        return [backward_sends(g, self.ctx.plans[name][i]) for name, g in grads.items()]
+
+
+class GivenRows:
+    """Rows already moved (`media`: encoder name -> rows per microbatch); their gradients go back to
+    the schedule as the stage's backward results (pipeline.StageResults)."""
+
+    def __init__(self, media: dict[str, list]):
+        self.media = media
+
+    def recv(self, i):
+        return []
+
+    def rows(self, i, received):
+        return {name: rows[i] for name, rows in self.media.items()}
+
+    def send_grads(self, i, grads):
+        return []
+
+
 class LLMStage:
     """This rank's LLM stage over the step's microbatches.
 
-    On the first stage each microbatch's image/audio rows come either through the boundary
-    (non-colocated: the step's plans) or ready-made (`media`: encoder name -> per-microbatch rows,
-    colocated; their gradients are kept in `media_grads`). The last stage runs the script's loss
-    function (Megatron's forward_step); forward-only keeps the step's losses without a graph.
+    On the first stage each microbatch's image/audio rows come through `boundary`, and its backward
+    returns their gradients (trainable encoders, `routed` order); later stages take and return the
+    previous stage's hidden states. Every forward returns [the stage's output]: on the last stage
+    Megatron's forward_step output (the loss, or a generation's logits). Forward-only keeps the
+    step's losses without a graph.
     """
 
-    def __init__(self, ctx: StepContext, media: dict | None = None):
-        self.ctx, self.media = ctx, media
+    def __init__(self, ctx: StepContext, boundary: BoundaryRows | None = None):
+        self.ctx, self.boundary = ctx, boundary
         self.module = module = ctx.run.llm
         self.first, self.last = module.first_stage, module.last_stage
         self.prev, self.next = _stage_neighbours(module)
         # Which encoders' rows need gradients: trainable ones (a frozen one gets nothing back).
-        self.trainable = [n for n, m in ctx.run.encoders.items() if not m.layout.freeze]
+        self.routed = [n for n, m in ctx.run.encoders.items() if not m.layout.freeze]
         self.runs_backward = not ctx.forward_only
         self.stages_downstream = module.layout.pp - 1 - module.coords()["pp"]
-        self.media_grads = {name: {} for name in self.trainable}
         self.saved = {}
 
     def _hidden_like(self, i):
@@ -106,29 +152,23 @@ class LLMStage:
     def recv_forward(self, i):
         if not self.first:
             return [stage_recv(self._hidden_like(i), self.prev)]
-        if self.media is not None:
-            return []
-        like = self.ctx.adapter.boundary_like()
-        return [forward_recvs(plans[i], like) for plans in self.ctx.plans.values()]
+        return self.boundary.recv(i)
 
     def forward(self, i, received):
         hidden, media = None, {}
         if self.first:
-            slots = ({n: s[i] for n, s in self.media.items()} if self.media is not None
-                     else dict(zip(self.ctx.plans, received)))
-            for name, s in slots.items():
-                s = s.detach().requires_grad_(self.runs_backward and name in self.trainable)
-                media[name] = Media(s, self.ctx.plans[name][i])
-            inputs = [media[n].rows for n in self.trainable if n in media]
+            for name, rows in self.boundary.rows(i, received).items():
+                rows = rows.detach().requires_grad_(self.runs_backward and name in self.routed)
+                media[name] = Media(rows, self.ctx.plans[name][i])
+            inputs = [media[n].rows for n in self.routed]
         else:
             hidden = received[0].requires_grad_(self.runs_backward)
             inputs = [hidden]
-        view = LLMView(self.ctx, media, hidden, inputs)
         with torch.set_grad_enabled(self.runs_backward):
-            out = self.ctx.llm_forward_step(i, view)
+            out = self.ctx.llm_forward_step(i, LLMView(self.ctx, media, hidden))
         if self.runs_backward:
             self.saved[i] = (inputs, out)
-        return [] if self.last else out
+        return out
 
     def send_forward(self, i, outputs):
         return [] if self.last else [stage_send(outputs[0], self.next)]
@@ -138,19 +178,11 @@ class LLMStage:
 
     def backward(self, i, received):
         inputs, out = self.saved.pop(i)
-        if i == self.ctx.num_microbatches - 1:  # 1F1B's last backward
-            self.ctx.last_backward(self.module)
-        with self.ctx.timers("llm-backward"):
-            grads = _grads(self.ctx.backward(inputs, out, [None if self.last else received[0]]), inputs)
-        if self.first and self.media is not None:  # colocated: the schedule routes them back itself
-            for name, g in zip([n for n in self.trainable if n in self.media], grads):
-                self.media_grads[name][i] = g
-        return grads
+        with self.ctx.timers("llm-backward", self.module.name):
+            grads = self.ctx.backward([self.module], inputs, out, [None if self.last else received[0]])
+        return _grads(grads, inputs)
 
     def send_backward(self, i, grads):
         if not self.first:
             return [stage_send(grads[0], self.prev)]
-        if self.media is not None:
-            return []
-        routed = [n for n in self.trainable if n in self.ctx.plans]
-        return [backward_sends(g, self.ctx.plans[n][i]) for n, g in zip(routed, grads)]
+        return self.boundary.send_grads(i, dict(zip(self.routed, grads)))

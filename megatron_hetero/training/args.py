@@ -19,6 +19,7 @@ from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.families import UnknownFamilyError, family_named
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
+from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, fail, load
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
 MEGATRON_SIZE_FLAGS = ("hidden_size", "num_layers", "num_attention_heads", "seq_length")
@@ -32,10 +33,6 @@ DEFAULT_FLAGS = [
     "--hidden-size", "64", "--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "32",
     "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0", "--log-interval", "1",
 ]
-
-
-class ArgsError(ValueError):
-    """A flag value that cannot work; one line naming the flag and the fix."""
 
 
 def arg_file_line(line: str) -> list[str]:
@@ -74,9 +71,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="the directory image paths of --data-path are relative to (default: the file's own)")
     group.add_argument("--strict-data", action="store_true",
                        help="stop at the first bad sample (one line naming file and sample) instead of skipping it")
-    group.add_argument("--image-normalization", choices=tuple(NORMALIZATION), default="none",
-                       help="the vision encoder's pixel normalization (none: pixels in [0, 1], as the "
-                            "reference encoder takes them)")
+    group.add_argument("--image-normalization", choices=tuple(NORMALIZATION), default=None,
+                       help="the vision encoder's pixel normalization; default: the encoder's own (an "
+                            "imported tower's image processor's, recorded by `hf import`; none: pixels in "
+                            "[0, 1], as the reference encoder takes them)")
     group.add_argument("--images-per-sample", default=None, metavar="N|A-B",
                        help="images per sample of the shapes data: N, or A to B varying by sample (0: "
                             "text-only samples); default 1")
@@ -147,7 +145,8 @@ def model_sizes(args) -> ModelSizes:
     if args.model_sizes:  # the sequence length is the run's; the rest the described model's
         return replace(_sizes_file(args.model_sizes), seq_length=args.seq_length)
     names = [f.name for f in _own_size_fields()] + list(MEGATRON_SIZE_FLAGS)
-    return ModelSizes(vocab_size=tokenizer(args).vocab_size, llm_arch=LLMArch(moe=moe_arch(args)),
+    return ModelSizes(vocab_size=tokenizer(args).vocab_size, vocab_multiple=args.make_vocab_size_divisible_by,
+                      llm_arch=LLMArch(moe=moe_arch(args)),
                       **{name: getattr(args, name) for name in names})
 
 
@@ -164,18 +163,16 @@ def _take_sizes_file(args) -> None:
 
 def parse_script_args(argv: list[str], validate: bool = True):
     """Megatron's arguments for the script: DEFAULT_FLAGS, then `argv` (`@file`s expanded), with the
-    script's own flags. Validated (megatron_hetero.patches applied): the script's checks first (one
-    `error:` line, exit 2), then Megatron's validation, set as megatron.training's global args.
-    Without validation, parsed only: nothing global is set (flag checks before a run)."""
+    script's own flags and megatron-hetero's. Validated (the script applies megatron_hetero.patches
+    first, whose validation takes --hetero-layout): the script's checks first (one `error:` line,
+    exit 2), then Megatron's validation, set as megatron.training's global args. Without validation,
+    parsed only: nothing global is set (flag checks before a run)."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
 
-    from megatron_hetero.patches import arguments
-
-    arguments.apply()  # --hetero-layout & co. join Megatron's parser
     argv_before, sys.argv = sys.argv, [sys.argv[0], *DEFAULT_FLAGS, *expand_arg_files(argv)]
     try:
-        args = parse_args(extra_args_provider=add_model_args)
+        args = parse_args(extra_args_provider=lambda parser: add_model_args(add_hetero_flags(parser)))
     finally:
         sys.argv = argv_before
     if not validate:
@@ -231,6 +228,20 @@ def _check_stages(args, layout) -> None:
     media = sum(encoder_kind(m).tokens_per_item(sizes) * items.get(encoder_kind(m).name, 1) for m in layout.encoders)
     caption = max(len(CaptionTokenizer().encode(c)) for c in all_captions())
     rules.check(ArgsError, rules.prompt_problem(args.seq_length, media, caption, args.pack_samples))
+
+
+def image_normalization(args, sizes: ModelSizes) -> tuple:
+    """The (mean, std) --data-path images are normalized with: the vision encoder's (recorded at its
+    import), else --image-normalization's (default none); a flag naming other constants than the
+    encoder's is an error."""
+    own, flag = sizes.vision_arch.pixel_normalization, args.image_normalization
+    if own is None:
+        return NORMALIZATION[flag or "none"]
+    if flag is not None and NORMALIZATION[flag] != own:
+        raise ArgsError(f"--image-normalization {flag} conflicts with the vision encoder's own normalization "
+                        f"(mean {list(own[0])}, std {list(own[1])}, recorded at its import in --model-sizes); "
+                        f"drop the flag")
+    return own
 
 
 def _check_data(args, layout) -> None:
@@ -309,7 +320,7 @@ def _check_family(args, layout) -> None:
                                    description["hf"]["config"]).tokens(tokenizer(args))
     except TokenizerError as error:
         raise ArgsError(f"--tokenizer-model {args.tokenizer_model}: {error}") from None
-    for flag, default in (("max_tiles", 1), ("image_normalization", "none")):
+    for flag, default in (("max_tiles", 1), ("image_normalization", None)):
         if getattr(args, flag) != default:
             raise ArgsError(f"--{flag.replace('_', '-')}: a {family} model's images are its image processor's "
                             f"(model.json); drop the flag")
@@ -332,12 +343,12 @@ def _check_attention(args, layout) -> None:
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_hetero.models.attention_kernels import AttentionKernelError, backend_mode, kernel_for
-    from megatron_hetero.patches.startup import has_te
+    from megatron_hetero.models.specs import HAVE_TE
 
     if args.attention_backend == AttnBackend.local:
         raise ArgsError("--attention-backend local is Megatron's switch to its --spec local models; for torch "
                         "SDPA in these layers use --attention-backend unfused")
-    if backend_mode(args.attention_backend) != "flash" or has_te():
+    if backend_mode(args.attention_backend) != "flash" or HAVE_TE:
         return
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     for name, head_dim in _module_head_dims(args, layout).items():
@@ -359,6 +370,7 @@ def check_args(args, layout) -> None:
     _check_sizes(args, layout)
     _check_attention(args, layout)
     _check_data(args, layout)
+    image_normalization(args, model_sizes(args))
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
@@ -376,19 +388,17 @@ def check_args(args, layout) -> None:
 def check_script_args(args) -> None:
     """examples/pretrain_vlm.py's checks, after Megatron's parsing and before its validation: one
     `error:` line and exit 2."""
-    from megatron_hetero.patches import hetero_args
-
     if args.hetero_layout is None:
-        hetero_args.fail("--hetero-layout is required: this script trains per-module layouts (see "
-                         "examples/layouts/ and the README)")
-    layout = args.hetero_layout_spec = hetero_args.load(args)  # Megatron's validation reuses it
+        fail("--hetero-layout is required: this script trains per-module layouts (see examples/layouts/ "
+             "and the README)")
+    layout = args.hetero_layout_spec = load(args)  # Megatron's validation reuses it
     try:
         if args.model_sizes:
             _take_sizes_file(args)
         check_trainable(layout)
         check_args(args, layout)
     except ArgsError as error:
-        hetero_args.fail(str(error))
+        fail(str(error))
 
 
 __all__ = ["DEFAULT_FLAGS", "ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",

@@ -5,7 +5,7 @@ training/providers.py under our patches), and the timed measurement that makes o
 
 A measured step is megatron.training's `train_step` (zero the gradient buffers, the forward-backward
 function, the optimizer step, the learning-rate step) on the workload's fixed synthetic global batch;
-the forward-backward function is ours (runtime/forward_backward.py) unless a benchmark passes another
+the forward-backward function is ours (schedules/forward_backward.py) unless a benchmark passes another
 with Megatron's signature (bench_mimo: upstream MIMO's schedules).
 """
 
@@ -26,7 +26,7 @@ from megatron_hetero.boundary.exchange import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
-from megatron_hetero.models.sizes import ModelSizes, sizes_to_dict
+from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size, sizes_to_dict
 from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import FAMILY_BENCHES, BenchWorkload, trainer_workload
@@ -101,8 +101,6 @@ def workload_args(w: BenchWorkload, layout_file: str, bf16: bool):
 def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
     """The padded vocabulary the model is built with: a family workload's own, else (the reference
     model, any workload) the demo tokenizer's."""
-    from megatron_hetero.models.vlm import padded_vocab_size  # imports megatron-core: only when asked
-
     family = w is not None and w.family
     return padded_vocab_size(family_sizes(w) if family else ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
 
@@ -187,7 +185,7 @@ class Session:
         LLM's last stage)."""
         from megatron.training.training import train_step
 
-        from megatron_hetero.runtime.forward_backward import forward_backward
+        from megatron_hetero.schedules.forward_backward import forward_backward
         from megatron_hetero.training.providers import forward_step
 
         loss, *_ = train_step(forward_step, self.batches, self.model, self.optimizer, self.scheduler,
@@ -211,16 +209,13 @@ class _TimedStep:
 
 @contextmanager
 def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
-    """megatron.training initialized for the workload as pretrain() initializes itself (our patches,
-    the script's validated arguments, initialize_megatron, JIT options, setup_model_and_optimizer
-    with the reference model's provider, then what train() sets before its first step), yielding a
-    Session; megatron.training's globals are unset afterwards, so that a process can hold several
-    sessions in turn. The process group is started here unless it is already (then it is left
-    running). The learning rate is 1e-5, constant: the steps are timed, not trained. `extra_flags`:
-    further flags of the script."""
-    import megatron_hetero.patches
-
-    megatron_hetero.patches.apply()
+    """megatron.training initialized for the workload as pretrain() initializes itself (the caller has
+    applied megatron_hetero.patches, as a script does; the script's validated arguments,
+    initialize_megatron, JIT options, setup_model_and_optimizer with the reference model's provider,
+    then what train() sets before its first step), yielding a Session; megatron.training's globals
+    are unset afterwards, so that a process can hold several sessions in turn. The process group is
+    started here unless it is already (then it is left running). The learning rate is 1e-5,
+    constant: the steps are timed, not trained. `extra_flags`: further flags of the script."""
     from megatron.core.enums import ModelType
     from megatron.core.parallel_state import destroy_model_parallel
     from megatron.core.rerun_state_machine import RerunDataIterator, destroy_rerun_state_machine
@@ -236,6 +231,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         init_distributed()
     timed = ["--train-iters", "1000000", "--lr", "1e-5", "--lr-decay-style", "constant"]
     args = parse_script_args(workload_flags(w, layout_file, bf16) + timed + list(extra_flags))
+    args.hetero_preset = w  # out of memory, the planner's answer for it (runtime/failures.py)
     try:
         initialize_megatron()
         set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)

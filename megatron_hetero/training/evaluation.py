@@ -5,18 +5,19 @@ per generated position; the last stage's greedy tokens go back to every stage)."
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary import boundary_exchange
 from megatron_hetero.boundary.exchange import forward_recvs, post
-from megatron_hetero.data.batches import module_slice
 from megatron_hetero.data.megatron_data import samples_dict
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
 from megatron_hetero.data.tokenizer import CaptionTokenizer
+from megatron_hetero.layout import Placement
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.kinds import encoder_kind
 from megatron_hetero.runtime.model import HeteroModel
 from megatron_hetero.runtime.step import StepContext
+from megatron_hetero.schedules.colocated import encoders_to_llm
+from megatron_hetero.schedules.forward_backward import step_context
 from megatron_hetero.schedules.pipeline import run_stage
-from megatron_hetero.schedules.stages import EncoderStage, LLMStage
+from megatron_hetero.schedules.stages import EncoderStage, GivenRows, LLMStage
 
 
 def logits_step(data_iterator, model):
@@ -27,10 +28,10 @@ def logits_step(data_iterator, model):
 
 
 def route_media(ctx: StepContext) -> dict:
-    """Every encoder's slots on the LLM's first-stage ranks (encoder name -> [slots]), forward only."""
+    """Every encoder's rows on the LLM's first-stage ranks (encoder name -> [rows]), forward only."""
     run = ctx.run
-    if run.layout.placement == "colocated":
-        return {n: [boundary_exchange(ctx.run_encoder(m, 0), ctx.plans[n][0])] for n, m in run.encoders.items()}
+    if run.layout.placement == Placement.COLOCATED:
+        return {n: [media.rows] for n, media in encoders_to_llm(ctx, 0).items()}
     for module in run.encoders.values():
         if module.held:
             run_stage(EncoderStage(ctx, module, forward_only=True), 1, ctx.clock)
@@ -65,20 +66,17 @@ def generate_captions(model: HeteroModel, sizes, data: ShapesDataset, indices: l
     run, tokenizer = model.run, CaptionTokenizer()
     kinds = [encoder_kind(m) for m in run.layout.encoders]
     item = samples_dict(data, indices, sizes, kinds, tokenizer, with_captions=False)
-    ctx = StepContext(run, model.adapter, logits_step, [item], model.config, True, model.clock,
-                      model.timers, model.plan_caches)
-    ctx.prepare()
+    ctx = step_context(model, logits_step, [item], forward_only=True)
     media = route_media(ctx)
     mine = []
     llm = run.llm
     if llm.held:
-        share = module_slice(len(indices), llm.layout.dp, llm.coords()["dp"])
+        share = llm.layout.dp_samples(len(indices), llm.coords()["dp"])
         prompt = 1 + sum(k.tokens_per_item(sizes) for k in kinds)
         device = next(llm.part.parameters()).device
         for t in range(prompt, sizes.seq_length):
-            ctx.losses = []
-            run_stage(LLMStage(ctx, media=media), 1, ctx.clock)
-            logits = ctx.losses[0] if ctx.losses else None
+            results = run_stage(LLMStage(ctx, GivenRows(media)), 1, ctx.clock)
+            logits = results.forward[0][0] if llm.last_stage else None
             tokens = _next_tokens(run, logits, tokenizer.vocab_size, share.stop - share.start,
                                   sizes.seq_length, device)
             item["input_ids"][share, t] = tokens[:, t - 1].cpu()

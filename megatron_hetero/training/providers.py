@@ -17,7 +17,7 @@ from megatron_hetero.families import family_named
 from megatron_hetero.models.attention import attention_summary
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.vlm_parts import build_vlm_parts
-from megatron_hetero.training.args import model_description, model_sizes, tokenizer
+from megatron_hetero.training.args import image_normalization, model_description, model_sizes, tokenizer
 
 
 def megatron_config_fields(args) -> dict:
@@ -55,7 +55,7 @@ def image_processing(args, sizes):
         description = model_description(args)
         return family_named(sizes.family).media(sizes, description["processor"], description["hf"]["config"])
     vision = ENCODER_KINDS["vision"]
-    return TileImages(ImageSpec(sizes.image_size, args.max_tiles, args.image_normalization),
+    return TileImages(ImageSpec(sizes.image_size, args.max_tiles, image_normalization(args, sizes)),
                       vision.tokens_per_item(sizes), vision.item_shape(sizes)[0])
 
 

@@ -3,8 +3,6 @@ a Qwen2 LLM with M-RoPE (our GPTModel). Weight rules are in transformers 5's in-
 (`model.visual.*`, `model.language_model.*`, `lm_head.*`); the Hub's files spell them `visual.*`,
 `model.*` (HUB below)."""
 
-from dataclasses import replace
-
 from megatron_hetero.families.base import KeyScheme
 from megatron_hetero.hf.family import Family, Field
 from megatron_hetero.hf.llm import ROPE, llm_fields, llm_rules
@@ -73,12 +71,12 @@ TEXT_PART = Family("qwen2_5_vl.text", "qwen2_5_vl", "Qwen2_5_VLForConditionalGen
 
 
 def finish(sizes: ModelSizes, config) -> ModelSizes:
-    """M-RoPE sections as a tuple; the merger's output is the LLM's width."""
+    """The merger's output is the LLM's width."""
     out = config.vision_config.out_hidden_size
     if out != sizes.hidden_size:
         raise HFMappingError(f"qwen2_5_vl: vision_config.out_hidden_size {out} differs from the text model's "
                              f"hidden_size {sizes.hidden_size}; the merger's rows must be the LLM's width")
-    return replace(sizes, llm_arch=replace(sizes.llm_arch, mrope_section=tuple(sizes.llm_arch.mrope_section)))
+    return sizes
 
 
 def copies(sizes: ModelSizes) -> dict[str, str]:

@@ -5,13 +5,15 @@ A TP-split parameter is cut the way megatron-core cuts it at initialization: alo
 `partition_dim` into tp * `partition_stride` pieces, rank r holding pieces r, r + tp, ... (stride 2
 is a gated MLP's fc1: the whole [gate; up] leaves [gate_r; up_r] on rank r). CP and DP ranks hold
 whole copies; a pipeline stage holds its layers under their global numbers, an expert-parallel rank
-its experts under theirs (init.whole_names).
+its experts under theirs (init.whole_names). A padded vocabulary's weights have their TP-1 rows
+(models/vocab.py: `whole_rows`).
 """
 
 import torch
 import torch.distributed as dist
 
 from megatron_hetero.models.init import whole_names
+from megatron_hetero.models.vocab import resized_rows
 
 
 class FullStateError(ValueError):
@@ -56,6 +58,8 @@ def full_tensors(model: torch.nn.Module, tp_group, grads: bool = False, expert_t
             parts = [torch.empty_like(local) for _ in range(group.size())]
             dist.all_gather(parts, local.contiguous(), group=group)
             local = tp_whole(parts, *_split(param))
+        if hasattr(param, "whole_rows"):
+            local = resized_rows(local, param.whole_rows)
         result[names[name]] = local.float().cpu().clone()
     return result
 
@@ -76,6 +80,8 @@ def load_full_tensors(model: torch.nn.Module, full: dict[str, torch.Tensor], tp_
             raise FullStateError(f"{whole_name} is missing from the full state dict; give the whole "
                                  f"module's tensors (TP1/PP1 names)")
         tensor = full[whole_name]
+        if hasattr(param, "whole_rows"):  # this layout's padded vocabulary
+            tensor = resized_rows(tensor, param.shape[0] * tp_group.size())
         if getattr(param, "tensor_model_parallel", False):
             tensor = tp_part(tensor, *_split(param), tp_group.size(), tp_group.rank())
         if tensor.shape != param.shape:

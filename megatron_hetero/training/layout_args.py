@@ -1,10 +1,12 @@
-"""`--hetero-layout` inside Megatron's argument validation (megatron.training 0.19 `validate_args`).
+"""`--hetero-layout` in Megatron's arguments: megatron-hetero's flags, and the layout as the source of
+Megatron's parallel sizes (patches/arguments.py adds the flags to Megatron's parser and calls `load`
+inside its validation).
 
-The layout file is the source of the parallel sizes: the LLM's tp/cp/pp/sp/ep/etp become Megatron's
-`--tensor-model-parallel-size` & co. (a conflicting flag is an error), the data-parallel size is the
-LLM's dp (microbatches are counted per LLM data-parallel rank), and upstream validation sees the
-LLM's share of the world, so a non-colocated layout whose encoder has ranks of its own validates.
-Every mistake is one `error:` line and exit code 2, before any process group exists.
+The LLM's tp/cp/pp/sp/ep/etp become Megatron's `--tensor-model-parallel-size` & co. (a conflicting
+flag is an error), the data-parallel size is the LLM's dp (microbatches are counted per LLM
+data-parallel rank), and upstream validation sees the LLM's share of the world, so a non-colocated
+layout whose encoder has ranks of its own validates. Every mistake is one `error:` line and exit
+code 2, before any process group exists (`fail`).
 """
 
 import os
@@ -12,8 +14,42 @@ import sys
 
 from megatron_hetero import rules
 from megatron_hetero.boundary import BoundaryError, check_edge_layouts
-from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout
-from megatron_hetero.training.args import ArgsError
+from megatron_hetero.layout import ColocatedSchedule, HeteroLayout, LayoutError, load_layout
+
+
+class ArgsError(ValueError):
+    """A flag value that cannot work; one line naming the flag and the fix."""
+
+
+def fail(message: str) -> None:
+    """One line on rank 0, exit code 2 on every rank (all ranks validate the same arguments)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def add_hetero_flags(parser):
+    """megatron-hetero's flags on `parser` (once: a parser that has them is returned as it is)."""
+    if "--hetero-layout" in parser._option_string_actions:
+        return parser
+    group = parser.add_argument_group("megatron-hetero")
+    group.add_argument("--hetero-layout", default=None, metavar="FILE",
+                       help="YAML file declaring each module's parallel layout (megatron-hetero)")
+    group.add_argument("--hetero-colocated-schedule", choices=tuple(ColocatedSchedule), default="recompute",
+                       help="colocated layouts with llm pp > 1: encoder forwards first, then the pipeline, "
+                            "then each microbatch's encoder forward again with its backward (recompute); "
+                            "every encoder forward, the pipeline, every encoder backward (three-phase); or "
+                            "the encoder's work inside the pipeline's bubbles (bubbles)")
+    group.add_argument("--metrics-file", default=None, metavar="FILE",
+                       help="write one JSON object per iteration (step, loss, grad_norm, lr, ...) here")
+    group.add_argument("--hetero-heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="each rank's heartbeat period on the job's store (a lost rank is named "
+                            "within a few of them)")
+    group.add_argument("--hetero-heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a rank whose heartbeat stands still this long is lost (default: "
+                            "--distributed-timeout-minutes)")
+    return parser
+
 
 # Megatron flag, args attribute, llm layout field, the flag's default.
 _LLM_SIZES = (
@@ -23,13 +59,6 @@ _LLM_SIZES = (
     ("--expert-model-parallel-size", "expert_model_parallel_size", "ep", 1),
     ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", "etp", None),
 )
-
-
-def fail(message: str) -> None:
-    """One line on rank 0, exit code 2 on every rank (all ranks validate the same arguments)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def _apply_layout(args, layout: HeteroLayout) -> None:
@@ -83,15 +112,3 @@ def load(args) -> HeteroLayout:
     except (LayoutError, ArgsError, BoundaryError) as error:
         fail(str(error))
     return layout
-
-
-def validate(original, args, defaults) -> None:
-    """Upstream validation over the LLM's ranks: data-parallel size = the LLM's dp."""
-    layout = args.hetero_layout_spec
-    world_size = args.world_size
-    args.world_size = layout.llm.size
-    try:
-        original(args, defaults)
-    finally:
-        args.world_size = world_size
-    assert args.data_parallel_size == layout.llm.dp, (args.data_parallel_size, layout.llm.dp)

@@ -1,0 +1,91 @@
+"""What a failing rank says: the phase it is in, in words (its heartbeats carry it: watchdog.py), and
+out of GPU memory, one line per rank instead of a multi-page traceback each.
+
+The rank that ran out says where (the module and the phase: the step's innermost named phase,
+PhaseTimers), how much it held at its peak against the GPU's capacity, and which flags use less
+memory for this run (those it does not use yet: recomputation, the distributed optimizer, a smaller
+micro batch, another layout; for a planner preset, e.g. bench_e2e's W1, the planner's best layout
+that fits). patches/faults.py records the line as the job's fault, so that every other rank stops
+with one line too (runtime/watchdog.py).
+"""
+
+import re
+
+import torch
+
+# The schedules' phases (PhaseTimers names) as a failure report says them.
+PHASE_WORDS = {"encoder-forward": "an encoder's forward", "encoder-backward": "an encoder's backward",
+               "boundary": "the boundary", "llm-forward": "the LLM pipeline", "llm-backward": "the LLM pipeline"}
+# The same phases with the module named.
+_MODULE_PHASES = {"encoder-forward": "forward", "encoder-backward": "backward", "llm-forward": "forward",
+                  "llm-backward": "backward"}
+GIB = 2**30
+
+
+def current_phase(run) -> str:
+    """What this rank is doing now, in words: a schedule's phase, else the run's coarse phase."""
+    phase = run.model.timers.current if run.model is not None else None
+    return PHASE_WORDS.get(phase, phase) if phase else run.phase
+
+
+def _where(run) -> str:
+    timers = run.model.timers if run.model is not None else None
+    phase, module = (timers.current, timers.current_module) if timers is not None else (None, None)
+    if module is not None and phase in _MODULE_PHASES:
+        return f"module {module}'s {_MODULE_PHASES[phase]}"
+    return current_phase(run)
+
+
+def _usage(error: BaseException) -> str:
+    """This GPU's peak and capacity, and the allocation that failed (from torch's message)."""
+    tried = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", str(error))
+    tried = f"; tried to allocate {tried.group(1)}" if tried else ""
+    if not torch.cuda.is_available():
+        return tried.removeprefix("; ")
+    device = torch.cuda.current_device()
+    peak, total = torch.cuda.max_memory_allocated(device), torch.cuda.get_device_properties(device).total_memory
+    return f"peak {peak / GIB:.1f} GiB allocated of the GPU's {total / GIB:.1f} GiB{tried}"
+
+
+def memory_flags(args, layout) -> list[str]:
+    """The flags that would use less memory, of those this run does not use yet."""
+    flags = []
+    if not args.recompute_granularity:
+        flags.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if not args.use_distributed_optimizer and any(m.dp * m.cp > 1 for m in layout.modules if not m.freeze):
+        flags.append("--use-distributed-optimizer")
+    if args.micro_batch_size > 1:
+        flags.append(f"--micro-batch-size {args.micro_batch_size // 2}")
+    flags.append("a layout with more tp, pp (or cp) for that module")
+    return flags
+
+
+def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
+    """The planner's best layout that fits for a preset workload (a BenchWorkload: bench_e2e's)."""
+    from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
+    from megatron_hetero.planner import Calibration, Cluster, plan, trainer_workload
+
+    workload = trainer_workload(preset, padded_vocab_size(ModelSizes()), preset.frozen)
+    best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
+    command = (f"python tools/plan_layout.py --workload {preset.name} --gpus {world_size} "
+               f"--gpu-memory-gb {gpu_memory_gb:.0f}")
+    if best is None:
+        return (f"the planner finds no layout of {preset.name} that fits {world_size} GPUs of "
+                f"{gpu_memory_gb:.0f} GB ({command})")
+    return (f"the planner's best for {preset.name} on {world_size} GPUs: {best.candidate.placement} "
+            f"{best.candidate.describe()}, micro batch {best.candidate.micro_batch}, "
+            f"{best.memory_gb:.0f} GB/GPU predicted ({command} --write-yaml best.yaml)")
+
+
+def out_of_memory_line(error: BaseException, run, args) -> str:
+    """The one line (without "error: rank R stopped in ...", which the watchdog adds) that says where
+    this rank ran out of GPU memory and what uses less."""
+    advice = memory_flags(args, run.layout)
+    preset = getattr(args, "hetero_preset", None)
+    if preset is not None:
+        gpu_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9 \
+            if torch.cuda.is_available() else 80.0
+        advice.append(planner_answer(preset, run.layout.world_size, gpu_gb))
+    usage = _usage(error)
+    return (f"out of GPU memory in {_where(run)}{f' ({usage})' if usage else ''}; to use less memory: "
+            + "; ".join(advice))

@@ -1,0 +1,116 @@
+"""How a rank's step time is spent: `Clock` (the time blocked on other ranks' data, the waiting share
+each run reports) and `PhaseTimers`, named phase timers for step-time breakdowns (Megatron's
+`timers('forward-compute')` idea).
+
+PhaseTimers:
+
+Off by default: a disabled timer is a no-op context. On, each phase synchronizes the GPU at its
+start and end, so that the time is the phase's own (this serializes what would otherwise overlap:
+use it to see where time goes, not to measure peak throughput). Phases nest, and a phase's time
+excludes the phases inside it (an encoder's forward called from within the LLM's forward step
+counts as the encoder's only); `switch` relabels the running phase where one call spans several
+(one autograd backward through the LLM, the boundary and the encoder).
+
+On or off, the innermost open phase is `current` and the module it runs, where one was named,
+`current_module` (a failure report names them; a phase an exception leaves stays current)."""
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+class PhaseTimers:
+    def __init__(self, device: torch.device, enabled: bool = False):
+        self.device, self.enabled = device, enabled
+        self.seconds = defaultdict(float)
+        self._running = []  # [name, since, module] of the open phases, innermost last
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _charge_innermost(self, now: float) -> None:
+        """The innermost open phase's time up to `now`; it counts again from `now`."""
+        if self._running:
+            phase = self._running[-1]
+            self.seconds[phase[0]] += now - phase[1]
+            phase[1] = now
+
+    @contextmanager
+    def _timed(self, name: str, module: str | None):
+        now = self._now()
+        self._charge_innermost(now)  # the enclosing phase pauses
+        self._running.append([name, now, module])
+        try:
+            yield
+        finally:
+            now = self._now()
+            self._charge_innermost(now)
+            self._running.pop()
+            if self._running:  # and resumes
+                self._running[-1][1] = now
+
+    @contextmanager
+    def _named(self, name: str, module: str | None):
+        self._running.append([name, None, module])
+        yield
+        self._running.pop()
+
+    def __call__(self, name: str, module: str | None = None):
+        """The phase `name` (of `module`, where it runs one module's work) inside."""
+        return self._timed(name, module) if self.enabled else self._named(name, module)
+
+    @property
+    def current(self) -> str | None:
+        return self._running[-1][0] if self._running else None
+
+    @property
+    def current_module(self) -> str | None:
+        return self._running[-1][2] if self._running else None
+
+    def switch(self, name: str) -> None:
+        """From now on the innermost open phase counts as `name` (nothing when off or none is open)."""
+        if self.enabled and self._running:
+            self._charge_innermost(self._now())
+            self._running[-1][0] = name
+
+    def reset(self):
+        self.seconds.clear()
+
+
+@dataclass
+class Clock:
+    """Time this rank spends blocked on data from other ranks (on GPUs, after draining its own
+    queued compute, so that its compute is not counted as waiting)."""
+
+    device: torch.device
+    waiting_s: float = 0.0
+    step_s: float = 0.0  # training steps' forward-backward time, the waiting share's denominator
+
+    def _sync(self):
+        # The compute stream only: a device-wide synchronize would also wait for the posted
+        # receives (NCCL runs them on its own streams) before the clock starts, hiding the wait.
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    @contextmanager
+    def blocked(self):
+        """Counts the time inside as waiting (a blocking receive, or waits on posted ones)."""
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.waiting_s += time.perf_counter() - start
+
+    def wait(self, works) -> None:
+        if not works:
+            return
+        with self.blocked():
+            for work in works:
+                work.wait()
