@@ -7,7 +7,8 @@ several sizes, a text-only sample, a corrupt and a missing image): 3 steps under
 equal one process's; that run's checkpoint exports to a directory transformers loads and `hf compare`
 finds equal to the checkpoint. Under the `families` marker (make test-families): the layout matrix
 (vision DP2 -> LLM CP2 / PP2, non-colocated vision -> LLM TP2, vision DP2 -> LLM PP2 and vision PP2 ->
-LLM TP2, vision TP2 DP2 -> LLM TP2 CP2 SP), `hf compare` under a 4-rank layout, a resume under
+LLM TP2, vision TP2 DP2 -> LLM TP2 CP2 SP), `hf compare` under vision TP2, vision DP2 -> LLM TP2 SP,
+LLM CP2, LLM PP2, non-colocated, non-colocated vision PP2 and that 4-rank layout, a resume under
 another layout.
 The helpers are Qwen2.5-VL's tests' (tests/test_qwen2_5_vl.py): the same commands, another family."""
 
@@ -21,12 +22,26 @@ from tests.distributed import collect_distributed
 from tests.internvl_models import SPECIALS, internvl_dir
 from tests.test_checkpoint import SCRIPT, at
 from tests.test_internvl import _opengvlab_spelled
-from tests.test_qwen2_5_vl import _cli, _compare_args, _report, _tensors, _train_flags, assert_same_steps, train
+from tests.test_qwen2_5_vl import (
+    _cli,
+    _compare_args,
+    _compare_worker,
+    _report,
+    _tensors,
+    _train_flags,
+    assert_same_steps,
+    train,
+)
 from tests.vlm_fixtures import QWEN_TEMPLATE, conversations, word_tokenizer
 
 TOL = 1e-4
 LAYOUTS = {
     "single": "placement: colocated\nmodules:\n  vision: {role: encoder}\n  llm: {role: llm}\n",
+    "vtp2_ldp2": "placement: colocated\nmodules:\n  vision: {role: encoder, tp: 2}\n  llm: {role: llm, dp: 2}\n",
+    "vdp2_ltp2sp": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n"
+                   "  llm: {role: llm, tp: 2, sp: true}\n",
+    "noncolocated_v1_l1": "placement: non_colocated\nmodules:\n  vision: {role: encoder, ranks: 0-0}\n"
+                          "  llm: {role: llm, ranks: 1-1}\n",
     "vtp2_ltp2": "placement: colocated\nmodules:\n  vision: {role: encoder, tp: 2}\n  llm: {role: llm, tp: 2}\n",
     "vdp2_lcp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n  llm: {role: llm, cp: 2}\n",
     "vdp2_lpp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n",
@@ -38,9 +53,15 @@ LAYOUTS = {
                               "  llm: {role: llm, pp: 2, ranks: 2-3}\n",
     "noncolocated_vpp2_ltp2": "placement: non_colocated\nmodules:\n  vision: {role: encoder, pp: 2, ranks: 0-1}\n"
                               "  llm: {role: llm, tp: 2, ranks: 2-3}\n",
+    "noncolocated_vpp2_l1": "placement: non_colocated\nmodules:\n  vision: {role: encoder, pp: 2, ranks: 0-1}\n"
+                            "  llm: {role: llm, ranks: 2-2}\n",
 }
 WORLD = {"single": 1, "noncolocated_v1_ltp2": 3, "vtp2dp2_ltp2cp2sp": 4, "noncolocated_vdp2_lpp2": 4,
-         "noncolocated_vpp2_ltp2": 4}
+         "noncolocated_vpp2_ltp2": 4, "noncolocated_vpp2_l1": 3}
+# `hf compare` layouts, by world size: on 2 ranks each module's parallelism alone (vision TP2, vision
+# DP2 -> LLM TP2 with SP, LLM CP2, LLM PP2, non-colocated); the vision stages (3 ranks); all at once (4).
+COMPARED = {2: ["vtp2_ldp2", "vdp2_ltp2sp", "vdp2_lcp2", "vdp2_lpp2", "noncolocated_v1_l1"],
+            3: ["noncolocated_vpp2_l1"], 4: ["vtp2dp2_ltp2cp2sp"]}
 MATRIX = ["vdp2_lcp2", "vdp2_lpp2", "noncolocated_v1_ltp2", "vtp2dp2_ltp2cp2sp", "noncolocated_vdp2_lpp2",
           "noncolocated_vpp2_ltp2"]
 
@@ -177,24 +198,14 @@ def test_checkpoint_resumes_under_another_layout(internvl, trained):
     assert_same_steps(trained, resumed, rel=1e-5, first=3)
 
 
-def _compare_worker(rank, world_size, args):
-    import contextlib
-    import io
-
-    from megatron_hetero.hf.__main__ import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(args)
-    return code, out.getvalue()
-
-
 @pytest.mark.families
-def test_compare_under_a_layout(internvl, tmp_path):
-    """`hf compare --hetero-layout` with vision TP2 DP2 -> LLM TP2 CP2 SP on 4 processes: logits
-    gathered over the LLM's TP and CP within 1e-4 of transformers'."""
+@pytest.mark.parametrize("world", sorted(COMPARED))
+def test_compare_under_layouts(internvl, tmp_path, world):
+    """`hf compare --hetero-layout` (logits gathered over the LLM's TP, CP and PP) within 1e-4 of
+    transformers' on every sample, under every layout of COMPARED: each module's parallelism alone,
+    both placements, InternViT over two pipeline stages, and vision TP2 DP2 -> LLM TP2 CP2 SP."""
     tmp, data = internvl
-    args = _compare_args(tmp, data, "--hetero-layout", tmp / "vtp2dp2_ltp2cp2sp.yaml")
-    results = collect_distributed(_compare_worker, 4, tmp_path, args)
-    assert [code for code, _ in results] == [0] * 4, results[0][1][-2000:]
-    assert _report(results[0][1])[1] <= TOL
+    rank0 = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), COMPARED[world])[0]
+    for name, (code, text) in rank0.items():
+        per_sample, worst = _report(text)
+        assert code == 0 and len(per_sample) == 5 and worst <= TOL, (name, text[-2000:])
