@@ -131,6 +131,39 @@ def test_opengvlab_spelling_imports_and_exports_back(internvl, tmp_path):
     assert all(torch.equal(exported[k], t) for k, t in spelled.items())
 
 
+def test_tied_bf16_round_trip_loads_in_transformers(tmp_path):
+    """The InternViT-300M-like tower into a Qwen2 with tied embeddings, saved in bf16 with the tied
+    lm_head as a copy of the embedding in its files: import -> export gives every tensor back bit for
+    bit (keys, dtypes, the copy), beside the tokenizer, chat template and processor files; transformers
+    loads the export and computes what the original does. A copy that differs: one line, nothing written."""
+    from transformers import InternVLForConditionalGeneration
+
+    src = internvl_dir(tmp_path / "hf", "internvit300m_qwen2")
+    InternVLForConditionalGeneration.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
+    tensors = _tensors(src)  # save_pretrained's spelling: language_model.model.*, language_model.lm_head
+    tensors["language_model.lm_head.weight"] = tensors["language_model.model.embed_tokens.weight"].clone()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    _ok(_cli("import", "--model", src, "--save", tmp_path / "ckpt"))
+    _ok(_cli("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out"))
+    exported = _tensors(tmp_path / "out")
+    assert exported.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        assert exported[key].dtype == tensor.dtype == torch.bfloat16 and torch.equal(exported[key], tensor), key
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                 "config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes(), name
+    a, b = (InternVLForConditionalGeneration.from_pretrained(d, dtype=torch.float32) for d in (src, tmp_path / "out"))
+    ids = torch.arange(5, 25)[None]
+    assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+    # a copy that is no copy: one line, nothing written (never dropped silently)
+    save_file({**tensors, "language_model.lm_head.weight": torch.zeros_like(tensors["language_model.lm_head.weight"])},
+              src / "model.safetensors", metadata={"format": "pt"})
+    result = _cli("import", "--model", src, "--save", tmp_path / "bad")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "language_model.lm_head.weight differs from language_model.model.embed_tokens.weight" in result.stderr
+    assert not (tmp_path / "bad" / "release").exists()
+
+
 @pytest.mark.parametrize("case", ["heads", "tokenizer"])
 def test_bad_input_is_one_line(internvl, tmp_path, case):
     """A vision tp that does not divide InternViT's heads (4 here; InternViT-6B has 25), a tokenizer
