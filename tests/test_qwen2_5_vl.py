@@ -82,13 +82,13 @@ def test_compare_one_process(qwen):
     assert strict.returncode == 1 and worst > 0
 
 
-def _compare_worker(rank, world_size, tmp, data):
+def _compare_worker(rank, world_size, tmp, data, layouts):
+    """`hf compare --hetero-layout` under each of `layouts` (files tmp/<name>.yaml) in turn, in one
+    launch: name -> (exit code, stdout)."""
     from megatron_hetero.hf.__main__ import main
 
     results = {}
-    for name in LAYOUTS:
-        if name == "single":
-            continue
+    for name in layouts:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = main(_compare_args(Path(tmp), Path(data), "--hetero-layout", Path(tmp) / f"{name}.yaml"))
@@ -100,7 +100,8 @@ def test_compare_under_layouts(qwen, tmp_path):
     """`hf compare --hetero-layout` on 2 processes (one launch, every layout): logits gathered over
     TP/CP/PP equal transformers' within 1e-4 on every sample."""
     tmp, data = qwen
-    rank0 = collect_distributed(_compare_worker, 2, tmp_path, str(tmp), str(data))[0]
+    layouts = [name for name in LAYOUTS if name != "single"]
+    rank0 = collect_distributed(_compare_worker, 2, tmp_path, str(tmp), str(data), layouts)[0]
     for name, (code, text) in rank0.items():
         print(name, text.strip().splitlines()[-1])
         per_sample, worst = _report(text)
@@ -288,7 +289,8 @@ def test_checkpoint_resumes_under_another_layout(qwen):
 
 @pytest.mark.parametrize("layout_text, flags, expected", [
     ("placement: colocated\nmodules:\n  vision: {role: encoder, tp: 4}\n  llm: {role: llm, dp: 4}\n", (),
-     "model.json's enc_num_attention_heads 2 is not divisible by module vision's tp=4; use a multiple of 4"),
+     "model.json's enc_num_attention_heads 2 is not divisible by module vision's tp=4; set the module's tp: to "
+     "a divisor of 2 (1, 2)"),
     ("placement: non_colocated\nmodules:\n  vision: {role: encoder, pp: 2, ranks: 0-1}\n"
      "  llm: {role: llm, dp: 2, ranks: 2-3}\n", (),
      "module vision: the qwen2_5_vl vision tower runs as one pipeline stage; set its pp: 1"),

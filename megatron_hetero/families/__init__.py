@@ -11,6 +11,7 @@ import importlib
 REGISTRY = {
     # name: (config.json model_types, "module:attribute" of its VLMFamily)
     "qwen2_5_vl": (("qwen2_5_vl",), "megatron_hetero.families.qwen2_5_vl:QWEN2_5_VL"),
+    "internvl": (("internvl",), "megatron_hetero.families.internvl:INTERNVL"),
 }
 BY_MODEL_TYPE = {model_type: name for name, (types, _) in REGISTRY.items() for model_type in types}
 
