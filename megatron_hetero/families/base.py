@@ -74,6 +74,9 @@ class VLMFamily:
     # in-memory keys whose tensors are copies of others (tied embeddings) -> the key they copy:
     # the rules read only the original; an export writes a copy where the imported files had it
     copies: Callable[[ModelSizes], dict[str, str]] = lambda sizes: {}
+    # DeepStack (Qwen3-VL): the vision layers whose extra rows go to LLM layers 0, 1, ... (the tower
+    # sends them as extra columns of its rows: models/deepstack.py); () for none
+    deepstack: Callable[[ModelSizes], tuple[int, ...]] = lambda sizes: ()
 
     # ---- Hugging Face config and weights ---------------------------------------------------------
     def sizes(self, config, base: ModelSizes = ModelSizes()) -> ModelSizes:

@@ -3,8 +3,10 @@ resampled position embedding and DeepStack mergers (vision.py) into a Qwen3 LLM 
 experts for qwen3_vl_moe, moe.py) with interleaved M-RoPE; DeepStack rows are added to the outputs of
 the first LLM layers (models/vlm.py). Images as Qwen2.5-VL's (media.py); Hugging Face mapping in hf.py."""
 
+from dataclasses import replace
+
 from megatron_hetero.families.base import TRANSFORMERS, VLMFamily
-from megatron_hetero.families.qwen3_vl import hf
+from megatron_hetero.families.qwen3_vl import hf, moe
 
 _HERE = "megatron_hetero.families.qwen3_vl"
 QWEN3_VL = VLMFamily(
@@ -18,4 +20,12 @@ QWEN3_VL = VLMFamily(
     finish=hf.finish,
     schemes=(TRANSFORMERS,),
     copies=hf.copies,
+    deepstack=hf.deepstack,
+)
+QWEN3_VL_MOE = replace(
+    QWEN3_VL,
+    name="qwen3_vl_moe",
+    architecture="Qwen3VLMoeForConditionalGeneration",
+    parts={"vision": moe.VISION_PART, "llm": moe.TEXT_PART},
+    finish=moe.finish,
 )

@@ -98,3 +98,8 @@ def finish(sizes: ModelSizes, config) -> ModelSizes:
 def copies(sizes: ModelSizes) -> dict[str, str]:
     """A tied output layer is the embedding again (in transformers' state_dict; in some files)."""
     return {"lm_head.weight": f"{TEXT}embed_tokens.weight"} if sizes.llm_arch.tied_embeddings else {}
+
+
+def deepstack(sizes: ModelSizes) -> tuple[int, ...]:
+    """The vision layers whose DeepStack rows go to LLM layers 0, 1, ..."""
+    return tuple(sizes.family_arch.get("deepstack_visual_indexes", ()))

@@ -1,0 +1,182 @@
+"""Qwen3-VL and Qwen3-VL-MoE (megatron_hetero/families/qwen3_vl) from tiny random transformers models
+built offline (tests/qwen3_vl_models.py: two DeepStack blocks into LLM layers 0 and 1): our forward
+equals transformers' (logits within 1e-4 fp32, `hf compare`) on one process and under vision DP2,
+LLM TP2 with SP, LLM PP2 (the second DeepStack block's rows cross the stage boundary), LLM CP2,
+non-colocated and, for the MoE model, LLM EP2; import -> export is bit-identical (the MoE experts in
+transformers' fused layout and in the Hub's transposed one) and the export loads in transformers;
+3 training steps under LLM PP2 equal one process's (1e-4). The rest of the training matrix runs
+under `make test-families` (pytest -m families). The data are Qwen2.5-VL's (its tests check them
+against transformers' processor; Qwen3-VL uses the same processor and get_rope_index for images)."""
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.distributed import collect_distributed, run_distributed
+from tests.qwen3_vl_models import model_class, qwen3_vl_dir
+from tests.test_checkpoint import _train
+from tests.test_qwen2_5_vl import SEQ, TOL, _cli, _report, _tensors, _train_flags, assert_same_steps
+from tests.vlm_fixtures import conversations
+
+_C = "placement: colocated\nmodules:\n"
+LAYOUTS = {
+    "single": _C + "  vision: {role: encoder}\n  llm: {role: llm}\n",
+    "vdp2_ltp2sp": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2, sp: true}\n",
+    "lpp2": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n",
+    "lcp2": _C + "  vision: {role: encoder, tp: 2}\n  llm: {role: llm, cp: 2}\n",
+    "noncolocated_lpp2": "placement: non_colocated\nmodules:\n  vision: {role: encoder, ranks: 0-0}\n"
+                         "  llm: {role: llm, pp: 2, ranks: 1-2}\n",
+}
+MOE_LAYOUTS = {"lep2": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, dp: 2, ep: 2}\n",
+               "lpp2": LAYOUTS["lpp2"]}
+
+
+def _setup(tmp: Path, moe: bool) -> tuple[Path, Path]:
+    qwen3_vl_dir(tmp / "hf", moe=moe)
+    data = conversations(tmp / "data")
+    result = _cli("import", "--model", tmp / "hf", "--save", tmp / "ckpt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name, text in {**LAYOUTS, **(MOE_LAYOUTS if moe else {})}.items():
+        (tmp / f"{name}.yaml").write_text(text)
+    return tmp, data
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _setup(tmp_path_factory.mktemp("qwen3_vl"), moe=False)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _setup(tmp_path_factory.mktemp("qwen3_vl_moe"), moe=True)
+
+
+def _compare_args(tmp: Path, data: Path, *extra) -> list[str]:
+    return ["compare", "--model", str(tmp / "hf"), "--load", str(tmp / "ckpt"), "--data-path", str(data),
+            "--seq-length", str(SEQ), *map(str, extra)]
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_compare_one_process(request, model):
+    """Our forward (one process) against transformers' on 5 samples (images of different sizes, two
+    in one sample, one over max pixels, a text-only sample): DeepStack, interleaved M-RoPE, QK-norm
+    and (MoE) the routed experts as transformers computes them."""
+    tmp, data = request.getfixturevalue(model)
+    result = _cli(*_compare_args(tmp, data))
+    assert result.returncode == 0, result.stderr[-3000:]
+    per_sample, worst = _report(result.stdout)
+    print(result.stdout)
+    assert len(per_sample) == 5 and max(per_sample) == worst <= TOL
+
+
+def _compare_worker(rank, world_size, tmp, data, names):
+    from megatron_hetero.hf.__main__ import main
+
+    results = {}
+    for name in names:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(_compare_args(Path(tmp), Path(data), "--hetero-layout", Path(tmp) / f"{name}.yaml"))
+        results[name] = (code, out.getvalue())
+    return results
+
+
+def _compare_under(fixture, names, world, tmp_path):
+    tmp, data = fixture
+    rank0 = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), names)[0]
+    for name, (code, text) in rank0.items():
+        print(name, text.strip().splitlines()[-1])
+        per_sample, worst = _report(text)
+        assert code == 0 and len(per_sample) == 5 and worst <= TOL, (name, text)
+
+
+def test_compare_under_layouts(dense, tmp_path):
+    """`hf compare --hetero-layout` on 2 processes: vision DP2 -> LLM TP2 with SP, LLM PP2 (DeepStack
+    rows into layer 1 cross the stage boundary), vision TP2 -> LLM CP2: transformers' logits within 1e-4."""
+    _compare_under(dense, ["vdp2_ltp2sp", "lpp2", "lcp2"], 2, tmp_path)
+
+
+def test_compare_moe_under_expert_parallel(moe, tmp_path):
+    """The MoE model under LLM EP2 (experts split over 2 ranks) and LLM PP2: transformers' logits within 1e-4."""
+    _compare_under(moe, ["lep2", "lpp2"], 2, tmp_path)
+
+
+@pytest.mark.families
+def test_compare_non_colocated(dense, tmp_path):
+    """Non-colocated, vision on rank 0 -> LLM PP2 on ranks 1-2: DeepStack rows go from the vision rank to
+    both LLM stages' ranks (the second block through stage 0)."""
+    _compare_under(dense, ["noncolocated_lpp2"], 3, tmp_path)
+
+
+# ---- import / export --------------------------------------------------------------------------
+def _hub_experts(directory: Path) -> None:
+    """Rewrite the directory's fused expert tensors in the Hub's published layout (each expert's
+    weight transposed; transformers transposes them on load)."""
+    tensors = {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v for k, v in _tensors(directory).items()}
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe_transformers", "moe_hub"])
+def test_import_export_round_trip(tmp_path, variant):
+    """import -> export gives the imported files back bit for bit (every tensor, in the imported
+    layout); transformers loads the export and computes what the original does."""
+    moe = variant.startswith("moe")
+    src = qwen3_vl_dir(tmp_path / "hf", moe=moe)
+    if variant == "moe_hub":
+        _hub_experts(src)
+    original = _tensors(src)
+    for command in (("import", "--model", src, "--save", tmp_path / "ckpt"),
+                    ("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")):
+        result = _cli(*command)
+        assert result.returncode == 0, result.stderr[-3000:]
+    exported = _tensors(tmp_path / "out")
+    assert exported.keys() == original.keys()
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+    for name in ("tokenizer.json", "chat_template.jinja", "preprocessor_config.json", "config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes(), name
+    a, b = (model_class(moe).from_pretrained(d, dtype=torch.float32) for d in (src, tmp_path / "out"))
+    ids = torch.arange(5, 25)[None]
+    assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+
+
+# ---- training ---------------------------------------------------------------------------------
+def train(tmp: Path, data: Path, tag: str, layout: str, world: int, flags=()) -> dict[int, dict]:
+    """examples/pretrain_vlm.py from the import under `layout`; its metrics per step."""
+    import json
+
+    out = tmp / "runs" / tag
+    out.mkdir(parents=True)
+    run_distributed(_train, world, ["--hetero-layout", str(tmp / f"{layout}.yaml"), "--metrics-file",
+                                    str(out / "metrics.jsonl"), *_train_flags(tmp, data), *flags])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(dense):
+    return train(*dense, "reference", "single", 1)
+
+
+def test_training_equals_one_process(dense, reference):
+    """3 steps under LLM PP2 (DeepStack across the stage boundary, vision DP2): loss and gradient
+    norm per step within 1e-4 of one process's."""
+    assert_same_steps(reference, train(*dense, "lpp2", "lpp2", 2))
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2"])
+def test_training_equals_one_process_matrix(dense, reference, layout):
+    assert_same_steps(reference, train(*dense, layout, layout, 2))
+
+
+@pytest.mark.families
+def test_moe_training_under_expert_parallel(moe):
+    """The MoE model: 3 steps under LLM EP2 equal one process's."""
+    assert_same_steps(train(*moe, "reference", "single", 1), train(*moe, "lep2", "lep2", 2))
