@@ -17,6 +17,7 @@ from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.families import UnknownFamilyError, family_named
+from megatron_hetero.layout import deepstack_problem
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
 from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, fail, load
@@ -305,6 +306,9 @@ def _check_family(args, layout) -> None:
         if module.pp > 1:
             raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; "
                             f"set its pp: 1")
+    sizes = model_sizes(args)
+    vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
+    rules.check(ArgsError, deepstack_problem(layout, vision, family_named(family).deepstack(sizes)))
     if args.mock_data:  # the benchmarks' own batches (training/bench.py)
         return
     if not args.data_path:

@@ -50,8 +50,8 @@ def with_moe(sizes: ModelSizes, config) -> ModelSizes:
     training computes it: output_router_logits)."""
     text = config.text_config
     aux = text.router_aux_loss_coef if text.output_router_logits else 0.0
-    moe = MoEArch(num_experts=text.num_experts, topk=text.num_experts_per_tok, ffn_hidden_size=text.moe_intermediate_size,
-                  aux_loss_coeff=aux)
+    moe = MoEArch(num_experts=text.num_experts, topk=text.num_experts_per_tok,
+                  ffn_hidden_size=text.moe_intermediate_size, aux_loss_coeff=aux)
     return replace(sizes, llm_arch=replace(sizes.llm_arch, moe=moe))
 
 
