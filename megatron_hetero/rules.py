@@ -136,8 +136,9 @@ def stages_problem(module: ModuleLayout, layers: int, flag: str) -> str | None:
 def heads_problem(module: ModuleLayout, heads: int, flag: str) -> str | None:
     """Attention heads (or key/value heads) split evenly over TP."""
     if heads % module.tp:
-        return (f"{flag} {heads} is not divisible by module {module.name}'s tp={module.tp}; "
-                f"use a multiple of {module.tp}")
+        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        return (f"{flag} {heads} is not divisible by module {module.name}'s tp={module.tp}; set the module's "
+                f"tp: to a divisor of {heads} ({divisors}) or use a multiple of {module.tp}")
     return None
 
 

@@ -1,5 +1,5 @@
 """Hugging Face weights (megatron_hetero/hf): tiny random transformers models (Llama, Qwen2 with tied
-and untied embeddings, SigLIP and CLIP vision towers) imported into our modules reproduce
+and untied embeddings, Qwen3 with its QK-norm, SigLIP and CLIP vision towers) imported into our modules reproduce
 transformers' hidden states and logits within 1e-5 (fp32) on one rank and under TP2, PP2 and CP2
 layouts (2 gloo processes, one launch for every case); import -> export gives the Hugging Face
 files back bit for bit, and transformers loads an export with equal outputs."""
@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     SiglipVisionConfig,
     SiglipVisionModel,
 )
@@ -39,13 +41,15 @@ _LLM = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             vocab_size=VOCAB)
 _VISION = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=IMAGE,
                patch_size=8)
-# name -> the transformers model (random weights drawn in _hf_model); the Llama has a head size
-# other than hidden / heads, a RoPE theta other than the default, and a vocabulary we pad.
+# name -> the transformers model (random weights drawn in _hf_model); the Llama and the Qwen3 have a
+# head size other than hidden / heads, a RoPE theta other than the default, and a vocabulary we pad.
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**_LLM, head_dim=32,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
     "qwen2_tied": lambda: Qwen2ForCausalLM(Qwen2Config(**_LLM, tie_word_embeddings=True)),
     "qwen2_untied": lambda: Qwen2ForCausalLM(Qwen2Config(**_LLM, tie_word_embeddings=False)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_LLM, head_dim=32, tie_word_embeddings=True,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "siglip": lambda: SiglipVisionModel(SiglipVisionConfig(**_VISION, vision_use_head=False)),
     "clip": lambda: CLIPVisionModel(CLIPVisionConfig(**_VISION)),
     # Files with tensors our encoder does not hold (carried from import to export unchanged):
@@ -54,7 +58,7 @@ MODELS = {
     "clip_projection": lambda: CLIPVisionModelWithProjection(CLIPVisionConfig(**_VISION, projection_dim=16)),
 }
 SIGLIP_FAMILY = FAMILIES["siglip_vision_model"]
-LLMS = ("llama", "qwen2_tied", "qwen2_untied")
+LLMS = ("llama", "qwen2_tied", "qwen2_untied", "qwen3")
 WITH_UNTRAINED = ("siglip_head", "clip_projection")  # the same towers as siglip's and clip's
 # layout -> ModuleLayout sizes on 2 ranks ("one_rank": each rank a whole model, dp 2); encoders have no CP.
 LAYOUTS = {"one_rank": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
@@ -317,6 +321,7 @@ def test_load_full_tensors_errors():
     (LlamaConfig(**_LLM, attention_bias=True), "attention_bias = True"),
     (LlamaConfig(**_LLM, hidden_act="relu"), "hidden_act = 'relu'"),
     (Qwen2Config(**_LLM, use_sliding_window=True), "use_sliding_window = True"),
+    (Qwen3Config(**_LLM, attention_bias=True), "attention_bias = True"),
 ])
 def test_unsupported_configs(config, match):
     family, config = family_of(config)

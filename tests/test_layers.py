@@ -11,13 +11,14 @@ from tests.distributed import collect_distributed
 
 SEED = 11
 SEQ, BATCH = 16, 2
-# name -> (tp, cp, dp, sp, num_query_groups); dp replicas all run the same batch.
+# name -> (tp, cp, dp, sp, num_query_groups, qk_norm); dp replicas all run the same batch.
 CASES = {
-    "tp2_cp2_sp": (2, 2, 1, True, None),
-    "tp2_cp2_sp_gqa": (2, 2, 1, True, 2),
-    "cp2": (1, 2, 2, False, None),
-    "cp4_gqa": (1, 4, 1, False, 2),
-    "tp2_sp": (2, 1, 2, True, None),
+    "tp2_cp2_sp": (2, 2, 1, True, None, False),
+    "tp2_cp2_sp_gqa": (2, 2, 1, True, 2, False),
+    "cp2": (1, 2, 2, False, None, False),
+    "cp4_gqa": (1, 4, 1, False, 2, False),
+    "tp2_sp": (2, 1, 2, True, None, False),
+    "tp2_cp2_sp_gqa_qknorm": (2, 2, 1, True, 2, True),  # Qwen3's RMSNorm over each query and key head
 }
 
 
@@ -60,10 +61,11 @@ def test_packed_llm_keeps_our_attention_where_te_imports(monkeypatch):
 
 
 # ---- distributed: one launch computes (got, want) pairs for every test below ----------------------
-def _sizes():
-    from megatron_hetero.models.sizes import ModelSizes
+def _sizes(qk_norm: bool):
+    from megatron_hetero.models.sizes import LLMArch, ModelSizes
 
-    return ModelSizes(hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ)
+    arch = LLMArch(normalization="RMSNorm", qk_norm=True) if qk_norm else LLMArch()
+    return ModelSizes(hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ, llm_arch=arch)
 
 
 def _inputs(hidden: int):
@@ -83,13 +85,17 @@ def _sequence_part(full: torch.Tensor, seq_dim: int, tp, cp, sp, pgs):
     return local.chunk(tp, seq_dim)[pgs.tp.rank()] if sp else local
 
 
-def _run_llm(pgs, tp, cp, sp, num_query_groups):
-    """Per-token losses, input-slot gradients and whole parameter gradients of this rank's part."""
+def _run_llm(pgs, tp, cp, sp, num_query_groups, qk_norm):
+    """Per-token losses, input-slot gradients and whole parameter gradients of this rank's part
+    (those megatron's finalize_model_grads sums over TP, query/key norms', summed)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
     from megatron_hetero.models.full_state import full_tensors
     from megatron_hetero.models.vlm import build_llm, llm_forward
     from megatron_hetero.runtime.parallel_state import init_outside_training
 
-    sizes = _sizes()
+    sizes = _sizes(qk_norm)
     init_outside_training(SEED, tp_rank=pgs.tp.rank())
     torch.manual_seed(SEED)
     llm = build_llm(sizes, tp, pgs, sp=sp, num_query_groups=num_query_groups)
@@ -108,6 +114,8 @@ def _run_llm(pgs, tp, cp, sp, num_query_groups):
     for param in llm.parameters():
         dist.all_reduce(param.grad, group=pgs.cp)  # each CP rank's grads cover its positions only
         param.main_grad = param.grad
+    llm.ddp_config = DistributedDataParallelConfig()
+    _allreduce_non_tensor_model_parallel_grads([llm], llm.config, pgs.tp)
     return losses.detach(), slots.grad, full_tensors(llm, pgs.tp, grads=True)
 
 
@@ -115,10 +123,10 @@ def _parallel_llm_pairs(case, ref_pgs):
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
 
-    tp, cp, dp, sp, groups = CASES[case]
+    tp, cp, dp, sp, groups, qk_norm = CASES[case]
     pgs = build_module_groups(ModuleLayout(case, "llm", tp=tp, cp=cp, dp=dp, sp=sp)).pgs
-    losses, slot_grad, grads = _run_llm(pgs, tp, cp, sp, groups)
-    ref_losses, ref_slot_grad, ref_grads = _run_llm(ref_pgs, 1, 1, False, groups)
+    losses, slot_grad, grads = _run_llm(pgs, tp, cp, sp, groups, qk_norm)
+    ref_losses, ref_slot_grad, ref_grads = _run_llm(ref_pgs, 1, 1, False, groups, qk_norm)
     pairs = {
         "losses": (losses, cp_slice(ref_losses, 1, cp, pgs.cp.rank())),
         "slot_grad": (slot_grad, _sequence_part(ref_slot_grad, 0, tp, cp, sp, pgs)),

@@ -288,7 +288,8 @@ def test_checkpoint_resumes_under_another_layout(qwen):
 
 @pytest.mark.parametrize("layout_text, flags, expected", [
     ("placement: colocated\nmodules:\n  vision: {role: encoder, tp: 4}\n  llm: {role: llm, dp: 4}\n", (),
-     "model.json's enc_num_attention_heads 2 is not divisible by module vision's tp=4; use a multiple of 4"),
+     "model.json's enc_num_attention_heads 2 is not divisible by module vision's tp=4; set the module's tp: to "
+     "a divisor of 2 (1, 2)"),
     ("placement: non_colocated\nmodules:\n  vision: {role: encoder, pp: 2, ranks: 0-1}\n"
      "  llm: {role: llm, dp: 2, ranks: 2-3}\n", (),
      "module vision: the qwen2_5_vl vision tower runs as one pipeline stage; set its pp: 1"),

@@ -18,20 +18,21 @@ WORDS = ("system user assistant You are a helpful . describe the image compare t
 @torch.no_grad()
 def randomize(model, seed: int = 1):
     """Every weight random (transformers initializes norms to 1 and biases to 0, which would hide a
-    misplaced norm or bias): matrices ~ N(0, 1/fan_in), norm weights 1 + N(0, 0.1^2), other vectors
-    N(0, 0.1^2)."""
+    misplaced norm or bias): matrices ~ N(0, 1/fan_in), norm weights and layer scales (InternViT's
+    lambdas) 1 + N(0, 0.1^2), other vectors N(0, 0.1^2)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
         if p.dim() > 1:
             p.copy_(noise * p[0].numel() ** -0.5)
         else:
-            p.copy_(any(n in name for n in ("norm", "ln_q")) + 0.1 * noise)
+            p.copy_(any(n in name for n in ("norm", "ln_q", "lambda")) + 0.1 * noise)
     return model
 
 
-def word_tokenizer(directory: Path, specials: list[str], template: str, eos: str, pad: str):
-    """A word-level transformers tokenizer over WORDS and `specials` (ids in that order after <unk>)."""
+def word_tokenizer(directory: Path, specials: list[str], template: str, eos: str, pad: str, **kwargs):
+    """A word-level transformers tokenizer over WORDS and `specials` (ids in that order after <unk>);
+    kwargs: further PreTrainedTokenizerFast arguments (e.g. extra_special_tokens)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,7 +40,7 @@ def word_tokenizer(directory: Path, specials: list[str], template: str, eos: str
     model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     model.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", eos_token=eos, pad_token=pad,
-                                  additional_special_tokens=specials)
+                                  additional_special_tokens=specials, **kwargs)
     tok.chat_template = template
     tok.save_pretrained(directory)
     return tok

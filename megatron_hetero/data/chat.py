@@ -43,9 +43,7 @@ class HFChatTokenizer:
         if not self._tok.chat_template:
             raise TokenizerError(f"the tokenizer in {directory} has no chat template; set chat_template in "
                                  f"its tokenizer_config.json")
-        self.image_id = self._tok.convert_tokens_to_ids(IMAGE_TOKEN)
-        if self.image_id == self._tok.unk_token_id:
-            self.image_id = None
+        self.image_id = self.token_id(IMAGE_TOKEN)
         if self.image_id is None and image_token:
             raise TokenizerError(f"the tokenizer in {directory} has no {IMAGE_TOKEN} token; add it "
                                  f"(tokenizer.add_special_tokens) and save the tokenizer again")
@@ -56,6 +54,11 @@ class HFChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (e.g. a model's image tags); None if it has none."""
+        token_id = self._tok.convert_tokens_to_ids(token)
+        return None if token_id == self._tok.unk_token_id else token_id
 
     def _render(self, turns: list[Turn], generation_prompt: bool = False) -> str:
         return self._tok.apply_chat_template([{"role": t.role, "content": t.text} for t in turns], tokenize=False,

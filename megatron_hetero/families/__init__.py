@@ -11,6 +11,7 @@ import importlib
 REGISTRY = {
     # name: (config.json model_types, "module:attribute" of its VLMFamily)
     "qwen2_5_vl": (("qwen2_5_vl",), "megatron_hetero.families.qwen2_5_vl:QWEN2_5_VL"),
+    "internvl": (("internvl",), "megatron_hetero.families.internvl:INTERNVL"),
     "qwen3_vl": (("qwen3_vl",), "megatron_hetero.families.qwen3_vl:QWEN3_VL"),
     "qwen3_vl_moe": (("qwen3_vl_moe",), "megatron_hetero.families.qwen3_vl:QWEN3_VL_MOE"),
 }

@@ -17,17 +17,21 @@ from typing import Callable
 import torch
 
 from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.rules import HFMappingError
+from megatron_hetero.hf.rules import HFMappingError, apply_rules
 from megatron_hetero.models.sizes import ModelSizes
 
 
 @dataclass(frozen=True)
 class KeyScheme:
     """How a checkpoint's files spell the tensors whose in-memory (transformers 5) names the rules
-    use: prefix renames (in-memory prefix, file prefix), the first match wins; none: the same names."""
+    use: prefix renames (in-memory prefix, file prefix), the first match wins; none: the same names.
+    Where renames cannot say it (the files hold as one tensor what transformers keeps apart, e.g.
+    InternVL's published fused `attn.qkv`), `rules(sizes)` gives module name -> the weight rules in
+    the files' own names, and renames only spell the copies (`VLMFamily.copies`)."""
 
     name: str
     renames: tuple[tuple[str, str], ...] = ()
+    rules: Callable[[ModelSizes], dict[str, list]] | None = None
 
     def to_memory(self, key: str) -> str:
         for memory, file in self.renames:
@@ -60,7 +64,7 @@ class VLMFamily:
     tensors; schemes: the key spellings files may use (the first, in-memory, is transformers');
     finish(sizes, config): the family's further sizes and checks across modules; vision_builder,
     media_builder, settings_reader: "module:function" paths (see build_vision, media,
-    processor_settings)."""
+    processor_settings); vision_stages: whether the vision module may have pp > 1."""
 
     name: str
     architecture: str
@@ -74,6 +78,8 @@ class VLMFamily:
     # in-memory keys whose tensors are copies of others (tied embeddings) -> the key they copy:
     # the rules read only the original; an export writes a copy where the imported files had it
     copies: Callable[[ModelSizes], dict[str, str]] = lambda sizes: {}
+    # the vision tower splits over pipeline stages (the vision module's pp; a StageEncoder's stages)
+    vision_stages: bool = False
     # DeepStack (Qwen3-VL): the vision layers whose extra rows go to LLM layers 0, 1, ... (the tower
     # sends them as extra columns of its rows: models/deepstack.py); () for none
     deepstack: Callable[[ModelSizes], tuple[int, ...]] = lambda sizes: ()
@@ -90,12 +96,20 @@ class VLMFamily:
         """The scheme whose spelling every key of a checkpoint's files has."""
         known = {name for part in self.parts.values() for rule in part.rules(sizes) for name in rule.hf}
         known |= set(self.copies(sizes))
-        unknown = {scheme.name: [key for key in keys if scheme.to_memory(key) not in known] for scheme in self.schemes}
+        unknown = {scheme.name: self._unknown(keys, sizes, scheme, known) for scheme in self.schemes}
         best = min(self.schemes, key=lambda scheme: len(unknown[scheme.name]))
         if unknown[best.name]:  # named in the spelling most of the files' keys have
             raise HFMappingError(f"{self.name}: tensor {unknown[best.name][0]} is no tensor of this family's "
                                  f"checkpoints (in {best.name} key names); is it a {self.name} model?")
         return best
+
+    def _unknown(self, keys, sizes: ModelSizes, scheme: KeyScheme, known: set) -> list[str]:
+        """The keys `scheme` does not spell (every tensor of the files is read: none is dropped);
+        known = the in-memory names of the rules and copies."""
+        if scheme.rules is not None:  # the files' own names
+            names = {name for rules in scheme.rules(sizes).values() for rule in rules for name in rule.hf}
+            return [key for key in keys if key not in names and scheme.to_memory(key) not in self.copies(sizes)]
+        return [key for key in keys if scheme.to_memory(key) not in known]
 
     def _module_of(self, key: str) -> str:
         for name, prefixes in self.prefixes.items():
@@ -108,21 +122,46 @@ class VLMFamily:
         """module name -> our module's full (TP1/PP1) state dict, from the files' tensors."""
         copies = self.copies(sizes)
         memory = {scheme.to_memory(key): tensor for key, tensor in hf_state.items()}
+        self._check_copies(memory, copies, scheme)
+        if scheme.rules is not None:
+            return self._through_file_rules(hf_state, sizes, scheme)
         split = {name: {} for name in self.parts}
         for key, tensor in memory.items():
             if key not in copies:
                 split[self._module_of(key)][key] = tensor
-            elif copies[key] in memory and not torch.equal(tensor, memory[copies[key]]):
-                raise HFMappingError(f"{self.name}: {scheme.to_file(key)} differs from {scheme.to_file(copies[key])}, "
-                                     f"which the config ties it to; untie it in config.json or make them equal")
         return {name: part.to_ours(split[name], sizes) for name, part in self.parts.items()}
+
+    def _check_copies(self, memory: dict[str, torch.Tensor], copies: dict[str, str], scheme: KeyScheme) -> None:
+        """A tied copy in the files (in-memory names here) must equal its original: never dropped silently."""
+        for key, original in copies.items():
+            if key in memory and original in memory and not torch.equal(memory[key], memory[original]):
+                raise HFMappingError(f"{self.name}: {scheme.to_file(key)} differs from {scheme.to_file(original)}, "
+                                     f"which the config ties it to; untie it in config.json or make them equal")
 
     def to_hf(self, states: dict[str, dict[str, torch.Tensor]], sizes: ModelSizes,
               scheme: KeyScheme = TRANSFORMERS) -> dict[str, torch.Tensor]:
         """The files' tensors (in `scheme`'s names) of every module's full state dict."""
         out = {}
         for name, part in self.parts.items():
-            out.update({scheme.to_file(k): t for k, t in part.to_hf(states[name], sizes).items()})
+            if scheme.rules is not None:
+                out.update(apply_rules(scheme.rules(sizes)[name], states[name], to_hf=True, ignored=part.ours_only))
+            else:
+                out.update({scheme.to_file(k): t for k, t in part.to_hf(states[name], sizes).items()})
+        return out
+
+    def _through_file_rules(self, hf_state: dict[str, torch.Tensor], sizes: ModelSizes,
+                            scheme: KeyScheme) -> dict[str, dict[str, torch.Tensor]]:
+        """to_ours with `scheme`'s own rules: each module reads the files' tensors its rules name."""
+        copies = {scheme.to_file(key) for key in self.copies(sizes)}
+        rules = scheme.rules(sizes)
+        out = {}
+        for name in self.parts:
+            mine = {n for rule in rules[name] for n in rule.hf}
+            state = {k: t for k, t in hf_state.items() if k in mine}
+            out[name] = apply_rules(rules[name], state, to_hf=False)
+        unread = sorted(set(hf_state) - copies - {n for module in rules.values() for rule in module for n in rule.hf})
+        if unread:
+            raise HFMappingError(f"{self.name}: tensor {unread[0]} has no counterpart in our modules")
         return out
 
     # ---- model and data ------------------------------------------------------------------------

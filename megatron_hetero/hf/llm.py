@@ -1,5 +1,7 @@
-"""Llama and Qwen2 causal LMs onto our LLM (megatron-core GPTModel): RMSNorm, SwiGLU, RoPE,
-grouped-query attention; Qwen2 adds q/k/v biases. Both have the same weight layout."""
+"""Llama, Qwen2 and Qwen3 causal LMs onto our LLM (megatron-core GPTModel): RMSNorm, SwiGLU, RoPE,
+grouped-query attention; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each query and key head
+before RoPE (q_norm, k_norm: megatron-core's q_layernorm, k_layernorm) and a head size of its own.
+All three have the same weight layout otherwise."""
 
 from megatron_hetero.hf.family import Family, Field
 from megatron_hetero.hf.rules import PaddedRows, Same, Stacked, qkv_rules
@@ -50,6 +52,9 @@ def llm_rules(sizes: ModelSizes, prefix: str = "model.") -> list:
             Stacked(f"{ours}mlp.linear_fc1.weight", (f"{hf}mlp.gate_proj.weight", f"{hf}mlp.up_proj.weight")),
             Same(f"{ours}mlp.linear_fc2.weight", f"{hf}mlp.down_proj.weight"),
         ]
+        if arch.qk_norm:
+            rules += [Same(f"{ours}self_attention.{x}_layernorm.weight", f"{hf}self_attn.{x}_norm.weight")
+                      for x in "qk"]
     return rules
 
 
@@ -59,3 +64,6 @@ LLAMA = Family("llama", "llama", "LlamaForCausalLM", hf_fixed={"attention_bias":
                arch=ARCH, **_COMMON)
 QWEN2 = Family("qwen2", "qwen2", "Qwen2ForCausalLM", hf_fixed={"use_sliding_window": False, **ROPE},
                arch={**ARCH, "qkv_bias": True}, **_COMMON)
+QWEN3 = Family("qwen3", "qwen3", "Qwen3ForCausalLM",
+               hf_fixed={"attention_bias": False, "use_sliding_window": False, **ROPE},
+               arch={**ARCH, "qk_norm": True}, **_COMMON)

@@ -1,11 +1,11 @@
 """The families we map, found from a Hugging Face config."""
 
 from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.llm import LLAMA, QWEN2
+from megatron_hetero.hf.llm import LLAMA, QWEN2, QWEN3
 from megatron_hetero.hf.rules import HFMappingError
 from megatron_hetero.hf.vision import CLIP, SIGLIP
 
-FAMILIES = {family.model_type: family for family in (LLAMA, QWEN2, SIGLIP, CLIP)}
+FAMILIES = {family.model_type: family for family in (LLAMA, QWEN2, QWEN3, SIGLIP, CLIP)}
 # Text + vision checkpoints, whose vision tower is the part VLMs use.
 DUAL_ENCODERS = {"siglip": SIGLIP, "clip": CLIP}
 

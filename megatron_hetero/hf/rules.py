@@ -2,7 +2,7 @@
 written once and applied both ways. Every rule moves data only (no arithmetic), so a round trip is
 bit-identical."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,6 +54,21 @@ class Flattened(Same):
 
     def join(self, x: torch.Tensor) -> torch.Tensor:
         return x.flatten(1)
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (t.reshape(self.hf_shape),)
+
+
+@dataclass(frozen=True)
+class Reshaped(Same):
+    """One tensor in another shape (the same elements in the same order): e.g. a ViT's class token
+    [1, 1, h] as our [h]."""
+
+    hf_shape: tuple[int, ...]
+    ours_shape: tuple[int, ...]
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(self.ours_shape)
 
     def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (t.reshape(self.hf_shape),)
@@ -129,6 +144,12 @@ def same_params(ours: str, hf: str, bias: bool = True) -> list[Same]:
 def qkv_rules(ours: str, hf: str, heads: int, groups: int, bias: bool) -> list[FusedQKV]:
     """linear_qkv's weight (and bias) under `ours` from q_proj, k_proj, v_proj under `hf`."""
     return [FusedQKV(f"{ours}.{p}", tuple(f"{hf}.{x}_proj.{p}" for x in "qkv"), heads, groups) for p in _params(bias)]
+
+
+def with_hf_names(rules: list, rename) -> list:
+    """`rules` with every Hugging Face name passed through rename(name) (another spelling of the keys)."""
+    return [replace(rule, hf_name=rename(rule.hf_name)) if isinstance(rule, (Same, ConcatQKV))
+            else replace(rule, hf=tuple(map(rename, rule.hf))) for rule in rules]
 
 
 def apply_rules(rules: list, state: dict[str, torch.Tensor], to_hf: bool,

@@ -17,7 +17,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.norm import SequenceParallelNorm
@@ -35,6 +36,9 @@ class StageEncoder(MegatronModule):
 
     `class_token` puts a learned token before each item's tokens (CLIP): the others attend to it,
     it is not projected. `pre_norm` normalizes the embeddings before the first layer (CLIP).
+    `block`: the TransformerBlock's spec (default: block_spec of encoder_layer_spec); `final_norm`:
+    a norm after the last layer; `projector`: builds the projector, a module from [tokens, n, hidden]
+    to [rows, n, llm_hidden] (default: Megatron's MLP projector from `projector_config`).
     """
 
     # No word embedding to share between pipeline ends (megatron-core's finalize_model_grads asks).
@@ -51,6 +55,9 @@ class StageEncoder(MegatronModule):
         post_process: bool = True,
         class_token: bool = False,
         pre_norm: bool = False,
+        block: ModuleSpec | TransformerBlockSubmodules | None = None,
+        final_norm: bool = True,
+        projector: Callable[[], torch.nn.Module] | None = None,
     ):
         super().__init__(config=config)
         self.tokens_per_item = tokens_per_item
@@ -68,15 +75,16 @@ class StageEncoder(MegatronModule):
             self.pre_norm = SequenceParallelNorm(config, hidden, config.layernorm_epsilon) if pre_norm else None
         self.decoder = TransformerBlock(
             config=config,
-            spec=block_spec(encoder_layer_spec(pg_collection), config, pg_collection),
+            spec=block or block_spec(encoder_layer_spec(pg_collection), config, pg_collection),
             # The block reads forward's argument only when pre_process is set: every stage's input
             # arrives as forward's argument here, so the block never needs set_input_tensor.
             pre_process=True,
             post_process=post_process,  # the final layernorm lives on the last stage
+            post_layer_norm=final_norm,
             pg_collection=pg_collection,
         )
         if post_process:
-            self.projector = MultimodalProjector(
+            self.projector = projector() if projector is not None else MultimodalProjector(
                 projector_config,
                 MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                 projector_type="mlp",

@@ -12,6 +12,11 @@ After backward the gradients are whole and equal on every TP rank; DDP then sums
 The parameters are deliberately NOT marked `sequence_parallel=True`: that attribute only tells
 `finalize_model_grads` to all-reduce them over TP, which would count them TP times here. So
 `finalize_model_grads` (e.g. megatron.training's train_step) stays correct with this norm too.
+
+Query/key norms (Qwen3's QK-norm: one RMSNorm over each head) see whole sequences of this rank's
+heads, sequence parallel or not: built with `over_sequence=False` they never sum over TP themselves;
+megatron's `finalize_model_grads` sums their partial (per-head-slice) gradients over TP, by name
+(`q_layernorm`, `k_layernorm`), as it does for Transformer Engine's.
 """
 
 import torch
@@ -25,7 +30,8 @@ class SequenceParallelNorm(torch.nn.Module):
     like torch's (weight, and bias for LayerNorm) so checkpoints match megatron's WrappedTorchNorm.
 
     tp_group is needed when config.sequence_parallel and TP > 1: bind it in the spec
-    (functools.partial), since megatron builds norms from (config, hidden_size, eps) alone."""
+    (functools.partial), since megatron builds norms from (config, hidden_size, eps) alone.
+    over_sequence=False: a norm whose input is not split over the sequence (query/key norms)."""
 
     def __init__(
         self,
@@ -33,11 +39,12 @@ class SequenceParallelNorm(torch.nn.Module):
         hidden_size: int,
         eps: float = 1e-5,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        over_sequence: bool = True,
     ):
         super().__init__()
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization {config.normalization!r} is not LayerNorm or RMSNorm")
-        sums_over_tp = config.sequence_parallel and config.tensor_model_parallel_size > 1
+        sums_over_tp = over_sequence and config.sequence_parallel and config.tensor_model_parallel_size > 1
         if sums_over_tp and tp_group is None:
             raise ValueError("sequence_parallel with TP > 1 needs the norm's tp_group (bind it in the spec)")
         self.grad_sum_group = tp_group if sums_over_tp else None

@@ -40,6 +40,7 @@ class LLMArch(TransformerArch):
     head_dim: int | None = None  # None: hidden size / attention heads
     rope_theta: float = 10000.0
     qkv_bias: bool = False
+    qk_norm: bool = False  # a norm over each query and key head before RoPE (Qwen3's q_norm, k_norm)
     tied_embeddings: bool = False  # the output layer is the input embedding
     moe: MoEArch | None = None  # None: dense MLPs
     # M-RoPE (Qwen2-VL and later): the rotary channels of each head split into (temporal, height,

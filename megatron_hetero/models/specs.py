@@ -10,6 +10,7 @@ from megatron.core.models.vision.vit_layer_specs import (
     get_vit_layer_with_transformer_engine_spec,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -30,11 +31,17 @@ except ImportError:
 
 
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-    """megatron's local layer spec with our attention and norms; its other submodules kept."""
+    """megatron's local layer spec with our attention and norms (query/key norms included, where
+    the spec has them); its other submodules kept."""
     norm = _norm_spec(pg_collection)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
-    layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    attention = layer.submodules.self_attention.submodules
+    attention.core_attention = SDPAttention
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) not in (None, IdentityOp):
+            # Over each head of whole sequences: finalize_model_grads sums their gradients over TP.
+            setattr(attention, name, ModuleSpec(module=SequenceParallelNorm, params={"over_sequence": False}))
     return layer
 
 
@@ -53,13 +60,14 @@ def llm_uses_te(packed: bool) -> bool:
 
 
 def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_experts: int | None = None,
-                   te: bool = HAVE_TE) -> ModuleSpec:
+                   te: bool = HAVE_TE, qk_norm: bool = False) -> ModuleSpec:
     """Causal decoder layer for the LLM. pg_collection: the LLM's groups, needed (for the norms'
     TP group) with sequence parallelism and without Transformer Engine; num_experts: megatron-core's
-    MoE layer (SequentialMLP experts) for the MLP; te: Transformer Engine's layers (llm_uses_te)."""
+    MoE layer (SequentialMLP experts) for the MLP; te: Transformer Engine's layers (llm_uses_te);
+    qk_norm: a norm over each query and key head before RoPE (Qwen3; config.qk_layernorm)."""
     if te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
-    return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts), pg_collection)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
+    return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm), pg_collection)
 
 
 def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:

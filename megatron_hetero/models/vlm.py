@@ -88,15 +88,16 @@ def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
 
 
 def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=TransformerArch(),
-                   config_overrides=None, **kwargs):
+                   config_overrides=None, projector_arch=TransformerArch(), **kwargs):
     """cls(encoder config, projector config, *inputs, pgs, **kwargs) as this rank's stage (the whole
     module with `whole`); dims: the encoder's (hidden size, layers, attention heads); config_arch:
-    the encoder config's architecture choices; config_overrides: further fields of both configs."""
+    the encoder config's architecture choices, projector_arch the projector's; config_overrides:
+    further fields of both configs."""
     pp, first, last = _stage(pgs, whole)
     overrides = config_overrides or {}
     enc = _config(*dims, tp, dtype, pp, arch=config_arch, **overrides)
     # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
-    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, **overrides)
+    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, arch=projector_arch, **overrides)
     return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last, **kwargs)
 
 
@@ -132,14 +133,14 @@ def build_llm(
     arch = sizes.llm_arch
     fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim, add_qkv_bias=arch.qkv_bias,
                   mrope_section=None if arch.mrope_section is None else list(arch.mrope_section),
-                  **_moe_fields(arch.moe, pgs))
+                  qk_layernorm=arch.qk_norm, **_moe_fields(arch.moe, pgs))
     config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
                      cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
     te = specs.llm_uses_te(packed)
     whole_rows = padded_vocab_size(sizes)  # the padding's own initial weights do not depend on tp
     config.embedding_init_method = first_rows_init(config.embedding_init_method, whole_rows)
-    spec = transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te), config, pgs, te)
+    spec = transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te)
     llm = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -293,8 +293,9 @@ def _check_sizes(args, layout) -> None:
 
 def _check_family(args, layout) -> None:
     """A VLM family's model (--model-sizes of a whole-model import): known to this version, trained
-    on conversation data with its Hugging Face tokenizer, its vision tower one pipeline stage, and
-    its images as its image processor makes them."""
+    on conversation data with its Hugging Face tokenizer (holding the family's image tokens), its
+    vision tower one pipeline stage unless the family's splits into stages, and its images as its
+    image processor makes them."""
     family = model_family(args)
     if not family:
         return
@@ -303,7 +304,7 @@ def _check_family(args, layout) -> None:
     except UnknownFamilyError as error:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
     for module in layout.encoders:
-        if module.pp > 1:
+        if module.pp > 1 and not family_named(family).vision_stages:
             raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; "
                             f"set its pp: 1")
     sizes = model_sizes(args)
@@ -317,6 +318,12 @@ def _check_family(args, layout) -> None:
     if args.tokenizer_type != "HuggingFaceTokenizer":
         raise ArgsError(f"a {family} model reads its data with its own tokenizer: --tokenizer-type "
                         f"HuggingFaceTokenizer --tokenizer-model <its Hugging Face directory>")
+    description = model_description(args)
+    try:  # the family's image tokens are the tokenizer's (InternVL's <img> and </img>)
+        family_named(family).media(_sizes_file(args.model_sizes), description["processor"],
+                                   description["hf"]["config"]).tokens(tokenizer(args))
+    except TokenizerError as error:
+        raise ArgsError(f"--tokenizer-model {args.tokenizer_model}: {error}") from None
     for flag, default in (("max_tiles", 1), ("image_normalization", None)):
         if getattr(args, flag) != default:
             raise ArgsError(f"--{flag.replace('_', '-')}: a {family} model's images are its image processor's "
