@@ -10,6 +10,7 @@ against transformers' processor; Qwen3-VL uses the same processor and get_rope_i
 
 import contextlib
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,8 @@ def test_import_export_round_trip(tmp_path, variant):
                     ("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")):
         result = _cli(*command)
         assert result.returncode == 0, result.stderr[-3000:]
+    scheme = json.loads((tmp_path / "ckpt" / "model.json").read_text())["hf"]["scheme"]
+    assert scheme == ("hub" if variant == "moe_hub" else "transformers")
     exported = _tensors(tmp_path / "out")
     assert exported.keys() == original.keys()
     for key, tensor in original.items():
@@ -149,8 +152,6 @@ def test_import_export_round_trip(tmp_path, variant):
 # ---- training ---------------------------------------------------------------------------------
 def train(tmp: Path, data: Path, tag: str, layout: str, world: int, flags=()) -> dict[int, dict]:
     """examples/pretrain_vlm.py from the import under `layout`; its metrics per step."""
-    import json
-
     out = tmp / "runs" / tag
     out.mkdir(parents=True)
     run_distributed(_train, world, ["--hetero-layout", str(tmp / f"{layout}.yaml"), "--metrics-file",

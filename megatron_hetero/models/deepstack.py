@@ -15,7 +15,7 @@ block whose layer sits on a later pipeline stage rides along with the hidden sta
 from contextlib import contextmanager
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
 from megatron_hetero.boundary.exchange import write_rows
@@ -34,7 +34,8 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
         emb = torch.cat((freqs, freqs), dim=-1)[..., None, :].transpose(0, 1).contiguous()  # [S, b, 1, dim]
         cp_group = self.cp_group if cp_group is None else cp_group
         if cp_group is not None and cp_group.size() > 1:
-            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+            # through the module megatron-core's own M-RoPE calls it from (patches/cpu.py replaces it there)
+            emb = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
         return emb
 
 

@@ -28,4 +28,5 @@ QWEN3_VL_MOE = replace(
     architecture="Qwen3VLMoeForConditionalGeneration",
     parts={"vision": moe.VISION_PART, "llm": moe.TEXT_PART},
     finish=moe.finish,
+    schemes=moe.SCHEMES,
 )

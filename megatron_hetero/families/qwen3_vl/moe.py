@@ -6,11 +6,21 @@ transformers 5 keeps each layer's experts as two fused tensors, `experts.gate_up
 2 * ffn, hidden] ([gate; up] rows, as our fc1) and `experts.down_proj` [experts, hidden, ffn], and
 save_pretrained writes them so; the checkpoints published on the Hub hold them transposed per expert
 ([experts, hidden, 2 * ffn], [experts, ffn, hidden]) under the same names (transformers transposes on
-load). Both are schemes of the family: the files' shapes say which (HUB_EXPERTS.shapes)."""
+load). Both are schemes of the family (SCHEMES): the files' shapes say which (KeyScheme.shapes;
+where 2 * ffn = hidden they cannot, and transformers' layout is taken)."""
 
 from dataclasses import replace
 
-from megatron_hetero.families.qwen3_vl.hf import TEXT, TEXT_ARCH, TEXT_FIELDS, TEXT_FIXED, text_rules, vision_part
+from megatron_hetero.families.base import KeyScheme
+from megatron_hetero.families.qwen3_vl.hf import (
+    TEXT,
+    TEXT_ARCH,
+    TEXT_FIELDS,
+    TEXT_FIXED,
+    text_rules,
+    vision_part,
+    vision_rules,
+)
 from megatron_hetero.families.qwen3_vl.hf import finish as qwen3_vl_finish
 from megatron_hetero.hf.family import Family
 from megatron_hetero.hf.rules import Same, SplitExperts
@@ -62,3 +72,11 @@ TEXT_PART = Family("qwen3_vl_moe.text", "qwen3_vl_moe", "Qwen3VLMoeForConditiona
 
 def finish(sizes: ModelSizes, config) -> ModelSizes:
     return with_moe(qwen3_vl_finish(sizes, config), config)
+
+
+def _hub_rules(sizes: ModelSizes) -> dict[str, list]:
+    return {"vision": vision_rules(sizes), "llm": moe_rules(sizes, transposed=True)}
+
+
+SCHEMES = (KeyScheme("transformers", shapes=lambda sizes: expert_shapes(sizes, False)),
+           KeyScheme("hub", rules=_hub_rules, shapes=lambda sizes: expert_shapes(sizes, True)))

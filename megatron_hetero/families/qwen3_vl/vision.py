@@ -103,6 +103,16 @@ class DeepStackMerger(MegatronModule):
         return self.projector(self.norm(blocks))
 
 
+class DeepStackMergers(MegatronModule):
+    """The DeepStack mergers, children "0", "1", ...: a MegatronModule (not a ModuleList) so that
+    checkpoints store their TP-split projectors as such (megatron-core's sharded_state_dict)."""
+
+    def __init__(self, projector_config: TransformerConfig, mergers: list[DeepStackMerger]):
+        super().__init__(config=projector_config)
+        for k, merger in enumerate(mergers):
+            self.add_module(str(k), merger)
+
+
 class Qwen3VisionEncoder(MegatronModule):
     """patches [tokens, C*T*P*P] of images with grids [n, 3] -> rows [tokens / merge^2,
     llm hidden * (1 + DeepStack layers)] (module docstring)."""
@@ -125,9 +135,9 @@ class Qwen3VisionEncoder(MegatronModule):
         self.projector = MultimodalProjector(
             projector_config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             projector_type="mlp", input_size=merged, pg_collection=pg_collection)
-        self.deepstack = torch.nn.ModuleList(
+        self.deepstack = DeepStackMergers(projector_config, [
             DeepStackMerger(projector_config, merged, config.layernorm_epsilon, pg_collection)
-            for _ in arch.deepstack_visual_indexes)
+            for _ in arch.deepstack_visual_indexes])
         spatial = config.kv_channels // 2  # rotary channels per axis pair: head_dim / 4 frequencies each
         self.register_buffer("inv_freq", 1.0 / arch.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float)
                                                                     / spatial), persistent=False)
@@ -146,7 +156,8 @@ class Qwen3VisionEncoder(MegatronModule):
         x = self._embed(patches, indices, weights)[:, None]
         angles = positions.to(x.device)[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4]
         rotary = torch.cat([angles.flatten(1)] * 2, -1)[:, None, None]  # [tokens, 1, 1, head_dim]
-        params, deep = SegmentParams.of(images), dict(zip(self.arch.deepstack_visual_indexes, self.deepstack))
+        params = SegmentParams.of(images)
+        deep = dict(zip(self.arch.deepstack_visual_indexes, self.deepstack.children()))
         stacked = []
         for index, layer in enumerate(self.decoder.layers):
             x, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=params)
