@@ -181,3 +181,41 @@ def test_training_equals_one_process_matrix(dense, reference, layout):
 def test_moe_training_under_expert_parallel(moe):
     """The MoE model: 3 steps under LLM EP2 equal one process's."""
     assert_same_steps(train(*moe, "reference", "single", 1), train(*moe, "lep2", "lep2", 2))
+
+
+# ---- DeepStack edges in layout files, refusals ----------------------------------------------------
+def test_layout_check_deepstack_edges(dense):
+    """`layout check --model-sizes` prints the LLM stage that adds each DeepStack edge (under LLM PP2
+    the second on stage 1) and refuses a layout whose DeepStack edges are not the model's."""
+    from tests.distributed import run_python
+
+    tmp, _ = dense
+    check = ["-m", "megatron_hetero.layout", "check", "--world-size", "2", "--model-sizes", tmp / "ckpt" / "model.json"]
+    result = run_python([*check[:3], tmp / "lpp2.yaml", *check[3:]])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-2:] == ["vision[0] -> llm[0]: added on llm stage 0",
+                                                       "vision[2] -> llm[1]: added on llm stage 1"]
+    (tmp / "wrong_edges.yaml").write_text(LAYOUTS["lpp2"] + "edges: [vision -> llm, 'vision[1] -> llm[0]']\n")
+    result = run_python([*check[:3], tmp / "wrong_edges.yaml", *check[3:]])
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: edges: the layout's DeepStack edges differ from the model's (vision[0] -> llm[0], "
+        "vision[2] -> llm[1]); list exactly those or none (then the model's are implied)")
+
+
+_FOUR_RANKS = _C + "  vision: {role: encoder, dp: 4}\n  llm: {role: llm, dp: 2, pp: 2}\n"
+
+
+@pytest.mark.parametrize("layout_text, flags, expected", [
+    (_FOUR_RANKS + "edges: [vision -> llm, 'vision[0] -> llm[0]']\n", (),
+     "edges: the layout's DeepStack edges differ from the model's (vision[0] -> llm[0], vision[2] -> llm[1])"),
+    (_FOUR_RANKS, ("--recompute-granularity", "full", "--recompute-method", "uniform"),
+     "--recompute-granularity full: the qwen3_vl DeepStack rows are added between LLM layers"),
+])
+def test_training_refusals(dense, tmp_path, layout_text, flags, expected):
+    """What a Qwen3-VL model cannot train with: one `error:` line naming the layout field or flag."""
+    from tests.test_pretrain_errors import _run
+
+    tmp, data = dense
+    result = _run(["--hetero-layout", "layout.yaml", *_train_flags(tmp, data), *flags], tmp_path, layout_text)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert expected in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
