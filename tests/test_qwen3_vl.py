@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from tests.distributed import collect_distributed, run_distributed
 from tests.qwen3_vl_models import model_class, qwen3_vl_dir
-from tests.test_checkpoint import _train
+from tests.test_checkpoint import _train, at
 from tests.test_qwen2_5_vl import SEQ, TOL, _cli, _report, _tensors, _train_flags, assert_same_steps
 from tests.vlm_fixtures import conversations
 
@@ -175,6 +175,17 @@ def test_training_equals_one_process(dense, reference):
 @pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2"])
 def test_training_equals_one_process_matrix(dense, reference, layout):
     assert_same_steps(reference, train(*dense, layout, layout, 2))
+
+
+@pytest.mark.families
+def test_checkpoint_resumes_under_another_layout(dense):
+    """Saved at step 2 under LLM PP2 (vision DP2), resumed for step 3 under vision TP2 (the DeepStack
+    mergers' projectors split) -> LLM CP2: step 3 equals the uninterrupted PP2 run's within 1e-5."""
+    tmp, data = dense
+    saved = tmp / "saved"
+    straight = train(tmp, data, "straight", "lpp2", 2, ["--save", str(saved), "--save-interval", "2"])
+    resumed = train(tmp, data, "resumed", "lcp2", 2, ["--load", str(at(saved, 2, "lcp2"))])
+    assert_same_steps(straight, resumed, rel=1e-5, first=3)
 
 
 @pytest.mark.families
