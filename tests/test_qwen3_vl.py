@@ -178,6 +178,14 @@ def test_training_equals_one_process_matrix(dense, reference, layout):
 
 
 @pytest.mark.families
+@pytest.mark.parametrize("schedule", ["three-phase", "bubbles"])
+def test_ordered_colocated_schedules(dense, reference, schedule):
+    """LLM PP2 with the encoder's work ordered around the pipeline (no recompute): DeepStack rows
+    cross the stage boundary the same way; 3 steps equal one process's."""
+    assert_same_steps(reference, train(*dense, schedule, "lpp2", 2, ["--hetero-colocated-schedule", schedule]))
+
+
+@pytest.mark.families
 def test_checkpoint_resumes_under_another_layout(dense):
     """Saved at step 2 under LLM PP2 (vision DP2), resumed for step 3 under vision TP2 (the DeepStack
     mergers' projectors split) -> LLM CP2: step 3 equals the uninterrupted PP2 run's within 1e-5."""
