@@ -172,9 +172,10 @@ def test_training_equals_one_process(dense, reference):
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2"])
+@pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2", "noncolocated_lpp2"])
 def test_training_equals_one_process_matrix(dense, reference, layout):
-    assert_same_steps(reference, train(*dense, layout, layout, 2))
+    """Vision DP2 -> LLM TP2 with SP, vision TP2 -> LLM CP2, non-colocated vision -> LLM PP2."""
+    assert_same_steps(reference, train(*dense, layout, layout, 3 if layout.startswith("non") else 2))
 
 
 @pytest.mark.families
