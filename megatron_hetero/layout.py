@@ -249,16 +249,35 @@ class ModuleLayout:
 
 @dataclass(frozen=True)
 class Edge:
+    """Rows from encoder `src` into the llm `dst`: its output into the llm's input, or (DeepStack,
+    Qwen3-VL) with layers, the rows of encoder layer `src_layer` added to the output of llm layer
+    `dst_layer` (0-based), written 'vision[8] -> llm[0]'."""
+
     src: str
     dst: str
+    src_layer: int | None = None
+    dst_layer: int | None = None
 
     def __post_init__(self):
         for end in (self.src, self.dst):
             if not isinstance(end, str) or not _NAME.match(end):
                 raise LayoutError(f"edges: {end!r} is not a module name; write 'ENCODER -> LLM' with module names")
+        layers = (self.src_layer, self.dst_layer)
+        if any(layer is not None and (not _is_int(layer) or layer < 0) for layer in layers):
+            raise LayoutError(f"edges: '{self}' names a layer that is not a number from 0; write e.g. "
+                              f"'{self.src}[8] -> {self.dst}[0]'")
+        if (self.src_layer is None) != (self.dst_layer is None):
+            raise LayoutError(f"edges: '{self}' names a layer at one end only; a DeepStack edge names both, "
+                              f"e.g. '{self.src}[8] -> {self.dst}[0]'")
+
+    @property
+    def layered(self) -> bool:
+        return self.src_layer is not None
 
     def __str__(self) -> str:
-        return f"{self.src} -> {self.dst}"
+        def end(name, layer):
+            return name if layer is None else f"{name}[{layer}]"
+        return f"{end(self.src, self.src_layer)} -> {end(self.dst, self.dst_layer)}"
 
 
 @dataclass(frozen=True)
@@ -355,6 +374,12 @@ class HeteroLayout:
                 raise LayoutError(f"edges: '{edge}' must end at the llm; write '{edge.src} -> {llm}'")
             if self.edges.count(edge) > 1:
                 raise LayoutError(f"edges: '{edge}' is listed twice; remove one")
+            if edge.layered and Edge(edge.src, edge.dst) not in self.edges:
+                raise LayoutError(f"edges: '{edge}' is a DeepStack edge of {edge.src}, whose output edge is missing; "
+                                  f"add '{edge.src} -> {edge.dst}'")
+            if edge.layered and [e.dst_layer for e in self.edges].count(edge.dst_layer) > 1:
+                raise LayoutError(f"edges: '{edge}': {edge.dst} layer {edge.dst_layer} takes rows of one edge only; "
+                                  f"give each DeepStack edge its own layer")
         linked = {edge.src for edge in self.edges}
         for m in self.encoders:
             if m.name not in linked:
@@ -459,14 +484,19 @@ def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
     return module
 
 
+_EDGE_END = re.compile(r"\s*([^\s\[\]]+)\s*(?:\[\s*(\d+)\s*\])?\s*\Z")
+
+
 def _parse_edge(index: int, item) -> Edge:
     if isinstance(item, str) and item.count("->") == 1:
-        src, dst = (part.strip() for part in item.split("->"))
-        if src and dst:
-            return Edge(src, dst)
-    if isinstance(item, dict) and set(item) == {"src", "dst"}:
-        return Edge(item["src"], item["dst"])
-    raise LayoutError(f"edges[{index}]: {item!r} is not an edge; write 'ENCODER -> LLM' or {{src: ENCODER, dst: LLM}}")
+        ends = [_EDGE_END.match(part) for part in item.split("->")]
+        if all(ends):
+            (src, src_layer), (dst, dst_layer) = ((m[1], None if m[2] is None else int(m[2])) for m in ends)
+            return Edge(src, dst, src_layer, dst_layer)
+    if isinstance(item, dict) and {"src", "dst"} <= set(item) <= {"src", "dst", "src_layer", "dst_layer"}:
+        return Edge(item["src"], item["dst"], item.get("src_layer"), item.get("dst_layer"))
+    raise LayoutError(f"edges[{index}]: {item!r} is not an edge; write 'ENCODER -> LLM' or {{src: ENCODER, dst: LLM}} "
+                      f"(a DeepStack edge: 'ENCODER[layer] -> LLM[layer]')")
 
 
 def parse_layout(data: dict, world_size: int) -> HeteroLayout:
@@ -548,6 +578,25 @@ def load_layout(path: str, world_size: int) -> HeteroLayout:
         raise LayoutError(f"{path}: {exc}") from None
 
 
+def deepstack_problem(layout: "HeteroLayout", encoder: str, deepstack: tuple[int, ...]) -> str | None:
+    """The DeepStack edges a layout lists (layered edges, layout.Edge) against the model's: encoder
+    layer deepstack[j] into llm layer j. None listed: the model's are implied."""
+    listed = {(e.src, e.src_layer, e.dst_layer) for e in layout.edges if e.layered}
+    model = {(encoder, layer, j) for j, layer in enumerate(deepstack)}
+    if not listed or listed == model:
+        return None
+    want = ", ".join(f"{encoder}[{layer}] -> {layout.llm.name}[{j}]" for j, layer in enumerate(deepstack))
+    return (f"edges: the layout's DeepStack edges differ from the model's ({want or 'none'}); list exactly "
+            f"those or none (then the model's are implied)")
+
+
+def deepstack_stages(llm: ModuleLayout, encoder: str, deepstack: tuple[int, ...], num_layers: int) -> list[str]:
+    """Per DeepStack edge (encoder layer deepstack[j] into llm layer j), the llm stage that adds it."""
+    per_stage = num_layers // llm.pp
+    return [f"{encoder}[{layer}] -> {llm.name}[{j}]: added on {llm.name} stage {j // per_stage}"
+            for j, layer in enumerate(deepstack)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_hetero.layout",
@@ -558,14 +607,40 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="validate FILE and print which module coordinates each rank holds")
     check.add_argument("file", metavar="FILE", help="layout YAML file")
     check.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
+    check.add_argument("--model-sizes", metavar="MODEL_JSON", help="a model.json (hf import): check the layout's "
+                       "DeepStack edges against the model's and print the llm stage that adds each")
     args = parser.parse_args(argv)
     try:
         layout = load_layout(args.file, args.world_size)
+        edges = _model_edges(layout, args.model_sizes) if args.model_sizes else []
     except LayoutError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(layout.rank_map())
+    print("\n".join([layout.rank_map(), *edges]))
     return 0
+
+
+def _model_edges(layout: HeteroLayout, model_file: str) -> list[str]:
+    """The model's DeepStack edges (a VLM family's, model.json) checked against the layout's; a line each."""
+    import json
+
+    from megatron_hetero.families import family_named
+    from megatron_hetero.models.sizes import sizes_from_dict
+
+    try:
+        with open(model_file, encoding="utf-8") as f:
+            sizes = sizes_from_dict(json.load(f)["sizes"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LayoutError(f"--model-sizes {model_file}: {error}; give the model.json of hf import") from None
+    deepstack = family_named(sizes.family).deepstack(sizes) if sizes.family else ()
+    vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
+    if sizes.num_layers % layout.llm.pp:
+        raise LayoutError(f"model.json's num_layers {sizes.num_layers} is not divisible by module "
+                          f"{layout.llm.name}'s pp={layout.llm.pp}; use a divisor")
+    problem = deepstack_problem(layout, vision, deepstack)
+    if problem:
+        raise LayoutError(problem)
+    return deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,24 @@ def test_edge_forms_and_accepted_keys():
     assert [m.name for m in layout.encoders] == ["vision", "audio"]
 
 
+def test_deepstack_edges():
+    """DeepStack edges (encoder layer k -> llm layer j) beside the encoder's output edge, in both
+    forms; layout.deepstack_problem holds them against a model's (none listed: implied)."""
+    from megatron_hetero.layout import deepstack_problem
+
+    data = colocated()
+    data["edges"] = ["vision -> llm", "vision[8] -> llm[0]", {"src": "vision", "dst": "llm", "src_layer": 16,
+                                                              "dst_layer": 1}]
+    layout = parse_layout(data, 4)
+    assert layout.edges == (Edge("vision", "llm"), Edge("vision", "llm", 8, 0), Edge("vision", "llm", 16, 1))
+    assert "edges: vision -> llm, vision[8] -> llm[0], vision[16] -> llm[1]" in layout.rank_map()
+    assert deepstack_problem(layout, "vision", (8, 16)) is None
+    assert deepstack_problem(parse_layout(colocated(), 4), "vision", (8, 16)) is None
+    problem = deepstack_problem(layout, "vision", (8, 16, 24))
+    assert problem.startswith("edges: the layout's DeepStack edges differ from the model's (vision[8] -> llm[0], "
+                              "vision[16] -> llm[1], vision[24] -> llm[2])")
+
+
 def test_bare_int_ranks():
     data = non_colocated()
     data["modules"]["vision"]["ranks"] = 0
@@ -306,6 +324,11 @@ def with_module(data, name, **changes):
         ({**colocated(), "edges": []}, 4, ["module vision", "no edge in edges", "vision -> llm"]),
         ({**colocated(), "edges": "vision -> llm"}, 4, ["edges must be a list"]),
         ({**colocated(), "edges": ["vision => llm"]}, 4, ["edges[0]", "'vision => llm'", "ENCODER -> LLM"]),
+        ({**colocated(), "edges": ["vision -> llm", "vision[8] -> llm"]}, 4,
+         ["edges", "'vision[8] -> llm'", "a layer at one end only", "'vision[8] -> llm[0]'"]),
+        ({**colocated(), "edges": ["vision[8] -> llm[0]"]}, 4, ["'vision[8] -> llm[0]'", "add 'vision -> llm'"]),
+        ({**colocated(), "edges": ["vision -> llm", "vision[8] -> llm[0]", "vision[9] -> llm[0]"]}, 4,
+         ["llm layer 0 takes rows of one edge only"]),
         ({**colocated(), "edges": [{"src": "vision"}]}, 4, ["edges[0]", "src"]),
         ({"placement": "colocated", "modules": {**colocated()["modules"], "audio": {"role": "encoder", "dp": 4}}}, 4,
          ["edges missing with 2 encoders (vision, audio)"]),

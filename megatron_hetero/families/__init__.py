@@ -12,6 +12,8 @@ REGISTRY = {
     # name: (config.json model_types, "module:attribute" of its VLMFamily)
     "qwen2_5_vl": (("qwen2_5_vl",), "megatron_hetero.families.qwen2_5_vl:QWEN2_5_VL"),
     "internvl": (("internvl",), "megatron_hetero.families.internvl:INTERNVL"),
+    "qwen3_vl": (("qwen3_vl",), "megatron_hetero.families.qwen3_vl:QWEN3_VL"),
+    "qwen3_vl_moe": (("qwen3_vl_moe",), "megatron_hetero.families.qwen3_vl:QWEN3_VL_MOE"),
 }
 BY_MODEL_TYPE = {model_type: name for name, (types, _) in REGISTRY.items() for model_type in types}
 

@@ -27,11 +27,14 @@ class KeyScheme:
     use: prefix renames (in-memory prefix, file prefix), the first match wins; none: the same names.
     Where renames cannot say it (the files hold as one tensor what transformers keeps apart, e.g.
     InternVL's published fused `attn.qkv`), `rules(sizes)` gives module name -> the weight rules in
-    the files' own names, and renames only spell the copies (`VLMFamily.copies`)."""
+    the files' own names, and renames only spell the copies (`VLMFamily.copies`). Where schemes
+    share names but not layouts (Qwen3-VL-MoE's fused experts, transposed on the Hub), `shapes(sizes)`
+    gives the files' shapes of those tensors (files' names -> shape): the files' shapes pick it."""
 
     name: str
     renames: tuple[tuple[str, str], ...] = ()
     rules: Callable[[ModelSizes], dict[str, list]] | None = None
+    shapes: Callable[[ModelSizes], dict[str, tuple[int, ...]]] | None = None
 
     def to_memory(self, key: str) -> str:
         for memory, file in self.renames:
@@ -80,6 +83,9 @@ class VLMFamily:
     copies: Callable[[ModelSizes], dict[str, str]] = lambda sizes: {}
     # the vision tower splits over pipeline stages (the vision module's pp; a StageEncoder's stages)
     vision_stages: bool = False
+    # DeepStack (Qwen3-VL): the vision layers whose extra rows go to LLM layers 0, 1, ... (the tower
+    # sends them as extra columns of its rows: models/deepstack.py); () for none
+    deepstack: Callable[[ModelSizes], tuple[int, ...]] = lambda sizes: ()
 
     # ---- Hugging Face config and weights ---------------------------------------------------------
     def sizes(self, config, base: ModelSizes = ModelSizes()) -> ModelSizes:
@@ -93,7 +99,8 @@ class VLMFamily:
         """The scheme whose spelling every key of a checkpoint's files has."""
         known = {name for part in self.parts.values() for rule in part.rules(sizes) for name in rule.hf}
         known |= set(self.copies(sizes))
-        unknown = {scheme.name: self._unknown(keys, sizes, scheme, known) for scheme in self.schemes}
+        unknown = {scheme.name: self._unknown(keys, sizes, scheme, known) + self._misshapen(keys, sizes, scheme)
+                   for scheme in self.schemes}
         best = min(self.schemes, key=lambda scheme: len(unknown[scheme.name]))
         if unknown[best.name]:  # named in the spelling most of the files' keys have
             raise HFMappingError(f"{self.name}: tensor {unknown[best.name][0]} is no tensor of this family's "
@@ -107,6 +114,14 @@ class VLMFamily:
             names = {name for rules in scheme.rules(sizes).values() for rule in rules for name in rule.hf}
             return [key for key in keys if key not in names and scheme.to_memory(key) not in self.copies(sizes)]
         return [key for key in keys if scheme.to_memory(key) not in known]
+
+    @staticmethod
+    def _misshapen(tensors, sizes: ModelSizes, scheme: KeyScheme) -> list[str]:
+        """The files' tensors (a dict; keys alone say nothing) whose shape is not `scheme`'s."""
+        if scheme.shapes is None or not isinstance(tensors, dict):
+            return []
+        want = scheme.shapes(sizes)
+        return [key for key, tensor in tensors.items() if key in want and tuple(tensor.shape) != want[key]]
 
     def _module_of(self, key: str) -> str:
         for name, prefixes in self.prefixes.items():

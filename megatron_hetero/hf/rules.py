@@ -159,14 +159,38 @@ def apply_rules(rules: list, state: dict[str, torch.Tensor], to_hf: bool,
     side, fix = ("our", "give the whole module's tensors") if to_hf else ("Hugging Face", "is it this family's?")
     out, read = {}, set()
     for rule in rules:
-        sources, targets = ((rule.ours,), rule.hf) if to_hf else (rule.hf, (rule.ours,))
+        ours = rule.ours if isinstance(rule.ours, tuple) else (rule.ours,)  # several: SplitExperts
+        sources, targets = (ours, rule.hf) if to_hf else (rule.hf, ours)
         missing = [name for name in sources if name not in state]
         if missing:
             raise HFMappingError(f"{missing[0]} is missing from the {side} state dict; {fix}")
         inputs = [state[name] for name in sources]
-        out.update(zip(targets, rule.split(*inputs) if to_hf else (rule.join(*inputs),)))
+        results = rule.split(*inputs) if to_hf else rule.join(*inputs)
+        out.update(zip(targets, results if isinstance(results, tuple) else (results,)))
         read.update(sources)
     unread = [name for name in state if name not in read and not name.startswith(ignored)]
     if unread:
         raise HFMappingError(f"{unread[0]} in the {side} state dict has no counterpart; {fix}")
     return out
+
+
+@dataclass(frozen=True)
+class SplitExperts:
+    """One Hugging Face tensor [experts, ...] holding every expert's weight (Qwen3-VL-MoE's fused
+    `experts.gate_up_proj` / `experts.down_proj`) as our experts' tensors, one each (`ours`, in
+    expert order); `transposed`: the file holds each expert's weight transposed ([in, out], the
+    Hub's published layout) where ours is [out, in]."""
+
+    ours: tuple[str, ...]
+    hf_name: str
+    transposed: bool = False
+
+    @property
+    def hf(self) -> tuple[str, ...]:
+        return (self.hf_name,)
+
+    def join(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple((e.T if self.transposed else e).clone() for e in x.unbind(0))
+
+    def split(self, *experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.stack([e.T if self.transposed else e for e in experts]),)

@@ -122,7 +122,8 @@ class LLaVAAdapter:
     def boundary_like(self) -> torch.Tensor:
         return torch.zeros(0, self.hidden, dtype=self.dtype, device=self._device())
 
-    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share: slice) -> torch.Tensor:
+    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share: slice, stage: int | None = None
+                          ) -> torch.Tensor:
         assert module.name == self.run.llm.name, "the vision model is not pipelined"
         return torch.empty(self.seq_length, share.stop - share.start, self.hidden, dtype=self.dtype,
                            device=self._device())

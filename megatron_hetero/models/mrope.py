@@ -5,7 +5,9 @@ plus their (t, h, w) grid coordinates, and the text after it continues from ther
 side of the merged grid: transformers' `Qwen2_5_VLModel.get_rope_index` for images.
 
 Pure torch on one sample; the data computes it (every rank, from token positions and image grids),
-the LLM's rotary embedding reads it (models/vlm.py: GPTModel's "mrope").
+the LLM's rotary embedding reads it (models/vlm.py: GPTModel's "mrope"). Qwen2-VL's M-RoPE gives each
+position id a contiguous section of the rotary frequencies; Qwen3-VL interleaves them
+(`interleaved_axes`).
 """
 
 import torch
@@ -29,3 +31,14 @@ def mrope_positions(seq_len: int, image_starts: list[int], grids: list[tuple[int
         done = start + grid.shape[1]
     positions[:, done:] = torch.arange(seq_len - done) + reached
     return positions
+
+
+def interleaved_axes(frequencies: int, section) -> torch.Tensor:
+    """LongTensor [frequencies]: which position id (0 temporal, 1 height, 2 width) rotates each
+    rotary frequency in Qwen3-VL's interleaved M-RoPE: height every third from 1 and width every
+    third from 2, within 3 x their sections; the temporal id the rest (transformers'
+    Qwen3VLTextRotaryEmbedding.recomposition_frequencies)."""
+    axes = torch.zeros(frequencies, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes

@@ -46,6 +46,9 @@ class LLMArch(TransformerArch):
     # M-RoPE (Qwen2-VL and later): the rotary channels of each head split into (temporal, height,
     # width) sections, each rotated by its own position id (models/mrope.py); None: 1D RoPE.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL's interleaved M-RoPE: rotary frequency i follows height (i % 3 == 1) or width
+    # (i % 3 == 2) within 3 x that section, else the temporal position (models/mrope.py).
+    mrope_interleaved: bool = False
 
     def __post_init__(self):  # JSON and Hugging Face configs give lists
         if self.mrope_section is not None:

@@ -20,6 +20,7 @@ from megatron_hetero.boundary.exchange import write_rows
 from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
+from megatron_hetero.models.deepstack import InterleavedMRoPE, added_after_layers, dense_additions, split_rows
 from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch, padded_vocab_size
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
@@ -153,6 +154,8 @@ def build_llm(
         pg_collection=pgs,
     )
     pad_vocab(llm, sizes.vocab_size, whole_rows, pgs.tp)
+    if arch.mrope_interleaved:  # Qwen3-VL's frequency sections (models/deepstack.py)
+        llm.rotary_pos_emb = InterleavedMRoPE(config.kv_channels, 1.0, rotary_base=arch.rope_theta)
     if arch.mrope_section is not None:
         # M-RoPE takes the whole sequence's position ids [3, b, S] and keeps this rank's
         # load-balanced CP chunks: of the LLM's own cp group, not parallel_state's.
@@ -196,29 +199,30 @@ def llm_forward(
     """One pipeline stage of the LLM. input_ids [b, s] and position_ids [b, s] are this rank's
     (CP-local) sequence; on the first stage `media` holds, per encoder, the boundary's rows [n, h]
     and where they go in the text embedding [s', b, h] (s' the SP-local length; rows [n] of its
-    [s' * b, h] view: boundary.input_rows), written there in place of the text;
-    later stages take the previous stage's `hidden` instead. `documents` [b, S]: a packed batch's
-    sample of every position of the whole sequence (attention stays within one; on the host, so that
-    its document boundaries cost no device synchronization).
+    [s' * b, h] view: boundary.input_rows), written there in place of the text (rows [n, h * (1 + k)]
+    carry k DeepStack blocks, added after LLM layers 0..k-1: models/deepstack.py);
+    later stages take the previous stage's `hidden` instead ([s', b, h * (1 + blocks still to add)]).
+    `documents` [b, S]: a packed batch's sample of every position of the whole sequence (attention
+    stays within one; on the host, so that its document boundaries cost no device synchronization).
 
-    Returns the next stage's input [s', b, h], or on the last stage per-token losses [b, s] with
-    labels, else full-vocabulary logits [b, s, V]."""
-    decoder_input = None
+    Returns the next stage's input [s', b, h * (1 + blocks for later stages)], or on the last stage
+    per-token losses [b, s] with labels, else full-vocabulary logits [b, s, V]."""
+    decoder_input, additions, width = None, [], llm.config.hidden_size
     if llm.pre_process:
         decoder_input = llm.embedding(input_ids=input_ids, position_ids=position_ids)
         for rows, at in media:
+            rows, blocks = split_rows(rows, width)
             # In place (the embedding's backward does not read its output; autograd's version
             # check guards that): one pass over the image rows, none over the text.
             decoder_input = write_rows(decoder_input, rows, at)
+            additions += dense_additions(blocks, at, decoder_input)
     else:
-        llm.set_input_tensor(hidden)
+        hidden, *additions = hidden.split(width, dim=-1)
+        llm.set_input_tensor(hidden.contiguous() if additions else hidden)
     packed = None if documents is None else packed_seq_params(documents, input_ids.device)
-    return llm(
-        input_ids=None,
-        position_ids=position_ids,
-        attention_mask=causal_mask(input_ids.shape[1], input_ids.device),
-        decoder_input=decoder_input,
-        labels=labels,
-        runtime_gather_output=labels is None,
-        packed_seq_params=packed,
-    )
+    with added_after_layers(llm, additions) as carried:
+        out = llm(input_ids=None, position_ids=position_ids, attention_mask=causal_mask(input_ids.shape[1],
+                  input_ids.device), decoder_input=decoder_input, labels=labels,
+                  runtime_gather_output=labels is None, packed_seq_params=packed)
+    assert not (carried and llm.post_process), "every DeepStack block has its layer"
+    return torch.cat([out, *carried], dim=-1) if carried else out

@@ -20,6 +20,7 @@ import torch
 from megatron_hetero.boundary import BoundaryBatch, assign_items, input_rows
 from megatron_hetero.families import family_named
 from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.models.deepstack import stage_width
 from megatron_hetero.models.init import build_stage
 from megatron_hetero.models.kinds import (
     DOCUMENTS_KEY,
@@ -77,20 +78,25 @@ class VLMAdapter:
     def __init__(self, run: HeteroRun, sizes: ModelSizes, ablate_vision: bool = False,
                  dtype: torch.dtype = torch.float32):
         self.run, self.sizes, self.ablate_vision, self.dtype = run, sizes, ablate_vision, dtype
+        # A family's DeepStack blocks: extra columns of the vision rows, for LLM layers 0..k-1
+        self.deepstack = len(family_named(sizes.family).deepstack(sizes)) if sizes.family else 0
 
     def batch_size(self, call: ModelCall) -> int:
         return call.kwargs["input_ids"].shape[0]
 
     def boundary_like(self) -> torch.Tensor:
-        return torch.zeros(0, self.sizes.hidden_size, dtype=self.dtype, device=_device())
+        return torch.zeros(0, self.sizes.hidden_size * (1 + self.deepstack), dtype=self.dtype, device=_device())
 
     def _llm_seq_local(self) -> int:
         llm = self.run.layout.llm
         return self.sizes.seq_length // llm.cp // (llm.tp if llm.sp else 1)
 
-    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share) -> torch.Tensor:
-        if module.layout.role == "llm":
-            shape = (self._llm_seq_local(), share.stop - share.start, self.sizes.hidden_size)
+    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share,
+                          stage: int | None = None) -> torch.Tensor:
+        if module.layout.role == "llm":  # with DeepStack blocks still to add (models/deepstack.py)
+            stage = module.coords()["pp"] if stage is None else stage
+            blocks = stage_width(self.deepstack, self.sizes.num_layers, module.layout.pp, stage)
+            shape = (self._llm_seq_local(), share.stop - share.start, self.sizes.hidden_size * blocks)
         else:
             kind = encoder_kind(module.layout)
             shape = (kind.stage_tokens(self.sizes), len(share), kind.hidden_size(self.sizes))

@@ -49,9 +49,11 @@ class Adapter(Protocol):
     def boundary_like(self) -> torch.Tensor:
         """An empty [0, llm hidden] tensor of the boundary's dtype and device."""
 
-    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share) -> torch.Tensor:
+    def stage_hidden_like(self, module: ModuleRuntime, call: ModelCall, share, stage: int | None = None
+                          ) -> torch.Tensor:
         """What `module`'s stages pass each other (shape, dtype, device) for `share`: the LLM's
-        samples (a slice), an encoder's items (an index tensor, possibly empty)."""
+        samples (a slice), an encoder's items (an index tensor, possibly empty); what stage `stage`
+        of the module takes in (None: this rank's stage; the LLM's may differ per stage)."""
 
     def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
         """Metadata of encoder `name`'s rows for the microbatch of `call` (identical on every rank),

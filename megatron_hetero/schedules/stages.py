@@ -146,8 +146,9 @@ class LLMStage:
         self.stages_downstream = module.layout.pp - 1 - module.coords()["pp"]
         self.saved = {}
 
-    def _hidden_like(self, i):
-        return self.ctx.adapter.stage_hidden_like(self.module, self.ctx.calls[i], self.ctx.share(self.module))
+    def _hidden_like(self, i, stage: int | None = None):
+        """Stage `stage`'s input (None: this one's); the next stage's is this one's output."""
+        return self.ctx.adapter.stage_hidden_like(self.module, self.ctx.calls[i], self.ctx.share(self.module), stage)
 
     def recv_forward(self, i):
         if not self.first:
@@ -174,7 +175,7 @@ class LLMStage:
         return [] if self.last else [stage_send(outputs[0], self.next)]
 
     def recv_backward(self, i):
-        return [] if self.last else [stage_recv(self._hidden_like(i), self.next)]
+        return [] if self.last else [stage_recv(self._hidden_like(i, self.module.coords()["pp"] + 1), self.next)]
 
     def backward(self, i, received):
         inputs, out = self.saved.pop(i)

@@ -17,6 +17,7 @@ from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.families import UnknownFamilyError, family_named
+from megatron_hetero.layout import deepstack_problem
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
 from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, fail, load
@@ -155,6 +156,12 @@ def _take_sizes_file(args) -> None:
     sizes = _sizes_file(args.model_sizes)
     for name in [f.name for f in _own_size_fields()] + [n for n in MEGATRON_SIZE_FLAGS if n != "seq_length"]:
         setattr(args, name, getattr(sizes, name))
+    moe = sizes.llm_arch.moe
+    if moe is not None:  # Megatron's MoE flags (moe_arch's inverse): the experts are the model's
+        for name, value in (("num_experts", moe.num_experts), ("moe_router_topk", moe.topk),
+                            ("moe_ffn_hidden_size", moe.ffn_hidden_size), ("moe_aux_loss_coeff", moe.aux_loss_coeff),
+                            ("moe_z_loss_coeff", moe.z_loss_coeff), ("moe_token_dispatcher_type", moe.dispatcher)):
+            setattr(args, name, value)
     vocab = tokenizer(args).vocab_size
     if vocab > sizes.vocab_size:
         raise ArgsError(f"--model-sizes {args.model_sizes}: a vocabulary of {sizes.vocab_size} is smaller than "
@@ -306,6 +313,13 @@ def _check_family(args, layout) -> None:
         if module.pp > 1 and not family_named(family).vision_stages:
             raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; "
                             f"set its pp: 1")
+    sizes = model_sizes(args)
+    vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
+    deepstack = family_named(family).deepstack(sizes)
+    rules.check(ArgsError, deepstack_problem(layout, vision, deepstack))
+    if deepstack and args.recompute_granularity == "full":
+        raise ArgsError(f"--recompute-granularity full: the {family} DeepStack rows are added between LLM layers, "
+                        f"which full recomputation reruns without them; use --recompute-granularity selective")
     if args.mock_data:  # the benchmarks' own batches (training/bench.py)
         return
     if not args.data_path:
@@ -391,10 +405,13 @@ def check_script_args(args) -> None:
     if args.hetero_layout is None:
         fail("--hetero-layout is required: this script trains per-module layouts (see examples/layouts/ "
              "and the README)")
+    try:
+        if args.model_sizes:  # first: the layout's checks see the model's sizes (its experts)
+            _take_sizes_file(args)
+    except ArgsError as error:
+        fail(str(error))
     layout = args.hetero_layout_spec = load(args)  # Megatron's validation reuses it
     try:
-        if args.model_sizes:
-            _take_sizes_file(args)
         check_trainable(layout)
         check_args(args, layout)
     except ArgsError as error:
