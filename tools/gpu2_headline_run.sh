@@ -21,7 +21,7 @@ B=$D,--recompute-granularity,full,--recompute-method,block,--recompute-num-layer
 RUNS=${RUNS:-"W5:gpu2_homogeneous_tp2:$D W5:gpu2_colocated_sp:$D W5:gpu2_homogeneous_dp2:$R W5:gpu2_homogeneous_cp2:$D
   W5:gpu2_homogeneous_cp2:$R W5:gpu2_colocated_sp:$R W5:gpu2_colocated_cp2:$D"} \
   bash "$(dirname "$0")/gpu2_layouts_run.sh"
-out=${OUT:-out}
+source "$(dirname "$0")/gpu_env.sh" > /dev/null  # the planner imports the installed checkout too
 memory=$(python3 -c 'import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))')
 for layout in gpu2_colocated_sp gpu2_homogeneous_dp2 gpu2_homogeneous_cp2 gpu2_colocated_cp2; do
   echo "== plan_layout W5 L$LLM_LAYERS, $memory GB: $layout"

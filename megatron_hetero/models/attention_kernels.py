@@ -11,7 +11,8 @@ Megatron's own `--attention-backend` chooses (Megatron-LM users already pass it,
 reaches every module's TransformerConfig as `attention_backend`, and Transformer Engine's layers read
 it in their own sense where they are used instead of ours):
 - auto: FA4 where it is checked, SDPA elsewhere. An unchecked head dim is not padded: zero-padding to
-  a checked one is exact but was slower than cuDNN on the H100 (GPU-KERNELS.md, pad check).
+  a checked one is exact but was slower than cuDNN on the H100 (GPU-KERNELS.md, pad check) and at
+  W1's ViT on the H200 (docs/attention.md).
 - flash: FA4 for every module, an unchecked head dim zero-padded to the next checked one with the
   true head dim's softmax scale (exact, at the padded FLOPs); where FA4 cannot run exactly, one line
   saying why (AttentionKernelError), never a silent fallback.
@@ -41,6 +42,7 @@ SDPA = "sdpa"
 # for the GPU it runs on: add a GPU (or a wheel version) only from its output.
 CHECKED_HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "NVIDIA H100 80GB HBM3": (64, 96, 128),
+    "NVIDIA H200": (64, 96, 128),  # tools/gpu_fa4_check.py, 2026-11-26, flash-attn-4 4.0.0b36
 }
 # Head dims checked on this GPU minutes ago by tools/gpu_fa4_check.py, which sets this for its own
 # runs where CHECKED_HEAD_DIMS has no entry for the GPU yet; it adds to the table, never removes.
