@@ -30,6 +30,7 @@ from megatron_hetero.planner import (
     plan,
 )
 from megatron_hetero.planner.calibration import LayerKey
+from megatron_hetero.planner.candidates import Recompute
 from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
 from tests.tool_cli import run_tool
 
@@ -188,13 +189,40 @@ def test_pipeline_bubble_and_imbalance():
 
 
 def test_recompute_trades_time_for_memory():
+    """Each layer recomputed (Megatron's block method) costs its forward once more and frees its
+    activations but its input; full recomputation (every layer, uniform) is the last, slowest step."""
     workload = replace(W1, allow_recompute=True)
     model = CostModel(workload, Cluster(2, 150), Calibration())
     layouts = (ModuleLayout("vision", "encoder", dp=2), ModuleLayout("llm", "llm", tp=2, sp=True))
-    plain, recomputed = (model.predict(Candidate("colocated", layouts, 2, r)) for r in (False, True))
-    assert recomputed.step_s > plain.step_s and recomputed.memory_gb < plain.memory_gb
-    chosen = best_micro_batch(model, [Candidate("colocated", layouts, 2, r) for r in (False, True)])
-    assert chosen.fits and chosen.candidate.recompute == (not plain.fits)
+    of = workload.llm.layers
+    steps = [model.predict(Candidate("colocated", layouts, 2, Recompute(k, of) if k else None)) for k in range(of + 1)]
+    assert all(a.step_s < b.step_s for a, b in zip(steps, steps[1:]))
+    # The last layer recomputed holds its activations during its backward anyway: no saving.
+    assert all(a.memory_gb > b.memory_gb for a, b in zip(steps[:-1], steps[1:-1]))
+    assert steps[-1].memory_gb >= steps[-2].memory_gb
+    # The LLM's layers (and the encoder's first ones) each cost one layer's forward more.
+    llm_layer = (steps[1].busy["llm"].total - steps[0].busy["llm"].total)
+    assert steps[2].busy["llm"].total - steps[1].busy["llm"].total == pytest.approx(llm_layer)
+
+
+def test_the_fewest_recomputed_layers_that_fit_are_chosen():
+    workload = replace(W1, allow_recompute=True)
+    layouts = (ModuleLayout("vision", "encoder", dp=2), ModuleLayout("llm", "llm", tp=2, sp=True))
+    of = workload.llm.layers
+    full = CostModel(workload, Cluster(2, 150), Calibration()).predict(Candidate("colocated", layouts, 2,
+                                                                                   Recompute(of, of)))
+    plain = CostModel(workload, Cluster(2, 150), Calibration()).predict(Candidate("colocated", layouts, 2))
+    # A GPU whose memory lies between full recomputation's and none's: some layers must recompute.
+    cluster = Cluster(2, (full.memory_gb + plain.memory_gb) / 2 / Calibration().usable_memory_fraction)
+    model = CostModel(workload, cluster, Calibration())
+    chosen = best_micro_batch(model, [Candidate("colocated", layouts, 2, r) for r in (None, Recompute(of, of))])
+    k = chosen.candidate.recompute.layers
+    assert chosen.fits and 1 < k < of
+    assert not model.predict(replace(chosen.candidate, recompute=Recompute(k - 1, of))).fits
+    assert chosen.candidate.describe().endswith(f"(recompute {k}/{of} layers)")
+    header = layout_yaml(chosen, workload, cluster)
+    assert f"--recompute-granularity full --recompute-method block --recompute-num-layers {k}" in header
+    assert Recompute(of, of).flags().endswith("--recompute-method uniform --recompute-num-layers 1")
 
 
 def test_default_calibration_reproduces_its_measured_anchor():

@@ -1,22 +1,30 @@
 """Check the layout planner against bench_e2e measurements: fit its calibration to the runs, predict
-every measured layout, and print the predicted ranking beside the measured one.
+every measured layout, and print the predicted ranking and the predicted gain of the best
+heterogeneous layout over the best homogeneous one beside the measured ones.
 
     python tools/check_planner.py docs/runs/bench_e2e/results.jsonl \\
         [--oom W2:8:gpu2_homogeneous_dp2 ...] [--calibration tools/calibration_h200.json] \\
         [--leave-one-out] [--write-calibration measured.json]
+    python tools/check_planner.py docs/runs/gpu2/*/bench_e2e*.jsonl \\
+        docs/runs/gpu2/call5_baselines/w1_colocated.jsonl --oom W5:12:gpu2_homogeneous_dp2:FLAGS
+    (FLAGS: the out-of-memory run's, comma separated; docs/runs/planner/check_gpu2.txt starts with
+    the whole command)
 
 Runs of our layouts (examples/layouts/<layout>.yaml; upstream rows are left out) are grouped by
-workload, LLM depth, GPU count and global batch. Per group, the calibration starts from
+workload, LLM depth, GPU count and global batch; the Megatron flags a run added (bench_e2e's
+`layout [flags]`: the distributed optimizer, full or block recomputation) are part of its layout,
+and a later record of the same layout and flags (the files in the order given) replaces an earlier
+one. Per group, the calibration starts from
 --calibration and takes the efficiency curve, the layer times per layer shape and layout, and the
 activation memory factor fitted to the group's runs (megatron_hetero.planner.fit says how), and
 the planner predicts every run at its micro batch size. Then the curve is fitted to every group's
 runs, and each measured layer shape is predicted from the curve fitted without it: how well the
 curve stands in for the shapes that were not measured. --write-calibration writes that fit of
-every group (curve, every measured shape's layer time, the largest memory factor).
+every group (curve, every measured shape's layer time, the least-squares memory factor).
 With --leave-one-out each run is predicted from a calibration fitted to its group's other runs only
 (its own layer times then come from the curve when no other run has its layout).
---oom names runs that ran out of GPU memory (workload:LLM layers:layout): the planner should
-predict them over memory.
+--oom names runs that ran out of GPU memory (workload:LLM layers:layout[:flags], the flags comma
+separated as tools/gpu2_layouts_run.sh's RUNS): the planner should predict them over memory.
 """
 
 import argparse
@@ -31,11 +39,11 @@ from megatron_hetero.planner.fit import (
     GIB,
     Group,
     Run,
+    check,
     fit,
     left_out_errors,
     measured_groups,
     observations,
-    predict_run,
 )
 from megatron_hetero.training.bench import trainer_vocab_size
 
@@ -48,32 +56,33 @@ def _curve(calibration: Calibration) -> str:
             f"{calibration.half_efficiency_width:.0f}")
 
 
+def _gain(gain: float | None) -> str:
+    return "-" if gain is None else f"{100 * gain:+.1f}%"
+
+
 def check_group(name: str, group: Group, base: Calibration, leave_one_out: bool) -> bool:
-    """Prints the group's table; returns whether the rankings agree."""
+    """Prints the group's table, rankings and gains; returns whether the rankings agree."""
+    result = check(group, base, leave_one_out)
     fitted = fit([group], base)
-    rows = []
-    for run in group.runs:
-        others = replace(group, runs=[r for r in group.runs if r is not run])
-        rows.append((run, predict_run(run, group, fit([others], base) if leave_one_out else fitted)))
-    measured = sorted((r for r, _ in rows if r.tokens_per_s is not None), key=lambda r: -r.tokens_per_s)
-    prediction = dict(rows)
-    predicted = sorted((r for r, p in rows if p.fits), key=lambda r: prediction[r].step_s)
-    over = [r for r, p in rows if not p.fits]
-    oom = [r for r, _ in rows if r.tokens_per_s is None]
-    agree = [r.name for r in measured] == [r.name for r in predicted] and \
-        sorted(r.name for r in over) == sorted(r.name for r in oom)
-    print(f"\n{name}: {_curve(fitted)}; layer us per token: " + "; ".join(
-        f"{key.describe()} {us:.3f}" for key, us in fitted.layer_forward_us_per_token.items()))
-    print("| layout | measured tokens/s | rank | predicted tokens/s | rank | measured GB | predicted GB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for run, p in sorted(rows, key=lambda rp: -(rp[0].tokens_per_s or 0)):
-        m_rank = measured.index(run) + 1 if run in measured else "OOM"
-        p_rank = predicted.index(run) + 1 if run in predicted else "over memory"
+    print(f"\n{name}: {_curve(fitted)}; activation_memory_factor {fitted.activation_memory_factor:.3f}; "
+          "layer us per token: " + "; ".join(
+              f"{key.describe()} {us:.3f}" for key, us in fitted.layer_forward_us_per_token.items()))
+    print("| layout | measured tokens/s | rank | predicted tokens/s | error | rank | measured GB | predicted GB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for run, p in sorted(result.rows, key=lambda rp: -(rp[0].tokens_per_s or 0)):
+        m_rank = result.measured.index(run.label) + 1 if run.label in result.measured else "OOM"
+        p_rank = result.predicted.index(run.label) + 1 if run.label in result.predicted else "over memory"
         m_tok = f"{run.tokens_per_s:,.0f}" if run.tokens_per_s else "-"
-        m_gb = f"{run.peak_gb * GIB:.0f}" if run.peak_gb else "-"
-        print(f"| {run.name} | {m_tok} | {m_rank} | {p.tokens_per_s:,.0f} | {p_rank} | {m_gb} | {p.memory_gb:.0f} |")
-    print(f"rankings {'agree' if agree else 'DISAGREE'}")
-    return agree
+        error = f"{100 * (p.tokens_per_s / run.tokens_per_s - 1):+.1f}%" if run.tokens_per_s else "-"
+        m_gb = f"{run.peak_gb * GIB:.1f}" if run.peak_gb else "-"
+        print(f"| {run.label} | {m_tok} | {m_rank} | {p.tokens_per_s:,.0f} | {error} | {p_rank} | {m_gb} "
+              f"| {p.memory_gb:.1f} |")
+    apart = ("" if None in (result.measured_gain, result.predicted_gain)
+             else f" ({100 * abs(result.predicted_gain - result.measured_gain):.1f} points apart)")
+    print(f"best heterogeneous over best homogeneous: predicted {_gain(result.predicted_gain)}, measured "
+          f"{_gain(result.measured_gain)}{apart}")
+    print(f"rankings {'agree' if result.agree else 'DISAGREE'}")
+    return result.agree
 
 
 def check_curve(groups: list[Group], base: Calibration) -> Calibration:
@@ -93,15 +102,15 @@ def check_curve(groups: list[Group], base: Calibration) -> Calibration:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="bench_e2e JSON lines")
-    parser.add_argument("--oom", nargs="*", default=[], metavar="WORKLOAD:LAYERS:LAYOUT")
+    parser.add_argument("results", nargs="+", help="bench_e2e JSON lines (later files replace earlier runs)")
+    parser.add_argument("--oom", nargs="*", default=[], metavar="WORKLOAD:LAYERS:LAYOUT[:FLAGS]")
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     parser.add_argument("--leave-one-out", action="store_true")
     parser.add_argument("--write-calibration", metavar="FILE", help="the calibration fitted to every group")
     opts = parser.parse_args(argv)
     try:
         base = Calibration.load(opts.calibration)
-        records = [json.loads(line) for line in open(opts.results) if line.strip()]
+        records = [json.loads(line) for path in opts.results for line in open(path) if line.strip()]
         groups = measured_groups(records, LAYOUTS, trainer_vocab_size())
         add_oom_runs(groups, opts.oom)
         all_agree = True
@@ -121,15 +130,17 @@ def add_oom_runs(groups: dict, oom: list[str]) -> None:
     """The named out-of-memory runs into their groups (at the group's first micro batch size)."""
     for item in oom:
         parts = item.split(":")
-        if len(parts) != 3 or not parts[1].isdigit():
-            raise ValueError(f"--oom {item}: write workload:LLM layers:layout, e.g. W2:8:gpu2_homogeneous_dp2")
-        workload, layers, layout = parts
+        if len(parts) not in (3, 4) or not parts[1].isdigit():
+            raise ValueError(f"--oom {item}: write workload:LLM layers:layout[:flags], e.g. W2:8:gpu2_homogeneous_dp2")
+        workload, layers, layout, flags = (*parts, "")[:4]
         key = next((k for k in groups if k[:2] == (workload, int(layers))), None)
         if key is None:
             raise ValueError(f"--oom {item}: no measured run of {workload} with {layers} LLM layers to compare with")
         group = groups[key]
-        run = Run(layout, load_layout(str(LAYOUTS / f"{layout}.yaml"), key[2]), group.runs[0].micro_batch,
-                  None, None, {})
+        flags = tuple(flags.split(",")) if flags else ()
+        name = layout + (f" [{' '.join(flags)}]" if flags else "")
+        run = Run(name, load_layout(str(LAYOUTS / f"{layout}.yaml"), key[2]), group.runs[0].micro_batch,
+                  None, None, {}, flags, group.runs[0].weight_bytes)
         groups[key] = replace(group, runs=(*group.runs, run))
 
 

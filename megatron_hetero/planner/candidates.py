@@ -15,17 +15,49 @@ PLACEMENTS = ("colocated", "non_colocated", "homogeneous")
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """Megatron's activation recomputation with full granularity, as its flags apply it to every
+    module: the first `layers` of each pipeline stage's layers recompute their forward in the
+    backward and keep only their input (the block method), the rest keep their activations. `of`
+    is the LLM stage's layer count; `layers` >= `of` recomputes every layer of every module (the
+    uniform method), so that full recomputation is one choice and partial ones cost less time."""
+
+    layers: int
+    of: int
+
+    def __post_init__(self):
+        if not 1 <= self.layers <= self.of:
+            raise ValueError(f"recompute {self.layers} of {self.of} layers: recompute 1 to {self.of} layers per stage")
+
+    @property
+    def full(self) -> bool:
+        return self.layers >= self.of
+
+    def of_stage(self, stage_layers: int) -> int:
+        """Layers recomputed in a module's stage of `stage_layers` layers."""
+        return stage_layers if self.full else min(self.layers, stage_layers)
+
+    def flags(self) -> str:
+        """Megatron's flags for it."""
+        method = "uniform --recompute-num-layers 1" if self.full else f"block --recompute-num-layers {self.layers}"
+        return f"--recompute-granularity full --recompute-method {method}"
+
+    def describe(self) -> str:
+        return f"recompute {self.layers}/{self.of} layers"
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One way to run the workload: a placement, one layout per module (encoders in workload
-    order, the llm last), the micro batch size and whether trainable modules recompute their
-    activations. `homogeneous` is Megatron today: every encoder takes the LLM's tp, cp and dp (an
+    order, the llm last), the micro batch size and how many layers trainable modules recompute
+    (None: none). `homogeneous` is Megatron today: every encoder takes the LLM's tp, cp and dp (an
     encoder does not split an image over CP: it runs replicated on the CP ranks) and sits on the
     LLM's first pipeline stage."""
 
     placement: str
     layouts: tuple[ModuleLayout, ...]
     micro_batch: int
-    recompute: bool = False
+    recompute: Recompute | None = None
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
@@ -53,7 +85,7 @@ class Candidate:
             flags = "".join([" sp" if layout.sp else "", " frozen" if layout.freeze else ""])
             where = f" @{layout.ranks.start}-{layout.ranks.stop - 1}" if self.placement == "non_colocated" else ""
             parts.append(f"{layout.name} {sizes or 'x1'}{flags}{where}")
-        return " | ".join(parts) + (" (recompute)" if self.recompute else "")
+        return " | ".join(parts) + (f" ({self.recompute.describe()})" if self.recompute else "")
 
     def hetero_layout(self, world_size: int) -> HeteroLayout:
         """The layout file's content (validated by megatron_hetero.layout)."""
@@ -137,8 +169,10 @@ def micro_batches(workload: Workload, layouts: tuple[ModuleLayout, ...]) -> list
 
 
 def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, ...]) -> list[Candidate]:
-    """The layouts with every valid micro batch size, with and (where allowed) without recomputation."""
-    recompute = (False, True) if workload.allow_recompute else (False,)
+    """The layouts with every valid micro batch size, without and (where allowed) with full
+    recomputation (search.least_recompute lowers it to the fewest layers that fit)."""
+    stage_layers = workload.llm.layers // layouts[-1].pp
+    recompute = (None, Recompute(stage_layers, stage_layers)) if workload.allow_recompute else (None,)
     return [Candidate(placement, layouts, b, r) for b in micro_batches(workload, layouts) for r in recompute]
 
 

@@ -10,10 +10,8 @@ from megatron_hetero.layout import ModuleLayout
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Candidate
 from megatron_hetero.planner.counts import (
-    ADAM_BYTES,
     GRADIENT_BYTES,
     LOGIT_BYTES,
-    WEIGHT_BYTES,
     activation_bytes_per_token_layer,
     expert_layer_params,
     head_forward_flops_per_sample,
@@ -21,6 +19,7 @@ from megatron_hetero.planner.counts import (
     layer_forward_flops_per_token,
     layer_params,
     model_flops_per_step,
+    optimizer_bytes,
 )
 from megatron_hetero.planner.shapes import Cluster, ModuleShape, Workload
 
@@ -36,6 +35,14 @@ def split_cp(shape: ModuleShape, layout: ModuleLayout) -> int:
 def layer_key(shape: ModuleShape, layout: ModuleLayout) -> LayerKey:
     """The key of a measured time for this module's layers under this layout."""
     return LayerKey.of(shape, layout.tp, split_cp(shape, layout))
+
+
+def recomputed_layers(shape: ModuleShape, layout: ModuleLayout, candidate: Candidate) -> int:
+    """Layers of one pipeline stage of the module that recompute their forward in the backward (a
+    frozen module runs without a graph: none)."""
+    if candidate.recompute is None or shape.frozen:
+        return 0
+    return candidate.recompute.of_stage(shape.layers // layout.pp)
 
 
 def encoder_forward_reruns(placement: str, llm: ModuleLayout) -> bool:
@@ -168,15 +175,15 @@ class CostModel:
         return flops / (self.calibration.matmul_tflops * 1e12 * self.efficiency(shape, layout.tp))
 
     def microbatch_pass(self, shape: ModuleShape, layout: ModuleLayout, samples: float,
-                        recompute: bool) -> tuple[Seconds, Seconds]:
+                        recomputed: int) -> tuple[Seconds, Seconds]:
         """(forward, backward) of `samples` samples through the whole module (all its layers; a
         pipeline stage does 1/pp of it) on one GPU of one DP replica. The LLM splits each sequence
         over CP; an encoder never does (its layout's cp, in the homogeneous baseline, replicates
         it). A measured time for the layer's shape and layout replaces the curve and the TP and CP
         communication. Backward: 2 x the forward FLOPs (input and weight gradients) and the same
         collectives in reverse (TP: two per layer; CP: a reduce-scatter of dK and dV); with
-        recomputation, the layers' forward once more."""
-        key = (shape.name, layout.tp, layout.cp, layout.ep, samples, recompute)
+        `recomputed` layers of each stage recomputing, their forward once more."""
+        key = (shape.name, layout.tp, layout.cp, layout.ep, layout.pp, samples, recomputed)
         if key not in self._passes:
             cp = split_cp(shape, layout)
             tokens = samples * shape.tokens_per_sample / cp
@@ -191,17 +198,16 @@ class CostModel:
             forward = shape.layers * layer + Seconds(compute=self.head_forward_s(shape, layout, samples))
             backward = Seconds(compute=2 * forward.compute, tp_comm=forward.tp_comm, cp_comm=forward.cp_comm,
                                ep_comm=forward.ep_comm)
-            if recompute and not shape.frozen:
-                backward += shape.layers * layer
+            backward += recomputed * layout.pp * layer
             self._passes[key] = (forward, backward)
         return self._passes[key]
 
     def stage_pass(self, shape: ModuleShape, layout: ModuleLayout, samples: float,
-                   recompute: bool) -> tuple[Seconds, Seconds]:
+                   recomputed: int) -> tuple[Seconds, Seconds]:
         """(forward, backward) of one pipeline stage for one microbatch: 1/pp of the module (the
         embedding and output layer spread evenly, as if balanced) plus, with pp > 1, the send of
         its activations (its gradients backward) to the neighbouring stage."""
-        forward, backward = self.microbatch_pass(shape, layout, samples, recompute)
+        forward, backward = self.microbatch_pass(shape, layout, samples, recomputed)
         if layout.pp == 1:
             return forward, backward
         tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
@@ -237,33 +243,33 @@ class CostModel:
 
     def static_bytes(self, shape: ModuleShape, layout: ModuleLayout) -> float:
         """Weights, gradients and optimizer state on one GPU (the distributed optimizer shards the
-        Adam moments over DP x CP, an MoE layer's experts' over expert DP; a frozen module keeps
-        its weights only)."""
-        params = self.stage_params(shape, layout)
+        main params and Adam moments over DP x CP, an MoE layer's experts' over expert DP; a frozen
+        module keeps its weights only)."""
+        params, weight = self.stage_params(shape, layout), self.workload.weight_bytes
         if shape.frozen:
-            return params * WEIGHT_BYTES
+            return params * weight
         experts = self.stage_expert_params(shape, layout)  # sharded over their expert DP group
         sharded = self.workload.distributed_optimizer
         dense_shards, expert_shards = (layout.dp * layout.cp, layout.expert_dp) if sharded else (1, 1)
-        return ((params - experts) * (WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES / dense_shards)
-                + experts * (WEIGHT_BYTES + GRADIENT_BYTES + ADAM_BYTES / expert_shards))
+        optimizer = optimizer_bytes(weight)
+        return ((params - experts) * (weight + GRADIENT_BYTES + optimizer / dense_shards)
+                + experts * (weight + GRADIENT_BYTES + optimizer / expert_shards))
 
-    def activation_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float, recompute: bool) -> float:
+    def activation_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float, recomputed: int) -> float:
         """Activations one microbatch leaves on one GPU of a stage for its backward (none for a
-        frozen module, which runs without a graph); with recomputation, each layer's input plus one
-        layer's full activations while it runs backward. The LLM adds its fp32 logits (counted on
-        every stage: conservative for the first)."""
+        frozen module, which runs without a graph): a recomputed layer keeps its input, the others
+        their full activations (with every layer recomputed, one layer's full activations while it
+        runs backward). The LLM adds its fp32 logits (counted on every stage: conservative for the
+        first)."""
         if shape.frozen:
             return 0.0
         tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
         dtype = self.workload.dtype_bytes
         per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype)
-        layers = shape.layers / layout.pp
-        if recompute:
-            layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
-            total = tokens * (layers * layer_input + per_token)
-        else:
-            total = tokens * per_token * layers
+        layers = shape.layers // layout.pp
+        kept = max(layers - recomputed, 1 if recomputed else 0)
+        layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
+        total = tokens * (recomputed * layer_input + kept * per_token)
         if shape.role == "llm":
             total += tokens * shape.vocab / layout.tp * LOGIT_BYTES
         return total * self.calibration.activation_memory_factor
@@ -360,25 +366,27 @@ class CostModel:
         for layout in candidate.encoders:
             shape = self.shapes[layout.name]
             samples = self.encoder_samples(candidate, layout)
-            forward, backward = self.microbatch_pass(shape, layout, samples, candidate.recompute)
+            recomputed = recomputed_layers(shape, layout, candidate)
+            forward, backward = self.microbatch_pass(shape, layout, samples, recomputed)
             per_microbatch = forward if shape.frozen else forward * (2 if rerun_forward else 1) + backward
             if candidate.placement == "colocated":
                 per_microbatch += Seconds(boundary=self.colocated_boundary_s(shape, candidate))
             busy[layout.name] = m * per_microbatch + Seconds(dp_sync=self.dp_sync_s(shape, layout))
             static += self.static_bytes(shape, layout)
-            activations += self.activation_bytes(shape, layout, samples, candidate.recompute)
+            activations += self.activation_bytes(shape, layout, samples, recomputed)
         return busy, static, activations
 
     def _colocated(self, candidate: Candidate):
         llm_shape, llm = self.workload.llm, candidate.llm
         m = self.microbatches(candidate)
         busy, static, encoder_activations = self._encoder_step(candidate)
-        forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, candidate.recompute)
+        recomputed = recomputed_layers(llm_shape, llm, candidate)
+        forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         stage = forward + backward
         busy[llm.name] = m * stage + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
         idle = (llm.pp - 1) * stage.total  # the LLM's 1F1B fill and drain
         in_flight = min(llm.pp, m)
-        llm_activations = in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, candidate.recompute)
+        llm_activations = in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)
         # With pp > 1 the encoders' rows for every microbatch wait for the LLM pipeline; the
         # encoders' activations exist only during their recompute, after it.
         rows = m * self.rows_bytes(candidate.micro_batch * llm.dp) / self.cluster.gpus if llm.pp > 1 else 0.0
@@ -390,7 +398,8 @@ class CostModel:
         llm_shape, llm = self.workload.llm, candidate.llm
         m = self.microbatches(candidate)
         busy, static, encoder_activations = self._encoder_step(candidate)
-        forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, candidate.recompute)
+        recomputed = recomputed_layers(llm_shape, llm, candidate)
+        forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         stage = (forward + backward).total
         encoders = sum(s.total - s.dp_sync for s in busy.values()) / m
         # 1F1B with unequal stages: fill and drain through every stage, then the slowest stage
@@ -402,22 +411,23 @@ class CostModel:
         in_flight = min(llm.pp, m)
         memory = (static + self.static_bytes(llm_shape, llm)
                   + in_flight * (encoder_activations
-                                 + self.activation_bytes(llm_shape, llm, candidate.micro_batch, candidate.recompute)))
+                                 + self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)))
         return busy, idle, {llm.name: stage, "first stage": stages[0]}, memory
 
     def _non_colocated(self, candidate: Candidate):
         llm_shape, llm = self.workload.llm, candidate.llm
-        m, recompute = self.microbatches(candidate), candidate.recompute
-        llm_forward, llm_backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recompute)
+        m, recomputed = self.microbatches(candidate), recomputed_layers(llm_shape, llm, candidate)
+        llm_forward, llm_backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         llm_stage = llm_forward + llm_backward
         stage_s = {llm.name: llm_stage.total}
         memory = self.static_bytes(llm_shape, llm) + min(llm.pp, m) * self.activation_bytes(
-            llm_shape, llm, candidate.micro_batch, recompute)
+            llm_shape, llm, candidate.micro_batch, recomputed)
         encoder_depth, dp_sync = 0.0, self.dp_sync_s(llm_shape, llm)
         for layout in candidate.encoders:
             shape = self.shapes[layout.name]
             samples = self.encoder_samples(candidate, layout)
-            forward, backward = self.stage_pass(shape, layout, samples, recompute)
+            encoder_recomputed = recomputed_layers(shape, layout, candidate)
+            forward, backward = self.stage_pass(shape, layout, samples, encoder_recomputed)
             stage = (forward if shape.frozen else forward + backward).total
             # The boundary transfer belongs to the encoder's last stage (the LLM's first waits for it).
             last_stage = stage + self.non_colocated_boundary_s(shape, layout, candidate)
@@ -429,7 +439,7 @@ class CostModel:
             in_flight = min(layout.pp + llm.pp, m)
             queued = m * self.rows_bytes(candidate.micro_batch * llm.dp) / layout.size if shape.frozen else 0.0
             memory = max(memory, self.static_bytes(shape, layout) + queued
-                         + in_flight * self.activation_bytes(shape, layout, samples, recompute))
+                         + in_flight * self.activation_bytes(shape, layout, samples, encoder_recomputed))
         # One 1F1B pipeline: the encoder stages (branches in parallel) then the LLM's; the slowest
         # stage paces the remaining m - 1 microbatches. The critical GPU is an LLM GPU; DP syncs of
         # different modules run at once on their own GPUs.

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 from megatron_hetero.planner.shapes import ModuleShape, Workload
 
-# Bytes per parameter kept on a GPU (the trainer: fp32 weights under bf16 autocast, fp32 gradients
-# reduced in fp32, fp32 AdamW moments).
-WEIGHT_BYTES = 4
+# Bytes per parameter kept on a GPU under Megatron's --bf16 (the trainer on GPUs since 2026-11-24):
+# bf16 weights in the model, fp32 gradients reduced in fp32, fp32 main params and AdamW moments in the
+# optimizer (the distributed optimizer shards the last two). With fp32 weights (--fp32, and records
+# from before: fp32 weights under bf16 autocast) the weights are the main params.
+WEIGHT_BYTES = 2
+MAIN_PARAM_BYTES = 4
 GRADIENT_BYTES = 4
 ADAM_BYTES = 8
+
+
+def optimizer_bytes(weight_bytes: int) -> int:
+    """Bytes per trainable parameter the optimizer keeps (shardable): fp32 main params unless the
+    weights are fp32 themselves, and the two AdamW moments."""
+    return ADAM_BYTES + (MAIN_PARAM_BYTES if weight_bytes < MAIN_PARAM_BYTES else 0)
 LOGIT_BYTES = 4  # the loss reads fp32 logits
 
 

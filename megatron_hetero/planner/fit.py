@@ -2,10 +2,13 @@
 command line).
 
 Runs come in groups: one workload as the trainer built it, on one GPU count and global batch; each
-run is one layout at one micro batch size, with the phase times and peak memory bench_e2e recorded
-(or none: it ran out of memory). Each module a run does not pipeline is an observation: its time
-per step on one of its GPUs in forward-pass equivalents (forward + backward over 3, or over 4 for
-an encoder whose forward the colocated schedule reruns; a frozen module's forward). Fitted:
+run is one layout at one micro batch size with the Megatron flags it ran with (the distributed
+optimizer, recomputation: bench_e2e records them in the run's name, `layout [flags]`), with the
+phase times and peak memory bench_e2e recorded (or none: it ran out of memory); a layout measured
+again with the same flags replaces its older record. Each module a run does not pipeline is an
+observation: its time per step on one of its GPUs in forward-pass equivalents (forward + backward
+over 3, plus 1 for an encoder whose forward the colocated schedule reruns, plus the share of its
+layers it recomputes; a frozen module's forward). Fitted:
 - the efficiency curve (max_efficiency, half_efficiency_width): an observation without CP implies
   an efficiency, its model FLOPs at matmul_tflops over its time less the model's TP communication;
   with e the mean of those per layer shape and layout and w its GEMM width (hidden / tp),
@@ -13,13 +16,16 @@ an encoder whose forward the colocated schedule reruns; a frozen module's forwar
   fitted by least squares over the shapes;
 - layer_forward_us_per_token per layer shape and layout (CP included): an observation's time less
   its head (projector or output layer, at the curve), per layer and token of one GPU, averaged;
-- activation_memory_factor: the largest over runs of (measured peak - the model's weights,
-  gradients and optimizer states) / the model's activations, so that the planner errs toward "over
-  memory".
+- activation_memory_factor: the least-squares factor f of measured peak = the model's weights,
+  gradients and optimizer states + f x the model's activations, over the runs (a straight line
+  through the origin in the activations). The largest ratio over the runs was used before; it let
+  the one run with the least activations (a full-recomputation run, whose peak is mostly weights)
+  set the factor for all and over-predicted the others by up to 20%.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -27,24 +33,61 @@ from pathlib import Path
 
 from megatron_hetero.layout import HeteroLayout, ModuleLayout, load_layout
 from megatron_hetero.planner.calibration import Calibration, LayerKey
-from megatron_hetero.planner.candidates import candidate_from_layout
+from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
 from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
 from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_workload
 from megatron_hetero.planner.shapes import H200_MEMORY_GB, Cluster, ModuleShape, Workload
 
 GIB = 2**30 / 1e9  # bench_e2e records peak memory in GiB
+# bench_e2e's run name: the layout file's stem, " (schedule)" unless the default, " [flags]" if any.
+RUN_NAME = re.compile(r"(?P<stem>[^ ]+)(?: \((?P<schedule>[^)]+)\))?(?: \[(?P<flags>.*)\])?")
+
+
+def megatron_recompute(flags: tuple[str, ...], stage_layers: int) -> Recompute | None:
+    """The recomputation Megatron's flags ask for, for an LLM stage of `stage_layers` layers:
+    --recompute-method uniform recomputes every layer, block the first --recompute-num-layers of
+    each stage (ValueError for selective recomputation, which the planner does not model)."""
+    values = dict(zip(flags, flags[1:]))
+    granularity = values.get("--recompute-granularity")
+    if granularity is None:
+        return None
+    if granularity != "full":
+        raise ValueError(f"--recompute-granularity {granularity}: the planner models full recomputation only")
+    if values.get("--recompute-method") == "block":
+        return Recompute(min(int(values.get("--recompute-num-layers", stage_layers)), stage_layers), stage_layers)
+    return Recompute(stage_layers, stage_layers)
 
 
 @dataclass(frozen=True, eq=False)  # each run is itself (hashed by identity)
 class Run:
     """One measured (or out-of-memory) run of a group: its layout and what bench_e2e recorded."""
 
-    name: str  # the layout file's name
+    name: str  # bench_e2e's: the layout file's name, then the flags in brackets
     layout: HeteroLayout
     micro_batch: int
     tokens_per_s: float | None  # None: ran out of memory
     peak_gb: float | None
     phases: dict
+    flags: tuple[str, ...] = ()  # Megatron's flags the run added
+    weight_bytes: int = 2  # bf16 weights (Megatron's --bf16); 4: fp32 weights (records without `precision`)
+
+    @property
+    def label(self) -> str:
+        """The layout file's stem and, briefly, the flags: distopt, the recomputed layers."""
+        values = dict(zip(self.flags, self.flags[1:]))
+        notes = ["distopt"] if "--use-distributed-optimizer" in self.flags else []
+        if "--recompute-granularity" in values:
+            block = values.get("--recompute-method") == "block"
+            notes.append(f"recompute {values.get('--recompute-num-layers')} layers" if block else "full recompute")
+        return RUN_NAME.fullmatch(self.name)["stem"] + (f" [{', '.join(notes)}]" if notes else "")
+
+    def recompute(self, workload: Workload) -> Recompute | None:
+        return megatron_recompute(self.flags, workload.llm.layers // self.layout.llm.pp)
+
+    def workload(self, workload: Workload) -> Workload:
+        """The group's workload at this run's micro batch size and optimizer."""
+        return replace(workload, micro_batch=self.micro_batch, weight_bytes=self.weight_bytes,
+                       distributed_optimizer="--use-distributed-optimizer" in self.flags)
 
 
 @dataclass(frozen=True)
@@ -62,22 +105,34 @@ class Group:
         return CostModel(self.workload, Cluster(self.gpus, H200_MEMORY_GB), calibration)
 
 
+def record_run(record: dict, layouts: Path) -> Run | None:
+    """A bench_e2e record as a run, or None: a layout not in `layouts` (upstream rows) or run under
+    a colocated schedule other than the default the planner models."""
+    name = RUN_NAME.fullmatch(record["layout"])
+    file = layouts / f"{name['stem']}.yaml"
+    if name["schedule"] or not file.exists():
+        return None
+    w = BENCH_WORKLOADS[record["workload"]]  # runs recorded before batch sizes were: the workload's
+    return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
+               record["tokens_per_s"], record["peak_gb_max"], record["phases"], tuple((name["flags"] or "").split()),
+               2 if record.get("precision", "").startswith("bf16 weights") else 4)
+
+
 def measured_groups(records: list[dict], layouts: Path, vocab: int) -> dict[tuple, Group]:
-    """bench_e2e's records of layouts in `layouts` (upstream rows have none) as groups keyed by
-    (workload, LLM layers, GPUs, global batch), the workload as the trainer built it with this
-    vocabulary."""
-    runs = defaultdict(list)
+    """bench_e2e's records of layouts in `layouts` as groups keyed by (workload, LLM layers, GPUs,
+    global batch), the workload as the trainer built it with this vocabulary; a later record of a
+    run name replaces an earlier one."""
+    runs = defaultdict(dict)
     for r in records:
-        file = layouts / f"{r['layout']}.yaml"
-        if file.exists():
-            w = BENCH_WORKLOADS[r["workload"]]  # runs recorded before batch sizes were: the workload's
-            key = r["workload"], r["llm_layers"], r["gpus"], r.get("global_batch", w.global_batch)
-            runs[key].append(Run(r["layout"], load_layout(str(file), r["gpus"]), r.get("micro_batch", w.micro_batch),
-                                 r["tokens_per_s"], r["peak_gb_max"], r["phases"]))
+        run = record_run(r, layouts)
+        if run is not None:
+            w = BENCH_WORKLOADS[r["workload"]]
+            runs[r["workload"], r["llm_layers"], r["gpus"], r.get("global_batch", w.global_batch)][run.name] = run
     groups = {}
     for (name, layers, gpus, global_batch), found in runs.items():
         w = replace(BENCH_WORKLOADS[name], layers=layers, global_batch=global_batch)
-        groups[name, layers, gpus, global_batch] = Group(trainer_workload(w, vocab, w.frozen), gpus, found)
+        groups[name, layers, gpus, global_batch] = Group(trainer_workload(w, vocab, w.frozen), gpus,
+                                                         tuple(found.values()))
     return groups
 
 
@@ -99,7 +154,7 @@ class Observation:
     def _forward(self, calibration: Calibration):
         """The planner's forward of these samples from the efficiency curve (no measured times)."""
         model = self.group.model(replace(calibration, layer_forward_us_per_token={}))
-        return model, model.microbatch_pass(self.shape, self.layout, self.samples, False)[0]
+        return model, model.microbatch_pass(self.shape, self.layout, self.samples, 0)[0]
 
     def implied_efficiency(self, calibration: Calibration) -> float:
         """The model's FLOPs at matmul_tflops over the measured time less the model's communication."""
@@ -136,7 +191,9 @@ def observations(group: Group) -> list[Observation]:
                 continue
             shape = shapes[module.name]
             rerun = shape.role == "encoder" and encoder_forward_reruns(run.layout.placement, run.layout.llm)
-            passes = 1 if shape.frozen else 4 if rerun else 3
+            recompute = run.recompute(group.workload)
+            recomputed = recompute.of_stage(shape.layers) if recompute else 0
+            passes = 1 if shape.frozen else 3 + rerun + recomputed / shape.layers
             phases = sum(run.phases[f"{module.role}-{way}"] for way in ("forward", "backward"))
             found.append(Observation(group, shape, module, group.workload.global_batch / module.dp, phases / passes))
     return found
@@ -166,8 +223,9 @@ def fit_curve(seen: list[Observation], base: Calibration) -> Calibration:
 def predict_run(run: Run, group: Group, calibration: Calibration) -> Prediction:
     """The planner's prediction for the run's layout at the run's micro batch size."""
     cluster = Cluster(group.gpus, H200_MEMORY_GB)
-    (candidate,) = candidate_from_layout(run.layout, replace(group.workload, micro_batch=run.micro_batch), cluster)
-    return group.model(calibration).predict(candidate)
+    workload = run.workload(group.workload)
+    (candidate,) = candidate_from_layout(run.layout, workload, cluster)
+    return CostModel(workload, cluster, calibration).predict(replace(candidate, recompute=run.recompute(workload)))
 
 
 def fit(groups: list[Group], base: Calibration) -> Calibration:
@@ -180,18 +238,76 @@ def fit(groups: list[Group], base: Calibration) -> Calibration:
         times[o.key].append(o.layer_us(curve))
     ordered = sorted(times, key=LayerKey.describe)
     fitted = replace(curve, layer_forward_us_per_token={key: statistics.mean(times[key]) for key in ordered})
-    factors = []
-    for group in groups:
-        for run in group.runs:
-            if run.peak_gb is not None:
-                once, twice = (predict_run(run, group, replace(fitted, activation_memory_factor=f)).memory_gb
-                               for f in (1.0, 2.0))  # memory is linear in the factor
-                activations = twice - once
-                factors.append((run.peak_gb * GIB - (once - activations)) / activations)
-    return replace(fitted, activation_memory_factor=max(factors, default=base.activation_memory_factor),
+    return replace(fitted, activation_memory_factor=memory_factor(groups, fitted),
                    source="max_efficiency, half_efficiency_width, layer_forward_us_per_token and "
                           "activation_memory_factor fitted by tools/check_planner.py to bench_e2e runs; the "
                           f"other keys: {base.source}")
+
+
+def memory_split(run: Run, group: Group, calibration: Calibration, factor: float) -> tuple[float, float]:
+    """(weights, gradients and optimizer states; activations at factor 1) the planner predicts for
+    the run, in GB, from two predictions near `factor` (memory is linear in the factor as long as
+    the same module's GPUs hold the peak)."""
+    low, high = (predict_run(run, group, replace(calibration, activation_memory_factor=f)).memory_gb
+                 for f in (factor, factor + 0.1))
+    activations = (high - low) / 0.1
+    return low - factor * activations, activations
+
+
+def memory_factor(groups: list[Group], calibration: Calibration, passes: int = 3) -> float:
+    """The least-squares activation memory factor over the runs with a measured peak (the
+    calibration's own without any), each pass splitting the runs' memory near the last pass's
+    factor."""
+    factor = calibration.activation_memory_factor
+    measured = [(run, group) for group in groups for run in group.runs if run.peak_gb is not None]
+    for _ in range(passes if measured else 0):
+        points = [(memory_split(run, group, calibration, factor), run.peak_gb * GIB) for run, group in measured]
+        factor = (sum(activations * (peak - static) for (static, activations), peak in points)
+                  / sum(activations ** 2 for (_, activations), _ in points))
+    return factor
+
+
+@dataclass
+class Check:
+    """A group's runs predicted: (run, prediction) pairs, the measured and predicted rankings (run
+    labels, fastest first; out of memory / over memory apart), and the gain of the best
+    heterogeneous layout over the best homogeneous one, measured and predicted (None: a side
+    without a run)."""
+
+    rows: list
+    measured: list[str]
+    predicted: list[str]
+    measured_gain: float | None
+    predicted_gain: float | None
+
+    @property
+    def agree(self) -> bool:
+        over = sorted(r.label for r, p in self.rows if not p.fits)
+        oom = sorted(r.label for r, _ in self.rows if r.tokens_per_s is None)
+        return self.measured == self.predicted and over == oom
+
+
+def _gain(ranked: list[tuple[Run, float]], rate) -> float | None:
+    """The best heterogeneous run's rate over the best homogeneous one's, less 1."""
+    homogeneous = [rate(r, p) for r, p in ranked if p.candidate.placement == "homogeneous"]
+    heterogeneous = [rate(r, p) for r, p in ranked if p.candidate.placement != "homogeneous"]
+    if not homogeneous or not heterogeneous:
+        return None
+    return max(heterogeneous) / max(homogeneous) - 1
+
+
+def check(group: Group, base: Calibration, leave_one_out: bool = False) -> Check:
+    """Every run of the group predicted from the calibration fitted to the group (with
+    `leave_one_out`, to its other runs), the rankings and the gains."""
+    fitted = fit([group], base)
+    rows = []
+    for run in group.runs:
+        others = replace(group, runs=[r for r in group.runs if r is not run])
+        rows.append((run, predict_run(run, group, fit([others], base) if leave_one_out else fitted)))
+    measured = sorted(((r, p) for r, p in rows if r.tokens_per_s is not None), key=lambda rp: -rp[0].tokens_per_s)
+    predicted = sorted(((r, p) for r, p in rows if p.fits), key=lambda rp: rp[1].step_s)
+    return Check(rows, [r.label for r, _ in measured], [r.label for r, _ in predicted],
+                 _gain(measured, lambda r, p: r.tokens_per_s), _gain(predicted, lambda r, p: p.tokens_per_s))
 
 
 def left_out_errors(seen: list[Observation], base: Calibration) -> dict[LayerKey, float]:

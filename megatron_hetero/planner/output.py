@@ -92,18 +92,21 @@ def explain(prediction: Prediction, reference: Prediction | None, workload: Work
 
 def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) -> str:
     """A layout file for `python -m megatron_hetero.layout check FILE --world-size N` and the
-    trainer's --hetero-layout, with the prediction and the batch flags in its header."""
+    trainer's --hetero-layout, with the prediction and Megatron's flags to train it with (batch sizes,
+    distributed optimizer, recomputation) in its header."""
     candidate = prediction.candidate
     layout = candidate.hetero_layout(cluster.gpus)
+    extra = " ".join((["--use-distributed-optimizer"] if workload.distributed_optimizer else [])
+                     + ([candidate.recompute.flags()] if candidate.recompute else []))
     lines = [
         f"# Written by tools/plan_layout.py for {cluster.gpus} GPUs, {candidate.placement}: {candidate.describe()}",
         f"# Predicted (from the calibration, not measured): {prediction.step_s:.2f} s/step, "
         f"{prediction.tokens_per_s:,.0f} tokens/s, {prediction.tflops_per_gpu:.0f} TFLOPS/GPU, "
         f"{prediction.memory_gb:.0f} GB/GPU",
         f"# Train with --global-batch-size {workload.global_batch} --micro-batch-size {candidate.micro_batch}"
-        + (" --use-distributed-optimizer" if workload.distributed_optimizer else ""),
-        *(["# The prediction assumes full activation recomputation: add --recompute-granularity full "
-           "--recompute-method uniform --recompute-num-layers 1"] if candidate.recompute else []),
+        + (f" {extra}" if extra else ""),
+        *([f"# ({candidate.recompute.describe()} of each stage, every trainable module: the fewest that fit)",
+           f'# tools/bench_e2e.py --flags="{extra}"'] if candidate.recompute else []),
         f"placement: {layout.placement}",
         "modules:",
     ]

@@ -131,6 +131,7 @@ class Workload:
     global_batch: int
     micro_batch: int = 0  # samples per LLM DP rank per microbatch; 0: the planner picks
     dtype_bytes: int = 2  # activations and boundary rows (bf16)
+    weight_bytes: int = 2  # per weight in the model: 2 under Megatron's --bf16, 4 with fp32 weights
     distributed_optimizer: bool = False
     # Candidates may also use megatron-core's full activation recomputation
     # (recompute_granularity="full"): a layer keeps only its input and reruns its forward in the
@@ -156,8 +157,9 @@ class Workload:
         for key in ("distributed_optimizer", "allow_recompute"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
-        if self.dtype_bytes not in (2, 4):
-            raise ValueError(f"dtype bytes must be 2 (bf16) or 4 (fp32), got {self.dtype_bytes!r}")
+        for key in ("dtype_bytes", "weight_bytes"):
+            if getattr(self, key) not in (2, 4):
+                raise ValueError(f"{key} must be 2 (bf16) or 4 (fp32), got {getattr(self, key)!r}")
         rows = sum(e.rows_per_sample for e in self.encoders)
         if rows >= self.llm.seq_length:
             raise ValueError(f"{rows} encoder rows per sample do not fit the llm's seq_length "
@@ -170,7 +172,7 @@ class Workload:
     @classmethod
     def from_dict(cls, data: dict) -> Workload:
         """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
-        optionally micro_batch, dtype_bytes, distributed_optimizer, allow_recompute}."""
+        optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute}."""
         if not isinstance(data, dict):
             raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
