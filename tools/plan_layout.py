@@ -71,8 +71,8 @@ def parse_args(argv):
     overrides.add_argument("--freeze-encoders", action="store_true", help="encoders run forward only")
     overrides.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
     overrides.add_argument("--allow-recompute", action=argparse.BooleanOptionalAction, default=None,
-                           help="also try activation recomputation, the fewest layers of each stage that fit (Megatron's "
-                                "--recompute-method block)")
+                           help="also try activation recomputation: the fewest layers of each stage that "
+                                "fit (Megatron's --recompute-method block)")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
     parser.add_argument("--write-yaml", metavar="FILE", help="write the best runnable layout here")
