@@ -20,10 +20,13 @@ The model, per training step:
   non-colocated is one 1F1B pipeline of encoder stages then LLM stages, whose slowest stage sets the
   pace; the homogeneous baseline puts the encoders, with the LLM's TP (replicated over its CP), on
   the LLM's first pipeline stage;
-- memory per GPU: fp32 weights, fp32 gradients and fp32 Adam moments (16 bytes per trainable
-  parameter; the distributed optimizer shards the 8 Adam bytes over DP x CP; a frozen module keeps
-  its 4-byte weights only), plus activations without recomputation for the microbatches 1F1B keeps
-  in flight.
+- memory per GPU: under Megatron's --bf16, bf16 weights, fp32 gradients, fp32 main params and Adam
+  moments (18 bytes per trainable parameter; the distributed optimizer shards the 12 optimizer
+  bytes over DP x CP; a frozen module keeps its 2-byte weights only), plus activations (times a
+  factor fitted to measured peaks) for the microbatches 1F1B keeps in flight;
+- recomputation (Megatron's block method, where the workload allows it): the first k layers of each
+  stage keep only their input and run their forward again in the backward; the search takes the
+  fewest k that fit.
 
 Modules: `shapes` (module shapes, workloads, clusters), `counts` (parameters, FLOPs, activation
 bytes), `calibration` (hardware figures), `candidates` (the layouts the rules allow), `cost` (the

@@ -133,9 +133,9 @@ class Workload:
     dtype_bytes: int = 2  # activations and boundary rows (bf16)
     weight_bytes: int = 2  # per weight in the model: 2 under Megatron's --bf16, 4 with fp32 weights
     distributed_optimizer: bool = False
-    # Candidates may also use megatron-core's full activation recomputation
-    # (recompute_granularity="full"): a layer keeps only its input and reruns its forward in the
-    # backward. Megatron (the homogeneous baseline) can; the trainer does not yet.
+    # Candidates may also use Megatron's activation recomputation (--recompute-granularity full,
+    # block method): the first k layers of each stage keep only their input and rerun their forward
+    # in the backward; the planner takes the fewest k that fit (candidates.Recompute).
     allow_recompute: bool = False
 
     def __post_init__(self):
