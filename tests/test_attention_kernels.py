@@ -76,6 +76,17 @@ def test_unchecked_head_dims_sdpa_under_auto_padded_under_flash(head_dim, padded
     assert str(_choose("flash", head_dim)) == f"fa4 (head dim {head_dim} zero-padded to {padded})"
 
 
+@pytest.mark.parametrize("head_dim, padded", [(72, 96), (80, 96), (32, 64)])
+def test_packed_calls_are_padded_under_auto(head_dim, padded):
+    """A packed (varlen) call on SDPA is one launch per segment shape: auto pads an unchecked head dim
+    to a checked one there (exact), as flash does; never on a CPU, never above every checked dim."""
+    assert _choose("auto", head_dim, packed=True) == KernelChoice(FA4, head_dim, padded)
+    assert _choose("auto", head_dim, Device("cpu"), packed=True) == KernelChoice(SDPA, head_dim, head_dim, "no GPU")
+    assert _choose("auto", 256, packed=True).kernel == SDPA
+    assert _choose("sdpa", head_dim, packed=True).kernel == SDPA
+    assert attention_kernels.kernel_for(AttnBackend.auto, head_dim, torch.bfloat16, packed=True).kernel == SDPA
+
+
 def test_sdpa_backends_never_take_fa4():
     for name in ("fused", "unfused", "local"):
         assert _choose(backend_mode(name), 128).kernel == SDPA

@@ -261,7 +261,7 @@ def workload_check(records: list, checked: tuple[int, ...], quick: bool, iters: 
     for case in workload_cases(quick):
         for mode in (SDPA, "auto", "flash"):
             try:
-                kernel = choose_kernel(mode, case.head_dim, device, checked=checked)
+                kernel = choose_kernel(mode, case.head_dim, device, checked=checked, packed=case.packed)
             except AttentionKernelError as error:
                 print(f"{case.name} | {mode}: not run: {error}", flush=True)
                 continue

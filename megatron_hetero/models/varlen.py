@@ -160,7 +160,7 @@ def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_sc
     q [total_q, heads, d], k, v [total_k, kv heads, d]; segment i's queries q[cu_q[i]:cu_q[i+1]]
     attend to its keys k[cu_k[i]:cu_k[i+1]] (causal: bottom-right aligned, the j-th query of a
     segment sees keys up to len_k - len_q + j); plan: their VarlenPlan on q's device. kernel:
-    kernel_for(the module's config, head dim, dropout): FA4's varlen entry (fa4: its
+    kernel_for(the module's config, head dim, dropout, packed=True): FA4's varlen entry (fa4: its
     stand-in in tests), else torch SDPA per segment shape. Returns [total_q, heads, d]."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if kernel.kernel == FA4:
@@ -205,7 +205,7 @@ class SegmentAttention(MegatronModule):
         self.windowed = full_layers is not None and layer_number - 1 not in full_layers
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
         self.kernel = kernel_for(config.attention_backend, config.kv_channels, config_dtype(config), 0.0,
-                                 config.flash_attention_version)
+                                 config.flash_attention_version, packed=True)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: SegmentParams | None = None) -> torch.Tensor:
