@@ -9,6 +9,7 @@
   tools/gpu_fa4_check.sh on a GPU).
 """
 
+import collections
 import json
 import math
 from pathlib import Path
@@ -17,15 +18,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_hetero.models import attention, attention_kernels
+from megatron_hetero.models import attention, attention_kernels, varlen
 from megatron_hetero.models.attention import (
     attend,
     chunk_cu_seqlens,
     document_cu_seqlens,
     packed_seq_params,
     query_chunks,
-    varlen_attention,
 )
 from megatron_hetero.models.attention_kernels import (
     CHECKED_ENV,
@@ -41,6 +42,7 @@ from megatron_hetero.models.attention_kernels import (
     run_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.models.varlen import VarlenPlan, plans_to, to_device, varlen_attention
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
 H100_DIMS = attention_kernels.CHECKED_HEAD_DIMS[H100.name]
@@ -74,6 +76,17 @@ def test_unchecked_head_dims_sdpa_under_auto_padded_under_flash(head_dim, padded
     assert str(_choose("flash", head_dim)) == f"fa4 (head dim {head_dim} zero-padded to {padded})"
 
 
+@pytest.mark.parametrize("head_dim, padded", [(72, 96), (80, 96), (32, 64)])
+def test_packed_calls_are_padded_under_auto(head_dim, padded):
+    """A packed (varlen) call on SDPA is one launch per segment shape: auto pads an unchecked head dim
+    to a checked one there (exact), as flash does; never on a CPU, never above every checked dim."""
+    assert _choose("auto", head_dim, packed=True) == KernelChoice(FA4, head_dim, padded)
+    assert _choose("auto", head_dim, Device("cpu"), packed=True) == KernelChoice(SDPA, head_dim, head_dim, "no GPU")
+    assert _choose("auto", 256, packed=True).kernel == SDPA
+    assert _choose("sdpa", head_dim, packed=True).kernel == SDPA
+    assert attention_kernels.kernel_for(AttnBackend.auto, head_dim, torch.bfloat16, packed=True).kernel == SDPA
+
+
 def test_sdpa_backends_never_take_fa4():
     for name in ("fused", "unfused", "local"):
         assert _choose(backend_mode(name), 128).kernel == SDPA
@@ -82,7 +95,7 @@ def test_sdpa_backends_never_take_fa4():
 @pytest.mark.parametrize("device, kwargs, reason", [
     (Device("cpu"), {}, "no GPU"),
     (Device("NVIDIA A100-SXM4-80GB", (8, 0)), {}, "targets sm90/sm100"),
-    (Device("NVIDIA H200", (9, 0)), {}, "not checked on NVIDIA H200: run tools/gpu_fa4_check.sh"),
+    (Device("NVIDIA B200", (10, 0)), {}, "not checked on NVIDIA B200: run tools/gpu_fa4_check.sh"),
     (H100, {"import_problem": "flash-attn-4 does not import (ImportError: x)"}, "does not import"),
     (H100, {"dtype": torch.float32}, "runs bf16/fp16, not float32"),
     (H100, {"dropout": 0.1}, "attention dropout 0.1"),
@@ -104,10 +117,10 @@ def test_flash_refuses_a_head_dim_above_every_checked_one():
 
 def test_checked_head_dims_table_and_environment():
     assert checked_head_dims(H100.name, environ={}) == H100_DIMS
-    assert checked_head_dims("NVIDIA H200", environ={}) == ()
-    assert checked_head_dims("NVIDIA H200", environ={CHECKED_ENV: "128,64"}) == (64, 128)
+    assert checked_head_dims("NVIDIA B200", environ={}) == ()
+    assert checked_head_dims("NVIDIA B200", environ={CHECKED_ENV: "128,64"}) == (64, 128)
     assert checked_head_dims(H100.name, environ={CHECKED_ENV: "80"}) == tuple(sorted({*H100_DIMS, 80}))
-    assert _choose("auto", 128, Device("NVIDIA H200", (9, 0)), checked=(64, 128)).kernel == FA4
+    assert _choose("auto", 128, Device("NVIDIA B200", (10, 0)), checked=(64, 128)).kernel == FA4
 
 
 def test_kernel_for_on_cpu_is_sdpa_whatever_the_flag():
@@ -258,27 +271,81 @@ def test_packed_documents_do_not_see_each_other():
 
 
 # ---- varlen_attention (packed images of a native-resolution ViT) -----------------------------------
+# Segments of several lengths, some repeated (one batched SDPA call per shape) and interleaved so that
+# the tokens must be permuted, keys longer than queries, one segment without queries.
+VARLEN_Q, VARLEN_K = [3, 5, 3, 7, 0, 5, 3], [3, 6, 3, 7, 2, 5, 4]
+
+
+def _cu(lengths):
+    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_attention_sdpa_and_fa4_paths(causal):
-    """Segments of several lengths (some repeated: one batched SDPA call per shape), GQA, keys
-    longer than queries; the SDPA path and the FA4 path (stand-in, padded) against the reference."""
-    lens_q, lens_k = [3, 5, 3, 7, 5], [3, 6, 3, 7, 5]
-    cu_q, cu_k = (F.pad(torch.tensor(n).cumsum(0), (1, 0)).to(torch.int32) for n in (lens_q, lens_k))
-    leaves = _leaves((sum(lens_q), 4, 8), (sum(lens_k), 2, 8), (sum(lens_k), 2, 8))
-    kwargs = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=7, softmax_scale=0.3,
-                  causal=causal)
-    want = _grads(lambda: fake_varlen_func(*leaves, **kwargs)[0], leaves)
-    _assert_same(_grads(lambda: varlen_attention(*leaves, kernel=SD, **kwargs), leaves), want)
-    _assert_same(_grads(lambda: varlen_attention(*leaves, kernel=KernelChoice(FA4, 8, 16), fa4=FAKE, **kwargs),
+    """GQA, causal or not: the SDPA path and the FA4 path (stand-in, padded) against the reference."""
+    cu_q, cu_k = _cu(VARLEN_Q), _cu(VARLEN_K)
+    plan = VarlenPlan.of(cu_q, cu_k)
+    assert plan.groups == ((0, 2, 1), (3, 3, 2), (3, 4, 1), (5, 5, 1), (5, 6, 1), (7, 7, 1))
+    leaves = _leaves((sum(VARLEN_Q), 4, 8), (sum(VARLEN_K), 2, 8), (sum(VARLEN_K), 2, 8))
+    want = _grads(lambda: fake_varlen_func(*leaves, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7,
+                                           max_seqlen_k=7, softmax_scale=0.3, causal=causal)[0], leaves)
+    _assert_same(_grads(lambda: varlen_attention(*leaves, plan, SD, 0.3, causal), leaves), want)
+    _assert_same(_grads(lambda: varlen_attention(*leaves, plan, KernelChoice(FA4, 8, 16), 0.3, causal, fa4=FAKE),
                         leaves), want)
+
+
+def test_varlen_plan_permutes_only_where_shapes_interleave():
+    """Segments already grouped by shape need no permutation; the keys share the queries' plan."""
+    plan = VarlenPlan.of(_cu([4, 4, 9]))
+    assert plan.order_q is None and plan.cu_k is plan.cu_q and (plan.max_q, plan.groups) == (9, ((4, 4, 2), (9, 9, 1)))
+    plan = VarlenPlan.of(_cu([4, 9, 4]))
+    assert plan.order_k is plan.order_q and plan.order_q.tolist() == [*range(4), *range(13, 17), *range(4, 13)]
+    assert plan.order_q[plan.inverse_q].tolist() == list(range(17))
 
 
 def test_varlen_attention_default_scale_is_the_head_dims():
     q, k, v = (x.detach() for x in _leaves((6, 2, 8), (6, 2, 8), (6, 2, 8)))
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    torch.testing.assert_close(varlen_attention(q, k, v, cu, cu, 4, 4, SD),
+    torch.testing.assert_close(varlen_attention(q, k, v, VarlenPlan.of(cu), SD),
                                fake_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4,
                                                 max_seqlen_k=4, softmax_scale=1 / math.sqrt(8), causal=False)[0])
+
+
+def test_to_device_packs_any_dtypes_into_one_copy():
+    tensors = [torch.arange(5, dtype=torch.int32), torch.rand(3, 2), torch.arange(7).view(7, 1), torch.ones(0)]
+    moved = to_device(tensors, "cpu")
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # one buffer
+    for a, b in zip(moved, tensors):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten ops run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_varlen_layer_has_no_host_work():
+    """A layer's attention, forward and backward, on a plan made before it: on meta tensors (any read
+    of a value on the host, .item(), .tolist(), .cpu() or nonzero, raises there), and on the host,
+    counting ops: no copies between devices, no fills, no index_put; one SDPA call per shape."""
+    cu_q, cu_k = _cu(VARLEN_Q), _cu(VARLEN_K)
+    for device in ("meta", "cpu"):
+        plan, _ = plans_to(device, [VarlenPlan.of(cu_q, cu_k)])
+        leaves = [torch.randn(s, device=device, requires_grad=True)
+                  for s in ((sum(VARLEN_Q), 4, 8), (sum(VARLEN_K), 2, 8), (sum(VARLEN_K), 2, 8))]
+        with _AtenOps() as counted:
+            varlen_attention(*leaves, plan[0], SD, 0.3).sum().backward()
+    ops = counted.ops
+    assert not {"_to_copy", "copy_", "fill_", "zero_", "index_put", "index_put_", "_local_scalar_dense"} & set(ops)
+    assert ops["_scaled_dot_product_flash_attention_for_cpu"] == len(VARLEN_Q) - 2  # 7 segments, 5 shapes + empty
+    assert ops["index_select"] == 3 + 1 + 1 + 3  # q, k, v and the output, forward and backward
 
 
 # ---- the module ----------------------------------------------------------------------------------
@@ -339,12 +406,14 @@ def test_gpu_check_passes_right_kernels_and_fails_a_wrong_backward(monkeypatch):
     cases = [tool.dense_case("causal gqa", 1, 32, 4, 2, 8, True), tool.dense_case("full", 3, 12, 2, 2, 8, False),
              tool.varlen_case("images", [5, 9, 3, 9], 2, 8),
              tool.cp_case("cp2 documents", 2, 32, 4, 2, 8, 2, tool._documents(2, 32, [[10, 22], [32]]))]
-    monkeypatch.setattr(attention, "load_fa4", lambda: (FAKE, None))
+    for module in (attention, varlen):
+        monkeypatch.setattr(module, "load_fa4", lambda: (FAKE, None))
     for case in cases:
         for kernel in (KernelChoice(SDPA, 8, 8), KernelChoice(FA4, 8, 8), KernelChoice(FA4, 8, 16)):
             record = tool.measure(case, "test", kernel, iters=0)
             assert record["ok"], record
-    monkeypatch.setattr(attention, "load_fa4", lambda: (Fa4(*map(_wrong_backward, FAKE)), None))
+    for module in (attention, varlen):
+        monkeypatch.setattr(module, "load_fa4", lambda: (Fa4(*map(_wrong_backward, FAKE)), None))
     for case in cases:
         record = tool.measure(case, "test", KernelChoice(FA4, 8, 8), iters=0)
         assert record["out_err"] < tool.TOLERANCE and min(record[f"d{x}_err"] for x in "qkv") > 0.5, record

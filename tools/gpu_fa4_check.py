@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from bench_ops import timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron_hetero.models.attention import attend, packed_seq_params, varlen_attention
+from megatron_hetero.models.attention import attend, packed_seq_params
 from megatron_hetero.models.attention_kernels import (
     CHECKED_HEAD_DIMS,
     FA4,
@@ -47,6 +47,7 @@ from megatron_hetero.models.attention_kernels import (
     load_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 
 TOLERANCE = 0.02  # cuDNN's bf16 gradients are 0.003-0.005 off fp32 attention, the broken ones ~1
 RAW_HEAD_DIMS = (64, 72, 80, 96, 128)
@@ -58,10 +59,11 @@ DEVICE = "cuda"  # tests/test_attention_kernels.py runs the measuring on CPU wit
 class Case:
     """An attention shape: q, k, v leaves [s, b, h, d] as megatron-core's attention hands them over
     (varlen: [total, h, d]), `run(kernel, q, k, v)` our call with a kernel choice, `reference(q, k, v)`
-    in fp32, and its forward FLOPs."""
+    in fp32, and its forward FLOPs; packed: a varlen call (the kernel is chosen as for one)."""
 
-    def __init__(self, name, q_shape, kv_shape, head_dim, run, reference, flops):
+    def __init__(self, name, q_shape, kv_shape, head_dim, run, reference, flops, packed=False):
         self.name, self.head_dim, self.run, self.reference, self.flops = name, head_dim, run, reference, flops
+        self.packed = packed
         g = torch.Generator(device=DEVICE).manual_seed(0)
         self.leaves = [torch.randn(shape, generator=g, device=DEVICE, dtype=BF16).requires_grad_()
                        for shape in (q_shape, kv_shape, kv_shape)]
@@ -130,17 +132,19 @@ def _run_lengths(documents) -> list[int]:
 
 def varlen_case(name, lengths, h, d) -> Case:
     """A packed ViT call: full attention within each image of `lengths` tokens."""
-    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(device=DEVICE, dtype=torch.int32)
+    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(dtype=torch.int32)
+    plan = plans_to(DEVICE, [VarlenPlan.of(cu)])[0][0]  # planned once for every layer, as the ViTs do
 
     def run(kernel, q, k, v):
-        return varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), kernel, d**-0.5)
+        return varlen_attention(q, k, v, plan, kernel, d**-0.5)
 
     def reference(q, k, v):
         bounds = cu.tolist()
         return torch.cat([_fp32_sdpa(*(t[a:e][None] for t in (q, k, v)))[0] for a, e in zip(bounds, bounds[1:])])
 
     total = sum(lengths)
-    return Case(name, (total, h, d), (total, h, d), d, run, reference, sum(4 * h * n * n * d for n in lengths))
+    return Case(name, (total, h, d), (total, h, d), d, run, reference, sum(4 * h * n * n * d for n in lengths),
+                packed=True)
 
 
 def workload_cases(quick: bool) -> list[Case]:
@@ -257,7 +261,7 @@ def workload_check(records: list, checked: tuple[int, ...], quick: bool, iters: 
     for case in workload_cases(quick):
         for mode in (SDPA, "auto", "flash"):
             try:
-                kernel = choose_kernel(mode, case.head_dim, device, checked=checked)
+                kernel = choose_kernel(mode, case.head_dim, device, checked=checked, packed=case.packed)
             except AttentionKernelError as error:
                 print(f"{case.name} | {mode}: not run: {error}", flush=True)
                 continue

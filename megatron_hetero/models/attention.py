@@ -20,8 +20,8 @@ key's; on FA4 through its variable-length entry, each document's part of a local
 against its keys up to the chunk's end. RoPE keeps the packed positions: attention scores depend on
 the distance between positions only, so a document's scores equal its unpacked ones.
 
-varlen_attention is the same variable-length attention for callers with their own segments (a
-native-resolution ViT's packed images).
+Callers with their own segments (a native-resolution ViT's packed images) use models/varlen.py's
+varlen_attention, on the same kernels.
 """
 
 import contextlib
@@ -52,7 +52,7 @@ _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _MASK_OPTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.arbitrary)
 
 
-def _causal_attention(q, k, v, **sdpa_kwargs):
+def causal_attention(q, k, v, **sdpa_kwargs):
     """Causal attention of queries q [b, h, sq, d] at the last sq of the sk positions of k, v."""
     sq, sk = q.shape[-2], k.shape[-2]
     if sq == sk:
@@ -159,7 +159,7 @@ def _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, **sdpa_kwar
         mask = _document_mask(packed.seq_idx, cp, cp_rank)
     if packed is not None or not causal:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
-    return torch.cat([_causal_attention(q[:, :, a:e], k[:, :, :end], v[:, :, :end], **sdpa_kwargs)
+    return torch.cat([causal_attention(q[:, :, a:e], k[:, :, :end], v[:, :, :end], **sdpa_kwargs)
                       for (a, e), _, end in chunks], dim=2)
 
 
@@ -177,52 +177,6 @@ def attend(q, k, v, kernel: KernelChoice, scale: float, causal: bool, mask: torc
         return out.transpose(0, 1).flatten(2)
     out = _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, dropout_p=dropout, scale=scale)
     return out.permute(2, 0, 1, 3).flatten(2)
-
-
-def _segment_groups(cu_q: torch.Tensor, cu_k: torch.Tensor):
-    """(query lengths, key lengths, starts of q, starts of k) per group of segments of one shape."""
-    bounds = torch.stack([cu_q, cu_k]).long().cpu()  # one host synchronization
-    starts, lengths = bounds[:, :-1], bounds[:, 1:] - bounds[:, :-1]
-    shapes = lengths.T.unique(dim=0).tolist()
-    for lq, lk in shapes:
-        same = (lengths[0] == lq) & (lengths[1] == lk)
-        yield lq, lk, starts[0, same], starts[1, same]
-
-
-def _varlen_sdpa(q, k, v, cu_q, cu_k, scale, causal) -> torch.Tensor:
-    """varlen_attention on torch SDPA: the segments of one shape stacked into one batched call."""
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # a segment without keys: zeros, as FA4's
-    for lq, lk, start_q, start_k in _segment_groups(cu_q, cu_k):
-        if lq == 0 or lk == 0:
-            continue
-        index_q = (start_q[:, None] + torch.arange(lq)).to(q.device)  # [n, lq]
-        index_k = (start_k[:, None] + torch.arange(lk)).to(q.device)
-        # [n, l, heads, d] -> [n, heads, l, d]
-        qs, ks, vs = (x[i].transpose(1, 2) for x, i in ((q, index_q), (k, index_k), (v, index_k)))
-        if ks.shape[1] != qs.shape[1]:
-            ks, vs = (t.repeat_interleave(qs.shape[1] // ks.shape[1], dim=1) for t in (ks, vs))
-        part = (_causal_attention(qs, ks, vs, scale=scale) if causal
-                else F.scaled_dot_product_attention(qs, ks, vs, scale=scale))
-        out = out.index_put((index_q.flatten(),), part.transpose(1, 2).flatten(0, 1))
-    return out
-
-
-def varlen_attention(q, k, v, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, kernel: KernelChoice, softmax_scale: float | None = None,
-                     causal: bool = False, fa4: Fa4 | None = None) -> torch.Tensor:
-    """Attention within the segments of packed sequences, flash-attention's varlen convention:
-    q [total_q, heads, d], k, v [total_k, kv heads, d]; segment i's queries q[cu_q[i]:cu_q[i+1]]
-    attend to its keys k[cu_k[i]:cu_k[i+1]] (int32 cu_seqlens, from 0; causal: bottom-right aligned,
-    the j-th query of a segment sees keys up to len_k - len_q + j); max_seqlen_*: bounds of the
-    segment lengths. kernel: kernel_for(the module's config, head dim, dropout): FA4's varlen entry
-    (fa4: its stand-in in tests), else torch SDPA, the segments of each shape in one batched call
-    (one host synchronization for the boundaries). Returns [total_q, heads, d]."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    if kernel.kernel == FA4:
-        return run_fa4((fa4 or load_fa4()[0]).varlen_func, kernel, q, k, v, cu_seqlens_q=cu_seqlens_q,
-                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                       softmax_scale=scale, causal=causal)
-    return _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
 class SDPAttention(MegatronModule):

@@ -10,9 +10,11 @@ that GPU model (CHECKED_HEAD_DIMS). Elsewhere torch SDPA; CPUs always.
 Megatron's own `--attention-backend` chooses (Megatron-LM users already pass it, default auto; it
 reaches every module's TransformerConfig as `attention_backend`, and Transformer Engine's layers read
 it in their own sense where they are used instead of ours):
-- auto: FA4 where it is checked, SDPA elsewhere. An unchecked head dim is not padded: zero-padding to
-  a checked one is exact but was slower than cuDNN on the H100 (GPU-KERNELS.md, pad check) and at
-  W1's ViT on the H200 (docs/attention.md).
+- auto: FA4 where it is checked, SDPA elsewhere. An unchecked head dim is not padded for one dense
+  call: zero-padding to a checked one is exact but was slower than cuDNN on the H100 (GPU-KERNELS.md,
+  pad check) and at W1's ViT on the H200 (docs/attention.md). Packed (varlen) calls are padded: SDPA
+  runs them one launch per segment shape, and the padded varlen call was twice as fast on the
+  H200's packed Qwen2.5-VL ViT (16 x 80 -> 96: 6.28 against 12.64 ms fwd+bwd, docs/attention.md).
 - flash: FA4 for every module, an unchecked head dim zero-padded to the next checked one with the
   true head dim's softmax scale (exact, at the padded FLOPs); where FA4 cannot run exactly, one line
   saying why (AttentionKernelError), never a silent fallback.
@@ -117,17 +119,19 @@ def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, 
 
 def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: str | None = None,
                   dtype: torch.dtype = torch.bfloat16, dropout: float = 0.0,
-                  flash_attention_version: int | None = None, checked: tuple[int, ...] = ()) -> KernelChoice:
+                  flash_attention_version: int | None = None, checked: tuple[int, ...] = (),
+                  packed: bool = False) -> KernelChoice:
     """The kernel of a module with this head dim under `mode` (backend_mode); `checked`: the head dims
-    checked on `device` (checked_head_dims). Raises AttentionKernelError where mode "flash" cannot be
-    served exactly."""
+    checked on `device` (checked_head_dims); packed: the module attends within the segments of a
+    packed sequence (varlen: padded under auto too). Raises AttentionKernelError where mode "flash"
+    cannot be served exactly."""
     if mode == SDPA:
         return KernelChoice(SDPA, head_dim, head_dim, "chosen by --attention-backend")
     problem = fa4_problem(device, import_problem, dtype, dropout, flash_attention_version, checked)
     if problem is None and head_dim in checked:
         return KernelChoice(FA4, head_dim, head_dim)
     padded = next((d for d in sorted(checked) if d > head_dim), None)
-    if problem is None and mode == "flash" and padded is not None:
+    if problem is None and (mode == "flash" or packed) and padded is not None:
         return KernelChoice(FA4, head_dim, padded)
     if problem is None:
         problem = f"not among the head dims checked on {device.name} ({', '.join(map(str, checked))})"
@@ -162,9 +166,10 @@ def load_fa4() -> tuple[Fa4 | None, str | None]:
 
 
 def kernel_for(attention_backend, head_dim: int, dtype: torch.dtype, dropout: float = 0.0,
-               flash_attention_version: int | None = None) -> KernelChoice:
+               flash_attention_version: int | None = None, packed: bool = False) -> KernelChoice:
     """choose_kernel for a module on this process's GPU: Megatron's --attention-backend and
-    --flash-attention-version, the module's head dim, compute dtype (config_dtype) and dropout."""
+    --flash-attention-version, the module's head dim, compute dtype (config_dtype), dropout and
+    whether it runs packed (varlen) calls."""
     mode = backend_mode(attention_backend)
     device = current_device()
     import_problem = None
@@ -172,7 +177,7 @@ def kernel_for(attention_backend, head_dim: int, dtype: torch.dtype, dropout: fl
         import_problem = load_fa4()[1]
     return choose_kernel(mode, head_dim, device, import_problem=import_problem, dtype=dtype, dropout=dropout,
                          flash_attention_version=flash_attention_version,
-                         checked=checked_head_dims(device.name) if device.capability else ())
+                         checked=checked_head_dims(device.name) if device.capability else (), packed=packed)
 
 
 def config_dtype(config) -> torch.dtype:

@@ -1,36 +1,194 @@
-"""Attention within the items of a packed sequence: native-resolution encoders (Qwen2.5-VL's ViT)
-run every image of a rank in one call, their tokens back to back, each image attending to itself
-only (and, in windowed layers, each window to itself). The segments are given as cu_seqlens
-([segments + 1] cumulative token counts, flash-attention's convention).
+"""Attention within the segments of a packed sequence: native-resolution encoders (Qwen2.5-VL's and
+Qwen3-VL's ViTs) run every image of a rank in one call, their tokens back to back, each image
+attending to itself only (and, in windowed layers, each window to itself). The segments are given as
+cu_seqlens ([segments + 1] cumulative token counts, flash-attention's convention).
+
+The segments are planned once per forward, on the host where the images' grids are, and reach the
+device in one pinned copy with the family's own tables (`VarlenPlan`, `SegmentParams.of`): every
+layer then runs without host work, host-to-device copies or synchronizations (a profile of
+Qwen2.5-VL-7B's ViT showed ~320 pageable copies, 32 synchronizations and ~660 fills per forward
+when each layer planned its own segments).
+
+`varlen_attention` runs flash-attn-4's varlen entry (one launch for every segment) where the module's
+kernel choice allows it, else torch SDPA: the tokens permuted once so that the segments of each
+shape lie together (one gather each way, forward and backward), one batched call per shape on views.
 
 `SegmentAttention` is a megatron-core core attention (DotProductAttention's constructor and forward)
-that runs models/attention.py's `varlen_attention` (flash-attn-4's varlen entry where the module's
-kernel choice allows it, else torch SDPA, the segments of each length in one batched call) over the
-segments its layer uses: whole items, or windows in a windowed layer.
+that runs `varlen_attention` over the segments its layer uses: whole items, or windows in a windowed
+layer (`SegmentParams`).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.models.attention import varlen_attention
-from megatron_hetero.models.attention_kernels import config_dtype, kernel_for
+from megatron_hetero.models.attention import causal_attention
+from megatron_hetero.models.attention_kernels import FA4, Fa4, KernelChoice, config_dtype, kernel_for, load_fa4, run_fa4
+
+
+def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors (any dtypes) on `device` through one copy: their bytes packed into one buffer
+    (each part 16-byte aligned: every dtype's view, and kernels that load 16 bytes at a time, as
+    CuTe's may the cu_seqlens, stay aligned), pinned where the device is a GPU
+    and copied without blocking the host; the pinned buffer is kept until the copy ends by torch's
+    caching host allocator."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    sizes = [-(-p.numel() // 16) * 16 for p in parts]
+    buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
+    for part, start in zip(parts, [0, *torch.tensor(sizes).cumsum(0).tolist()]):
+        buffer[start : start + part.numel()] = part
+    device = torch.device(device)
+    if device.type == "cuda":
+        buffer = buffer.pin_memory()
+    buffer = buffer.to(device, non_blocking=True)
+    chunks = buffer.split(sizes)
+    return [c[: p.numel()].view(t.dtype).view(t.shape) for c, p, t in zip(chunks, parts, tensors)]
+
+
+class Permute(torch.autograd.Function):
+    """forward: x[order] along dim 0; backward: grad[inverse] (order a permutation, inverse its
+    inverse): one gather each way, where indexing's backward would fill zeros and scatter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute(x: torch.Tensor, order: torch.Tensor | None, inverse: torch.Tensor | None) -> torch.Tensor:
+    """x[order] along dim 0 (order None: x itself), differentiable by Permute."""
+    return x if order is None else Permute.apply(x, order, inverse)
+
+
+def _grouped_order(lengths: torch.Tensor, shape: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(order, inverse) long [tokens]: the tokens of segments with `lengths` (host), those of each
+    `shape` (a key per segment, ordered as `_shape_groups`) together; (None, None) where they are."""
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    order = torch.sort(shape[owner], stable=True).indices  # keeps segments and their tokens in order
+    if bool((order == torch.arange(len(order))).all()):
+        return None, None
+    return order, torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
+
+
+def _shape_groups(lengths_q: torch.Tensor, lengths_k: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """((query length, key length, segments), ...) by query length then key length."""
+    shapes, counts = torch.stack([lengths_q, lengths_k], 1).unique(dim=0, return_counts=True)
+    return tuple((lq, lk, n) for (lq, lk), n in zip(shapes.tolist(), counts.tolist()))
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Segments of packed queries and keys, planned once for every layer that attends within them:
+    cu_q, cu_k int32 [segments + 1] on the device (flash-attn-4's varlen entry); max_q, max_k the
+    longest segments; for SDPA, `groups` ((lq, lk, segments) per shape) and the permutations that
+    put each shape's queries (order_q, inverse_q) and keys (order_k, inverse_k) together (None:
+    already so)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    groups: tuple[tuple[int, int, int], ...]
+    order_q: torch.Tensor | None = None
+    inverse_q: torch.Tensor | None = None
+    order_k: torch.Tensor | None = None
+    inverse_k: torch.Tensor | None = None
+
+    @staticmethod
+    def of(cu_q: torch.Tensor, cu_k: torch.Tensor | None = None) -> "VarlenPlan":
+        """The plan of cu_seqlens cu_q, cu_k (cu_k None: the keys' segments are the queries'), on the
+        host (device tensors are read back: one synchronization); `plans_to` moves it."""
+        same = cu_k is None
+        cu_q = cu_q.cpu().long()
+        cu_k = cu_q if same else cu_k.cpu().long()
+        lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
+        shape = lengths_q * (int(cu_k[-1]) + 1) + lengths_k  # (lq, lk) in lexicographic order
+        order_q, inverse_q = _grouped_order(lengths_q, shape)
+        order_k, inverse_k = (order_q, inverse_q) if same else _grouped_order(lengths_k, shape)
+        cu_q = cu_q.int()
+        longest = [int(n.max()) if len(n) else 0 for n in (lengths_q, lengths_k)]
+        return VarlenPlan(cu_q, cu_q if same else cu_k.int(), *longest, _shape_groups(lengths_q, lengths_k),
+                          order_q, inverse_q, order_k, inverse_k)
+
+
+_PLAN_TENSORS = ("cu_q", "cu_k", "order_q", "inverse_q", "order_k", "inverse_k")
+
+
+def plans_to(device, plans: list[VarlenPlan], extra: list[torch.Tensor] = ()) -> tuple[list, list]:
+    """(plans, extra host tensors) on `device` in one copy (to_device), a tensor shared within or
+    between plans moved once."""
+    unique = {id(t): t for p in plans for t in (getattr(p, n) for n in _PLAN_TENSORS) if t is not None}
+    moved = to_device([*unique.values(), *extra], device)
+    on_device = dict(zip(unique, moved))
+    plans = [replace(p, **{n: on_device[id(getattr(p, n))] for n in _PLAN_TENSORS if getattr(p, n) is not None})
+             for p in plans]
+    return plans, moved[len(unique):]
+
+
+def _varlen_sdpa(q, k, v, plan: VarlenPlan, scale, causal) -> torch.Tensor:
+    """varlen_attention on torch SDPA: one batched call per segment shape, on views of the permuted
+    queries and keys; a segment without keys gives zeros, as flash-attn-4."""
+    qs = permute(q, plan.order_q, plan.inverse_q).split([lq * n for lq, _, n in plan.groups])
+    ks, vs = (permute(t, plan.order_k, plan.inverse_k).split([lk * n for _, lk, n in plan.groups]) for t in (k, v))
+    outs = []
+    for (lq, lk, n), qg, kg, vg in zip(plan.groups, qs, ks, vs):
+        if lq == 0 or lk == 0:
+            outs.append(qg.new_zeros(lq * n, qg.shape[1], vg.shape[-1]))
+            continue
+        # [n * l, heads, d] -> [n, heads, l, d]
+        qg, kg, vg = (t.view(n, -1, *t.shape[1:]).transpose(1, 2) for t in (qg, kg, vg))
+        if kg.shape[1] != qg.shape[1]:
+            kg, vg = (t.repeat_interleave(qg.shape[1] // kg.shape[1], dim=1) for t in (kg, vg))
+        part = (causal_attention(qg, kg, vg, scale=scale) if causal
+                else F.scaled_dot_product_attention(qg, kg, vg, scale=scale))
+        outs.append(part.transpose(1, 2).flatten(0, 1))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return permute(out, plan.inverse_q, plan.order_q)
+
+
+def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_scale: float | None = None,
+                     causal: bool = False, fa4: Fa4 | None = None) -> torch.Tensor:
+    """Attention within the segments of packed sequences, flash-attention's varlen convention:
+    q [total_q, heads, d], k, v [total_k, kv heads, d]; segment i's queries q[cu_q[i]:cu_q[i+1]]
+    attend to its keys k[cu_k[i]:cu_k[i+1]] (causal: bottom-right aligned, the j-th query of a
+    segment sees keys up to len_k - len_q + j); plan: their VarlenPlan on q's device. kernel:
+    kernel_for(the module's config, head dim, dropout, packed=True): FA4's varlen entry (fa4: its
+    stand-in in tests), else torch SDPA per segment shape. Returns [total_q, heads, d]."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if kernel.kernel == FA4:
+        return run_fa4((fa4 or load_fa4()[0]).varlen_func, kernel, q, k, v, cu_seqlens_q=plan.cu_q,
+                       cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,
+                       softmax_scale=scale, causal=causal)
+    return _varlen_sdpa(q, k, v, plan, scale, causal)
 
 
 @dataclass
 class SegmentParams(PackedSeqParams):
-    """The segments of a packed encoder sequence [t, 1, h] (qkv_format "sbhd", batch 1):
-    `cu_seqlens_q` (= `cu_seqlens_kv`) the items, `windows` the windows of the windowed layers
-    (None: every layer attends within whole items)."""
+    """The segments of a packed encoder sequence [t, 1, h] (qkv_format "sbhd", batch 1): `items`
+    the items' plan (its cu_seqlens also as `cu_seqlens_q` / `cu_seqlens_kv`), `windows` the
+    windowed layers' (None: every layer attends within whole items)."""
 
-    windows: torch.Tensor | None = None
+    items: VarlenPlan | None = None
+    windows: VarlenPlan | None = None
 
     @staticmethod
-    def of(items: torch.Tensor, windows: torch.Tensor | None = None) -> "SegmentParams":
-        return SegmentParams(qkv_format="sbhd", cu_seqlens_q=items, cu_seqlens_kv=items, windows=windows)
+    def of(items: torch.Tensor, windows: torch.Tensor | None = None, device="cpu",
+           extra: list[torch.Tensor] = ()) -> tuple["SegmentParams", list[torch.Tensor]]:
+        """From the host cu_seqlens of the items and the windows, planned once for every layer, on
+        `device` with the caller's `extra` host tensors in one copy: (params, extra on the device)."""
+        plans, extra = plans_to(device, [VarlenPlan.of(cu) for cu in (items, windows) if cu is not None], extra)
+        params = SegmentParams(qkv_format="sbhd", cu_seqlens_q=plans[0].cu_q, cu_seqlens_kv=plans[0].cu_q,
+                               items=plans[0], windows=plans[1] if len(plans) > 1 else None)
+        return params, extra
 
 
 class SegmentAttention(MegatronModule):
@@ -48,17 +206,14 @@ class SegmentAttention(MegatronModule):
         self.windowed = full_layers is not None and layer_number - 1 not in full_layers
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
         self.kernel = kernel_for(config.attention_backend, config.kv_channels, config_dtype(config), 0.0,
-                                 config.flash_attention_version)
+                                 config.flash_attention_version, packed=True)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: SegmentParams | None = None) -> torch.Tensor:
         if not isinstance(packed_seq_params, SegmentParams) or query.shape[1] != 1:
             raise ValueError("SegmentAttention takes a packed sequence [t, 1, ...] and its SegmentParams")
-        segments = packed_seq_params.cu_seqlens_q
+        plan = packed_seq_params.items
         if self.windowed and packed_seq_params.windows is not None:
-            segments = packed_seq_params.windows
-        longest = int(segments.diff().max()) if len(segments) > 1 else 0  # on the host: the grids' own
-        segments = segments.to(device=query.device, dtype=torch.int32)
-        out = varlen_attention(query[:, 0], key[:, 0], value[:, 0], segments, segments, longest, longest,
-                               self.kernel, self.softmax_scale)
+            plan = packed_seq_params.windows
+        out = varlen_attention(query[:, 0], key[:, 0], value[:, 0], plan, self.kernel, self.softmax_scale)
         return out.flatten(1)[:, None]

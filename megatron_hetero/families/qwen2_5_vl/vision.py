@@ -17,6 +17,7 @@ its merged grid's row-major order: the order of its placeholder tokens in the LL
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -30,7 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.specs import block_spec, with_our_layers
-from megatron_hetero.models.varlen import SegmentAttention, SegmentParams
+from megatron_hetero.models.varlen import SegmentAttention, SegmentParams, permute
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,30 @@ def vision_layer_spec(pg_collection: ProcessGroupCollection, full_layers: frozen
     return layer
 
 
-def grid_layout(grids: torch.Tensor, arch: QwenVisionArch):
-    """(patch (h, w) positions [tokens, 2], image cu_seqlens, window index [tokens / merge unit],
-    window cu_seqlens) of packed images with patch grids `grids` [n, 3]: transformers' own
-    functions, so the layout is the one its model uses."""
+class GridLayout(NamedTuple):
+    """A forward's packed images, planned once on the host from their grids and on the device in one
+    copy (models/varlen.py): `positions` each token's patch (h, w) [tokens, 2] in window order,
+    `blocks` / `unblocks` the merge blocks' permutation into window order and back (long [tokens /
+    merge unit]), `segments` the images' and the windows' attention plans."""
+
+    positions: torch.Tensor
+    blocks: torch.Tensor
+    unblocks: torch.Tensor
+    segments: SegmentParams
+
+
+def grid_layout(grids: torch.Tensor, arch: QwenVisionArch, device="cpu") -> GridLayout:
+    """The GridLayout of packed images with patch grids `grids` [n, 3] (host): transformers' own
+    functions, so that the layout is the one its model uses."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
     grids = grids.cpu()
     merge = arch.spatial_merge_size
-    window_index, windows = get_vision_window_index(grids, merge, arch.window_size, arch.patch_size)
-    return get_vision_position_ids(grids, merge), get_vision_cu_seqlens(grids), window_index, windows
+    blocks, windows = get_vision_window_index(grids, merge, arch.window_size, arch.patch_size)
+    positions = get_vision_position_ids(grids, merge).unflatten(0, (-1, arch.merge_unit))[blocks].flatten(0, 1)
+    unblocks = torch.empty_like(blocks).scatter_(0, blocks, torch.arange(len(blocks)))
+    segments, moved = SegmentParams.of(get_vision_cu_seqlens(grids), windows, device, [positions, blocks, unblocks])
+    return GridLayout(*moved, segments)
 
 
 class QwenVisionEncoder(MegatronModule):
@@ -106,22 +121,21 @@ class QwenVisionEncoder(MegatronModule):
         self.register_buffer("inv_freq", 1.0 / arch.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float)
                                                                     / spatial), persistent=False)
 
-    def _by_window(self, x: torch.Tensor, window_index: torch.Tensor) -> torch.Tensor:
-        """x [tokens, ...] permuted merge block by merge block into window order."""
-        unit = self.arch.merge_unit
-        return x.unflatten(0, (-1, unit))[window_index.to(x.device)].flatten(0, 1)
+    def _by_window(self, x: torch.Tensor, layout: GridLayout, back: bool = False) -> torch.Tensor:
+        """x [tokens or blocks, ...] permuted merge block by merge block into window order (back: out of it)."""
+        order, inverse = (layout.unblocks, layout.blocks) if back else (layout.blocks, layout.unblocks)
+        unit = 1 if back else self.arch.merge_unit
+        return permute(x.unflatten(0, (-1, unit)), order, inverse).flatten(0, 1)
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-        positions, images, window_index, windows = grid_layout(grids, self.arch)
-        x = self._by_window(self.input_embedding(patches), window_index)
-        angles = positions.to(x.device)[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4]
-        angles = self._by_window(angles.flatten(1), window_index)
-        rotary = torch.cat([angles, angles], -1)[:, None, None]  # [tokens, 1, 1, head_dim]
-        x = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rotary,
-                         packed_seq_params=SegmentParams.of(images, windows))
+        layout = grid_layout(grids, self.arch, patches.device)
+        x = self._by_window(self.input_embedding(patches), layout)
+        angles = layout.positions[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4], window order
+        rotary = torch.cat([angles.flatten(1)] * 2, -1)[:, None, None]  # [tokens, 1, 1, head_dim]
+        x = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=layout.segments)
         # A merge block's tokens are adjacent: [tokens, 1, h] -> [blocks, 1, merge unit * h]
         rows = self.projector(x.unflatten(0, (-1, self.arch.merge_unit)).transpose(1, 2).flatten(2))
-        return rows[:, 0][window_index.argsort().to(rows.device)]
+        return self._by_window(rows[:, 0], layout, back=True)
 
 
 def build_vision_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,

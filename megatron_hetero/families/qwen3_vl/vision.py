@@ -71,10 +71,10 @@ class Qwen3VisionArch:
         return int(self.num_position_embeddings**0.5)
 
 
-def grid_layout(grids: torch.Tensor, arch: Qwen3VisionArch):
-    """(patch (h, w) positions [tokens, 2], image cu_seqlens, position-embedding indices and weights
-    [tokens, 4]) of packed images with patch grids `grids` [n, 3]: transformers' own functions, so
-    the layout is the one its model uses."""
+def grid_layout(grids: torch.Tensor, arch: Qwen3VisionArch, device="cpu"):
+    """(patch (h, w) positions [tokens, 2], position-embedding indices and weights [tokens, 4], the
+    images' SegmentParams) of packed images with patch grids `grids` [n, 3] (host), on `device` in
+    one copy: transformers' own functions, so the layout is the one its model uses."""
     from transformers.vision_utils import (
         get_vision_cu_seqlens,
         get_vision_interpolation_indices_and_weights,
@@ -84,7 +84,9 @@ def grid_layout(grids: torch.Tensor, arch: Qwen3VisionArch):
     grids, merge = grids.cpu(), arch.spatial_merge_size
     indices, weights = get_vision_interpolation_indices_and_weights(
         grids, num_grid_per_side=arch.grid_side, mode="bilinear", align_corners=True, spatial_merge_size=merge)
-    return get_vision_position_ids(grids, merge), get_vision_cu_seqlens(grids), indices, weights
+    params, moved = SegmentParams.of(get_vision_cu_seqlens(grids), device=device,
+                                     extra=[get_vision_position_ids(grids, merge), indices, weights])
+    return (*moved, params)
 
 
 class DeepStackMerger(MegatronModule):
@@ -148,15 +150,14 @@ class Qwen3VisionEncoder(MegatronModule):
 
     def _embed(self, patches: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         x = self.input_embedding(patches)
-        table = self.position_embedding(indices.to(x.device))  # [tokens, 4, h]
-        return x + (table * weights.to(device=x.device, dtype=table.dtype)[..., None]).sum(1)
+        table = self.position_embedding(indices)  # [tokens, 4, h]
+        return x + (table * weights.to(table.dtype)[..., None]).sum(1)
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-        positions, images, indices, weights = grid_layout(grids, self.arch)
+        positions, indices, weights, params = grid_layout(grids, self.arch, patches.device)
         x = self._embed(patches, indices, weights)[:, None]
-        angles = positions.to(x.device)[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4]
+        angles = positions[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4]
         rotary = torch.cat([angles.flatten(1)] * 2, -1)[:, None, None]  # [tokens, 1, 1, head_dim]
-        params = SegmentParams.of(images)
         deep = dict(zip(self.arch.deepstack_visual_indexes, self.deepstack.children()))
         stacked = []
         for index, layer in enumerate(self.decoder.layers):
