@@ -215,6 +215,8 @@ COLOCATED_4 = [
     ([enc(pp=4)], llm(tp=2, cp=2, sp=True)),
     ([enc(tp=2, pp=2)], llm(dp=2, pp=2)),              # PP on both sides
     ([enc(dp=4), enc(tp=2, dp=2, name="audio")], llm(tp=2, cp=2, sp=True)),  # two encoders
+    ([enc(dp=2)], llm(dp=2, pp=2)),                    # encoder on the LLM's first stage (ranks 0-1)
+    ([enc(tp=2)], llm(tp=2, pp=2, sp=True)),           # ... with the stage's TP and SP
 ]
 COLOCATED_3 = [([enc(dp=3)], llm(tp=3)), ([enc(tp=3)], llm(dp=3))]           # DP 3 -> 1, 1 -> 3
 COLOCATED_6 = [([enc(tp=3, dp=2)], llm(dp=6)), ([enc(dp=6)], llm(tp=3, dp=2, sp=True))]  # 2 -> 6, 6 -> 2
@@ -316,6 +318,19 @@ def test_same_layout_moves_nothing_off_rank():
     plans = _plans(batch, enc(tp=2, dp=2), llm(tp=2, dp=2), 4)
     assert all(p.forward.bytes_sent_off_rank(p.rank, 1) == 0 for p in plans)
     assert all(p.backward.bytes_sent_off_rank(p.rank, 1) == 0 for p in plans)
+
+
+def test_encoder_on_the_first_stage_routes_within_it():
+    """An encoder on the LLM's first-stage ranks (layout on_first_stage): its rows and their
+    gradients move among those ranks only; the later stages' ranks route nothing."""
+    (batch,) = edge_batches([BATCHES_8[0][0]], SEQ, 0)
+    plans = _plans(batch, enc(dp=2), llm(dp=2, pp=2), 4)
+    for p in plans:
+        for routes in (p.forward, p.backward):
+            assert not routes.send_counts[2:].any() and not routes.recv_counts[2:].any(), p.rank
+            if p.rank >= 2:
+                assert not routes.send_counts.any() and not routes.recv_counts.any(), p.rank
+    assert sum(p.num_source_rows for p in plans[:2]) == batch.num_rows
 
 
 @pytest.mark.parametrize("encoder, llm_layout, seq_len, field", [
