@@ -114,13 +114,14 @@ def _check_replicated(rank, world_size, encoder, llm_layout, batch, dtype):
     """An encoder replicated over cp (Megatron's homogeneous layout under LLM CP): every cp replica
     holds its DP rank's rows whole; forward rows as the reference; each row's gradient reaches the
     replicas at cp = (the consuming LLM CP rank) mod cp, zeros elsewhere, so that the sum over the
-    replicas is the reference gradient."""
+    replicas is the reference gradient. Ranks without the encoder (on the LLM's later stages) hold
+    no rows."""
     rows, grad = _patterns(batch, dtype, seed=0)
     plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
     whole = replace(encoder, cp=1, cp_replicated=False)  # a replica's rows: its DP rank's, whole
     c = encoder.coords(rank)
-    local = encoder_share(rows, batch, whole, whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"]))
-    local = local.clone().requires_grad_(True)
+    replica = None if c is None else whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"])  # None: no encoder here
+    local = encoder_share(rows, batch, whole, replica).clone().requires_grad_(True)
     got = boundary_exchange(local, plan)
     mine = llm_share(reference_input(rows, batch), llm_layout, rank)
     filled = filled_slots(plan, "cpu")
@@ -130,8 +131,8 @@ def _check_replicated(rank, world_size, encoder, llm_layout, batch, dtype):
     slots.backward(llm_share(torch.where(mask, grad, 0), llm_layout, rank))
     chunk = torch.as_tensor(batch.positions) // (batch.seq_len // (2 * llm_layout.cp))
     llm_cp = torch.where(chunk < llm_layout.cp, chunk, 2 * llm_layout.cp - 1 - chunk)
-    ours = (llm_cp % encoder.cp == c["cp"]).to(dtype)[:, None] * at_addresses(grad, batch)
-    want = encoder_share(ours, batch, whole, whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"]))
+    ours = (llm_cp % encoder.cp == (c["cp"] if c else -1)).to(dtype)[:, None] * at_addresses(grad, batch)
+    want = encoder_share(ours, batch, whole, replica)
     assert torch.equal(local.grad, want), f"rank {rank}: gradients differ"
 
 
@@ -264,6 +265,7 @@ REPLICATED_4 = [
     (enc(tp=2, cp=2, replicated=True), llm(tp=2, cp=2, sp=True)),      # ... with SP
     (enc(cp=4, replicated=True), llm(cp=2, dp=2)),                     # more replicas than LLM CP ranks
     (enc(cp=2, dp=2, replicated=True), llm(tp=4)),                     # an LLM without CP: replica 0
+    (enc(cp=2, replicated=True), llm(cp=2, pp=2)),                     # on the LLM's first stage (ranks 0-1)
 ]
 
 
