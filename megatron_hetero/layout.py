@@ -69,7 +69,9 @@ class ColocatedSchedule(_Named):
 ROLES = tuple(Role)
 PLACEMENTS = tuple(Placement)
 TOP_KEYS = ("placement", "modules", "edges")
-MODULE_KEYS = ("role", "kind", *AXES, "sp", "freeze", "cp_replicated", "ranks", "ep", "etp")
+# A module's boolean settings (each `true` or `false` in a file).
+FLAGS = ("sp", "freeze", "cp_replicated", "on_first_stage")
+MODULE_KEYS = ("role", "kind", *AXES, *FLAGS, "ranks", "ep", "etp")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _RANKS = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
@@ -132,6 +134,10 @@ class ModuleLayout:
     # sends on the rows its own LLM CP rank takes and gets back their gradients only, and the
     # weight gradients are summed over cp with dp. A baseline to measure against, colocated only.
     cp_replicated: bool = False
+    # An encoder stacked on the llm's first pipeline stage, as Megatron's homogeneous layout has it
+    # under an LLM with PP (LLaVA, MIMO): its ranks are that stage's, with the llm's tp, cp and dp
+    # there, and the later stages hold no encoder. A baseline to measure against, colocated only.
+    on_first_stage: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -146,7 +152,7 @@ class ModuleLayout:
             value = getattr(self, axis)
             if not _is_int(value) or value < 1:
                 raise LayoutError(f"{where}: {axis} must be a positive integer, got {value!r}; set {axis}: 1 or more")
-        for flag in ("sp", "freeze", "cp_replicated"):
+        for flag in FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise LayoutError(f"{where}: {flag} must be true or false, got {getattr(self, flag)!r}")
         if self.sp and self.role != "llm":
@@ -157,6 +163,9 @@ class ModuleLayout:
         if self.cp_replicated and (self.role != "encoder" or self.cp == 1):
             raise LayoutError(f"{where}: cp_replicated replicates an encoder over cp > 1 ranks; set it on an "
                               f"encoder with cp: 2 or more, or remove it")
+        if self.on_first_stage and self.role != "encoder":
+            raise LayoutError(f"{where}: on_first_stage stacks an encoder on the llm's first pipeline stage; "
+                              f"set it on an encoder, or remove it")
         if not isinstance(self.kind, str) or (self.kind and not _NAME.match(self.kind)):
             raise LayoutError(f"{where}: kind {self.kind!r} is not valid; use a name such as vision or audio")
         if not self.kind:
@@ -319,18 +328,36 @@ class HeteroLayout:
                     f"module {m.name} is not colocated with the others: its ranks start at {m.first_rank}, "
                     f"not 0; drop ranks or set placement: non_colocated"
                 )
-            if m.size != self.world_size:
+            if m.on_first_stage:
+                self._check_first_stage(m)
+            elif m.size != self.world_size:
                 raise LayoutError(
                     f"module {m.name}: tp*cp*dp*pp = {m.size} but the world size is {self.world_size}; "
                     f"make the product {self.world_size}"
                 )
 
+    def _check_first_stage(self, m: ModuleLayout) -> None:
+        """An encoder on the llm's first stage (on_first_stage): Megatron's layout there, the
+        llm's tp, cp and dp, unpipelined, so that its ranks are exactly that stage's."""
+        llm = self.llm
+        if llm.pp == 1:
+            raise LayoutError(f"module {m.name}: on_first_stage stacks the encoder on the first of the llm's "
+                              f"pipeline stages, but the llm has pp: 1; give the llm pp: 2 or more, or remove it")
+        want = {"tp": llm.tp, "cp": llm.cp, "dp": llm.dp, "pp": 1}
+        if any(getattr(m, axis) != size for axis, size in want.items()):
+            got = " ".join(f"{axis}={getattr(m, axis)}" for axis in want)
+            fix = ", ".join(f"{axis}: {size}" for axis, size in want.items())
+            raise LayoutError(f"module {m.name}: on_first_stage takes the llm's first-stage layout (Megatron's), "
+                              f"got {got}; set {fix}")
+
     def _check_non_colocated(self):
         last = self.world_size - 1
         for m in self.modules:
-            if m.cp_replicated:
-                raise LayoutError(f"module {m.name}: cp_replicated is Megatron's colocated baseline (the encoder on "
-                                  f"the llm's CP ranks); use placement: colocated or remove it")
+            for flag, what in (("cp_replicated", "the encoder on the llm's CP ranks"),
+                               ("on_first_stage", "the encoder on the llm's first-stage ranks")):
+                if getattr(m, flag):
+                    raise LayoutError(f"module {m.name}: {flag} is Megatron's colocated baseline ({what}); "
+                                      f"use placement: colocated or remove it")
         for m in self.modules:
             if m.ranks.stop > self.world_size:
                 raise LayoutError(
@@ -407,7 +434,8 @@ class HeteroLayout:
         for m in self.modules:
             sizes = " ".join(f"{axis}{getattr(m, axis)}" for axis in AXES)
             flags = "".join([", sp" if m.sp else "", ", frozen" if m.freeze else "",
-                             ", cp replicated" if m.cp_replicated else ""])
+                             ", cp replicated" if m.cp_replicated else "",
+                             ", on the llm's first stage" if m.on_first_stage else ""])
             role = m.role if m.kind == m.name or m.role == "llm" else f"{m.role}, kind {m.kind}"
             if m.has_expert_grid:
                 sizes += " | experts " + " ".join(
@@ -472,7 +500,7 @@ def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
     module = ModuleLayout(
         name=name,
         first_rank=ranks.start,
-        **{key: spec[key] for key in ("role", "kind", *AXES, "sp", "freeze", "cp_replicated", "ep", "etp")
+        **{key: spec[key] for key in ("role", "kind", *AXES, *FLAGS, "ep", "etp")
            if key in spec},
     )
     # Colocated sizes are checked against the world by HeteroLayout; here only the explicit range.

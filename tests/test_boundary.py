@@ -114,13 +114,14 @@ def _check_replicated(rank, world_size, encoder, llm_layout, batch, dtype):
     """An encoder replicated over cp (Megatron's homogeneous layout under LLM CP): every cp replica
     holds its DP rank's rows whole; forward rows as the reference; each row's gradient reaches the
     replicas at cp = (the consuming LLM CP rank) mod cp, zeros elsewhere, so that the sum over the
-    replicas is the reference gradient."""
+    replicas is the reference gradient. Ranks without the encoder (on the LLM's later stages) hold
+    no rows."""
     rows, grad = _patterns(batch, dtype, seed=0)
     plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
     whole = replace(encoder, cp=1, cp_replicated=False)  # a replica's rows: its DP rank's, whole
     c = encoder.coords(rank)
-    local = encoder_share(rows, batch, whole, whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"]))
-    local = local.clone().requires_grad_(True)
+    replica = None if c is None else whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"])  # None: no encoder here
+    local = encoder_share(rows, batch, whole, replica).clone().requires_grad_(True)
     got = boundary_exchange(local, plan)
     mine = llm_share(reference_input(rows, batch), llm_layout, rank)
     filled = filled_slots(plan, "cpu")
@@ -130,8 +131,8 @@ def _check_replicated(rank, world_size, encoder, llm_layout, batch, dtype):
     slots.backward(llm_share(torch.where(mask, grad, 0), llm_layout, rank))
     chunk = torch.as_tensor(batch.positions) // (batch.seq_len // (2 * llm_layout.cp))
     llm_cp = torch.where(chunk < llm_layout.cp, chunk, 2 * llm_layout.cp - 1 - chunk)
-    ours = (llm_cp % encoder.cp == c["cp"]).to(dtype)[:, None] * at_addresses(grad, batch)
-    want = encoder_share(ours, batch, whole, whole.rank_of(tp=c["tp"], dp=c["dp"], pp=c["pp"]))
+    ours = (llm_cp % encoder.cp == (c["cp"] if c else -1)).to(dtype)[:, None] * at_addresses(grad, batch)
+    want = encoder_share(ours, batch, whole, replica)
     assert torch.equal(local.grad, want), f"rank {rank}: gradients differ"
 
 
@@ -215,6 +216,8 @@ COLOCATED_4 = [
     ([enc(pp=4)], llm(tp=2, cp=2, sp=True)),
     ([enc(tp=2, pp=2)], llm(dp=2, pp=2)),              # PP on both sides
     ([enc(dp=4), enc(tp=2, dp=2, name="audio")], llm(tp=2, cp=2, sp=True)),  # two encoders
+    ([enc(dp=2)], llm(dp=2, pp=2)),                    # encoder on the LLM's first stage (ranks 0-1)
+    ([enc(tp=2)], llm(tp=2, pp=2, sp=True)),           # ... with the stage's TP and SP
 ]
 COLOCATED_3 = [([enc(dp=3)], llm(tp=3)), ([enc(tp=3)], llm(dp=3))]           # DP 3 -> 1, 1 -> 3
 COLOCATED_6 = [([enc(tp=3, dp=2)], llm(dp=6)), ([enc(dp=6)], llm(tp=3, dp=2, sp=True))]  # 2 -> 6, 6 -> 2
@@ -262,6 +265,7 @@ REPLICATED_4 = [
     (enc(tp=2, cp=2, replicated=True), llm(tp=2, cp=2, sp=True)),      # ... with SP
     (enc(cp=4, replicated=True), llm(cp=2, dp=2)),                     # more replicas than LLM CP ranks
     (enc(cp=2, dp=2, replicated=True), llm(tp=4)),                     # an LLM without CP: replica 0
+    (enc(cp=2, replicated=True), llm(cp=2, pp=2)),                     # on the LLM's first stage (ranks 0-1)
 ]
 
 
@@ -316,6 +320,19 @@ def test_same_layout_moves_nothing_off_rank():
     plans = _plans(batch, enc(tp=2, dp=2), llm(tp=2, dp=2), 4)
     assert all(p.forward.bytes_sent_off_rank(p.rank, 1) == 0 for p in plans)
     assert all(p.backward.bytes_sent_off_rank(p.rank, 1) == 0 for p in plans)
+
+
+def test_encoder_on_the_first_stage_routes_within_it():
+    """An encoder on the LLM's first-stage ranks (layout on_first_stage): its rows and their
+    gradients move among those ranks only; the later stages' ranks route nothing."""
+    (batch,) = edge_batches([BATCHES_8[0][0]], SEQ, 0)
+    plans = _plans(batch, enc(dp=2), llm(dp=2, pp=2), 4)
+    for p in plans:
+        for routes in (p.forward, p.backward):
+            assert not routes.send_counts[2:].any() and not routes.recv_counts[2:].any(), p.rank
+            if p.rank >= 2:
+                assert not routes.send_counts.any() and not routes.recv_counts.any(), p.rank
+    assert sum(p.num_source_rows for p in plans[:2]) == batch.num_rows
 
 
 @pytest.mark.parametrize("encoder, llm_layout, seq_len, field", [

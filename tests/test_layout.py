@@ -222,6 +222,29 @@ def test_rank_map_colocated():
     )
 
 
+def stacked(**vision):
+    """Megatron's layout under LLM PP: the encoder on the LLM's first stage (ranks 0-1 of 4)."""
+    return {"placement": "colocated",
+            "modules": {"vision": {"role": "encoder", "dp": 2, "on_first_stage": True, **vision},
+                        "llm": {"role": "llm", "dp": 2, "pp": 2}}}
+
+
+def test_encoder_on_the_llm_first_stage():
+    """on_first_stage: the encoder holds the llm's first-stage ranks only, with its tp, cp and dp."""
+    layout = parse_layout(stacked(), 4)
+    assert layout.module("vision").ranks == range(2) and layout.llm.ranks == range(4)
+    assert [m.name for m in layout.modules_on(2)] == ["llm"]
+    lines = layout.rank_map().splitlines()
+    assert "vision (encoder): tp1 cp1 dp2 pp1, ranks 0-1, on the llm's first stage" in lines
+    assert "rank 1: vision[tp0 cp0 dp1 pp0] llm[tp0 cp0 dp1 pp0]" in lines
+    assert "rank 3: llm[tp0 cp0 dp1 pp1]" in lines
+    example = load_layout(str(EXAMPLES / "gpu2_homogeneous_pp2_stacked.yaml"), 2)
+    assert example.module("vision").on_first_stage and example.module("vision").ranks == range(1)
+    replicated = stacked(cp=2, dp=1, cp_replicated=True)  # under llm cp: replicated over it, as Megatron
+    replicated["modules"]["llm"].update(cp=2, dp=1)
+    assert parse_layout(replicated, 4).module("vision").ranks == range(2)
+
+
 def test_rank_map_non_colocated():
     lines = parse_layout(non_colocated(), 4).rank_map().splitlines()
     assert "llm (llm): tp1 cp1 dp3 pp1, ranks 1-3" in lines
@@ -332,6 +355,18 @@ def with_module(data, name, **changes):
         ({**colocated(), "edges": [{"src": "vision"}]}, 4, ["edges[0]", "src"]),
         ({"placement": "colocated", "modules": {**colocated()["modules"], "audio": {"role": "encoder", "dp": 4}}}, 4,
          ["edges missing with 2 encoders (vision, audio)"]),
+        # an encoder on the llm's first stage (on_first_stage)
+        (stacked(on_first_stage="yes"), 4, ["module vision", "on_first_stage must be true or false"]),
+        (with_module(stacked(), "llm", on_first_stage=True), 4,
+         ["module llm", "on_first_stage stacks an encoder", "set it on an encoder"]),
+        (with_module(colocated(), "vision", on_first_stage=True), 4,
+         ["module vision", "the llm has pp: 1", "give the llm pp: 2 or more, or remove it"]),
+        (stacked(tp=2, dp=1), 4, ["module vision: on_first_stage takes the llm's first-stage layout",
+                                  "got tp=2 cp=1 dp=1 pp=1", "set tp: 1, cp: 1, dp: 2, pp: 1"]),
+        (stacked(dp=4), 4, ["module vision: on_first_stage", "got tp=1 cp=1 dp=4 pp=1", "set tp: 1, cp: 1, dp: 2"]),
+        (stacked(dp=1, pp=2), 4, ["module vision: on_first_stage", "got tp=1 cp=1 dp=1 pp=2", "pp: 1"]),
+        (with_module(non_colocated(), "vision", on_first_stage=True), 4,
+         ["module vision: on_first_stage is Megatron's colocated baseline", "use placement: colocated"]),
     ],
 )
 def test_errors(data, world, fragments):

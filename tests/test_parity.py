@@ -35,6 +35,7 @@ CASES = {
     "colocated_vtp2dp2_lcp2dp2": (4, "single", []),
     "colocated_vdp4_lcp2pp2": (4, "single", ["--micro-batch-size", "4"]),
     "gpu2_homogeneous_cp2": (2, "single", []),  # the encoder replicated over the LLM's CP (Megatron's)
+    "gpu2_homogeneous_pp2_stacked": (2, "single", []),  # the encoder on the LLM's first stage (Megatron's)
     "demo_colocated_frozen": (4, "single_frozen", []),
     "colocated_two_encoders": (4, "single_two_encoders", TWO_ENCODERS),
     "colocated_named_kinds": (4, "single_two_encoders", TWO_ENCODERS),  # modules named by `kind:`
@@ -323,6 +324,9 @@ ORDERED_WRITTEN = {
                                     "  llm: {role: llm, pp: 2, dp: 2}\nedges: [vision -> llm, audio -> llm]"),
     "colocated_frozen_lpp2": (2, "single_frozen", [], "vision: {role: encoder, dp: 2, freeze: true}\n"
                                                      "  llm: {role: llm, pp: 2}"),
+    # Megatron's encoder on the LLM's first stage (ranks 0-1), its gradients summed over that stage's DP
+    "stacked_vdp2_lpp2dp2": (4, "single", [], "vision: {role: encoder, dp: 2, on_first_stage: true}\n"
+                                              "  llm: {role: llm, pp: 2, dp: 2}"),
 }
 
 

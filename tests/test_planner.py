@@ -111,14 +111,35 @@ def test_layout_rules_refuse_what_the_trainer_refuses():
 
 
 def test_a_layout_file_that_is_megatrons_layout_is_predicted_as_homogeneous():
-    """A colocated file whose encoders take the LLM's TP and DP (LLM without CP or PP) is the
-    homogeneous baseline, as enumerate_candidates lists it; any other colocated file is not."""
+    """A colocated file whose encoders take the LLM's TP and DP (replicated over its CP, on the
+    first of its PP stages) is the homogeneous baseline, as enumerate_candidates lists it; any other
+    colocated file is not."""
     cluster = Cluster(2, 150)
+    names = ("gpu2_homogeneous_tp2", "gpu2_homogeneous_dp2", "gpu2_homogeneous_cp2", "gpu2_homogeneous_pp2_stacked",
+             "gpu2_colocated", "gpu2_colocated_cp2", "gpu2_colocated_pp2")
     placements = {name: {c.placement for c in candidate_from_layout(load_layout(ROOT / "examples" / "layouts" /
                                                                                  f"{name}.yaml", 2), W1, cluster)}
-                  for name in ("gpu2_homogeneous_tp2", "gpu2_homogeneous_dp2", "gpu2_colocated", "gpu2_colocated_cp2")}
-    assert placements == {"gpu2_homogeneous_tp2": {"homogeneous"}, "gpu2_homogeneous_dp2": {"homogeneous"},
-                          "gpu2_colocated": {"colocated"}, "gpu2_colocated_cp2": {"colocated"}}
+                  for name in names}
+    assert placements == {**{name: {"homogeneous"} for name in names[:4]},
+                          **{name: {"colocated"} for name in names[4:]}}
+
+
+@pytest.mark.parametrize("name, llm", [("gpu2_homogeneous_pp2_stacked", dict(pp=2)),
+                                       ("gpu2_homogeneous_cp2", dict(cp=2))])
+def test_the_homogeneous_prediction_is_the_example_layout(name, llm):
+    """Megatron's layout under LLM PP2 (the encoder on the first stage) or CP2 (replicated over
+    it) as the planner enumerates it on 2 GPUs: its layout file is the example's, and the example
+    read as a layout file is the same candidates with the same predictions."""
+    workload, cluster = PRESETS["W5"].workload, Cluster(2, 150)
+    model = CostModel(workload, cluster, Calibration())
+    (listed,) = [group for group in enumerate_candidates(workload, cluster) if group
+                 and group[0].placement == "homogeneous" and all(getattr(group[0].llm, k) == v for k, v in llm.items())]
+    example = load_layout(ROOT / "examples" / "layouts" / f"{name}.yaml", 2)
+    written = parse_layout(yaml.safe_load(layout_yaml(model.predict(listed[0]), workload, cluster)), 2)
+    assert written == example
+    from_file = candidate_from_layout(example, workload, cluster)
+    assert from_file == listed
+    assert [model.predict(c).step_s for c in from_file] == [model.predict(c).step_s for c in listed]
 
 
 def test_layouts_over_memory_are_excluded():

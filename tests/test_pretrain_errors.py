@@ -39,6 +39,11 @@ def _run(args, tmp_path, layout_text=None):
      "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n  audio: {role: encoder, dp: 4}\n"
      "  llm: {role: llm, tp: 4}\nedges: [vision -> llm, audio -> llm]\n",
      "--audio-frames 30 is not a positive multiple of 4"),
+    (["--hetero-layout", "layout.yaml"],
+     "placement: colocated\nmodules:\n  vision: {role: encoder, tp: 2, on_first_stage: true}\n"
+     "  llm: {role: llm, dp: 2, pp: 2}\n",
+     "module vision: on_first_stage takes the llm's first-stage layout (Megatron's), got tp=2 cp=1 dp=1 pp=1; "
+     "set tp: 1, cp: 1, dp: 2, pp: 1"),
     (["--hetero-layout", "missing.yaml"], None, "missing.yaml"),
     (["--hetero-layout", DEMO, "--global-batch-size", "6"], None, "--global-batch-size 6"),
     (["--hetero-layout", DEMO, "--eval-samples", "3"], None, "--eval-samples 3"),

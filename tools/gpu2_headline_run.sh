@@ -9,6 +9,9 @@
 # Records: $OUT/bench_e2e.jsonl (with each run's step-time spread), planner.txt. The DP2 baseline with
 # partial recomputation and the runs the first call had no time for (the default list filled a
 # 10-minute call on 2 H200s): BLOCK_LAYERS="6 9" tools/gpu2_headline_run.sh
+# Megatron's PP2 baseline, the encoder stacked on the LLM's first stage (gpu2_homogeneous_pp2_stacked),
+# under the recompute and bubbles schedules (bubbles: the encoder's work inside stage 0's 1F1B, as
+# Megatron runs it), beside the heterogeneous vision DP2 -> LLM PP2: STACKED=1 tools/gpu2_headline_run.sh
 set -uo pipefail
 export LLM_LAYERS=${LLM_LAYERS:-12} SKIP_BOUNDARY=1 SKIP_MOE=1
 D=--use-distributed-optimizer
@@ -16,6 +19,9 @@ R=$D,--recompute-granularity,full,--recompute-method,uniform,--recompute-num-lay
 # Partial recomputation for the DP2 baseline: the first N layers of each module's block (Megatron's
 # --recompute-method block), the rest keeping their activations.
 B=$D,--recompute-granularity,full,--recompute-method,block,--recompute-num-layers
+S=--hetero-colocated-schedule,bubbles
+[ -n "${STACKED:-}" ] && RUNS="W5:gpu2_homogeneous_pp2_stacked:$R W5:gpu2_homogeneous_pp2_stacked:$R,$S
+  W5:gpu2_homogeneous_pp2_stacked:$D,$S W5:gpu2_colocated_pp2:$R,$S"
 [ -n "${BLOCK_LAYERS:-}" ] && RUNS="$(for n in $BLOCK_LAYERS; do printf 'W5:gpu2_homogeneous_dp2:%s,%s ' "$B" "$n"; done)
   W5:gpu2_colocated_cp2:$D W5:gpu2_colocated_sp:$R"
 RUNS=${RUNS:-"W5:gpu2_homogeneous_tp2:$D W5:gpu2_colocated_sp:$D W5:gpu2_homogeneous_dp2:$R W5:gpu2_homogeneous_cp2:$D
@@ -23,7 +29,8 @@ RUNS=${RUNS:-"W5:gpu2_homogeneous_tp2:$D W5:gpu2_colocated_sp:$D W5:gpu2_homogen
   bash "$(dirname "$0")/gpu2_layouts_run.sh"
 source "$(dirname "$0")/gpu_env.sh" > /dev/null  # the planner imports the installed checkout too
 memory=$(python3 -c 'import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))')
-for layout in gpu2_colocated_sp gpu2_homogeneous_dp2 gpu2_homogeneous_cp2 gpu2_colocated_cp2; do
+for layout in gpu2_colocated_sp gpu2_homogeneous_dp2 gpu2_homogeneous_cp2 gpu2_colocated_cp2 \
+  gpu2_homogeneous_pp2_stacked gpu2_colocated_pp2; do
   echo "== plan_layout W5 L$LLM_LAYERS, $memory GB: $layout"
   python3 tools/plan_layout.py --workload W5 --llm-layers "$LLM_LAYERS" --gpu-memory-gb "$memory" \
     --calibration tools/calibration_h200_measured.json --layouts "examples/layouts/$layout.yaml" --top 8

@@ -75,7 +75,7 @@ def parse_args(argv):
                                 "fit (Megatron's --recompute-method block)")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
-    parser.add_argument("--write-yaml", metavar="FILE", help="write the best runnable layout here")
+    parser.add_argument("--write-yaml", metavar="FILE", help="write the best layout here")
     return parser.parse_args(argv)
 
 
@@ -175,11 +175,10 @@ def report(args) -> int:
         print_table("given layouts (each at its fastest micro batch that fits, else its smallest-memory one), "
                     "fastest first:", sorted(explained, key=lambda p: p.step_s))
     if args.write_yaml:
-        runnable = [p for p in result.ranked if p.candidate.runnable]
-        if not runnable:
-            print("error: no layout megatron-hetero runs fits in memory; nothing written", file=sys.stderr)
+        if not result.ranked:
+            print("error: no layout fits in memory; nothing written", file=sys.stderr)
             return 1
-        best = runnable[0]
+        best = result.ranked[0]
         try:
             Path(args.write_yaml).write_text(layout_yaml(best, workload, cluster), encoding="utf-8")
         except OSError as exc:

@@ -71,13 +71,6 @@ class Candidate:
     def encoders(self) -> tuple[ModuleLayout, ...]:
         return self.layouts[:-1]
 
-    @property
-    def runnable(self) -> bool:
-        """Whether megatron-hetero's trainer runs it as a layout file: the homogeneous baseline only
-        without PP (then it is the colocated layout with equal TP and DP, the encoders replicated
-        over the LLM's CP: cp_replicated)."""
-        return self.placement != "homogeneous" or self.llm.pp == 1
-
     def describe(self) -> str:
         parts = []
         for layout in self.layouts:
@@ -88,10 +81,9 @@ class Candidate:
         return " | ".join(parts) + (f" ({self.recompute.describe()})" if self.recompute else "")
 
     def hetero_layout(self, world_size: int) -> HeteroLayout:
-        """The layout file's content (validated by megatron_hetero.layout)."""
-        if not self.runnable:
-            raise ValueError(f"{self.describe()}: the homogeneous baseline with PP is not a layout "
-                             f"megatron-hetero runs; pick a colocated or non-colocated candidate")
+        """The layout file's content (validated by megatron_hetero.layout): the homogeneous baseline
+        as the colocated layout whose encoders take the LLM's sizes (cp_replicated under LLM CP,
+        on_first_stage under LLM PP)."""
         placement = "colocated" if self.placement == "homogeneous" else self.placement
         modules = self.layouts
         if placement == "colocated":  # the encoders span every rank
@@ -155,9 +147,10 @@ def encoder_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Clu
 
 def homogeneous_encoder(shape: ModuleShape, llm: ModuleLayout, cluster: Cluster) -> ModuleLayout | None:
     """The encoder as Megatron runs it today: the LLM's tp, cp (replicated) and dp, on its first
-    stage; None when it cannot (its heads do not split over that TP)."""
+    stage (on_first_stage where the LLM has PP); None when it cannot (its heads do not split over
+    that TP)."""
     layout = ModuleLayout(shape.name, "encoder", tp=llm.tp, cp=llm.cp, dp=llm.dp, freeze=shape.frozen,
-                          cp_replicated=llm.cp > 1)
+                          cp_replicated=llm.cp > 1, on_first_stage=llm.pp > 1)
     return None if layout_problem(shape, layout, "homogeneous", cluster) else layout
 
 
@@ -177,10 +170,10 @@ def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, .
 
 
 def is_homogeneous(encoders: tuple[ModuleLayout, ...], llm: ModuleLayout) -> bool:
-    """Whether colocated module layouts are Megatron's homogeneous one (that the trainer can run):
-    every encoder takes the LLM's TP, DP and CP (replicated over it), and the LLM has no PP."""
-    return llm.pp == 1 and all(e.tp == llm.tp and e.dp == llm.dp and e.cp == llm.cp
-                               and e.cp_replicated == (llm.cp > 1) for e in encoders)
+    """Whether colocated module layouts are Megatron's homogeneous one: every encoder takes the
+    LLM's TP, DP and CP (replicated over it) and, where the LLM has PP, sits on its first stage."""
+    return all(e.tp == llm.tp and e.dp == llm.dp and e.cp == llm.cp and e.cp_replicated == (llm.cp > 1)
+               and e.on_first_stage == (llm.pp > 1) for e in encoders)
 
 
 def enumerate_candidates(workload: Workload, cluster: Cluster):

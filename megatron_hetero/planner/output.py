@@ -119,8 +119,7 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
             lines.append("    sp: true")
         if module.freeze:
             lines.append("    freeze: true")
-        if module.cp_replicated:
-            lines.append("    cp_replicated: true")
+        lines += [f"    {flag}: true" for flag in ("cp_replicated", "on_first_stage") if getattr(module, flag)]
         if layout.placement == "non_colocated":
             lines.append(f"    ranks: {module.ranks.start}-{module.ranks.stop - 1}")
     lines.append("edges:")

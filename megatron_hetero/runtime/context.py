@@ -75,6 +75,12 @@ class HeteroRun:
         return {m.name: self.modules[m.name] for m in self.layout.encoders}
 
     @property
+    def encoders_here(self) -> dict[str, ModuleRuntime]:
+        """The encoders this rank holds: in a colocated run every one, but for an encoder stacked on
+        the LLM's first pipeline stage (layout on_first_stage), held by that stage's ranks only."""
+        return {name: m for name, m in self.encoders.items() if m.held}
+
+    @property
     def primary(self) -> ModuleRuntime:
         """The module whose groups stand for this rank where Megatron wants one set (its data
         parallel rank, its tensor-parallel broadcast, its loss reporting): the LLM where held,

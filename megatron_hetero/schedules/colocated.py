@@ -1,4 +1,6 @@
-"""Colocated placement: every module spans all ranks, the encoders with pp=1.
+"""Colocated placement: every module spans all ranks, the encoders with pp=1 (but an encoder
+stacked on the LLM's first pipeline stage, layout on_first_stage: Megatron's homogeneous layout under
+LLM PP, which only that stage's ranks hold; a rank runs the encoders it holds, `encoders_here`).
 
 LLM pp=1 (`_per_microbatch`): microbatch by microbatch, every encoder's forward and boundary
 exchange, the LLM's forward step, then one backward through the LLM, the boundary and the encoders
@@ -44,7 +46,7 @@ def encoders_to_llm(ctx: StepContext, i: int) -> dict[str, Media]:
     """Every encoder's forward on microbatch i and the boundary exchange of its rows (autograd: the
     exchange's backward routes the row gradients back): encoder name -> the rows this LLM rank takes."""
     media = {}
-    for name, module in ctx.run.encoders.items():
+    for name, module in ctx.run.encoders_here.items():
         rows = ctx.encoder_forward(module, i)
         plan = ctx.plans[name][i]
         with ctx.timers("boundary"):
@@ -64,7 +66,7 @@ def _per_microbatch(ctx: StepContext) -> None:
 
 def _recompute(ctx: StepContext) -> None:
     """LLM pp>1: encoder rows without a graph, the LLM pipeline, each encoder microbatch again."""
-    encoders, M = ctx.run.encoders, ctx.num_microbatches
+    encoders, M = ctx.run.encoders_here, ctx.num_microbatches
     with torch.no_grad():
         media = {n: [boundary_exchange(ctx.encoder_forward(m, i), ctx.plans[n][i]) for i in range(M)]
                  for n, m in encoders.items()}
@@ -122,8 +124,9 @@ def _ordered(ctx: StepContext) -> None:
     own = OwnRows()
     stage = LLMStage(ctx, SplitRows(ctx, own))
     rows_group, grads_group = run.boundary_groups
+    here = run.encoders_here
     order = colocated_order(run.colocated_schedule, llm.coords()["pp"], llm.layout.pp, ctx.num_microbatches,
-                            list(run.encoders), stage.routed)
+                            list(here), [name for name in stage.routed if name in here])
     saved = {}  # (encoder, microbatch) -> its rows with their graph, until the encoder's backward
 
     def receives(op: Op) -> list:
