@@ -105,6 +105,17 @@ def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
     return padded_vocab_size(family_sizes(w) if family else ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
 
 
+class _BenchTokenizer:
+    """The special tokens a family's image tags need (FamilyBench.tokens), as a tokenizer answers
+    them: the benchmark's batches have no tokenizer of their own."""
+
+    def __init__(self, ids: dict, name: str):
+        self.ids, self.directory = ids, f"the {name} preset"
+
+    def token_id(self, token: str) -> int | None:
+        return self.ids.get(token)
+
+
 def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
     """A family workload's global batch: every sample with the workload's images (random patches),
     each `<image>` expanded as the family's data does, then random text carrying the loss."""
@@ -115,7 +126,8 @@ def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
     bench, sizes = FAMILY_BENCHES[w.name], family_sizes(w)
     images = family_named(w.family).media(sizes, bench.processor,
                                           AutoConfig.for_model(bench.model_type, **bench.config).to_dict())
-    tokens, items = images.tokens(None), [images.items(width, height) for width, height in w.image_sizes]
+    tokens = images.tokens(_BenchTokenizer(bench.tokens, w.name))
+    items = [images.items(width, height) for width, height in w.image_sizes]
     g = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(w.global_batch):
@@ -133,7 +145,7 @@ def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
         media.items = torch.rand(media.items.shape, generator=g)
         loss_mask = torch.zeros(w.seq_length)
         loss_mask[at : w.seq_length - 1] = 1.0
-        grids = [grid for item in items for grid in item.grids]
+        grids = [grid for item in items for grid in item.grids or ()]
         samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, {"vision": media},
                               position_ids=images.position_ids(w.seq_length, starts, grids)))
     return samples
