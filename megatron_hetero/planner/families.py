@@ -27,6 +27,9 @@ from megatron_hetero.planner.counts import item_attention_keys, window_attention
 from megatron_hetero.planner.shapes import ModuleShape, Workload
 
 _QWEN_ROPE = {"rope_type": "default", "rope_theta": 1e6}
+# The Qwen-VL tokenizers' <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>.
+_QWEN_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                    vision_end_token_id=151653, tie_word_embeddings=False)
 
 # Qwen2.5-VL-7B (its Hub config.json's sizes): the vision tower (32 layers of width 1280, windows of
 # 112 px in all but layers 7, 15, 23, 31, 2x2 merger into the LLM's width) and the Qwen2 LLM.
@@ -37,7 +40,7 @@ QWEN2_5_VL_7B = dict(
     text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                      num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6, hidden_act="silu",
                      rope_parameters={**_QWEN_ROPE, "mrope_section": [16, 24, 24]}),
-    tie_word_embeddings=False)
+    **_QWEN_TOKENS)
 # Its Hub image processor's limits (preprocessor_config.json): images keep their size up to 12.8M px.
 QWEN2_5_VL_PROCESSOR = dict(min_pixels=3136, max_pixels=12845056, patch_size=14, merge_size=2, temporal_patch_size=2)
 # 8 images per sample from 224 x 224 to 1344 x 1344 px, of several aspect ratios (width, height), and
@@ -88,14 +91,12 @@ _QWEN3_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_hea
                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
                      deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
 _QWEN3_ROPE = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True}
-_QWEN3_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                     vision_end_token_id=151653, tie_word_embeddings=False)
 QWEN3_VL_8B = dict(
     vision_config=dict(**_QWEN3_VISION, out_hidden_size=4096),
     text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                      rope_parameters=_QWEN3_ROPE),
-    **_QWEN3_TOKENS)
+    **_QWEN_TOKENS)
 # Qwen3-VL-30B-A3B: the same tower into Qwen3-30B-A3B's MoE LLM (48 layers of width 2048, 32 heads
 # of 128 with 4 key/value groups, 128 SwiGLU experts of width 768, top 8: 30B parameters, 3B active).
 QWEN3_VL_30B_A3B = dict(
@@ -103,7 +104,7 @@ QWEN3_VL_30B_A3B = dict(
     text_config=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
                      num_key_value_heads=4, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rope_parameters=_QWEN3_ROPE),
-    **_QWEN3_TOKENS)
+    **_QWEN_TOKENS)
 # Its Hub image processor: 16-px patches, images resized to 64K..16M px.
 QWEN3_VL_PROCESSOR = dict(min_pixels=65536, max_pixels=16777216, patch_size=16, merge_size=2, temporal_patch_size=2,
                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
