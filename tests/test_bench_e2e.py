@@ -169,6 +169,14 @@ def test_the_family_gpu_presets_pass_the_script_and_batch(name):
     assert int((batch["input_ids"] == placeholder).sum()) == vision.rows_per_sample
 
 
+def test_a_family_depth_without_room_for_deepstack_is_one_line():
+    """Qwen3-VL's 3 DeepStack mergers feed LLM layers 0-2: --llm-layers 2 is refused naming the flag."""
+    file = str(LAYOUTS / "single.yaml")
+    w = sized_workload(FAMILY_BENCH_WORKLOADS["qwen3_vl_8b"], load_layout(file, 1), llm_layers=2)
+    with pytest.raises(ArgsError, match=r"^--llm-layers 2: qwen3_vl: .*deepstack_visual_indexes \[8, 16, 24\]"):
+        workload_args(w, file, bf16=False)
+
+
 @pytest.mark.parametrize("name", ["qwen2_5_vl_tiny", *(pytest.param(n, marks=pytest.mark.families) for n in
                                                        ("internvl_tiny", "qwen3_vl_tiny", "qwen3_vl_moe_tiny"))])
 def test_family_workload_trains_on_cpu(tmp_path, name):

@@ -56,14 +56,19 @@ def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: 
 
 
 def family_sizes(w: BenchWorkload) -> ModelSizes:
-    """A VLM family workload's model sizes (its Hugging Face config, the LLM at depth w.layers)."""
+    """A VLM family workload's model sizes (its Hugging Face config, the LLM at depth w.layers); a
+    depth the model cannot have (Qwen3-VL's DeepStack rows need an LLM layer each) is one line."""
     from transformers import AutoConfig
 
     from megatron_hetero.families import family_named
+    from megatron_hetero.hf.rules import HFMappingError
 
     bench = FAMILY_BENCHES[w.name]
     config = {**bench.config, "text_config": {**bench.config["text_config"], "num_hidden_layers": w.layers}}
-    sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+    try:
+        sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+    except HFMappingError as error:
+        raise ArgsError(f"--llm-layers {w.layers}: {error}") from None
     return replace(sizes, seq_length=w.seq_length)
 
 
