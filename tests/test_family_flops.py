@@ -1,6 +1,8 @@
 """The planner's FLOPs of each VLM family as it runs (planner/families.py), against the matmul FLOPs
-the family's own model does: torch's FlopCounterMode formulas over one forward of one sample of the family's
-CPU-sized bench preset (the model bench_e2e trains, built by the family's code on one process).
+the family's own model does: torch's FlopCounterMode formulas over one forward of one sample of the
+family's CPU-sized bench preset (the model bench_e2e trains, built by the family's code on one
+process). Why: bench_e2e's TFLOPS/GPU and encoder share, and the planner's step times, are only as
+right as this count.
 
 What the counter sees and the planner counts are the same GEMMs: the patch embedding, every
 layer's projections and MLP (an MoE layer's router and the top-k experts each token goes to), the
