@@ -14,6 +14,8 @@ import megatron_hetero.patches
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
+from megatron_hetero.planner.families import FAMILY_BENCHES
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.runtime.timers import PhaseTimers
 from megatron_hetero.training.args import ArgsError, check_args
 from megatron_hetero.training.bench import global_microbatches, sized_workload, synthetic_batch, workload_args
@@ -123,20 +125,16 @@ def test_trainer_parameter_shapes_are_the_built_models(tmp_path):
 
 # ---- a VLM family's workload (Qwen2.5-VL) ------------------------------------------------------
 def test_family_workload_counts_the_vit_as_it_runs():
-    """The Qwen2.5-VL presets' image grids are its processor's (smart_resize at patch x merge), and
-    the planner's attention keys are what the model's own window layout (transformers'
-    cu_seqlens of images and windows) makes: full layers within images, the others within windows."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    """The Qwen2.5-VL presets' attention keys are what the model's own window layout (transformers'
+    cu_seqlens of images and windows) makes: full layers within images, the others within windows.
+    (tests/test_family_flops.py: every family's count against its model's matmuls, and the presets'
+    image grids against the processors.)"""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
 
     from megatron_hetero.planner.counts import attended_tokens
-    from megatron_hetero.planner.presets import FAMILY_BENCHES
 
-    for bench in FAMILY_BENCHES.values():
-        v, p = bench.config["vision_config"], bench.processor
-        for (width, height), grid in bench.images.items():
-            h, w = smart_resize(height, width, p["patch_size"] * p["merge_size"], p["min_pixels"], p["max_pixels"])
-            assert (h // p["patch_size"], w // p["patch_size"]) == grid
+    for bench in (b for b in FAMILY_BENCHES.values() if b.model_type == "qwen2_5_vl"):
+        v = bench.config["vision_config"]
         grids = torch.tensor([(1, h, w) for h, w in bench.images.values()])
         _, windows = get_vision_window_index(grids, v["spatial_merge_size"], v["window_size"], v["patch_size"])
         pairs = {name: float((cu.diff().double() ** 2).sum())
@@ -148,16 +146,51 @@ def test_family_workload_counts_the_vit_as_it_runs():
         assert vision.tokens_per_sample == int(grids.prod(1).sum()) == 4 * vision.rows_per_sample
 
 
-def test_family_workload_trains_on_cpu(tmp_path):
-    """bench_e2e's Qwen2.5-VL workload (its CPU-sized one) trains through megatron.training on one
-    process: the family's model from its config, native-resolution images, M-RoPE positions."""
+@pytest.mark.parametrize("name", sorted(n for n in FAMILY_BENCH_WORKLOADS if not n.endswith("_tiny")))
+def test_the_family_gpu_presets_pass_the_script_and_batch(name):
+    """What tools/gpu_families_run.sh trains, short of building the model: bench_e2e's flags for the
+    preset at --llm-layers 4 on the one-GPU layout pass the script's checks (the model's sizes from
+    the family's Hugging Face config), and a sample's synthetic batch holds the planned items, patches
+    and rows, every row at an image placeholder of the family's config."""
+    from megatron_hetero.training.bench import family_batch
+
+    file = str(LAYOUTS / "single.yaml")
+    layout = load_layout(file, 1)
+    w = sized_workload(FAMILY_BENCH_WORKLOADS[name], layout, llm_layers=4, global_batch=1)
+    check_args(workload_args(w, file, bf16=False), layout)  # --bf16 is for GPUs only
+    vision = trainer_workload(w, 1, False).encoders[0]
+    (batch,) = global_microbatches(family_batch(w), 1)
+    assert int(batch["vision_counts"].sum()) == len(batch["vision_rows"]) == vision.items_per_sample
+    assert batch["vision_positions"].numel() == int(batch["vision_rows"].sum()) == vision.rows_per_sample
+    if "vision_grids" in batch:  # native resolution: the images' patches
+        assert batch["images"].shape[0] == int(batch["vision_grids"].prod(1).sum()) == vision.tokens_per_sample
+    placeholder = FAMILY_BENCHES[name].config["image_token_id"]
+    assert (batch["input_ids"][0, batch["vision_positions"]] == placeholder).all()
+    assert int((batch["input_ids"] == placeholder).sum()) == vision.rows_per_sample
+
+
+def test_a_family_depth_without_room_for_deepstack_is_one_line():
+    """Qwen3-VL's 3 DeepStack mergers feed LLM layers 0-2: --llm-layers 2 is refused naming the flag."""
+    file = str(LAYOUTS / "single.yaml")
+    w = sized_workload(FAMILY_BENCH_WORKLOADS["qwen3_vl_8b"], load_layout(file, 1), llm_layers=2)
+    with pytest.raises(ArgsError, match=r"^--llm-layers 2: qwen3_vl: .*deepstack_visual_indexes \[8, 16, 24\]"):
+        workload_args(w, file, bf16=False)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_tiny", *(pytest.param(n, marks=pytest.mark.families) for n in
+                                                       ("internvl_tiny", "qwen3_vl_tiny", "qwen3_vl_moe_tiny"))])
+def test_family_workload_trains_on_cpu(tmp_path, name):
+    """bench_e2e's family workloads (their CPU-sized twins) train through megatron.training on one
+    process: the family's model from its config, its images (native resolution or tiles), M-RoPE
+    positions, DeepStack rows, MoE experts. Qwen2.5-VL's in `make test`, the others'
+    in `make test-families`."""
     layout = tmp_path / "single.yaml"
     layout.write_text("placement: colocated\nmodules:\n  vision: {role: encoder}\n  llm: {role: llm}\n")
     out = tmp_path / "bench.jsonl"
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    result = run_python([ROOT / "tools" / "bench_e2e.py", "--workload", "qwen2_5_vl_tiny", "--hetero-layout", layout,
+    result = run_python([ROOT / "tools" / "bench_e2e.py", "--workload", name, "--hetero-layout", layout,
                          "--out", out, "--warmup", "1", "--steps", "1"], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
-    assert record["workload"] == "qwen2_5_vl_tiny" and 0 < record["encoder_flops_share"] < 1
+    assert record["workload"] == name and 0 < record["encoder_flops_share"] < 1

@@ -29,6 +29,13 @@ microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest t
   to 1344 x 1344 px at native resolution (26144 patches, 6536 rows) into an 8K sequence, global batch
   4 in microbatches of 1; its ViT's FLOPs counted as it runs (windowed layers attend within their
   112-px windows); qwen2_5_vl_tiny: its CPU-sized check.
+- internvl3_8b: InternVL3-8B's model (families/internvl: InternViT-300M, pixel shuffle, the MLP projector,
+  a Qwen2.5-7B-shaped Qwen2 LLM), 2 images per sample cut into 12 tiles of 448 px (3072 rows);
+  qwen3_vl_8b, qwen3_vl_30b_a3b: Qwen3-VL-8B's and Qwen3-VL-30B-A3B's (families/qwen3_vl: the ViT without
+  windows, DeepStack mergers into the first LLM layers, interleaved M-RoPE; a dense Qwen3 LLM or 128
+  experts with top-8 routing, which fit one GPU only at a shrunk depth), 8 images of 224-1344 px per
+  sample (20224 patches, 5056 rows); each with a CPU-sized `*_tiny` twin. planner/families.py has their
+  configs and how their FLOPs are counted.
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
 """

@@ -31,7 +31,8 @@ The model, per training step:
 Modules: `shapes` (module shapes, workloads, clusters), `counts` (parameters, FLOPs, activation
 bytes), `calibration` (hardware figures), `candidates` (the layouts the rules allow), `cost` (the
 cost model), `search` (the ranked plan), `output` (reasons and layout files), `presets` (the
-workload table the tools share), `fit` (the calibration fitted to measured runs).
+workload table the tools share), `families` (the VLM families' presets, counted as their models run),
+`fit` (the calibration fitted to measured runs).
 """
 
 from megatron_hetero.planner.calibration import Calibration

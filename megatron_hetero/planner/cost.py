@@ -274,9 +274,11 @@ class CostModel:
             total += tokens * shape.vocab / layout.tp * LOGIT_BYTES
         return total * self.calibration.activation_memory_factor
 
-    def rows_bytes(self, samples: float) -> float:
-        """Boundary rows of `samples` samples: every encoder's rows at the LLM hidden size."""
-        rows = samples * sum(e.rows_per_sample for e in self.workload.encoders)
+    def rows_bytes(self, samples: float, encoder: ModuleShape | None = None) -> float:
+        """Boundary rows of `samples` samples: `encoder`'s (None: every encoder's) rows at the LLM
+        hidden size, DeepStack rows beside the main ones."""
+        encoders = self.workload.encoders if encoder is None else (encoder,)
+        rows = samples * sum(e.rows_per_sample * e.row_width for e in encoders)
         return rows * self.workload.llm.hidden * self.workload.dtype_bytes
 
     # -- boundary ---------------------------------------------------------------------------------
@@ -293,8 +295,7 @@ class CostModel:
         llm = candidate.llm
         stage_ranks = llm.tp * llm.cp * llm.dp
         replicas = 1 if llm.sp else llm.tp
-        nbytes = self.rows_bytes(candidate.micro_batch * llm.dp) * replicas / stage_ranks
-        nbytes *= shape.rows_per_sample / sum(e.rows_per_sample for e in self.workload.encoders)
+        nbytes = self.rows_bytes(candidate.micro_batch * llm.dp, shape) * replicas / stage_ranks
         crosses_nodes = llm.pp > 1 and self.cluster.gpus > self.cluster.gpus_per_node
         gbps = self.calibration.network_gbps if crosses_nodes else self.calibration.boundary_gbps
         return self._boundary_s(nbytes, gbps, not shape.frozen)
@@ -305,8 +306,7 @@ class CostModel:
         receiving) sets the time. Ranks of another module are taken as one node away unless the
         whole cluster is one node."""
         llm = candidate.llm
-        rows = self.rows_bytes(candidate.micro_batch * llm.dp)
-        rows *= shape.rows_per_sample / sum(e.rows_per_sample for e in self.workload.encoders)
+        rows = self.rows_bytes(candidate.micro_batch * llm.dp, shape)
         nbytes = max(rows / (layout.dp * layout.tp), rows / (llm.tp * llm.cp * llm.dp))
         one_node = self.cluster.gpus <= self.cluster.gpus_per_node
         gbps = self.calibration.p2p_gbps if one_node else self.calibration.network_gbps

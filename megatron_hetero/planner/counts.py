@@ -33,27 +33,32 @@ def expert_layer_params(shape: ModuleShape) -> int:
 
 
 def layer_params(shape: ModuleShape, active: bool = False) -> int:
-    """Weights of one transformer layer: Q and output projections (hidden^2 each), K and V
-    (hidden x kv_dim each), the MLP, or an MoE layer's router (hidden x experts) and its experts
-    (every one; with `active`, the topk a token computes with). Biases and norms are left out
-    (well under 1%)."""
-    attention = 2 * shape.hidden * shape.hidden + 2 * shape.hidden * shape.kv_dim
+    """Weights of one transformer layer: Q and output projections (hidden x heads x head size each),
+    K and V (hidden x kv_dim each), the MLP, or an MoE layer's router (hidden x experts) and its
+    experts (every one; with `active`, the topk a token computes with). Biases and norms are left
+    out (well under 1%)."""
+    attention = 2 * shape.hidden * shape.q_dim + 2 * shape.hidden * shape.kv_dim
     if not shape.experts:
         return attention + mlp_params(shape)
     experts = shape.topk if active else shape.experts
     return attention + shape.hidden * shape.experts + experts * mlp_params(shape)
 
 
-def head_params(shape: ModuleShape, llm_hidden: int) -> int:
-    """Weights outside the layers: the LLM's input embedding and output layer (untied); an
-    encoder's projector into the LLM hidden size, whose input is the concatenation of the tokens
-    pixel shuffle merges into one row. The patch embedding is left out."""
-    if shape.role == "llm":
-        return 2 * shape.vocab * shape.hidden
+def projector_params(shape: ModuleShape, llm_hidden: int) -> int:
+    """One projector of an encoder into the LLM hidden size, whose input is the concatenation of the
+    tokens pixel shuffle (or a patch merger) merges into one row."""
     width_in = shape.hidden * (shape.tokens_per_item // shape.rows_per_item)
     if shape.projector_ffn:
         return width_in * shape.projector_ffn + shape.projector_ffn * llm_hidden
     return width_in * llm_hidden
+
+
+def head_params(shape: ModuleShape, llm_hidden: int) -> int:
+    """Weights outside the layers: the LLM's input embedding and output layer (untied); an
+    encoder's patch embedding, its projector and DeepStack's."""
+    if shape.role == "llm":
+        return 2 * shape.vocab * shape.hidden
+    return shape.row_width * projector_params(shape, llm_hidden) + shape.patch_dim * shape.hidden
 
 
 def module_params(shape: ModuleShape, llm_hidden: int) -> int:
@@ -66,7 +71,7 @@ def attended_tokens(shape: ModuleShape) -> float:
     attention kernel skips fully masked blocks, as flash attention and SDPA's causal path do)."""
     if shape.attention_keys:
         return shape.attention_keys
-    return shape.tokens_per_item if shape.role == "encoder" else shape.seq_length / 2
+    return shape.layer_tokens_per_item if shape.role == "encoder" else shape.seq_length / 2
 
 
 def _window_sides(side: int, window: int) -> list[int]:
@@ -82,24 +87,31 @@ def window_attention_keys(grids: list[tuple[int, int]], window: int, merge: int,
     windows cut the grid of merge x merge blocks, so `window` is a multiple of `merge`): sum over
     segments of length^2, over the tokens."""
     tokens = sum(h * w for h, w in grids)
-    whole = sum((h * w) ** 2 for h, w in grids)
     windowed = sum((a * b) ** 2 for h, w in grids
                    for a in _window_sides(h, window) for b in _window_sides(w, window))
-    return (full_layers * whole + (layers - full_layers) * windowed) / (layers * tokens)
+    return (full_layers * item_attention_keys(grids) + (layers - full_layers) * windowed / tokens) / layers
+
+
+def item_attention_keys(grids: list[tuple[int, int]]) -> float:
+    """Keys a query attends to, averaged over the tokens, in a ViT whose items of h x w patches each
+    attend to themselves (native resolution without windows: Qwen3-VL)."""
+    return sum((h * w) ** 2 for h, w in grids) / sum(h * w for h, w in grids)
 
 
 def layer_forward_flops_per_token(shape: ModuleShape) -> float:
     """2 FLOPs (one multiply-add) per weight a token computes with (an MoE layer: its topk experts),
-    plus attention: Q K^T and the weighted sum of V, each 2 x attended keys x hidden."""
-    return 2 * layer_params(shape, active=True) + 4 * attended_tokens(shape) * shape.hidden
+    plus attention: Q K^T and the weighted sum of V, each 2 x attended keys x heads x head size."""
+    return 2 * layer_params(shape, active=True) + 4 * attended_tokens(shape) * shape.q_dim
 
 
 def head_forward_flops_per_sample(shape: ModuleShape, llm_hidden: int) -> float:
     """The LLM's output layer on every position (the input embedding is a lookup); an encoder's
-    projector on every row it sends."""
+    patch embedding on every patch, its projectors (main and DeepStack) on every row it sends."""
     if shape.role == "llm":
         return 2 * shape.vocab * shape.hidden * shape.seq_length
-    return 2 * head_params(shape, llm_hidden) * shape.rows_per_sample
+    patches = shape.items_per_sample * shape.tokens_per_item
+    return 2 * (shape.row_width * projector_params(shape, llm_hidden) * shape.rows_per_sample
+                + shape.patch_dim * shape.hidden * patches)
 
 
 def module_forward_flops_per_sample(shape: ModuleShape, llm_hidden: int) -> float:
@@ -126,5 +138,5 @@ def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtyp
     - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP."""
     replicated = 4 * shape.hidden
     # An MoE layer keeps its topk experts' MLP activations per token.
-    split = 2 * shape.hidden + 2 * shape.kv_dim + (3 if shape.gated_mlp else 2) * shape.ffn * max(shape.topk, 1)
+    split = 2 * shape.q_dim + 2 * shape.kv_dim + (3 if shape.gated_mlp else 2) * shape.ffn * max(shape.topk, 1)
     return dtype_bytes * ((replicated / tp if sp else replicated) + split / tp)

@@ -4,14 +4,16 @@ bench_mimo.py and check_planner.py train or check.
 A preset's shapes are the model as planned (e.g. SigLIP's MLP width); `BenchWorkload` is the same
 preset as the trainer builds it for bench_e2e (MLPs 4 x hidden, the demo tokenizer's vocabulary),
 and `trainer_workload` turns that back into the planner's terms, for the FLOPs the benchmarks count
-and the shapes check_planner fits its calibration to.
+and the shapes check_planner fits its calibration to. The VLM families' presets (their own models,
+bench_e2e's family workloads) are in planner/families.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_hetero.planner.counts import module_forward_flops_per_sample, window_attention_keys
+from megatron_hetero.planner.counts import module_forward_flops_per_sample
+from megatron_hetero.planner.families import FAMILY_BENCHES, FamilyBench
 from megatron_hetero.planner.shapes import ModuleShape, Workload
 
 
@@ -127,74 +129,20 @@ PRESETS = {
 }
 
 
-# Qwen2.5-VL-7B (its Hub config.json's sizes): the vision tower (32 layers of width 1280, windows of
-# 112 px in all but layers 7, 15, 23, 31, 2x2 merger into the LLM's width) and the Qwen2 LLM.
-QWEN2_5_VL_7B = dict(
-    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                       fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
-    text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                     num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6, hidden_act="silu",
-                     rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6}),
-    tie_word_embeddings=False)
-# Its Hub image processor's limits (preprocessor_config.json): images keep their size up to 12.8M px.
-QWEN2_5_VL_PROCESSOR = dict(min_pixels=3136, max_pixels=12845056, patch_size=14, merge_size=2, temporal_patch_size=2)
-# 8 images per sample from 224 x 224 to 1344 x 1344 px, of several aspect ratios (width, height), and
-# their patch grids (rows, columns of 14 px) as that processor resizes them (to multiples of 28 px;
-# tests/test_planner.py checks them against transformers' smart_resize).
-QWEN_IMAGES = {(224, 224): (16, 16), (336, 448): (32, 24), (512, 384): (28, 36), (672, 672): (48, 48),
-               (896, 504): (36, 64), (1008, 756): (54, 72), (1120, 1120): (80, 80), (1344, 1344): (96, 96)}
-# A CPU-sized Qwen2.5-VL for checking the tools: 4 images of 56-112 px into a 2-layer LLM.
-QWEN2_5_VL_TINY = dict(
-    vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
-                       spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
-    text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=256,
-                     rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6}),
-    image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
-QWEN_TINY_IMAGES = {(56, 56): (4, 4), (84, 56): (4, 6), (112, 112): (8, 8), (56, 84): (6, 4)}
-
-
-@dataclass(frozen=True)
-class FamilyBench:
-    """A VLM family's model as bench_e2e trains it: its Hugging Face config (config.json's fields),
-    its image processor's settings, every sample's images (width, height in px) -> their patch grids
-    (rows, columns), the sequence length and batch."""
-
-    model_type: str
-    config: dict
-    processor: dict
-    images: dict
-    seq_length: int
-    global_batch: int
-    micro_batch: int
-
-    def workload(self, llm_layers: int = 0, seq_length: int = 0) -> Workload:
-        """The planner's shapes (a Qwen2.5-VL-style tower): the ViT's attention counted as it runs
-        (each image within itself in the full-attention layers, within windows in the others); each
-        image's t*h*w / merge^2 rows into the LLM through the merger's MLP (width merge^2 x hidden)."""
-        v, t = self.config["vision_config"], self.config["text_config"]
-        grids = list(self.images.values())
-        tokens, merge = sum(h * w for h, w in grids) // len(grids), v["spatial_merge_size"]
-        keys = window_attention_keys(grids, v["window_size"] // v["patch_size"], merge,
-                                     len(v["fullatt_block_indexes"]), v["depth"])
-        vision = ModuleShape("vision", "encoder", hidden=v["hidden_size"], layers=v["depth"], heads=v["num_heads"],
-                             ffn=v["intermediate_size"], gated_mlp=True, tokens_per_item=tokens,
-                             items_per_sample=len(grids), output_tokens_per_item=tokens // merge**2,
-                             projector_ffn=v["hidden_size"] * merge**2, attention_keys=keys)
-        llm = ModuleShape("llm", "llm", hidden=t["hidden_size"], layers=llm_layers or t["num_hidden_layers"],
-                          heads=t["num_attention_heads"], kv_heads=t["num_key_value_heads"], ffn=t["intermediate_size"],
-                          gated_mlp=True, seq_length=seq_length or self.seq_length, vocab=t["vocab_size"])
-        return Workload((vision,), llm, global_batch=self.global_batch, micro_batch=self.micro_batch)
-
-
-FAMILY_BENCHES = {
-    "qwen2_5_vl_7b": FamilyBench("qwen2_5_vl", QWEN2_5_VL_7B, QWEN2_5_VL_PROCESSOR, QWEN_IMAGES, 8192, 4, 1),
-    "qwen2_5_vl_tiny": FamilyBench("qwen2_5_vl", QWEN2_5_VL_TINY, QWEN2_5_VL_PROCESSOR, QWEN_TINY_IMAGES, 256, 4, 1),
+# The VLM families' presets (planner/families.py): name -> (description, plan_layout's GPUs).
+_FAMILY_PRESETS = {
+    "qwen2_5_vl_7b": ("Qwen2.5-VL-7B: 8 images of 224-1344 px per sample (6536 rows) into its 28-layer LLM at 8K, "
+                      "global batch 4", 1),
+    "internvl3_8b": ("InternVL3-8B: InternViT-300M on 12 448-px tiles per sample (3072 rows after pixel shuffle) "
+                     "into its 28-layer Qwen2 LLM at 8K, global batch 4", 1),
+    "qwen3_vl_8b": ("Qwen3-VL-8B: 8 images of 224-1344 px per sample (5056 rows, 3 DeepStack mergers) into its "
+                    "36-layer Qwen3 LLM at 8K, global batch 4", 1),
+    # 30B parameters: at full depth its experts fit 8 GPUs only split over expert parallelism.
+    "qwen3_vl_30b_a3b": ("Qwen3-VL-30B-A3B: Qwen3-VL-8B's images and tower into its 48-layer MoE LLM (128 experts, "
+                         "top 8) at 8K, global batch 4", 8),
 }
-PRESETS["qwen2_5_vl_7b"] = Preset(
-    FAMILY_BENCHES["qwen2_5_vl_7b"].workload(), "Qwen2.5-VL-7B: 8 images of 224-1344 px per sample (6536 rows) "
-    "into its 28-layer LLM at 8K, global batch 4", 1)
+PRESETS.update({name: Preset(FAMILY_BENCHES[name].workload(), description, gpus)
+                for name, (description, gpus) in _FAMILY_PRESETS.items()})
 
 
 @dataclass(frozen=True)
@@ -244,9 +192,10 @@ BENCH_WORKLOADS = {name: _bench_workload(name, preset) for name, preset in PRESE
 def _family_bench_workload(name: str, bench: FamilyBench) -> BenchWorkload:
     shapes = bench.workload()
     (vision,), llm = shapes.encoders, shapes.llm
-    return BenchWorkload(name, 0, bench.processor["patch_size"], vision.items_per_sample, vision.hidden, vision.layers,
-                         vision.heads, llm.hidden, llm.heads, llm.layers, llm.seq_length, bench.global_batch,
-                         bench.micro_batch, family=bench.model_type, image_sizes=tuple(bench.images))
+    patch = bench.config["vision_config"]["patch_size"]
+    return BenchWorkload(name, 0, patch, vision.items_per_sample, vision.hidden, vision.layers, vision.heads,
+                         llm.hidden, llm.heads, llm.layers, llm.seq_length, bench.global_batch, bench.micro_batch,
+                         family=bench.model_type, image_sizes=tuple(bench.images))
 
 
 FAMILY_BENCH_WORKLOADS = {name: _family_bench_workload(name, bench) for name, bench in FAMILY_BENCHES.items()}
@@ -258,7 +207,8 @@ def trainer_workload(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> Work
     if w.family:
         shapes = FAMILY_BENCHES[w.name].workload(w.layers, w.seq_length)
         encoder = replace(shapes.encoders[0], frozen=frozen_encoder)
-        return replace(shapes, encoders=(encoder,), global_batch=w.global_batch, micro_batch=w.micro_batch)
+        return replace(shapes, encoders=(encoder,), llm=replace(shapes.llm, vocab=vocab), global_batch=w.global_batch,
+                       micro_batch=w.micro_batch)
     encoder = ModuleShape("vision", "encoder", w.enc_hidden, w.enc_layers, w.enc_heads, 4 * w.enc_hidden,
                           tokens_per_item=w.tokens_per_image, items_per_sample=w.images_per_sample,
                           projector_ffn=4 * w.hidden, frozen=frozen_encoder)

@@ -36,9 +36,13 @@ class ModuleShape:
     Encoders: `tokens_per_item` tokens (on average) run through the encoder per image or clip, `items_per_sample`
     items per sample, `output_tokens_per_item` rows per item enter the LLM (fewer than the tokens
     with pixel shuffle; 0: as many), through an MLP projector of hidden width `projector_ffn` (0: a
-    linear projection). The LLM: `seq_length` tokens per sample, `vocab` output classes; with
-    `experts` > 0 its MLPs are mixture-of-experts layers: `experts` MLPs of width `ffn` each, every
-    token through `topk` of them."""
+    linear projection); `class_tokens` more tokens per item run through the layers but not into the
+    projector (InternViT's class token); `patch_dim` values per patch token feed the input embedding
+    (0: the embedding is left out); `deepstack` more projectors of the same shape run on every row
+    (Qwen3-VL's DeepStack mergers), whose rows cross the boundary beside the main ones. The LLM:
+    `seq_length` tokens per sample, `vocab` output classes; with `experts` > 0 its MLPs are
+    mixture-of-experts layers: `experts` MLPs of width `ffn` each, every token through `topk` of
+    them. Attention heads are `head_dim` wide where given (else hidden / heads)."""
 
     name: str
     role: str
@@ -57,6 +61,10 @@ class ModuleShape:
     frozen: bool = False
     experts: int = 0  # 0: a dense MLP
     topk: int = 0
+    head_dim: int = 0  # attention head size; 0: hidden / heads (Qwen3's 128 with hidden 2048, 32 heads differs)
+    class_tokens: int = 0
+    patch_dim: int = 0
+    deepstack: int = 0
     # Keys a query attends to, averaged over the tokens and layers (counts.window_attention_keys:
     # items of several sizes, windowed layers); 0: its whole item (encoders), half the sequence (the llm).
     attention_keys: float = 0.0
@@ -74,7 +82,8 @@ class ModuleShape:
             if not positive_int(getattr(self, key)):
                 raise ValueError(f"{where}: {key} must be a positive integer, got {getattr(self, key)!r}")
         for key in ("kv_heads", "tokens_per_item", "items_per_sample", "output_tokens_per_item",
-                    "projector_ffn", "seq_length", "vocab", "experts", "topk"):
+                    "projector_ffn", "seq_length", "vocab", "experts", "topk", "head_dim", "class_tokens",
+                    "patch_dim", "deepstack"):
             value = getattr(self, key)
             if not (positive_int(value) or value == 0):
                 raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
@@ -84,7 +93,7 @@ class ModuleShape:
             raise ValueError(f"{where}: topk {self.topk} must be between 1 and experts {self.experts}")
         if self.experts and self.role != "llm":
             raise ValueError(f"{where}: experts are for the llm; encoders are dense")
-        if self.hidden % self.heads:
+        if self.hidden % self.heads and not self.head_dim:
             raise ValueError(f"{where}: hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.heads % self.kv_groups:
             raise ValueError(f"{where}: heads {self.heads} are not divisible by kv_heads {self.kv_heads}")
@@ -107,7 +116,16 @@ class ModuleShape:
     @property
     def kv_dim(self) -> int:
         """Width of K (and of V): key/value heads x head size."""
-        return self.kv_groups * self.hidden // self.heads
+        return self.kv_groups * self.head_size
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of Q (and of the attention output): heads x head size."""
+        return self.heads * self.head_size
 
     @property
     def rows_per_item(self) -> int:
@@ -117,11 +135,21 @@ class ModuleShape:
     @property
     def tokens_per_sample(self) -> int:
         """Tokens the module's layers run per sample."""
-        return self.seq_length if self.role == "llm" else self.items_per_sample * self.tokens_per_item
+        return self.seq_length if self.role == "llm" else self.items_per_sample * self.layer_tokens_per_item
+
+    @property
+    def layer_tokens_per_item(self) -> int:
+        """Tokens one item runs through the layers: its patches and class tokens."""
+        return self.tokens_per_item + self.class_tokens
 
     @property
     def rows_per_sample(self) -> int:
         return self.items_per_sample * self.rows_per_item
+
+    @property
+    def row_width(self) -> int:
+        """A boundary row's width in LLM hidden sizes: the main row and the DeepStack rows."""
+        return 1 + self.deepstack
 
 
 @dataclass(frozen=True)

@@ -56,14 +56,19 @@ def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: 
 
 
 def family_sizes(w: BenchWorkload) -> ModelSizes:
-    """A VLM family workload's model sizes (its Hugging Face config, the LLM at depth w.layers)."""
+    """A VLM family workload's model sizes (its Hugging Face config, the LLM at depth w.layers); a
+    depth the model cannot have (Qwen3-VL's DeepStack rows need an LLM layer each) is one line."""
     from transformers import AutoConfig
 
     from megatron_hetero.families import family_named
+    from megatron_hetero.hf.rules import HFMappingError
 
     bench = FAMILY_BENCHES[w.name]
     config = {**bench.config, "text_config": {**bench.config["text_config"], "num_hidden_layers": w.layers}}
-    sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+    try:
+        sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+    except HFMappingError as error:
+        raise ArgsError(f"--llm-layers {w.layers}: {error}") from None
     return replace(sizes, seq_length=w.seq_length)
 
 
@@ -105,6 +110,17 @@ def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
     return padded_vocab_size(family_sizes(w) if family else ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
 
 
+class _BenchTokenizer:
+    """The special tokens a family's image tags need (FamilyBench.tokens), as a tokenizer answers
+    them: the benchmark's batches have no tokenizer of their own."""
+
+    def __init__(self, ids: dict, name: str):
+        self.ids, self.directory = ids, f"the {name} preset"
+
+    def token_id(self, token: str) -> int | None:
+        return self.ids.get(token)
+
+
 def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
     """A family workload's global batch: every sample with the workload's images (random patches),
     each `<image>` expanded as the family's data does, then random text carrying the loss."""
@@ -115,7 +131,8 @@ def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
     bench, sizes = FAMILY_BENCHES[w.name], family_sizes(w)
     images = family_named(w.family).media(sizes, bench.processor,
                                           AutoConfig.for_model(bench.model_type, **bench.config).to_dict())
-    tokens, items = images.tokens(None), [images.items(width, height) for width, height in w.image_sizes]
+    tokens = images.tokens(_BenchTokenizer(bench.tokens, w.name))
+    items = [images.items(width, height) for width, height in w.image_sizes]
     g = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(w.global_batch):
@@ -133,7 +150,7 @@ def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
         media.items = torch.rand(media.items.shape, generator=g)
         loss_mask = torch.zeros(w.seq_length)
         loss_mask[at : w.seq_length - 1] = 1.0
-        grids = [grid for item in items for grid in item.grids]
+        grids = [grid for item in items for grid in item.grids or ()]
         samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, {"vision": media},
                               position_ids=images.position_ids(w.seq_length, starts, grids)))
     return samples
