@@ -131,7 +131,7 @@ def test_out_of_memory_names_the_planners_answer():
 
     answer = planner_answer(dataclasses.replace(BENCH_WORKLOADS["W1"], layers=8), 2, 141.0)  # bench_e2e's 8 layers
     assert answer.startswith("the planner's best for W1 on 2 GPUs: ") and "GB/GPU predicted" in answer, answer
-    assert "tools/plan_layout.py --workload W1 --gpus 2 --gpu-memory-gb 141" in answer
+    assert "tools/plan_layout.py --workload W1 --llm-layers 8 --gpus 2 --gpu-memory-gb 141" in answer
     assert "finds no layout of W1 that fits 2 GPUs of 1 GB" in planner_answer(BENCH_WORKLOADS["W1"], 2, 1.0)
 
 

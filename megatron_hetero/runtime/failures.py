@@ -67,8 +67,9 @@ def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
 
     workload = trainer_workload(preset, padded_vocab_size(ModelSizes()), preset.frozen)
     best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
-    command = (f"python tools/plan_layout.py --workload {preset.name} --gpus {world_size} "
-               f"--gpu-memory-gb {gpu_memory_gb:.0f}")
+    # The depth the run built (bench_e2e's --llm-layers), so that the command gives the same answer.
+    command = (f"python tools/plan_layout.py --workload {preset.name} --llm-layers {preset.layers} "
+               f"--gpus {world_size} --gpu-memory-gb {gpu_memory_gb:.0f}")
     if best is None:
         return (f"the planner finds no layout of {preset.name} that fits {world_size} GPUs of "
                 f"{gpu_memory_gb:.0f} GB ({command})")
