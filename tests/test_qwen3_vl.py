@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.distributed import collect_distributed, run_distributed
+from tests.distributed import collect_distributed
 from tests.qwen3_vl_models import model_class, qwen3_vl_dir
-from tests.test_checkpoint import _train, at
-from tests.test_qwen2_5_vl import SEQ, TOL, _cli, _report, _tensors, _train_flags, assert_same_steps
+from tests.test_checkpoint import at
+from tests.test_qwen2_5_vl import SEQ, TOL, _cli, _report, _tensors, _train_flags, assert_same_steps, train
 from tests.vlm_fixtures import conversations
 
 _C = "placement: colocated\nmodules:\n"
@@ -150,16 +150,6 @@ def test_import_export_round_trip(tmp_path, variant):
 
 
 # ---- training ---------------------------------------------------------------------------------
-def train(tmp: Path, data: Path, tag: str, layout: str, world: int, flags=()) -> dict[int, dict]:
-    """examples/pretrain_vlm.py from the import under `layout`; its metrics per step."""
-    out = tmp / "runs" / tag
-    out.mkdir(parents=True)
-    run_distributed(_train, world, ["--hetero-layout", str(tmp / f"{layout}.yaml"), "--metrics-file",
-                                    str(out / "metrics.jsonl"), *_train_flags(tmp, data), *flags])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records if "loss" in r}
-
-
 @pytest.fixture(scope="module")
 def reference(dense):
     return train(*dense, "reference", "single", 1)

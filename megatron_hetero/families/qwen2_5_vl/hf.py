@@ -14,7 +14,8 @@ VISION, TEXT = "model.visual.", "model.language_model."
 HUB = KeyScheme("hub", ((VISION, "visual."), (TEXT, "model.")))
 
 _V = "vision_config."
-VISION_FIELDS = (
+# The vision config fields Qwen's native-resolution ViTs share (Qwen3-VL's: qwen3_vl/hf.py).
+QWEN_VISION_FIELDS = (
     Field(f"{_V}hidden_size", "enc_hidden_size"),
     Field(f"{_V}depth", "enc_num_layers"),
     Field(f"{_V}num_heads", "enc_num_attention_heads"),
@@ -24,6 +25,9 @@ VISION_FIELDS = (
     Field(f"{_V}patch_size", "family.patch_size"),
     Field(f"{_V}temporal_patch_size", "family.temporal_patch_size"),
     Field(f"{_V}spatial_merge_size", "family.spatial_merge_size"),
+)
+VISION_FIELDS = (
+    *QWEN_VISION_FIELDS,
     Field(f"{_V}window_size", "family.window_size"),
     Field(f"{_V}fullatt_block_indexes", "family.fullatt_block_indexes"),
     Field(f"{_V}rope_parameters.rope_theta", "family.rope_theta", default=10000.0),

@@ -35,22 +35,14 @@ from megatron_hetero.models.varlen import SegmentAttention, SegmentParams, permu
 
 
 @dataclass(frozen=True)
-class QwenVisionArch:
-    """ModelSizes.family_arch of Qwen2.5-VL: the vision config fields beyond the enc_* sizes."""
+class QwenPatchArch:
+    """The patch geometry Qwen's native-resolution ViTs share (Qwen2.5-VL's here, Qwen3-VL's in
+    qwen3_vl/vision.py): C x T x P x P pixel values per patch, S x S patches merged into one row."""
 
     in_channels: int = 3
     patch_size: int = 14
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
-    window_size: int = 112  # pixels
-    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
-    rope_theta: float = 10000.0
-
-    @staticmethod
-    def of(sizes) -> "QwenVisionArch":
-        values = dict(sizes.family_arch)
-        values["fullatt_block_indexes"] = tuple(values.get("fullatt_block_indexes", ()))
-        return QwenVisionArch(**values)
 
     @property
     def patch_dim(self) -> int:
@@ -60,6 +52,21 @@ class QwenVisionArch:
     @property
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
+
+
+@dataclass(frozen=True)
+class QwenVisionArch(QwenPatchArch):
+    """ModelSizes.family_arch of Qwen2.5-VL: the vision config fields beyond the enc_* sizes."""
+
+    window_size: int = 112  # pixels
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    rope_theta: float = 10000.0
+
+    @staticmethod
+    def of(sizes) -> "QwenVisionArch":
+        values = dict(sizes.family_arch)
+        values["fullatt_block_indexes"] = tuple(values.get("fullatt_block_indexes", ()))
+        return QwenVisionArch(**values)
 
 
 def vision_layer_spec(pg_collection: ProcessGroupCollection, full_layers: frozenset) -> ModuleSpec:

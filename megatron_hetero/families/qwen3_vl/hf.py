@@ -3,25 +3,17 @@ mergers (vision.py) and a Qwen3 LLM (QK-norm) with interleaved M-RoPE (our GPTMo
 are in transformers 5's in-memory names (`model.visual.*`, `model.language_model.*`, `lm_head.*`),
 which the Hub's Qwen3-VL files use too. Qwen3-VL-MoE's LLM is in moe.py."""
 
+from megatron_hetero.families.qwen2_5_vl.hf import QWEN_VISION_FIELDS, TEXT_FIELDS
 from megatron_hetero.hf.family import Family, Field
-from megatron_hetero.hf.llm import ROPE, llm_fields, llm_rules
+from megatron_hetero.hf.llm import ROPE, llm_rules
 from megatron_hetero.hf.rules import ConcatQKV, Flattened, HFMappingError, Same, same_params
 from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.models.vlm import ACTIVATIONS
 
 VISION, TEXT = "model.visual.", "model.language_model."
 
 _V = "vision_config."
 VISION_FIELDS = (
-    Field(f"{_V}hidden_size", "enc_hidden_size"),
-    Field(f"{_V}depth", "enc_num_layers"),
-    Field(f"{_V}num_heads", "enc_num_attention_heads"),
-    Field(f"{_V}intermediate_size", "arch.ffn_hidden_size"),
-    Field(f"{_V}hidden_act", "arch.activation", choices=tuple(ACTIVATIONS)),
-    Field(f"{_V}in_channels", "family.in_channels"),
-    Field(f"{_V}patch_size", "family.patch_size"),
-    Field(f"{_V}temporal_patch_size", "family.temporal_patch_size"),
-    Field(f"{_V}spatial_merge_size", "family.spatial_merge_size"),
+    *QWEN_VISION_FIELDS,
     Field(f"{_V}num_position_embeddings", "family.num_position_embeddings"),
     Field(f"{_V}deepstack_visual_indexes", "family.deepstack_visual_indexes"),
     Field(f"{_V}rope_parameters.rope_theta", "family.rope_theta", default=10000.0),
@@ -29,8 +21,6 @@ VISION_FIELDS = (
 # transformers' Qwen3-VL vision LayerNorms have eps 1e-6 whatever the config says.
 VISION_ARCH = dict(normalization="LayerNorm", norm_eps=1e-6, linear_bias=True, gated_linear_unit=False,
                    rescale_pixels=False)
-TEXT_FIELDS = (*llm_fields("text_config."), Field("tie_word_embeddings", "arch.tied_embeddings"),
-               Field("text_config.rope_parameters.mrope_section", "arch.mrope_section"))
 TEXT_FIXED = {"text_config.attention_bias": False, "text_config.rope_parameters.mrope_interleaved": True,
               **{f"text_config.{k}": v for k, v in ROPE.items()}}
 TEXT_ARCH = dict(normalization="RMSNorm", gated_linear_unit=True, qk_norm=True, mrope_interleaved=True)

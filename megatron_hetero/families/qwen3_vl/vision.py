@@ -33,19 +33,16 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.families.qwen2_5_vl.vision import vision_layer_spec
+from megatron_hetero.families.qwen2_5_vl.vision import QwenPatchArch, vision_layer_spec
 from megatron_hetero.models.specs import block_spec
 from megatron_hetero.models.varlen import SegmentParams
 
 
 @dataclass(frozen=True)
-class Qwen3VisionArch:
+class Qwen3VisionArch(QwenPatchArch):
     """ModelSizes.family_arch of Qwen3-VL: the vision config fields beyond the enc_* sizes."""
 
-    in_channels: int = 3
     patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     rope_theta: float = 10000.0
@@ -55,15 +52,6 @@ class Qwen3VisionArch:
         values = dict(sizes.family_arch)
         values["deepstack_visual_indexes"] = tuple(values.get("deepstack_visual_indexes", ()))
         return Qwen3VisionArch(**values)
-
-    @property
-    def patch_dim(self) -> int:
-        """Pixel values per patch (C x T x P x P)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
 
     @property
     def grid_side(self) -> int:
