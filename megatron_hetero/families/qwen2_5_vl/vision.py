@@ -145,18 +145,26 @@ class QwenVisionEncoder(MegatronModule):
         return self._by_window(rows[:, 0], layout, back=True)
 
 
-def build_vision_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
-                         whole: bool = False, **config_overrides) -> QwenVisionEncoder:
-    """The vision module on this rank (one pipeline stage: the tower is not split over stages)."""
+def tower_configs(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype, whole: bool, merge_unit: int,
+                  **config_overrides) -> tuple[TransformerConfig, TransformerConfig]:
+    """The layers' config and the merger's of a Qwen ViT on this rank (Qwen2.5-VL's and Qwen3-VL's):
+    one pipeline stage, the tower is not split over stages."""
     from megatron_hetero.models.vlm import _config
 
     if not whole and pgs.pp.size() > 1:
         raise ValueError(f"the {sizes.family} vision tower runs as one pipeline stage; set the vision module's pp: 1")
-    arch = QwenVisionArch.of(sizes)
     hidden = sizes.enc_hidden_size
     config = _config(hidden, sizes.enc_num_layers, sizes.enc_num_attention_heads, tp, dtype,
                      arch=sizes.vision_arch, **config_overrides)
-    merged = hidden * arch.merge_unit  # the merger's MLP: merged -> merged -> LLM hidden, GELU, biases
+    merged = hidden * merge_unit  # the merger's MLP: merged -> merged -> LLM hidden, GELU, biases
     projector = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, ffn_hidden_size=merged,
                         add_bias_linear=True, **config_overrides)
+    return config, projector
+
+
+def build_vision_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
+                         whole: bool = False, **config_overrides) -> QwenVisionEncoder:
+    """The vision module on this rank."""
+    arch = QwenVisionArch.of(sizes)
+    config, projector = tower_configs(sizes, tp, pgs, dtype, whole, arch.merge_unit, **config_overrides)
     return QwenVisionEncoder(config, projector, arch, pgs)

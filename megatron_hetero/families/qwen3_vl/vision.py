@@ -33,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.families.qwen2_5_vl.vision import QwenPatchArch, vision_layer_spec
+from megatron_hetero.families.qwen2_5_vl.vision import QwenPatchArch, tower_configs, vision_layer_spec
 from megatron_hetero.models.specs import block_spec
 from megatron_hetero.models.varlen import SegmentParams
 
@@ -158,16 +158,7 @@ class Qwen3VisionEncoder(MegatronModule):
 
 def build_vision_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
                          whole: bool = False, **config_overrides) -> Qwen3VisionEncoder:
-    """The vision module on this rank (one pipeline stage: the tower is not split over stages)."""
-    from megatron_hetero.models.vlm import _config
-
-    if not whole and pgs.pp.size() > 1:
-        raise ValueError(f"the {sizes.family} vision tower runs as one pipeline stage; set the vision module's pp: 1")
+    """The vision module on this rank; its DeepStack mergers take the main merger's config (exact GELU)."""
     arch = Qwen3VisionArch.of(sizes)
-    hidden = sizes.enc_hidden_size
-    config = _config(hidden, sizes.enc_num_layers, sizes.enc_num_attention_heads, tp, dtype,
-                     arch=sizes.vision_arch, **config_overrides)
-    merged = hidden * arch.merge_unit  # the mergers' MLP: merged -> merged -> LLM hidden, exact GELU, biases
-    projector = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, ffn_hidden_size=merged,
-                        add_bias_linear=True, **config_overrides)
+    config, projector = tower_configs(sizes, tp, pgs, dtype, whole, arch.merge_unit, **config_overrides)
     return Qwen3VisionEncoder(config, projector, arch, pgs)
