@@ -188,9 +188,12 @@ class Transfer:
 
 
 def post(transfers) -> list:
-    """Post every op of `transfers` in one batch, then their self-copies; returns the works."""
-    ops = [op for t in transfers for op in t.ops]
-    works = dist.batch_isend_irecv(ops) if ops else []
+    """Post every op of `transfers` in one batch per process group (torch batches one group's ops),
+    then their self-copies; returns the works."""
+    batches: dict = {}
+    for op in (op for t in transfers for op in t.ops):
+        batches.setdefault(op.group, []).append(op)
+    works = [work for ops in batches.values() for work in dist.batch_isend_irecv(ops)]
     for t in transfers:
         t.copy_local()
     return works

@@ -15,7 +15,8 @@ LLM pp>1 (the encoder's backward needs gradients that the LLM pipeline returns a
   for one extra encoder forward.
 - three-phase, bubbles (`_ordered`): each rank runs its encoder work and its LLM stage's in the
   order colocated_order.py gives (no recompute; the boundary's two sides posted apart, on groups of
-  their own). Evaluation (forward only) runs as recompute does, without the recompute.
+  their own, each transfer at its producer's point of the order: pipeline.execute_keyed).
+  Evaluation (forward only) runs as recompute does, without the recompute.
 """
 
 from contextlib import nullcontext
@@ -28,8 +29,8 @@ from megatron_hetero.boundary.exchange import exchange_gradients, split_recvs, s
 from megatron_hetero.layout import ColocatedSchedule
 from megatron_hetero.runtime.model import Media
 from megatron_hetero.runtime.step import LLMView, StepContext
-from megatron_hetero.schedules.colocated_order import colocated_order
-from megatron_hetero.schedules.pipeline import Op, OpKind, execute, run_stage
+from megatron_hetero.schedules.colocated_order import keyed_order, producer_key
+from megatron_hetero.schedules.pipeline import Op, OpKind, execute_keyed, run_stage
 from megatron_hetero.schedules.stages import GivenRows, LLMStage
 
 
@@ -124,9 +125,9 @@ def _ordered(ctx: StepContext) -> None:
     own = OwnRows()
     stage = LLMStage(ctx, SplitRows(ctx, own))
     rows_group, grads_group = run.boundary_groups
-    here = run.encoders_here
-    order = colocated_order(run.colocated_schedule, llm.coords()["pp"], llm.layout.pp, ctx.num_microbatches,
-                            list(here), [name for name in stage.routed if name in here])
+    here, encoders = run.encoders_here, list(run.encoders)
+    schedule, at, pp, M = run.colocated_schedule, llm.coords()["pp"], llm.layout.pp, ctx.num_microbatches
+    order = keyed_order(schedule, at, pp, M, encoders, stage.routed, here=list(here))
     saved = {}  # (encoder, microbatch) -> its rows with their graph, until the encoder's backward
 
     def receives(op: Op) -> list:
@@ -157,5 +158,6 @@ def _ordered(ctx: StepContext) -> None:
     def phase(op: Op):  # the boundary's transfers are the encoder ops'
         return ctx.timers("boundary") if op.kind in (OpKind.EF, OpKind.EB) else nullcontext()
 
-    execute(order, receives, compute, ctx.clock, phase=phase)
+    execute_keyed(order, lambda op: producer_key(schedule, at, pp, M, encoders, op), receives, compute, ctx.clock,
+                  phase=phase)
     assert not saved and not own.rows and not own.grads, "every microbatch's work ran"

@@ -59,30 +59,50 @@ def llm_timeline(pp: int, num_microbatches: int) -> dict[tuple[int, str, int], t
     return done
 
 
-def colocated_order(schedule: str, stage: int, pp: int, num_microbatches: int, encoders: list[str],
-                    trainable: list[str], lookahead: int = LOOKAHEAD) -> list[Op]:
-    """The ops of a rank at LLM stage `stage`, in the order it runs them. `encoders`: every encoder
-    (layout order); `trainable`: those that run a backward."""
+def op_key(schedule: str, timeline: dict, stage: int, op: Op, encoders: list[str], lookahead: int = LOOKAHEAD) -> tuple:
+    """`op`'s place in the step's one order on every rank: (time on the ideal timeline, encoder work
+    before LLM work, microbatch, encoder). `encoders`: every encoder, in layout order."""
+    if op.kind in (F, B):
+        return (timeline[stage, op.kind, op.i][0], 1, op.i, 0)
+    if schedule == ColocatedSchedule.THREE_PHASE:
+        last = max(end for _, end in timeline.values())
+        at = -1.0 if op.kind == EF else last + 1.0
+    elif op.kind == EF:
+        at = timeline[0, F, max(op.i - lookahead, 0)][0]
+    else:
+        at = timeline[0, B, op.i][1]
+    return (at, 0, op.i, encoders.index(op.encoder))
+
+
+def keyed_order(schedule: str, stage: int, pp: int, num_microbatches: int, encoders: list[str],
+                trainable: list[str], lookahead: int = LOOKAHEAD, here: list[str] | None = None) -> list[tuple]:
+    """The ops of a rank at LLM stage `stage` with their keys, in the order it runs them. `encoders`:
+    every encoder (layout order); `trainable`: those that run a backward; `here`: those this rank
+    holds (default: every one)."""
     if schedule not in (ColocatedSchedule.THREE_PHASE, ColocatedSchedule.BUBBLES):
         raise ValueError(f"colocated schedule {schedule!r} is not an order: one of three-phase, bubbles")
-    assert set(trainable) <= set(encoders), (trainable, encoders)
+    assert set(trainable) <= set(encoders) and set(here or ()) <= set(encoders), (trainable, here, encoders)
     timeline = llm_timeline(pp, num_microbatches)
-    last = max(end for _, end in timeline.values())
-    keyed = []
-    for (s, kind, i), (start, _) in timeline.items():
-        if s == stage:
-            keyed.append(((start, 1, i, 0), Op(kind, i)))
-    for e, name in enumerate(encoders):
-        for i in range(num_microbatches):
-            if schedule == ColocatedSchedule.THREE_PHASE:
-                forward_at, backward_at = -1.0, last + 1.0
-            else:
-                forward_at = timeline[0, F, max(i - lookahead, 0)][0]
-                backward_at = timeline[0, B, i][1]
-            keyed.append(((forward_at, 0, i, e), Op(EF, i, name)))
-            if name in trainable:
-                keyed.append(((backward_at, 0, i, e), Op(EB, i, name)))
-    return [op for _, op in sorted(keyed)]
+    ops = [Op(kind, i) for (s, kind, i) in timeline if s == stage]
+    for name in encoders if here is None else here:
+        ops += [Op(EF, i, name) for i in range(num_microbatches)]
+        ops += [Op(EB, i, name) for i in range(num_microbatches) if name in trainable]
+    return sorted((op_key(schedule, timeline, stage, op, encoders, lookahead), op) for op in ops)
+
+
+def colocated_order(schedule: str, stage: int, pp: int, num_microbatches: int, encoders: list[str],
+                    trainable: list[str], lookahead: int = LOOKAHEAD) -> list[Op]:
+    """keyed_order's ops alone, for a rank that holds every encoder."""
+    return [op for _, op in keyed_order(schedule, stage, pp, num_microbatches, encoders, trainable, lookahead)]
+
+
+def producer_key(schedule: str, stage: int, pp: int, num_microbatches: int, encoders: list[str], op: Op,
+                 lookahead: int = LOOKAHEAD) -> tuple | None:
+    """The largest key among the ops whose transfers `op` receives (None: none): its dependencies,
+    on this stage's other ranks too (an LLM stage with TP, an encoder op's rows)."""
+    timeline = llm_timeline(pp, num_microbatches)
+    deps = dependencies(op, stage, pp, encoders)
+    return max((op_key(schedule, timeline, s, dep, encoders, lookahead) for s, dep in deps), default=None)
 
 
 def dependencies(op: Op, stage: int, pp: int, encoders: list[str]) -> list[tuple[int, Op]]:

@@ -6,15 +6,23 @@ forward and one backward (steady state), then drains the backwards (cool-down). 
 backward (a frozen module) runs every forward ahead. colocated_order.py orders a colocated rank's
 encoder and LLM ops the same way, as Ops.
 
-`execute` runs any such order: each op's receives are posted and waited for, the op computes, its
+`execute` runs a stage's order: each op's receives are posted and waited for, the op computes, its
 sends are posted (waited for at the step's end, so that no op blocks on a neighbour not ready to
 receive). `run_stage` executes one stage's 1F1B order with Megatron's pairing of communication (an
 op's sends in one batch with the next op's receives when the two differ: send forward + receive
 backward, send backward + receive forward), which keeps NCCL's in-order point-to-point streams from
-deadlocking. The stage decides what a microbatch's forward and backward are and which transfers
-feed them (a boundary, a neighbouring stage of its module, or nothing); this file orders them.
+deadlocking. `execute_keyed` runs orders whose ops carry keys of one global order (a colocated
+rank's encoder and LLM work, colocated_order.py), where no such pairing exists: NCCL runs one
+group's transfers in the order each rank posted them and a send waits for its receive, so both
+ranks must post every transfer at the same point of that order. A transfer goes out with its
+producer: the send right after the op that computes it, the receive in the batch after the
+receiving rank's last op whose key is not greater than the producer's. The stage decides what a
+microbatch's forward and backward are and which transfers feed them (a boundary, a neighbouring
+stage of its module, or nothing); this file orders them.
 """
 
+from bisect import bisect_right
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -143,6 +151,45 @@ def execute(order: list[Op], receives: Receives, compute: Compute, clock: Clock,
         if following is not None:
             with phase(following):
                 received = link.exchange([], receives(following))
+    link.finish()
+
+
+def execute_keyed(order: list[tuple[tuple, Op]], producer_key: Callable[[Op], tuple], receives: Receives,
+                  compute: Compute, clock: Clock, phase: Callable[[Op], object] = lambda op: nullcontext()) -> None:
+    """Run `order` ((key, op), sorted by keys that every rank shares) posting each transfer at its
+    producer's point: `producer_key(op)` is the largest key among the ops on other ranks whose
+    transfers `op` receives (None: it receives nothing). After each op, one batch: its sends and the
+    receives of every op whose producer key lies between this op's key and the next op's; an op
+    waits for the batches holding its receives. Every rank then posts transfers in the global key
+    order (ties in one batch), so the oldest unfinished transfer is at the head of both its ranks'
+    queues and completes: no deadlock under NCCL's in-order groups."""
+    keys = [key for key, _ in order]
+    after = defaultdict(list)  # n -> ops whose receives go out after op n (-1: before the first)
+    for n, (key, op) in enumerate(order):
+        produced = producer_key(op)
+        if produced is not None:
+            assert produced < key, (op, produced, key)
+            after[bisect_right(keys, produced) - 1].append(n)
+    link, pending = Link(clock), {}
+
+    def post_batch(sends: list[Transfer], consumers: list[int]) -> None:
+        recvs = {n: receives(order[n][1]) for n in consumers}
+        works = post(sends + [t for n in consumers for t in recvs[n]])
+        if not any(recvs.values()):
+            link.unfinished_sends += works
+        # The consumers share the batch's works (one work per batch on NCCL): the first waits, and
+        # empties the list, since gloo never returns from a second wait on a receive.
+        pending.update({n: (recvs[n], works if any(recvs.values()) else []) for n in consumers})
+
+    post_batch([], after[-1])
+    for n, (_, op) in enumerate(order):
+        transfers, works = pending.pop(n, ([], []))
+        with phase(op):
+            clock.wait(works)
+        works.clear()
+        sends = compute(op, [t.result() for t in transfers])
+        with phase(op):
+            post_batch(sends, after[n])
     link.finish()
 
 
