@@ -35,9 +35,13 @@ def _bench_cases(rank, world_size, json_path):
 
     # Colocated fan-in: upstream's gathered rows are our LLM input slots (both sample-major).
     gathered, _ = tool.upstream_colocated(env, payload, upstream, tool.LLM_TP2).step()
-    slots, _ = tool.ours_colocated(env, payload, tool.LLM_TP2).step()
     assert torch.equal(gathered, all_rows)
-    assert torch.equal(slots, all_rows)
+    # Ours through the all-gather (the plan makes the bench's TP2 edge one) and point to point.
+    assert tool.plan_all_ranks(payload.batch(2), tool.ENCODER_DP2, tool.LLM_TP2)[rank].gather is not None
+    tp_groups = tool.llm_tp_groups()
+    for tp_group in (tp_groups[tool.LLM_TP2], None):
+        slots, _ = tool.ours_colocated(env, payload, tool.LLM_TP2, tp_group).step()
+        assert torch.equal(slots, all_rows)
 
     # Round trips: the LLM rank receives rank 0's rows; rank 0 gets gradients of their shape.
     rank0_rows = payload.encoder_rows(0, env.device)
@@ -55,7 +59,7 @@ def test_bench_boundary_on_gloo(tmp_path):
     run_distributed(_bench_cases, 2, json_path)
     rows = json.loads(Path(json_path).read_text())["rows"]
     by_method = {(row["method"], row["layout"]): row for row in rows}
-    assert len(by_method) == len(rows) == 10
+    assert len(by_method) == len(rows) == 11
     payload_bytes = 0.25 * 2**20
     for (method, layout), row in by_method.items():
         if row["status"] == "ok":

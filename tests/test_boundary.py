@@ -1,6 +1,8 @@
 """Boundary exactness over a matrix of layout pairs: forward rows and routed gradients equal a
-single-process re-layout bit for bit, colocated (all-to-all) and non-colocated (point-to-point)."""
+single-process re-layout bit for bit, colocated (all-to-all, or all-gather) and non-colocated
+(point-to-point)."""
 
+import itertools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +25,7 @@ from megatron_hetero.boundary import (
 from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, complete, forward_recvs, forward_sends
 from megatron_hetero.boundary.plan import disagreement, metadata_summary
 from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
+from megatron_hetero.groups import build_module_groups
 from megatron_hetero.layout import ModuleLayout
 from tests.distributed import run_distributed
 from tests.row_plan import row_routes
@@ -75,14 +78,18 @@ def _patterns(batch, dtype, seed):
 
 # ---- colocated: autograd all-to-all ------------------------------------------------------------
 
-def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype):
+def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype, tp_group=None):
+    """Forward rows and gradients equal the single-process re-layout; with `tp_group` (the LLM's TP
+    group) through the all-gather where the plan is one. Returns the edges that gathered here."""
     merged = None
     sources = []
+    gathered = 0
     for e, (encoder, batch) in enumerate(zip(encoders, batches)):
         rows, grad = _patterns(batch, dtype, seed=e)
         plan = plan_edge(batch, encoder, llm_layout, rank, world_size)
+        gathered += tp_group is not None and plan.gather is not None
         local = encoder_share(rows, batch, encoder, rank).clone().requires_grad_(True)
-        got = boundary_exchange(local, plan)
+        got = boundary_exchange(local, plan, llm_tp_group=tp_group)
         mask = llm_share(reference_input(torch.ones(batch.num_rows, 1), batch), llm_layout, rank)
         filled = filled_slots(plan, "cpu")
         assert torch.equal(filled, mask.reshape(-1).nonzero().squeeze(1))
@@ -98,16 +105,22 @@ def _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype):
     for local, grad, encoder, batch in sources:
         want = encoder_share(at_addresses(grad, batch), batch, encoder, rank)
         assert torch.equal(local.grad, want), f"rank {rank}: edge {encoder.name} gradients differ"
+    return gathered
 
 
-def _colocated_cases(rank, world_size, cases, batch_specs, items=False):
+def _colocated_cases(rank, world_size, cases, batch_specs, items=False, gather=False):
+    """`gather`: each check again with the LLM's TP group as the runtime builds it, so that the
+    edges the plan makes gathers run the all-gather (and some must)."""
+    gathered = 0
     for encoders, llm_layout in cases:
+        tp_groups = (None, build_module_groups(llm_layout).pgs.tp) if gather else (None,)
         for seed, (counts, seq_len) in enumerate(batch_specs):
             batches = edge_batches([counts] * len(encoders), seq_len, seed)
             if items:
                 batches = [itemized(b, e.dp, seed) for b, e in zip(batches, encoders)]
-            for dtype in DTYPES:
-                _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype)
+            for dtype, tp_group in itertools.product(DTYPES, tp_groups):
+                gathered += _check_colocated(rank, world_size, encoders, llm_layout, batches, dtype, tp_group)
+    assert gathered or not gather, f"rank {rank}: no edge ran the all-gather"
 
 
 def _check_replicated(rank, world_size, encoder, llm_layout, batch, dtype):
@@ -221,6 +234,7 @@ COLOCATED_4 = [
 ]
 COLOCATED_3 = [([enc(dp=3)], llm(tp=3)), ([enc(tp=3)], llm(dp=3))]           # DP 3 -> 1, 1 -> 3
 COLOCATED_6 = [([enc(tp=3, dp=2)], llm(dp=6)), ([enc(dp=6)], llm(tp=3, dp=2, sp=True))]  # 2 -> 6, 6 -> 2
+GATHER_6 = [([enc(dp=6)], llm(tp=3, dp=2)), ([enc(dp=2)], llm(tp=2, pp=3))]  # all-gathers: 2 groups; stage 0
 COLOCATED_8 = [
     ([enc(dp=8)], llm(tp=2, cp=4, sp=True)),           # CP4 + SP
     ([enc(cp=2, dp=2, pp=2)], llm(tp=2, cp=2, pp=2)),  # CP and PP on both sides
@@ -250,9 +264,15 @@ def test_colocated_4_ranks():
     run_distributed(_colocated_cases, 4, COLOCATED_4, BATCHES_8)
 
 
+# Equal rows per encoder rank within each LLM TP group of GATHER_6[0] (2 and 1): the pattern the
+# plan makes all-gathers (plan.Gather); BATCHES_6[0] is one for COLOCATED_3[0] and GATHER_6[1].
+EVEN_6 = [([2, 2, 2, 1, 1, 1], SEQ)]
+
+
 def test_colocated_uneven_dp_3_and_6_ranks():
-    run_distributed(_colocated_cases, 3, COLOCATED_3, BATCHES_6)
-    run_distributed(_colocated_cases, 6, COLOCATED_6, BATCHES_6)
+    """... and the all-gather path: bit-identical to the reference, as the point-to-point one is."""
+    run_distributed(_colocated_cases, 3, COLOCATED_3, BATCHES_6 + EVEN_6, False, True)
+    run_distributed(_colocated_cases, 6, COLOCATED_6 + GATHER_6, BATCHES_6 + EVEN_6, False, True)
 
 
 def test_colocated_8_ranks():
@@ -350,6 +370,42 @@ def test_plan_rejects_what_it_cannot_serve(encoder, llm_layout, seq_len, field):
     with pytest.raises(BoundaryError, match=field.replace("*", r"\*")) as error:
         plan_edge(batch, encoder, llm_layout, 0, world)
     assert "\n" not in str(error.value)
+
+
+def _items(item_dp):
+    """Two samples of two 2-row items each at positions 0-3, items assigned to encoder DP ranks."""
+    return BoundaryBatch(np.array([4, 4]), np.tile(np.arange(4), 2), SEQ, np.full(4, 2), np.array(item_dp))
+
+
+@pytest.mark.parametrize("encoder, llm_layout, world, batch, want", [
+    (enc(dp=2), llm(tp=2), 2, [4, 4], {0: (0, 1), 1: (0, 1)}),        # the bench's edge: 4 rows each
+    (enc(dp=4), llm(tp=2, dp=2), 4, [1, 2, 2, 1, 2, 0, 0, 2],         # a gather per LLM TP group,
+     {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}),                   # of 3 and of 2 rows each
+    (enc(dp=2), llm(tp=2, pp=2), 4, [3, 3], {0: (0, 1), 1: (0, 1)}),  # the LLM's first stage; none later
+    (enc(dp=2), llm(tp=2), 2, [0, 0], {0: (0, 1), 1: (0, 1)}),        # no rows: a gather of none
+    (enc(dp=2), llm(tp=2), 2, _items([0, 0, 1, 1]), {0: (0, 1), 1: (0, 1)}),  # items in rank order
+    (enc(dp=2), llm(tp=2), 2, _items([1, 0, 0, 1]), None),            # equal, but not in rank order
+    (enc(dp=2), llm(tp=2), 2, [3, 5], None),                          # unequal blocks
+    (enc(dp=2), llm(tp=2, sp=True), 2, [4, 4], None),                 # SP: each rank takes its part
+    (enc(dp=4), llm(tp=2, cp=2), 4, [4, 4, 4, 4], None),              # CP: a group takes others' rows
+    (enc(tp=2), llm(tp=2), 2, [4, 4], None),                          # encoder replicas
+    (enc(dp=4), llm(tp=2, pp=2), 4, [4, 4, 4, 4], None),              # rows held off the first stage
+    (enc(dp=2), llm(tp=2, first=2), 4, [4, 4], None),                 # non-colocated
+    (enc(dp=2), llm(dp=2), 2, [4, 4], None),                          # own rows only: no collective
+])
+def test_plan_recognizes_all_gathers(encoder, llm_layout, world, batch, want):
+    """RankPlan.gather (exchange.py's all-gather) exactly where every LLM TP rank takes all rows of
+    its group, equal blocks in rank order: its ranks, and each member's rows are its own."""
+    if not isinstance(batch, BoundaryBatch):
+        (batch,) = edge_batches([batch], SEQ, 0)
+    plans = _plans(batch, encoder, llm_layout, world)
+    for p in plans:
+        group = (want or {}).get(p.rank)
+        assert (p.gather and p.gather.ranks) == group, p.rank
+        if group:  # member i's rows land at [i * rows, (i + 1) * rows) of each member's LLM side
+            assert p.gather.rows == p.num_source_rows and p.num_dest_rows == len(group) * p.gather.rows
+            assert not (p.forward.recv_counts[list(group)] - p.gather.rows).any()
+            assert p.backward.recv_counts.sum() == p.backward.recv_counts[p.rank] == p.num_source_rows
 
 
 def test_sending_is_spread_over_encoder_replicas():

@@ -11,7 +11,9 @@ upstream's gathered (s*b, h) tensor and our LLM input hold the same rows. Per pa
   (communicate) + backward (autograd), and what it answers for LLM cp2 and tp2+sp;
 - upstream non-colocated BridgeCommunicator, encoder rank 0 -> LLM rank 1 and back
   (send_forward, recv_forward, send_backward, recv_backward);
-- ours: boundary_exchange forward+backward for LLM tp2, cp2 and tp2+sp; forward_sends,
+- ours: boundary_exchange forward+backward for LLM tp2, cp2 and tp2+sp, given the LLM's TP group
+  as the colocated schedule passes it (tp2: one all-gather, plan.Gather), and for tp2 without it
+  (`ours colocated p2p`: point to point, the path the all-gather replaced); forward_sends,
   forward_recvs, backward_sends, backward_recvs for rank 0 -> rank 1 and back.
 Without CUDA it runs on gloo as a smoke test: megatron-core's CUDA assumptions are redirected to
 the CPU and upstream's NCCL groups are created on gloo (megatron_hetero.patches.cpu).
@@ -292,8 +294,9 @@ def plan_all_ranks(batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayou
     return [plan_edge(batch, encoder, llm, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
 
 
-def ours_colocated(env: Env, payload: Payload, llm: ModuleLayout) -> Bench:
-    bench = Bench("ours colocated", COLOCATED_PAIR[llm])
+def ours_colocated(env: Env, payload: Payload, llm: ModuleLayout, tp_group) -> Bench:
+    """`tp_group`: this rank's LLM TP group (the all-gather where the plan is one); None: point to point."""
+    bench = Bench("ours colocated p2p" if tp_group is None else "ours colocated", COLOCATED_PAIR[llm])
     try:
         plans = plan_all_ranks(payload.batch(ENCODER_DP2.dp), ENCODER_DP2, llm)
     except BoundaryError as error:
@@ -304,7 +307,7 @@ def ours_colocated(env: Env, payload: Payload, llm: ModuleLayout) -> Bench:
     grad_slots = payload.random(plan.num_dest_rows, env.device)
 
     def step():
-        slots = boundary_exchange(rows, plan)
+        slots = boundary_exchange(rows, plan, llm_tp_group=tp_group)
         (grad_rows,) = torch.autograd.grad(slots, rows, grad_slots)
         return slots, grad_rows
 
@@ -332,12 +335,19 @@ def ours_round_trip(env: Env, payload: Payload) -> Bench:
     return Bench("ours p2p", ROUND_TRIP, max(off_rank_bytes(p, payload.row_bytes) for p in plans), step)
 
 
-def benches(env: Env, payload: Payload, upstream: Upstream):
+def llm_tp_groups() -> dict:
+    """Collective: each colocated LLM layout's TP group of this rank, as the runtime's module groups
+    hold it (groups.build_module_groups, the group colocated.py passes to boundary_exchange)."""
+    return {llm: grid(llm).create_pg("tp") for llm in COLOCATED_LLMS}
+
+
+def benches(env: Env, payload: Payload, upstream: Upstream, tp_groups: dict):
     """The methods for one payload, built one at a time so that only one holds buffers."""
     yield lambda: raw_all_gather(env, payload)
     for llm in COLOCATED_LLMS:
         yield lambda llm=llm: upstream_colocated(env, payload, upstream, llm)
-        yield lambda llm=llm: ours_colocated(env, payload, llm)
+        yield lambda llm=llm: ours_colocated(env, payload, llm, tp_groups[llm])
+    yield lambda: ours_colocated(env, payload, LLM_TP2, None)
     yield lambda: raw_round_trip(env, payload)
     yield lambda: upstream_round_trip(env, payload, upstream)
     yield lambda: ours_round_trip(env, payload)
@@ -439,10 +449,11 @@ def main(argv=None) -> int:
         say(f"# {key}: {value}")
     say(DEFINITIONS)
     upstream = Upstream(DTYPES[args.dtype])
+    tp_groups = llm_tp_groups()
     say(COLUMNS, flush=True)
     rows = []
     for payload in args.payloads:
-        for build in benches(env, payload, upstream):
+        for build in benches(env, payload, upstream, tp_groups):
             row = measure(env, build(), payload, args.iters, args.warmup)
             rows.append(row)
             say(format_row(row), flush=True)

@@ -12,7 +12,10 @@ names their slots): no zero-filled slot tensor; the LLM writes them into its inp
 (`input_rows`, `write_rows`) with one row copy and reads their gradients back with one gather.
 
 - colocated: `boundary_exchange` is an autograd function: forward re-lays rows into the LLM
-  side's rows, backward routes their gradients back to the encoder rows;
+  side's rows, backward routes their gradients back to the encoder rows. Where every LLM TP rank
+  takes all the rows its group holds, equal blocks in rank order (plan.Gather: encoder DP -> LLM
+  TP without SP), the forward is one all-gather on the LLM's TP group instead: one collective
+  call costs less than a batch of point-to-point ones (docs/benchmarks.md, item 3);
 - non-colocated: `forward_sends / forward_recvs / backward_sends / backward_recvs` build one side's
   transfer of one microbatch, not yet posted: a pipeline schedule posts several in one batch
   (`post`) and waits on them; `complete` posts, waits and returns their results;
@@ -30,6 +33,7 @@ from torch.profiler import record_function
 from megatron_hetero.boundary.plan import (
     BoundaryBatch,
     BoundaryMismatch,
+    Gather,
     RankPlan,
     Routes,
     disagreement,
@@ -251,29 +255,44 @@ def _transfer(source, moves: _Moves, like: torch.Tensor, receive: bool, group, s
     return Transfer(ops, dest, scatter, copy_local if local else None)
 
 
+def _all_gather(rows: torch.Tensor, gather: Gather, group) -> torch.Tensor:
+    """The LLM side's rows of a gather edge: every member's `gather.rows` rows, in rank order."""
+    assert dist.get_process_group_ranks(group) == list(gather.ranks), "llm_tp_group is not the plan's group"
+    dest = rows.new_empty(len(gather.ranks) * gather.rows, rows.shape[-1])
+    if gather.rows:  # the same on every member
+        dist.all_gather_single(dest, rows.contiguous(), group=group)
+    return dest
+
+
 class BoundaryExchange(torch.autograd.Function):
     """forward: encoder rows [num_source_rows, h] -> the LLM side's rows [filled slots, h], every
-    row delivered to each rank that consumes it, in slot order.
+    row delivered to each rank that consumes it, in slot order: one all_gather_single over
+    the LLM TP group where the plan is a gather (RankPlan.gather) and the group is given, else
+    point-to-point messages.
     backward: their gradients -> row gradients, each encoder replica receiving every row's gradient
-    once, from one LLM replica."""
+    once, from one LLM replica (for a gather, itself: the slice of its own rows, no message)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, plan: RankPlan, group):
+    def forward(ctx, rows: torch.Tensor, plan: RankPlan, group, llm_tp_group):
         ctx.plan, ctx.group = plan, group
         with record_function(ANNOTATION + "boundary forward"):
+            if plan.gather is not None and llm_tp_group is not None:
+                return _all_gather(rows.detach(), plan.gather, llm_tp_group)
             moves = _moves_for(plan, "forward", rows.device)
             return complete([_transfer(rows.detach(), moves, rows, True, group)])[0]
 
     @staticmethod
     def backward(ctx, grad_slots: torch.Tensor):
-        return exchange_gradients(grad_slots, ctx.plan, ctx.group), None, None
+        return exchange_gradients(grad_slots, ctx.plan, ctx.group), None, None, None
 
 
-def boundary_exchange(rows: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:
+def boundary_exchange(rows: torch.Tensor, plan: RankPlan, group=None, llm_tp_group=None) -> torch.Tensor:
     """Colocated: differentiable re-layout of encoder rows into this rank's LLM side's rows (its
     filled slots, in order). `group` must span every rank of the edge's modules (peers are its
-    ranks; None: the world)."""
-    return BoundaryExchange.apply(rows, plan, group)
+    ranks; None: the world). `llm_tp_group`: this rank's LLM tensor-parallel group; where the plan
+    is a gather over it (RankPlan.gather) the rows move by one all-gather on it; None: point to
+    point always (the same rows)."""
+    return BoundaryExchange.apply(rows, plan, group, llm_tp_group)
 
 
 def exchange_gradients(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> torch.Tensor:

@@ -181,6 +181,19 @@ class Routes:
 
 
 @dataclass(frozen=True)
+class Gather:
+    """An edge whose forward is one all-gather per LLM TP group (exchange.py's fast path): each
+    rank of the group (`ranks`, the LLM's TP ranks of one (dp, cp) on its first stage) is the
+    only holder of `rows` encoder rows, and its LLM side's rows are the members' rows concatenated
+    in rank order. The backward routes of such an edge stay on each rank (every member consumes
+    its own rows, so it is the one replica that returns their gradients): the all-gather's adjoint
+    under the one-replica rule is the slice of a member's own rows."""
+
+    ranks: tuple[int, ...]
+    rows: int
+
+
+@dataclass(frozen=True)
 class RankPlan:
     """A rank's routes for an edge: forward rows and backward gradients, and its buffer sizes."""
 
@@ -192,6 +205,9 @@ class RankPlan:
     # An encoder replicated over cp: each replica gets back the gradients of some of its rows only
     # (the others' are zero there; their sum over the replicas is the rows' gradient).
     partial_gradients: bool = False
+    # The forward as an all-gather over this rank's LLM TP group, where the edge is one (_gather);
+    # None: the routes only.
+    gather: Gather | None = None
     # Execution state derived from the routes (index tensors per device), filled by exchange.py.
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -423,6 +439,29 @@ def _route(rank: int, world_size: int, segs: _Segments, src: _Side, dst: _Side) 
                   int(pairs.max(initial=0)))
 
 
+def _gather(segs: _Segments, llm: ModuleLayout, rank: int) -> Gather | None:
+    """The edge as all-gathers over the LLM's TP groups (the Gather of `rank`), or None. Decided
+    from the whole edge, so that every rank decides alike: each row has one holder (no encoder
+    TP or cp replicas), which consumes it (holders and consumers share the LLM TP group: no SP, no
+    rows for other CP ranks or pipeline stages), every member of a group holds as many rows as
+    the others, and a group's slots take its rows member after member, each member's in its order."""
+    holder, group, width = segs.encoder.base, segs.llm.base, segs.llm.width
+    if segs.encoder.width != 1 or width < 2 or not ((group <= holder) & (holder < group + width)).all():
+        return None
+    coords = llm.coords(rank)
+    if coords is None or coords["pp"] != 0:
+        return None  # no LLM rows here (and, the edge being a gather, no encoder rows)
+    members = group[:, None] + np.arange(width)  # each segment's group, as ranks
+    held = np.bincount(holder, weights=segs.count, minlength=int(members.max(initial=0)) + 1)[members]
+    order = np.lexsort((segs.encoder.index, holder))  # member after member, each in row order
+    slot, count, same = segs.llm.index[order], segs.count[order], group[order][1:] == group[order][:-1]
+    if (held != held[:, :1]).any() or (same & (slot[1:] < slot[:-1] + count[:-1])).any():
+        return None
+    first = llm.rank_of(cp=coords["cp"], dp=coords["dp"])
+    mine = np.flatnonzero(group == first)
+    return Gather(tuple(range(first, first + width)), int(held[mine[0], 0]) if len(mine) else 0)
+
+
 def plan_edge(
     batch: BoundaryBatch, encoder: ModuleLayout, llm: ModuleLayout, rank: int, world_size: int
 ) -> RankPlan:
@@ -440,7 +479,10 @@ def plan_edge(
     if llm_coords and llm_coords["pp"] == 0:
         seq_local = batch.seq_len // llm.cp // (llm.tp if llm.sp else 1)
         num_dest_slots = seq_local * (batch.num_samples // llm.dp)
-    return RankPlan(rank, forward, backward, num_source_rows, num_dest_slots, encoder.cp_replicated)
+    gather = _gather(segs, llm, rank)
+    # A gather's adjoint is each member's own rows' slice of its gradients: routes that stay here.
+    assert gather is None or backward.recv_counts.sum() == backward.recv_counts[rank], "gather edge routes off rank"
+    return RankPlan(rank, forward, backward, num_source_rows, num_dest_slots, encoder.cp_replicated, gather=gather)
 
 
 class PlanCache:

@@ -51,7 +51,7 @@ def encoders_to_llm(ctx: StepContext, i: int) -> dict[str, Media]:
         rows = ctx.encoder_forward(module, i)
         plan = ctx.plans[name][i]
         with ctx.timers("boundary"):
-            media[name] = Media(boundary_exchange(rows, plan), plan)
+            media[name] = Media(boundary_exchange(rows, plan, llm_tp_group=ctx.run.llm.pgs.tp), plan)
     return media
 
 
@@ -67,9 +67,9 @@ def _per_microbatch(ctx: StepContext) -> None:
 
 def _recompute(ctx: StepContext) -> None:
     """LLM pp>1: encoder rows without a graph, the LLM pipeline, each encoder microbatch again."""
-    encoders, M = ctx.run.encoders_here, ctx.num_microbatches
+    encoders, M, tp = ctx.run.encoders_here, ctx.num_microbatches, ctx.run.llm.pgs.tp
     with torch.no_grad():
-        media = {n: [boundary_exchange(ctx.encoder_forward(m, i), ctx.plans[n][i]) for i in range(M)]
+        media = {n: [boundary_exchange(ctx.encoder_forward(m, i), ctx.plans[n][i], llm_tp_group=tp) for i in range(M)]
                  for n, m in encoders.items()}
     stage = LLMStage(ctx, GivenRows(media))
     results = run_stage(stage, M, ctx.clock)
