@@ -9,7 +9,7 @@ import pytest
 from megatron_hetero.boundary.exchange import Transfer
 from megatron_hetero.schedules import pipeline
 from megatron_hetero.schedules.colocated_order import keyed_order, producer_key
-from megatron_hetero.schedules.pipeline import Op, OpKind, execute, execute_keyed, one_f_one_b
+from megatron_hetero.schedules.pipeline import Op, OpKind, execute, execute_keyed, one_f_one_b, steady_pairs
 from tests.nccl_model import P2P, run
 
 F, B, EF, EB = OpKind.F, OpKind.B, OpKind.EF, OpKind.EB
@@ -93,7 +93,7 @@ def one_f_one_b_programs(monkeypatch, pp, m, paired):
         model = StageModel(s, pp, [], [], [], recorder)
         order = [Op(kind, i) for kind, i in one_f_one_b(pp - 1 - s, m)]
         execute(order, model.receives, model.compute, recorder,
-                paired=(lambda op, following: op.kind != following.kind) if paired else (lambda op, following: False))
+                paired=steady_pairs(pp - 1 - s, m) if paired else (lambda op, following: False))
         programs.append(recorder.program)
     return programs
 

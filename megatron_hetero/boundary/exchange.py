@@ -260,13 +260,13 @@ def _all_gather(rows: torch.Tensor, gather: Gather, group) -> torch.Tensor:
     assert dist.get_process_group_ranks(group) == list(gather.ranks), "llm_tp_group is not the plan's group"
     dest = rows.new_empty(len(gather.ranks) * gather.rows, rows.shape[-1])
     if gather.rows:  # the same on every member
-        dist.all_gather_single(dest, rows.contiguous(), group=group)
+        dist.all_gather_into_tensor(dest, rows.contiguous(), group=group)  # torch >= 1.13; 2.11 on the GPUs
     return dest
 
 
 class BoundaryExchange(torch.autograd.Function):
     """forward: encoder rows [num_source_rows, h] -> the LLM side's rows [filled slots, h], every
-    row delivered to each rank that consumes it, in slot order: one all_gather_single over
+    row delivered to each rank that consumes it, in slot order: one all_gather_into_tensor over
     the LLM TP group where the plan is a gather (RankPlan.gather) and the group is given, else
     point-to-point messages.
     backward: their gradients -> row gradients, each encoder replica receiving every row's gradient

@@ -12,11 +12,11 @@ receive). `run_stage` executes one stage's 1F1B order with Megatron's pairing of
 op's sends in one batch with the next op's receives when the two differ: send forward + receive
 backward, send backward + receive forward), which keeps NCCL's in-order point-to-point streams from
 deadlocking. `execute_keyed` runs orders whose ops carry keys of one global order (a colocated
-rank's encoder and LLM work, colocated_order.py), where no such pairing exists: NCCL runs one
-group's transfers in the order each rank posted them and a send waits for its receive, so both
-ranks must post every transfer at the same point of that order. A transfer goes out with its
-producer: the send right after the op that computes it, the receive in the batch after the
-receiving rank's last op whose key is not greater than the producer's. The stage decides what a
+rank's encoder and LLM work, colocated_order.py), where no such pairing exists: NCCL runs a rank's
+transfers in the order it posted them (across groups too: CUDA does not promise that two streams
+progress apart) and a send waits for its receive, so both ends exchange every transfer at the same
+point of that order, its producer's: the send right after the op that computes it, the receive
+after the receiving rank's last op whose key is not greater than the producer's. The stage decides what a
 microbatch's forward and backward are and which transfers feed them (a boundary, a neighbouring
 stage of its module, or nothing); this file orders them.
 """
@@ -156,41 +156,50 @@ def execute(order: list[Op], receives: Receives, compute: Compute, clock: Clock,
 
 def execute_keyed(order: list[tuple[tuple, Op]], producer_key: Callable[[Op], tuple], receives: Receives,
                   compute: Compute, clock: Clock, phase: Callable[[Op], object] = lambda op: nullcontext()) -> None:
-    """Run `order` ((key, op), sorted by keys that every rank shares) posting each transfer at its
-    producer's point: `producer_key(op)` is the largest key among the ops on other ranks whose
-    transfers `op` receives (None: it receives nothing). After each op, one batch: its sends and the
-    receives of every op whose producer key lies between this op's key and the next op's; an op
-    waits for the batches holding its receives. Every rank then posts transfers in the global key
-    order (ties in one batch), so the oldest unfinished transfer is at the head of both its ranks'
-    queues and completes: no deadlock under NCCL's in-order groups."""
+    """Run `order` ((key, op), sorted by keys that every rank shares) exchanging each transfer at
+    its producer's point of the one order: `producer_key(op)` is the largest key among the ops whose
+    transfers `op` receives (None: none). After each op, two batches, each waited for at once: its
+    sends with the receives whose producers share its key (ranks that send each other rows at the
+    same point), then the receives whose producers come before this rank's next op. Both ends of a
+    transfer post it at the same point of the order, one batch in flight per rank: nothing waits on
+    a rank that waits on it, and each direction's first message (which NCCL connects on first use,
+    blocking both hosts) is posted by both ends before either needs anything more from the other
+    (tests/test_nccl_order.py checks every order against a model of this)."""
     keys = [key for key, _ in order]
-    after = defaultdict(list)  # n -> ops whose receives go out after op n (-1: before the first)
+    after = defaultdict(list)  # m -> (op n, whose receives go out after op m (-1: before the first))
     for n, (key, op) in enumerate(order):
         produced = producer_key(op)
         if produced is not None:
             assert produced < key, (op, produced, key)
-            after[bisect_right(keys, produced) - 1].append(n)
-    link, pending = Link(clock), {}
+            after[bisect_right(keys, produced) - 1].append((n, produced))
+    received = {}
 
-    def post_batch(sends: list[Transfer], consumers: list[int]) -> None:
+    def exchange(sends: list[Transfer], consumers: list[int]) -> None:
         recvs = {n: receives(order[n][1]) for n in consumers}
-        works = post(sends + [t for n in consumers for t in recvs[n]])
-        if not any(recvs.values()):
-            link.unfinished_sends += works
-        # The consumers share the batch's works (one work per batch on NCCL): the first waits, and
-        # empties the list, since gloo never returns from a second wait on a receive.
-        pending.update({n: (recvs[n], works if any(recvs.values()) else []) for n in consumers})
+        clock.wait(post(sends + [t for n in consumers for t in recvs[n]]))
+        received.update({n: [t.result() for t in recvs[n]] for n in consumers})
 
-    post_batch([], after[-1])
+    def post_after(m: int, sends: list[Transfer]) -> None:
+        key = keys[m] if m >= 0 else None
+        if m >= 0:
+            with phase(order[m][1]):  # ranks sending each other at this key go in one batch
+                exchange(sends, [n for n, produced in after[m] if produced == key])
+        later = [n for n, produced in after[m] if produced != key]
+        if later:
+            with phase(order[later[0]][1]):
+                exchange([], later)
+
+    post_after(-1, [])
     for n, (_, op) in enumerate(order):
-        transfers, works = pending.pop(n, ([], []))
-        with phase(op):
-            clock.wait(works)
-        works.clear()
-        sends = compute(op, [t.result() for t in transfers])
-        with phase(op):
-            post_batch(sends, after[n])
-    link.finish()
+        post_after(n, compute(op, received.pop(n, [])))
+
+def steady_pairs(stages_downstream: int, num_microbatches: int) -> Callable[[Op, Op], bool]:
+    """Megatron's pairing in 1F1B: an op's sends with the next op's receives where the two differ,
+    but a warm-up forward's alone (with no steady state the backward direction's first message
+    would share its batch: NCCL connects each direction on first use, blocking both hosts, and that
+    message's sender needs the forward's first)."""
+    warmup = warmup_microbatches(stages_downstream, num_microbatches)
+    return lambda op, following: op.kind != following.kind and not (op.kind == OpKind.F and op.i < warmup)
 
 
 @dataclass
@@ -204,9 +213,9 @@ class StageResults:
 
 def run_stage(stage: Stage, num_microbatches: int, clock: Clock) -> StageResults:
     """Run the stage's forwards and backwards of one step in 1F1B order, with Megatron's pairing of
-    communication: an op's sends in one batch with the next op's receives when the two ops differ
-    (F then B: send forward + receive backward; B then F: send backward + receive forward), in a
-    batch of their own before them when the ops are alike (warm-up, cool-down)."""
+    communication (`steady_pairs`): in the steady state an op's sends in one batch with the next
+    op's receives (F then B: send forward + receive backward; B then F: send backward + receive
+    forward), elsewhere (warm-up, cool-down) in a batch of their own."""
     results = StageResults()
 
     def receives(op: Op) -> list[Transfer]:
@@ -220,5 +229,5 @@ def run_stage(stage: Stage, num_microbatches: int, clock: Clock) -> StageResults
         return stage.send_backward(op.i, grads)
 
     order = [Op(kind, i) for kind, i in one_f_one_b(stage.stages_downstream, num_microbatches, stage.runs_backward)]
-    execute(order, receives, compute, clock, paired=lambda op, following: op.kind != following.kind)
+    execute(order, receives, compute, clock, paired=steady_pairs(stage.stages_downstream, num_microbatches))
     return results
