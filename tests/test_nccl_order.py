@@ -8,7 +8,7 @@ import pytest
 
 from megatron_hetero.boundary.exchange import Transfer
 from megatron_hetero.schedules import pipeline
-from megatron_hetero.schedules.colocated_order import keyed_order, producer_key
+from megatron_hetero.schedules.colocated_order import keyed_order, producer_keys
 from megatron_hetero.schedules.pipeline import Op, OpKind, execute, execute_keyed, one_f_one_b, steady_pairs
 from tests.nccl_model import P2P, run
 
@@ -56,6 +56,14 @@ class StageModel:
             return transfers(s, [s + 1], False, "pp") if s < pp - 1 else []
         return transfers(s, [0], False, "grads") if op.kind == EB else []
 
+    def receive(self, op, j):
+        """The j-th of producer_keys(op) (on the first stage, encoder j's rows from its holders)."""
+        s = self.s
+        peers, group = {F: ([s - 1], "pp"), B: ([s + 1], "pp"), EB: ([0], "grads")}[op.kind]
+        if op.kind == F and s == 0:
+            peers, group = self.holders, "rows"
+        return Transfer([P2P(s, peer, False, group) for peer in peers if peer != s])
+
     def compute(self, op, received):
         s, pp = self.s, self.pp
         if op.kind in (EF, EB) and self.gang:
@@ -79,7 +87,7 @@ def colocated_programs(monkeypatch, schedule, pp, m, encoders, trainable, stacke
         here = encoders if not stacked or s == 0 else []
         model = StageModel(s, pp, encoders, trainable, [0] if stacked else range(pp), recorder, gang)
         order = keyed_order(schedule, s, pp, m, encoders, trainable, here=here)
-        execute_keyed(order, lambda op, s=s: producer_key(schedule, s, pp, m, encoders, op), model.receives,
+        execute_keyed(order, lambda op, s=s: producer_keys(schedule, s, pp, m, encoders, op), model.receive,
                       model.compute, recorder)
         programs.append(recorder.program)
     return programs
@@ -109,8 +117,12 @@ def test_the_model_finds_nccl_deadlocks(monkeypatch):
 
 @pytest.mark.parametrize("schedule", ["three-phase", "bubbles"])
 @pytest.mark.parametrize("pp,m", [(2, 1), (2, 2), (2, 4), (3, 5), (4, 8)])
-@pytest.mark.parametrize("encoders,trainable,stacked,gang", [
-    (["vision"], ["vision"], False, False), (["vision", "audio"], ["audio"], False, False),
-    (["vision"], ["vision"], True, False), (["vision"], [], False, False), (["vision"], ["vision"], False, True)])
-def test_colocated_orders_post_transfers_nccl_can_run(monkeypatch, schedule, pp, m, encoders, trainable, stacked, gang):
-    run(colocated_programs(monkeypatch, schedule, pp, m, encoders, trainable, stacked, gang))
+@pytest.mark.parametrize("encoders,trainable,stacked", [
+    (["vision"], ["vision"], False), (["vision", "audio"], ["vision", "audio"], False),
+    (["vision", "audio"], ["audio"], False), (["vision"], ["vision"], True), (["vision"], [], False)])
+def test_colocated_orders_post_transfers_nccl_can_run(monkeypatch, schedule, pp, m, encoders, trainable, stacked):
+    """With each encoder's collectives within a rank or spanning every rank (`gang`: an encoder
+    with TP across the LLM's stages, whose ranks must all be in its op at once; a stacked encoder
+    is on the first stage only)."""
+    for gang in (False,) if stacked else (False, True):
+        run(colocated_programs(monkeypatch, schedule, pp, m, encoders, trainable, stacked, gang))

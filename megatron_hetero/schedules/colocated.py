@@ -29,7 +29,7 @@ from megatron_hetero.boundary.exchange import exchange_gradients, split_recvs, s
 from megatron_hetero.layout import ColocatedSchedule
 from megatron_hetero.runtime.model import Media
 from megatron_hetero.runtime.step import LLMView, StepContext
-from megatron_hetero.schedules.colocated_order import keyed_order, producer_key
+from megatron_hetero.schedules.colocated_order import keyed_order, producer_keys
 from megatron_hetero.schedules.pipeline import Op, OpKind, execute_keyed, run_stage
 from megatron_hetero.schedules.stages import GivenRows, LLMStage
 
@@ -107,9 +107,12 @@ class SplitRows:
         self.rows_group, self.grads_group = ctx.run.boundary_groups
 
     def recv(self, i):
-        like = self.ctx.adapter.boundary_like()
-        return [split_recvs(plans[i], "forward", like, self.own.rows.pop((name, i), None), self.rows_group)
-                for name, plans in self.ctx.plans.items()]
+        return [self.recv_one(i, name) for name in self.ctx.plans]
+
+    def recv_one(self, i, name):
+        """Encoder `name`'s rows of microbatch i (after this rank's own forward of it, if it runs one)."""
+        own = self.own.rows.pop((name, i), None)
+        return split_recvs(self.ctx.plans[name][i], "forward", self.ctx.adapter.boundary_like(), own, self.rows_group)
 
     def rows(self, i, received):
         return dict(zip(self.ctx.plans, received))
@@ -123,21 +126,23 @@ def _ordered(ctx: StepContext) -> None:
     """LLM pp>1, three-phase or bubbles: the rank's ops in colocated_order's order, one executor."""
     run, llm = ctx.run, ctx.run.llm
     own = OwnRows()
-    stage = LLMStage(ctx, SplitRows(ctx, own))
+    rows = SplitRows(ctx, own)
+    stage = LLMStage(ctx, rows)
     rows_group, grads_group = run.boundary_groups
     here, encoders = run.encoders_here, list(run.encoders)
+    assert list(ctx.plans) == encoders, (list(ctx.plans), encoders)  # producer_keys' order
     schedule, at, pp, M = run.colocated_schedule, llm.coords()["pp"], llm.layout.pp, ctx.num_microbatches
     order = keyed_order(schedule, at, pp, M, encoders, stage.routed, here=list(here))
     saved = {}  # (encoder, microbatch) -> its rows with their graph, until the encoder's backward
 
-    def receives(op: Op) -> list:
-        if op.kind == OpKind.EF:
-            return []
+    def receive(op: Op, j: int):  # the j-th of producer_keys(op)
         if op.kind == OpKind.EB:
             key = (op.encoder, op.i)
-            return [split_recvs(ctx.plans[op.encoder][op.i], "backward", saved[key], own.grads.pop(key, None),
-                                grads_group)]
-        return stage.recv_forward(op.i) if op.kind == OpKind.F else stage.recv_backward(op.i)
+            return split_recvs(ctx.plans[op.encoder][op.i], "backward", saved[key], own.grads.pop(key, None),
+                               grads_group)
+        if op.kind == OpKind.F:
+            return rows.recv_one(op.i, encoders[j]) if stage.first else stage.recv_forward(op.i)[j]
+        return stage.recv_backward(op.i)[j]
 
     def compute(op: Op, received: list) -> list:
         if op.kind == OpKind.EF:
@@ -158,6 +163,6 @@ def _ordered(ctx: StepContext) -> None:
     def phase(op: Op):  # the boundary's transfers are the encoder ops'
         return ctx.timers("boundary") if op.kind in (OpKind.EF, OpKind.EB) else nullcontext()
 
-    execute_keyed(order, lambda op: producer_key(schedule, at, pp, M, encoders, op), receives, compute, ctx.clock,
+    execute_keyed(order, lambda op: producer_keys(schedule, at, pp, M, encoders, op), receive, compute, ctx.clock,
                   phase=phase)
     assert not saved and not own.rows and not own.grads, "every microbatch's work ran"

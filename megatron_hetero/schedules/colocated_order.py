@@ -96,13 +96,23 @@ def colocated_order(schedule: str, stage: int, pp: int, num_microbatches: int, e
     return [op for _, op in keyed_order(schedule, stage, pp, num_microbatches, encoders, trainable, lookahead)]
 
 
-def producer_key(schedule: str, stage: int, pp: int, num_microbatches: int, encoders: list[str], op: Op,
-                 lookahead: int = LOOKAHEAD) -> tuple | None:
-    """The largest key among the ops whose transfers `op` receives (None: none): its dependencies,
-    on this stage's other ranks too (an LLM stage with TP, an encoder op's rows)."""
+def producer_keys(schedule: str, stage: int, pp: int, num_microbatches: int, encoders: list[str], op: Op,
+                  lookahead: int = LOOKAHEAD) -> list[tuple]:
+    """The keys of the ops whose transfers `op` receives, one per transfer in the order the stage
+    receives them: the first stage's forward takes each encoder's rows (layout order), from every
+    rank that holds the encoder, at that encoder's forward; a later stage's forward the previous
+    stage's output; a backward the next stage's gradient (the last stage: nothing); an encoder's
+    backward its rows' gradients from the first stage's backward."""
     timeline = llm_timeline(pp, num_microbatches)
-    deps = dependencies(op, stage, pp, encoders)
-    return max((op_key(schedule, timeline, s, dep, encoders, lookahead) for s, dep in deps), default=None)
+
+    def key(s: int, dep: Op) -> tuple:
+        return op_key(schedule, timeline, s, dep, encoders, lookahead)
+
+    if op.kind == F:
+        return [key(stage - 1, op)] if stage > 0 else [key(0, Op(EF, op.i, e)) for e in encoders]
+    if op.kind == B:
+        return [key(stage + 1, op)] if stage < pp - 1 else []
+    return [key(0, Op(B, op.i))] if op.kind == EB else []
 
 
 def dependencies(op: Op, stage: int, pp: int, encoders: list[str]) -> list[tuple[int, Op]]:

@@ -154,44 +154,47 @@ def execute(order: list[Op], receives: Receives, compute: Compute, clock: Clock,
     link.finish()
 
 
-def execute_keyed(order: list[tuple[tuple, Op]], producer_key: Callable[[Op], tuple], receives: Receives,
-                  compute: Compute, clock: Clock, phase: Callable[[Op], object] = lambda op: nullcontext()) -> None:
+def execute_keyed(order: list[tuple[tuple, Op]], producer_keys: Callable[[Op], list[tuple]],
+                  receive: Callable[[Op, int], Transfer], compute: Compute, clock: Clock,
+                  phase: Callable[[Op], object] = lambda op: nullcontext()) -> None:
     """Run `order` ((key, op), sorted by keys that every rank shares) exchanging each transfer at
-    its producer's point of the one order: `producer_key(op)` is the largest key among the ops whose
-    transfers `op` receives (None: none). After each op, two batches, each waited for at once: its
-    sends with the receives whose producers share its key (ranks that send each other rows at the
-    same point), then the receives whose producers come before this rank's next op. Both ends of a
-    transfer post it at the same point of the order, one batch in flight per rank: nothing waits on
-    a rank that waits on it, and each direction's first message (which NCCL connects on first use,
-    blocking both hosts) is posted by both ends before either needs anything more from the other
-    (tests/test_nccl_order.py checks every order against a model of this)."""
+    its producer's point of the one order: `producer_keys(op)` are the keys of the ops whose
+    transfers `op` receives, one per transfer, and `receive(op, j)` builds the j-th. After each op,
+    two batches, each waited for at once: its sends with the receives whose producers share its key
+    (ranks that send each other rows at the same point), then the receives whose producers come
+    before this rank's next op. Both ends of a transfer post it at the same point of the order, one
+    batch in flight per rank: nothing waits on a rank that waits on it, and each direction's first
+    message (which NCCL connects on first use, blocking both hosts) is posted by both ends before
+    either needs anything more from the other (tests/test_nccl_order.py checks every order against
+    a model of this)."""
     keys = [key for key, _ in order]
-    after = defaultdict(list)  # m -> (op n, whose receives go out after op m (-1: before the first))
+    after = defaultdict(list)  # m -> (op n, its transfer j, the producer's key), posted after op m
     for n, (key, op) in enumerate(order):
-        produced = producer_key(op)
-        if produced is not None:
+        for j, produced in enumerate(producer_keys(op)):
             assert produced < key, (op, produced, key)
-            after[bisect_right(keys, produced) - 1].append((n, produced))
-    received = {}
+            after[bisect_right(keys, produced) - 1].append((n, j, produced))
+    received = defaultdict(dict)  # n -> j -> the j-th transfer's result
 
-    def exchange(sends: list[Transfer], consumers: list[int]) -> None:
-        recvs = {n: receives(order[n][1]) for n in consumers}
-        clock.wait(post(sends + [t for n in consumers for t in recvs[n]]))
-        received.update({n: [t.result() for t in recvs[n]] for n in consumers})
+    def exchange(sends: list[Transfer], parts: list[tuple[int, int]]) -> None:
+        transfers = [receive(order[n][1], j) for n, j in parts]
+        clock.wait(post(sends + transfers))
+        for (n, j), t in zip(parts, transfers):
+            received[n][j] = t.result()
 
     def post_after(m: int, sends: list[Transfer]) -> None:
         key = keys[m] if m >= 0 else None
         if m >= 0:
             with phase(order[m][1]):  # ranks sending each other at this key go in one batch
-                exchange(sends, [n for n, produced in after[m] if produced == key])
-        later = [n for n, produced in after[m] if produced != key]
+                exchange(sends, [(n, j) for n, j, produced in after[m] if produced == key])
+        later = [(n, j) for n, j, produced in after[m] if produced != key]
         if later:
-            with phase(order[later[0]][1]):
+            with phase(order[later[0][0]][1]):
                 exchange([], later)
 
     post_after(-1, [])
     for n, (_, op) in enumerate(order):
-        post_after(n, compute(op, received.pop(n, [])))
+        parts = received.pop(n, {})
+        post_after(n, compute(op, [parts[j] for j in sorted(parts)]))
 
 def steady_pairs(stages_downstream: int, num_microbatches: int) -> Callable[[Op, Op], bool]:
     """Megatron's pairing in 1F1B: an op's sends with the next op's receives where the two differ,
