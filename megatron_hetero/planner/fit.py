@@ -286,6 +286,15 @@ class Check:
         oom = sorted(r.label for r, _ in self.rows if r.tokens_per_s is None)
         return self.measured == self.predicted and over == oom
 
+    def largest_misranked_gap(self) -> float:
+        """Over the pairs of measured runs that the prediction ranks the other way, the largest
+        measured tokens/s ratio less 1 (0: none): how far apart the runs it swaps really are."""
+        rate = {r.label: r.tokens_per_s for r, _ in self.rows if r.tokens_per_s is not None}
+        place = {label: n for n, label in enumerate(self.predicted)}
+        ranked = [label for label in self.measured if label in place]  # fastest first
+        return max((rate[a] / rate[b] - 1 for n, a in enumerate(ranked) for b in ranked[n + 1:]
+                    if place[a] > place[b]), default=0.0)
+
 
 def _gain(ranked: list[tuple[Run, float]], rate) -> float | None:
     """The best heterogeneous run's rate over the best homogeneous one's, less 1."""
