@@ -19,8 +19,8 @@ Each rank runs its ops sorted by key (time, then encoder before LLM work, then m
 encoder). Every dependency between ranks (encoder forward -> first stage's forward, stage to stage,
 first stage's backward -> encoder backward, a collective's members) goes from a smaller key to a
 larger one and the keys are the same on every rank, so the orders are a valid sequential execution
-of the whole step: with sends that do not block, no rank waits on one that waits on it. Pure
-functions, the same on every rank.
+of the whole step; `producer_keys` places each transfer at its producer's key, where both of its
+ends exchange it (pipeline.execute_keyed). Pure functions, the same on every rank.
 """
 
 from megatron_hetero.layout import ColocatedSchedule

@@ -16,9 +16,9 @@ rank's encoder and LLM work, colocated_order.py), where no such pairing exists: 
 transfers in the order it posted them (across groups too: CUDA does not promise that two streams
 progress apart) and a send waits for its receive, so both ends exchange every transfer at the same
 point of that order, its producer's: the send right after the op that computes it, the receive
-after the receiving rank's last op whose key is not greater than the producer's. The stage decides what a
-microbatch's forward and backward are and which transfers feed them (a boundary, a neighbouring
-stage of its module, or nothing); this file orders them.
+after the receiving rank's last op whose key is not greater than the producer's. The stage decides
+what a microbatch's forward and backward are and which transfers feed them (a boundary, a
+neighbouring stage of its module, or nothing); this file orders them.
 """
 
 from bisect import bisect_right
@@ -195,6 +195,7 @@ def execute_keyed(order: list[tuple[tuple, Op]], producer_keys: Callable[[Op], l
     for n, (_, op) in enumerate(order):
         parts = received.pop(n, {})
         post_after(n, compute(op, [parts[j] for j in sorted(parts)]))
+
 
 def steady_pairs(stages_downstream: int, num_microbatches: int) -> Callable[[Op, Op], bool]:
     """Megatron's pairing in 1F1B: an op's sends with the next op's receives where the two differ,
