@@ -16,7 +16,7 @@ Output: rows [sum over images of t*h*w/merge^2, llm hidden], image by image, eac
 its merged grid's row-major order: the order of its placeholder tokens in the LLM sequence.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -53,6 +53,14 @@ class QwenPatchArch:
     def merge_unit(self) -> int:
         return self.spatial_merge_size**2
 
+    @classmethod
+    def of(cls, sizes):
+        """The arch ModelSizes.family_arch records (its lists read as the tuple fields they are; a
+        tuple field it lacks is empty)."""
+        values = dict(sizes.family_arch)
+        values.update({f.name: tuple(values.get(f.name, ())) for f in fields(cls) if isinstance(f.default, tuple)})
+        return cls(**values)
+
 
 @dataclass(frozen=True)
 class QwenVisionArch(QwenPatchArch):
@@ -61,12 +69,6 @@ class QwenVisionArch(QwenPatchArch):
     window_size: int = 112  # pixels
     fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
     rope_theta: float = 10000.0
-
-    @staticmethod
-    def of(sizes) -> "QwenVisionArch":
-        values = dict(sizes.family_arch)
-        values["fullatt_block_indexes"] = tuple(values.get("fullatt_block_indexes", ()))
-        return QwenVisionArch(**values)
 
 
 def vision_layer_spec(pg_collection: ProcessGroupCollection, full_layers: frozenset) -> ModuleSpec:

@@ -47,12 +47,6 @@ class Qwen3VisionArch(QwenPatchArch):
     deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     rope_theta: float = 10000.0
 
-    @staticmethod
-    def of(sizes) -> "Qwen3VisionArch":
-        values = dict(sizes.family_arch)
-        values["deepstack_visual_indexes"] = tuple(values.get("deepstack_visual_indexes", ()))
-        return Qwen3VisionArch(**values)
-
     @property
     def grid_side(self) -> int:
         """The learned position embedding's square grid."""
