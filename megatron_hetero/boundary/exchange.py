@@ -23,6 +23,7 @@ names their slots): no zero-filled slot tensor; the LLM writes them into its inp
   hold different metadata for it (their plans would not pair up).
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +43,14 @@ from megatron_hetero.boundary.plan import (
 )
 
 # Prefix of the torch.profiler ranges that mark the boundary's work (a profile's own table of
-# them: training/bench.profile_step); a range costs nothing unless a profiler runs.
+# them: training/bench.profile_step).
 ANNOTATION = "hetero::"
+
+
+def annotate(name: str):
+    """The profiler range ANNOTATION + name while a profiler runs, else nothing: an idle range
+    still costs ~20 us of host time, a third of a small boundary exchange's (docs/benchmarks.md)."""
+    return record_function(ANNOTATION + name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 @dataclass
@@ -264,6 +271,13 @@ def _all_gather(rows: torch.Tensor, gather: Gather, group) -> torch.Tensor:
     return dest
 
 
+def _own_rows(grad_rows: torch.Tensor, gather: Gather, rank: int) -> torch.Tensor:
+    """A gather edge's backward on a member: the gradients of its own rows, a slice of the LLM
+    side's (the all-gather's adjoint under the one-replica rule; its routes say the same)."""
+    start = gather.ranks.index(rank) * gather.rows
+    return grad_rows[start : start + gather.rows].contiguous()
+
+
 class BoundaryExchange(torch.autograd.Function):
     """forward: encoder rows [num_source_rows, h] -> the LLM side's rows [filled slots, h], every
     row delivered to each rank that consumes it, in slot order: one all_gather_into_tensor over
@@ -275,7 +289,7 @@ class BoundaryExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, plan: RankPlan, group, llm_tp_group):
         ctx.plan, ctx.group = plan, group
-        with record_function(ANNOTATION + "boundary forward"):
+        with annotate("boundary forward"):
             if plan.gather is not None and llm_tp_group is not None:
                 return _all_gather(rows.detach(), plan.gather, llm_tp_group)
             moves = _moves_for(plan, "forward", rows.device)
@@ -299,7 +313,10 @@ def exchange_gradients(grad_slots: torch.Tensor, plan: RankPlan, group=None) -> 
     """Colocated, outside autograd: the LLM side's row gradients [filled slots, h] -> encoder row
     gradients [num_source_rows, h] (boundary_exchange's backward; schedules that recompute the
     encoder call it once the LLM is done)."""
-    with record_function(ANNOTATION + "boundary backward"):
+    with annotate("boundary backward"):
+        if plan.gather is not None:
+            assert plan.gather.rows == plan.num_source_rows, "a gather member holds its rows"
+            return _own_rows(grad_slots.detach(), plan.gather, plan.rank)
         moves = _moves_for(plan, "backward", grad_slots.device)
         return complete([_transfer(grad_slots.detach().contiguous(), moves, grad_slots, True, group)])[0]
 
@@ -417,7 +434,7 @@ def check_agreement(batches: dict[str, BoundaryBatch], device, group=None) -> No
     at the same point on every rank. Cost: one all_reduce of two int64, (max, -min) of a digest.
     Only when they differ, which every rank then sees, do the ranks gather per-sample summaries to
     name two ranks and the first sample where they differ."""
-    with record_function(ANNOTATION + "check_agreement"):
+    with annotate("check_agreement"):
         _agree(batches, device, group)
 
 

@@ -23,10 +23,9 @@ from typing import Callable
 import numpy as np
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
-from torch.profiler import record_function
 
 from megatron_hetero.boundary import PlanCache, check_agreement
-from megatron_hetero.boundary.exchange import ANNOTATION
+from megatron_hetero.boundary.exchange import annotate
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import Adapter, ModelCall
 from megatron_hetero.runtime.timers import Clock, PhaseTimers
@@ -156,7 +155,7 @@ class StepContext:
         self.num_tokens = self.num_tokens.to(device)
         # Plans from metadata that differs between ranks would not pair up: check it first.
         check_agreement({f"{name} (microbatch {i})": b for (name, i), b in batches.items()}, device)
-        with record_function(ANNOTATION + "plans"):
+        with annotate("plans"):
             for encoder in layout.encoders:
                 cache = self.plan_caches.setdefault(encoder.name, PlanCache())
                 self.plans[encoder.name] = [
