@@ -88,12 +88,25 @@ def run(opts) -> dict:
     if opts.flags:
         name = f"{name} [{opts.flags}]"
     megatron_hetero.patches.apply()
+    if opts.gpu_memory_gib:
+        cap_memory(opts.gpu_memory_gib)
     with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
-        record = measure(session, w, name, opts.warmup, opts.steps, opts.out)
+        record = measure(session, w, name, opts.warmup, opts.steps, opts.out,
+                         memory_cap_gib=opts.gpu_memory_gib or None)
         if opts.profile:
             session.hetero.timers.enabled = False  # the free-running step
             profile_step(session, opts.profile, trace=opts.profile_trace)
         return record
+
+
+def cap_memory(gib: float) -> None:
+    """This rank's GPU allocator capped at `gib` (a smaller card's memory on a larger one: which
+    layouts fit there, timed on this card); an error where the GPU holds less."""
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * 2**30 > total:
+        raise SystemExit(f"error: --gpu-memory-gib {gib:g} is more than this GPU's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
 
 
 def report(path: str, png: str | None) -> None:
@@ -158,6 +171,9 @@ def main() -> int:
     parser.add_argument("--fp32", action="store_true",
                         help="fp32 weights and compute (default on GPUs: Megatron's --bf16, bf16 weights with "
                              "fp32 main params in the optimizer)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=0,
+                        help="cap each rank's GPU allocator at this many GiB (e.g. 79.6: an 80 GB H100's) to "
+                             "see which layouts fit a smaller card; in the record as memory_cap_gib")
     parser.add_argument("--out", default="bench_e2e.jsonl")
     parser.add_argument("--profile", metavar="FILE",
                         help="after the measurement, one more step under torch.profiler: GPU kernel time by family "
@@ -166,6 +182,8 @@ def main() -> int:
     parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
     parser.add_argument("--png", help="with --report: write a bar chart")
     opts = parser.parse_args()
+    if opts.gpu_memory_gib and not torch.cuda.is_available():
+        parser.error("--gpu-memory-gib caps a GPU's memory; no GPU is visible")
     if opts.profile and not torch.cuda.is_available():
         parser.error("--profile profiles GPU kernels; no GPU is visible")
     if opts.report:

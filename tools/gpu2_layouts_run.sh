@@ -4,6 +4,7 @@
 # megatron.training under the 2-GPU layouts of examples/layouts (bench_e2e: $WARMUP warm-up steps,
 # $STEPS timed one by one), then the MoE LLM under EP2. Records: $OUT/bench_e2e.jsonl (one line per
 # run, with the step-time spread), bench_boundary.json, moe_*.jsonl; logs beside them.
+# BENCH_ARGS: more bench_e2e options for every run (e.g. "--gpu-memory-gib 79.6": an H100's memory).
 # Usage: [RUNS="W1:gpu2_colocated W1:gpu2_homogeneous_tp2:--use-distributed-optimizer"] tools/gpu2_layouts_run.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -14,7 +15,7 @@ bench() {  # workload, layout, flags of the training script (may be empty), benc
   echo "== $(date +%T) $workload $layout [$flags] $*"
   timeout "${RUN_TIMEOUT:-150}" torchrun --nproc-per-node 2 tools/bench_e2e.py --workload "$workload" \
     --llm-layers "$LLM_LAYERS" --warmup "$WARMUP" --steps "$STEPS" --hetero-layout "examples/layouts/$layout.yaml" \
-    --flags="$flags" --out "$out/bench_e2e.jsonl" "$@" >>"$out/bench_e2e.log" 2>&1
+    --flags="$flags" --out "$out/bench_e2e.jsonl" "$@" ${BENCH_ARGS:-} >>"$out/bench_e2e.log" 2>&1
   local rc=$?
   [ $rc = 0 ] || { echo "exit $rc:"; grep -E "^error|Error|out of memory" "$out/bench_e2e.log" | tail -2; }
 }

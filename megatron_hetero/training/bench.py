@@ -319,10 +319,10 @@ def _steps(session: Session, n: int, forward_backward_func) -> list[float]:
 
 
 def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
-            forward_backward_func=None) -> dict:
+            forward_backward_func=None, memory_cap_gib: float | None = None) -> dict:
     """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
     record), then PHASE_STEPS with the phase timers on; returns the record (rank 0 also appends it
-    to `out` and prints it)."""
+    to `out` and prints it). memory_cap_gib: the allocator's cap the caller set, recorded."""
     hetero, world = session.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
     _steps(session, warmup, forward_backward_func)
@@ -362,6 +362,8 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
     )
+    if memory_cap_gib:
+        record["memory_cap_gib"] = memory_cap_gib
     if run.rank == 0:
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")
