@@ -46,6 +46,7 @@ from megatron_hetero.models.attention_kernels import (
     load_fa4,
     run_fa4,
 )
+from megatron_hetero.models.chunk_attention import merge_kernel, prefix_causal_attention
 from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
@@ -57,7 +58,11 @@ def causal_attention(q, k, v, **sdpa_kwargs):
     sq, sk = q.shape[-2], k.shape[-2]
     if sq == sk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
-    # Query i sees keys up to sk - sq + i (flash and memory-efficient kernels handle this variant).
+    # Query i sees keys up to sk - sq + i: two merged calls where checked (chunk_attention.py), else
+    # SDPA's bottom-right mask (its flash and memory-efficient kernels handle this variant).
+    kernel = merge_kernel(q, sdpa_kwargs.get("dropout_p", 0.0))
+    if kernel is not None:
+        return prefix_causal_attention(q, k, v, kernel, sdpa_kwargs.get("scale"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), **sdpa_kwargs)
 
 
