@@ -20,6 +20,7 @@ from megatron_hetero.runtime.timers import PhaseTimers
 from megatron_hetero.training.args import ArgsError, check_args
 from megatron_hetero.training.bench import global_microbatches, sized_workload, synthetic_batch, workload_args
 from tests.distributed import _free_port, run_python
+from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "examples" / "layouts"
@@ -194,3 +195,10 @@ def test_family_workload_trains_on_cpu(tmp_path, name):
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["workload"] == name and 0 < record["encoder_flops_share"] < 1
+
+
+def test_a_memory_cap_without_a_gpu_is_one_line():
+    result = run_tool("bench_e2e", "--workload", "tiny", "--hetero-layout", "examples/layouts/single.yaml",
+                      "--gpu-memory-gib", "79.6")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("--gpu-memory-gib caps a GPU's memory; no GPU is visible")
