@@ -66,6 +66,9 @@ class ColocatedSchedule(_Named):
     BUBBLES = "bubbles"  # encoder work inside the pipeline's warm-up and cool-down
 
 
+SCHEDULE_FLAG = "--hetero-colocated-schedule"  # the training script's flag choosing a ColocatedSchedule
+
+
 ROLES = tuple(Role)
 PLACEMENTS = tuple(Placement)
 TOP_KEYS = ("placement", "modules", "edges")

@@ -34,6 +34,7 @@ from megatron_hetero.planner.fit import (
     measured_groups,
     observations,
     predict_run,
+    record_run,
 )
 from megatron_hetero.training.bench import trainer_vocab_size
 from tests.tool_cli import run_tool
@@ -148,3 +149,14 @@ def test_the_planner_predicts_the_w5_gain_within_10_points():
     assert homogeneous.candidate.recompute and not homogeneous.candidate.recompute.full
     predicted = homogeneous.step_s / best.step_s - 1
     assert abs(predicted - measured) <= 0.10, (predicted, measured)
+
+
+@pytest.mark.parametrize("flags, kept", [("", True), ("--hetero-colocated-schedule recompute", True),
+                                         ("--use-distributed-optimizer --hetero-colocated-schedule bubbles", False)])
+def test_runs_under_another_schedule_are_not_fitted(flags, kept):
+    """The planner models the recompute schedule: a run under another one, named in the record's
+    layout or passed as the training script's flag, is left out of the fit."""
+    layout = "gpu2_colocated_pp2" + (f" [{flags}]" if flags else "")
+    record = dict(workload="W1", layout=layout, gpus=2, tokens_per_s=1.0, peak_gb_max=1.0, phases={})
+    assert (record_run(record, LAYOUTS) is not None) == kept
+    assert record_run(dict(record, layout="gpu2_colocated_pp2 (bubbles)"), LAYOUTS) is None

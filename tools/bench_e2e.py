@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 import megatron_hetero.patches
-from megatron_hetero.layout import ColocatedSchedule
+from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule
 from megatron_hetero.planner import BENCH_WORKLOADS
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.training.bench import (
@@ -83,7 +83,7 @@ def run(opts) -> dict:
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
     extra, name = shlex.split(opts.flags), Path(opts.hetero_layout).stem
     if opts.colocated_schedule != "recompute":
-        extra, name = extra + ["--hetero-colocated-schedule", opts.colocated_schedule], \
+        extra, name = extra + [SCHEDULE_FLAG, opts.colocated_schedule], \
             f"{name} ({opts.colocated_schedule})"
     if opts.flags:
         name = f"{name} [{opts.flags}]"

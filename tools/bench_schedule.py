@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_hetero.layout import ColocatedSchedule
+from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule
 from megatron_hetero.schedules.colocated_order import predicted_step
 from megatron_hetero.training.long_run import read_records, rss_mib, worker_ranks
 
@@ -36,7 +36,7 @@ def measure(schedule: str, iters: int, extra: list[str]) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "examples" / "pretrain_vlm.py"), "--hetero-layout",
                str(ROOT / "examples" / "layouts" / "colocated_vdp2_lpp2.yaml"), *MODEL, "--train-iters", str(iters),
-               "--log-interval", "1", "--metrics-file", str(metrics), "--hetero-colocated-schedule", schedule, *extra]
+               "--log-interval", "1", "--metrics-file", str(metrics), SCHEDULE_FLAG, schedule, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     peaks: dict[int, float] = {}
     with log.open("w") as sink:  # a file, not a pipe: a full pipe would stall the run

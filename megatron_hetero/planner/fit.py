@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatron_hetero.layout import HeteroLayout, ModuleLayout, load_layout
+from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, ModuleLayout, load_layout
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
 from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
@@ -110,12 +110,20 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     a colocated schedule other than the default the planner models."""
     name = RUN_NAME.fullmatch(record["layout"])
     file = layouts / f"{name['stem']}.yaml"
-    if name["schedule"] or not file.exists():
+    flags = tuple((name["flags"] or "").split())
+    # The schedule comes in the name or, from tools/gpu2_layouts_run.sh, as the training script's flag.
+    scheduled = name["schedule"] or _flag_value(flags, SCHEDULE_FLAG) not in (None, ColocatedSchedule.RECOMPUTE)
+    if scheduled or not file.exists():
         return None
     w = BENCH_WORKLOADS[record["workload"]]  # runs recorded before batch sizes were: the workload's
     return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
-               record["tokens_per_s"], record["peak_gb_max"], record["phases"], tuple((name["flags"] or "").split()),
+               record["tokens_per_s"], record["peak_gb_max"], record["phases"], flags,
                2 if record.get("precision", "").startswith("bf16 weights") else 4)
+
+
+def _flag_value(flags: tuple[str, ...], flag: str) -> str | None:
+    """The value after `flag` in a run's training-script flags, or None."""
+    return flags[flags.index(flag) + 1] if flag in flags[:-1] else None
 
 
 def measured_groups(records: list[dict], layouts: Path, vocab: int) -> dict[tuple, Group]:

@@ -14,7 +14,7 @@ import sys
 
 from megatron_hetero import rules
 from megatron_hetero.boundary import BoundaryError, check_edge_layouts
-from megatron_hetero.layout import ColocatedSchedule, HeteroLayout, LayoutError, load_layout
+from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, LayoutError, load_layout
 
 
 class ArgsError(ValueError):
@@ -35,7 +35,7 @@ def add_hetero_flags(parser):
     group = parser.add_argument_group("megatron-hetero")
     group.add_argument("--hetero-layout", default=None, metavar="FILE",
                        help="YAML file declaring each module's parallel layout (megatron-hetero)")
-    group.add_argument("--hetero-colocated-schedule", choices=tuple(ColocatedSchedule), default="recompute",
+    group.add_argument(SCHEDULE_FLAG, choices=tuple(ColocatedSchedule), default=ColocatedSchedule.RECOMPUTE.value,
                        help="colocated layouts with llm pp > 1: encoder forwards first, then the pipeline, "
                             "then each microbatch's encoder forward again with its backward (recompute); "
                             "every encoder forward, the pipeline, every encoder backward (three-phase); or "
