@@ -82,7 +82,7 @@ def run(opts) -> dict:
     rules.check(ArgsError, rules.colocated_schedule_problem(layout.placement, layout.llm, opts.colocated_schedule))
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
     extra, name = shlex.split(opts.flags), Path(opts.hetero_layout).stem
-    if opts.colocated_schedule != "recompute":
+    if opts.colocated_schedule != ColocatedSchedule.RECOMPUTE:
         extra, name = extra + [SCHEDULE_FLAG, opts.colocated_schedule], \
             f"{name} ({opts.colocated_schedule})"
     if opts.flags:

@@ -112,18 +112,14 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     file = layouts / f"{name['stem']}.yaml"
     flags = tuple((name["flags"] or "").split())
     # The schedule comes in the name or, from tools/gpu2_layouts_run.sh, as the training script's flag.
-    scheduled = name["schedule"] or _flag_value(flags, SCHEDULE_FLAG) not in (None, ColocatedSchedule.RECOMPUTE)
+    schedule = dict(zip(flags, flags[1:])).get(SCHEDULE_FLAG)  # read as megatron_recompute reads its flags
+    scheduled = name["schedule"] or schedule not in (None, ColocatedSchedule.RECOMPUTE)
     if scheduled or not file.exists():
         return None
     w = BENCH_WORKLOADS[record["workload"]]  # runs recorded before batch sizes were: the workload's
     return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
                record["tokens_per_s"], record["peak_gb_max"], record["phases"], flags,
                2 if record.get("precision", "").startswith("bf16 weights") else 4)
-
-
-def _flag_value(flags: tuple[str, ...], flag: str) -> str | None:
-    """The value after `flag` in a run's training-script flags, or None."""
-    return flags[flags.index(flag) + 1] if flag in flags[:-1] else None
 
 
 def measured_groups(records: list[dict], layouts: Path, vocab: int) -> dict[tuple, Group]:
