@@ -50,7 +50,8 @@ def _inject(parts, kind: str, module: str, start: int) -> None:
 
 def _out_of_memory() -> None:
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-                                 "79.11 GiB of which 1.06 GiB is free.")
+                                 "79.11 GiB of which 1.06 GiB is free. Of the allocated memory 70.40 GiB is allocated "
+                                 "by PyTorch, and 6.50 GiB is reserved by PyTorch but unallocated.")
 
 
 def _kill(kind: str) -> None:

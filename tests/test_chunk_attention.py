@@ -71,7 +71,8 @@ def test_causal_attention_takes_the_merged_path_on_cpu_but_not_with_dropout():
 
 
 def test_the_cudnn_path_runs_only_where_checked():
-    assert not cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 128, environ={})
-    assert cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 128, environ={CUDNN_MERGE_ENV: "1"})
+    assert cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 128, environ={})  # listed
+    assert not cudnn_merge_checked("NVIDIA B200", torch.bfloat16, 128, environ={})
+    assert cudnn_merge_checked("NVIDIA B200", torch.bfloat16, 128, environ={CUDNN_MERGE_ENV: "1"})
     assert not cudnn_merge_checked("NVIDIA H200", torch.float32, 128, environ={CUDNN_MERGE_ENV: "1"})
     assert not cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 256, environ={CUDNN_MERGE_ENV: "1"})

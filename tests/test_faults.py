@@ -116,6 +116,7 @@ def test_out_of_memory_is_one_line_per_rank():
     assert sorted(int(line.split()[2]) for line in lines) == [0, 1], out[-4000:]
     own = next(line for line in lines if line.startswith("error: rank 1 "))
     for part in ("out of GPU memory in module vision's forward", "tried to allocate 2.00 GiB",
+                 "to use less memory: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (6.5 GiB sat reserved",
                  "--recompute-granularity full", "--use-distributed-optimizer", "--micro-batch-size 1"):
         assert part in own, own
     other = next(line for line in lines if line.startswith("error: rank 0 "))
@@ -133,6 +134,25 @@ def test_out_of_memory_names_the_planners_answer():
     assert answer.startswith("the planner's best for W1 on 2 GPUs: ") and "GB/GPU predicted" in answer, answer
     assert "tools/plan_layout.py --workload W1 --llm-layers 8 --gpus 2 --gpu-memory-gb 141" in answer
     assert "finds no layout of W1 that fits 2 GPUs of 1 GB" in planner_answer(BENCH_WORKLOADS["W1"], 2, 1.0)
+
+
+def test_fragmentation_hint_reads_torchs_message():
+    """The allocator setting comes first only where more sat reserved but unallocated than the failed
+    allocation asked for, and not where it is set already."""
+    from megatron_hetero.runtime.failures import fragmentation_hint
+
+    def message(tried, idle):
+        return RuntimeError(f"CUDA out of memory. Tried to allocate {tried}. GPU 0 has a total capacity of 79.19 GiB "
+                            f"of which 523.06 MiB is free. Of the allocated memory 64.60 GiB is allocated by PyTorch, "
+                            f"and {idle} is reserved by PyTorch but unallocated.")
+
+    assert fragmentation_hint(message("1024.00 MiB", "13.21 GiB"), environ={}) == (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (13.2 GiB sat reserved but unallocated: fragmented)")
+    assert fragmentation_hint(message("2.00 GiB", "1536.00 MiB"), environ={}) is None  # too little idle
+    assert fragmentation_hint(message("20.00 MiB", "30.00 MiB"), environ={}) is not None
+    assert fragmentation_hint(message("1024.00 MiB", "13.21 GiB"),
+                              environ={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is None
+    assert fragmentation_hint(RuntimeError("CUDA out of memory."), environ={}) is None
 
 
 def test_report_line_is_one_write(monkeypatch):

@@ -7,7 +7,7 @@
 #    colocated layout saving at 10, then from iteration 10 again under the same layout, under the
 #    non-colocated one and on 1 GPU (ckpt_*.jsonl metrics);
 # 3. faults on NCCL: rank 1 SIGKILLed, then SIGSTOPped (hung), in the LLM's forward at iteration 5
-#    (tests/fault_script.py): when the other rank stops and the line it prints.
+#    (tests/fault_script.py): when the other rank stops and the line it prints (FAULTS=hang: that one).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 MLM=${MEGATRON_LM:-.mlm} LAYOUTS=examples/layouts ITERS=${ITERS:-200}
@@ -68,7 +68,7 @@ fault() {  # kind (kill or hang), extra flags
   echo "fault $kind: exit $rc, $(python3 -c "print(f'{$end - float(open(\"$out/fault_$kind.time\").read()):.1f}')" 2>/dev/null) s from the fault to the end"
   grep "^error" "$out/fault_$kind.log" | head -3
 }
-if [ -z "${SKIP_FAULTS:-}" ]; then
-  fault kill --hetero-heartbeat-interval 0.5
-  fault hang --hetero-heartbeat-interval 0.5 --hetero-heartbeat-timeout 20
+if [ -z "${SKIP_FAULTS:-}" ]; then  # FAULTS: which of them (default both)
+  [[ " ${FAULTS:-kill hang} " == *" kill "* ]] && fault kill --hetero-heartbeat-interval 0.5
+  [[ " ${FAULTS:-kill hang} " == *" hang "* ]] && fault hang --hetero-heartbeat-interval 0.5 --hetero-heartbeat-timeout 20
 fi

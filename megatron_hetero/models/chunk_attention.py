@@ -17,15 +17,18 @@ gradients as close to fp32 attention as SDPA's own (CUDNN_MERGE_CHECKED), else a
 SDPA's bottom-right mask.
 """
 
+import functools
 import os
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-# GPU models (torch.cuda.get_device_name()) on which tools/gpu_cp_chunk_check.py passed; empty until
-# a GPU run adds its line. CUDNN_MERGE_ENV=1, set by that script for its own runs, counts as listed.
-CUDNN_MERGE_CHECKED: tuple[str, ...] = ()
+# GPU models (torch.cuda.get_device_name()) on which tools/gpu_cp_chunk_check.py passed, from its
+# output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x faster than SDPA's mask at 16K-64K):
+# docs/runs/gpu2/call13_w6_dp2_cap80/ and call16_h100_chunk_check/cp_chunk_check.log.
+# CUDNN_MERGE_ENV=1, set by that script for its own runs, counts as listed.
+CUDNN_MERGE_CHECKED: tuple[str, ...] = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 CUDNN_DTYPES = (torch.bfloat16, torch.float16)
 CUDNN_MAX_HEAD_DIM = 128
@@ -71,6 +74,12 @@ def cudnn_merge_checked(device_name: str, dtype: torch.dtype, head_dim: int, env
     return listed and dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM
 
 
+@functools.cache
+def _device_name(index: int | None) -> str:
+    """The GPU's model name, looked up once per device (merge_kernel runs on every attention call)."""
+    return torch.cuda.get_device_name(index)
+
+
 def merge_kernel(q: torch.Tensor, dropout: float) -> _Kernel | None:
     """The kernel that runs a chunk as two merged calls for these queries, or None (keep SDPA's
     bottom-right mask): dropout, or a GPU or shape the cuDNN path is not checked for."""
@@ -78,7 +87,7 @@ def merge_kernel(q: torch.Tensor, dropout: float) -> _Kernel | None:
         return None
     if q.device.type == "cpu":
         return CPU_KERNEL
-    if q.device.type == "cuda" and cudnn_merge_checked(torch.cuda.get_device_name(q.device), q.dtype, q.shape[-1]):
+    if q.device.type == "cuda" and cudnn_merge_checked(_device_name(q.device.index), q.dtype, q.shape[-1]):
         return CUDNN_KERNEL
     return None
 

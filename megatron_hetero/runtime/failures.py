@@ -2,13 +2,15 @@
 out of GPU memory, one line per rank instead of a multi-page traceback each.
 
 The rank that ran out says where (the module and the phase: the step's innermost named phase,
-PhaseTimers), how much it held at its peak against the GPU's capacity, and which flags use less
-memory for this run (those it does not use yet: recomputation, the distributed optimizer, a smaller
-micro batch, another layout; for a planner preset, e.g. bench_e2e's W1, the planner's best layout
-that fits). patches/faults.py records the line as the job's fault, so that every other rank stops
-with one line too (runtime/watchdog.py).
+PhaseTimers), how much it held at its peak against the GPU's capacity, and what uses less memory
+for this run: first the allocator setting where torch's cache fragmented, then the flags it does
+not use yet (recomputation, the distributed optimizer, a smaller micro batch, another layout; for
+a planner preset, e.g. bench_e2e's W1, the planner's best layout that fits). patches/faults.py
+records the line as the job's fault, so that every other rank stops with one line too
+(runtime/watchdog.py).
 """
 
+import os
 import re
 
 import torch
@@ -20,6 +22,7 @@ PHASE_WORDS = {"encoder-forward": "an encoder's forward", "encoder-backward": "a
 _MODULE_PHASES = {"encoder-forward": "forward", "encoder-backward": "backward", "llm-forward": "forward",
                   "llm-backward": "backward"}
 GIB = 2**30
+EXPANDABLE = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF: segments that grow, no fragments
 
 
 def current_phase(run) -> str:
@@ -34,6 +37,25 @@ def _where(run) -> str:
     if module is not None and phase in _MODULE_PHASES:
         return f"module {module}'s {_MODULE_PHASES[phase]}"
     return current_phase(run)
+
+
+def _gib(size: re.Match | None) -> float | None:
+    """A size torch's message wrote ("1024.00 MiB") in GiB, or None."""
+    if size is None:
+        return None
+    return float(size.group(1)) * 1024.0 ** ("KMGT".index(size.group(2)) - 2)
+
+
+def fragmentation_hint(error: BaseException, environ=os.environ) -> str | None:
+    """The allocator setting to try first where torch's message says more memory sat reserved but
+    unallocated than the failed allocation asked for (the cache fragmented: at W6's 64K tokens on an
+    80 GB H100, 13 GiB idle beside a failed 1 GiB; docs/benchmarks.md); None otherwise or when set."""
+    message = str(error)
+    tried = _gib(re.search(r"Tried to allocate ([\d.]+) ([KMGT])iB", message))
+    idle = _gib(re.search(r"([\d.]+) ([KMGT])iB is reserved by PyTorch but unallocated", message))
+    if tried is None or idle is None or idle < tried or EXPANDABLE in environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return None
+    return f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} ({idle:.1f} GiB sat reserved but unallocated: fragmented)"
 
 
 def _usage(error: BaseException) -> str:
@@ -81,7 +103,8 @@ def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
 def out_of_memory_line(error: BaseException, run, args) -> str:
     """The one line (without "error: rank R stopped in ...", which the watchdog adds) that says where
     this rank ran out of GPU memory and what uses less."""
-    advice = memory_flags(args, run.layout)
+    hint = fragmentation_hint(error)
+    advice = ([hint] if hint else []) + memory_flags(args, run.layout)
     preset = getattr(args, "hetero_preset", None)
     if preset is not None:
         gpu_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9 \
