@@ -81,7 +81,8 @@ def test_packed_calls_are_padded_under_auto(head_dim, padded):
     """A packed (varlen) call on SDPA is one launch per segment shape: auto pads an unchecked head dim
     to a checked one there (exact), as flash does; never on a CPU, never above every checked dim."""
     assert _choose("auto", head_dim, packed=True) == KernelChoice(FA4, head_dim, padded)
-    assert _choose("auto", head_dim, Device("cpu"), packed=True) == KernelChoice(SDPA, head_dim, head_dim, "no GPU")
+    assert _choose("auto", head_dim, Device("cpu"), packed=True) == KernelChoice(SDPA, head_dim, head_dim, "no GPU",
+                                                                                 merged_chunks=True)
     assert _choose("auto", 256, packed=True).kernel == SDPA
     assert _choose("sdpa", head_dim, packed=True).kernel == SDPA
     assert attention_kernels.kernel_for(AttnBackend.auto, head_dim, torch.bfloat16, packed=True).kernel == SDPA
@@ -125,7 +126,8 @@ def test_checked_head_dims_table_and_environment():
 
 def test_kernel_for_on_cpu_is_sdpa_whatever_the_flag():
     """CPU and CI: SDPA; an explicit flash on a machine without a GPU is one line."""
-    assert attention_kernels.kernel_for(AttnBackend.auto, 16, torch.bfloat16) == KernelChoice(SDPA, 16, 16, "no GPU")
+    assert attention_kernels.kernel_for(AttnBackend.auto, 16, torch.bfloat16) == KernelChoice(SDPA, 16, 16, "no GPU",
+                                                                                              merged_chunks=True)
     with pytest.raises(AttentionKernelError, match="flash: head dim 16: no GPU"):
         attention_kernels.kernel_for(AttnBackend.flash, 16, torch.bfloat16)
 
@@ -362,6 +364,10 @@ def test_module_on_the_fa4_path(monkeypatch):
     no_cp = SimpleNamespace(cp=None)  # the module reads only its CP group
     ours = attention.SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=no_cp)
     assert attention.attention_summary(torch.nn.ModuleDict({"core_attention": ours})) == "sdpa (head dim 8: no GPU)"
+    with_cp = attention.SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(
+        cp=SimpleNamespace(size=lambda: 2)))
+    assert attention.attention_summary(torch.nn.ModuleDict({"core_attention": with_cp})) == (
+        "sdpa (head dim 8: no GPU), CP chunks as merged calls")
     leaves = _leaves((16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8))
     want = _grads(lambda: ours(*leaves, None), leaves)
     monkeypatch.setattr(attention, "load_fa4", lambda: (FAKE, None))

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron_hetero.models.attention import causal_attention
+from megatron_hetero.models.attention_kernels import Device, choose_kernel
 from megatron_hetero.models.chunk_attention import (
     CPU_KERNEL,
     CUDNN_MERGE_ENV,
     cudnn_merge_checked,
-    merge_kernel,
     prefix_causal_attention,
 )
 
@@ -62,12 +62,19 @@ def test_bf16_chunks_as_close_as_sdpas_mask():
         assert error < max(2 * sdpa_error, 1e-2), name
 
 
-def test_causal_attention_takes_the_merged_path_on_cpu_but_not_with_dropout():
-    q = torch.randn(1, 2, 4, 8)
-    assert merge_kernel(q, 0.0) is CPU_KERNEL
-    assert merge_kernel(q, 0.1) is None
-    k, v = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
-    torch.testing.assert_close(causal_attention(q, k, v), reference(q, k, v).float(), atol=1e-5, rtol=1e-5)
+def test_the_kernel_choice_merges_on_cpus_and_checked_gpus_without_dropout():
+    """The module's kernel choice decides (printed and recorded with it); causal_attention follows it."""
+    hopper = Device("NVIDIA H200", (9, 0))
+    assert choose_kernel("auto", 8, Device("cpu")).merged_chunks
+    assert not choose_kernel("auto", 8, Device("cpu"), dropout=0.1).merged_chunks
+    assert choose_kernel("sdpa", 128, hopper, merge_checked=True).merged_chunks
+    assert not choose_kernel("auto", 128, hopper, import_problem="absent", merge_checked=False).merged_chunks
+    choice = choose_kernel("auto", 8, Device("cpu"))
+    assert choice.describe(2) == "sdpa (head dim 8: no GPU), CP chunks as merged calls"
+    assert choice.describe(1) == str(choice)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    for merged in (True, False):
+        torch.testing.assert_close(causal_attention(q, k, v, merged), reference(q, k, v).float(), atol=1e-5, rtol=1e-5)
 
 
 def test_the_cudnn_path_runs_only_where_checked():

@@ -46,23 +46,23 @@ from megatron_hetero.models.attention_kernels import (
     load_fa4,
     run_fa4,
 )
-from megatron_hetero.models.chunk_attention import merge_kernel, prefix_causal_attention
+from megatron_hetero.models.chunk_attention import chunk_kernel, prefix_causal_attention
 from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _MASK_OPTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.arbitrary)
 
 
-def causal_attention(q, k, v, **sdpa_kwargs):
-    """Causal attention of queries q [b, h, sq, d] at the last sq of the sk positions of k, v."""
+def causal_attention(q, k, v, merged: bool = False, **sdpa_kwargs):
+    """Causal attention of queries q [b, h, sq, d] at the last sq of the sk positions of k, v; merged:
+    sq < sk as two merged calls (KernelChoice.merged_chunks; no dropout)."""
     sq, sk = q.shape[-2], k.shape[-2]
     if sq == sk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa_kwargs)
-    # Query i sees keys up to sk - sq + i: two merged calls where checked (chunk_attention.py), else
-    # SDPA's bottom-right mask (its flash and memory-efficient kernels handle this variant).
-    kernel = merge_kernel(q, sdpa_kwargs.get("dropout_p", 0.0))
-    if kernel is not None:
-        return prefix_causal_attention(q, k, v, kernel, sdpa_kwargs.get("scale"))
+    # Query i sees keys up to sk - sq + i: two merged calls (chunk_attention.py), else SDPA's
+    # bottom-right mask (its flash and memory-efficient kernels handle this variant).
+    if merged:
+        return prefix_causal_attention(q, k, v, chunk_kernel(q.device.type), sdpa_kwargs.get("scale"))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), **sdpa_kwargs)
 
 
@@ -155,8 +155,9 @@ def _attend_fa4(fa4: Fa4, kernel: KernelChoice, q, k, v, causal, packed, chunks,
                       for (a, e), _, end in chunks], dim=1)
 
 
-def _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, **sdpa_kwargs) -> torch.Tensor:
-    """q [s_local, b, h, d], k, v [s, b, hk, d] -> [b, h, s_local, d] on torch SDPA."""
+def _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, merged, **sdpa_kwargs) -> torch.Tensor:
+    """q [s_local, b, h, d], k, v [s, b, hk, d] -> [b, h, s_local, d] on torch SDPA; merged: the later
+    chunks as merged calls."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     if k.shape[1] != q.shape[1]:  # after the CP gather: fewer bytes gathered
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -164,7 +165,7 @@ def _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, **sdpa_kwar
         mask = _document_mask(packed.seq_idx, cp, cp_rank)
     if packed is not None or not causal:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa_kwargs)
-    return torch.cat([causal_attention(q[:, :, a:e], k[:, :, :end], v[:, :, :end], **sdpa_kwargs)
+    return torch.cat([causal_attention(q[:, :, a:e], k[:, :, :end], v[:, :, :end], merged, **sdpa_kwargs)
                       for (a, e), _, end in chunks], dim=2)
 
 
@@ -180,7 +181,8 @@ def attend(q, k, v, kernel: KernelChoice, scale: float, causal: bool, mask: torc
     if kernel.kernel == FA4 and mask is None and dropout == 0.0:
         out = _attend_fa4(fa4 or load_fa4()[0], kernel, q, k, v, causal, packed, chunks, scale)
         return out.transpose(0, 1).flatten(2)
-    out = _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, dropout_p=dropout, scale=scale)
+    merged = kernel.merged_chunks and dropout == 0.0
+    out = _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, merged, dropout_p=dropout, scale=scale)
     return out.permute(2, 0, 1, 3).flatten(2)
 
 
@@ -264,10 +266,13 @@ class SDPAttention(MegatronModule):
 
 def attention_summary(module: torch.nn.Module) -> str:
     """What a model part's core attention runs, for the start-up line and benchmark records: our
-    kernel choices (e.g. "fa4 (head dim 128)"), or the class of another core attention (Transformer
-    Engine's); "none" for a part without attention."""
+    kernel choices (e.g. "fa4 (head dim 128)"; under CP on SDPA, how the later chunks run), or the
+    class of another core attention (Transformer Engine's); "none" for a part without attention."""
     found = []
     for name, sub in module.named_modules():
         if name.endswith("core_attention"):
-            found.append(str(sub.kernel) if hasattr(sub, "kernel") else type(sub).__name__)  # ours have a kernel
+            if hasattr(sub, "kernel"):  # ours; a packed encoder's (varlen.SegmentAttention) runs no CP
+                found.append(sub.kernel.describe(getattr(sub, "cp", 1)))
+            else:
+                found.append(type(sub).__name__)
     return "; ".join(dict.fromkeys(found)) or "none"

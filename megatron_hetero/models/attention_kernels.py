@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnBackend
 
+from megatron_hetero.models.chunk_attention import cudnn_merge_checked
+
 FA4 = "fa4"
 SDPA = "sdpa"
 
@@ -67,12 +69,15 @@ class Device:
 @dataclass(frozen=True)
 class KernelChoice:
     """kernel: FA4 or SDPA; head_dim: the module's; run_head_dim: what the kernel computes at (FA4 at
-    an unchecked head dim: the checked one it is zero-padded to); reason: why not FA4."""
+    an unchecked head dim: the checked one it is zero-padded to); reason: why not FA4; merged_chunks:
+    on SDPA, a causal query chunk behind a longer key prefix (CP's later chunks) runs as two merged
+    calls (chunk_attention.py: CPUs, and GPUs where checked) instead of SDPA's bottom-right mask."""
 
     kernel: str
     head_dim: int
     run_head_dim: int
     reason: str = ""
+    merged_chunks: bool = False
 
     def __str__(self) -> str:
         if self.kernel == SDPA:
@@ -80,6 +85,13 @@ class KernelChoice:
         if self.run_head_dim != self.head_dim:
             return f"fa4 (head dim {self.head_dim} zero-padded to {self.run_head_dim})"
         return f"fa4 (head dim {self.head_dim})"
+
+    def describe(self, cp: int) -> str:
+        """str(self), with how CP's later chunks are attended where the module runs CP on SDPA."""
+        if cp == 1 or self.kernel != SDPA:
+            return str(self)
+        chunks = "as merged calls" if self.merged_chunks else "on SDPA's mask"
+        return f"{self}, CP chunks {chunks}"
 
 
 def backend_mode(attention_backend) -> str:
@@ -120,13 +132,15 @@ def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, 
 def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: str | None = None,
                   dtype: torch.dtype = torch.bfloat16, dropout: float = 0.0,
                   flash_attention_version: int | None = None, checked: tuple[int, ...] = (),
-                  packed: bool = False) -> KernelChoice:
+                  packed: bool = False, merge_checked: bool = False) -> KernelChoice:
     """The kernel of a module with this head dim under `mode` (backend_mode); `checked`: the head dims
     checked on `device` (checked_head_dims); packed: the module attends within the segments of a
-    packed sequence (varlen: padded under auto too). Raises AttentionKernelError where mode "flash"
-    cannot be served exactly."""
+    packed sequence (varlen: padded under auto too); merge_checked: merged chunks were checked on
+    this GPU at this dtype and head dim (chunk_attention.cudnn_merge_checked). Raises
+    AttentionKernelError where mode "flash" cannot be served exactly."""
+    merged = dropout == 0 and (device.capability is None or merge_checked)
     if mode == SDPA:
-        return KernelChoice(SDPA, head_dim, head_dim, "chosen by --attention-backend")
+        return KernelChoice(SDPA, head_dim, head_dim, "chosen by --attention-backend", merged)
     problem = fa4_problem(device, import_problem, dtype, dropout, flash_attention_version, checked)
     if problem is None and head_dim in checked:
         return KernelChoice(FA4, head_dim, head_dim)
@@ -138,7 +152,7 @@ def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: s
     if mode == "flash":
         raise AttentionKernelError(f"--attention-backend flash: head dim {head_dim}: {problem}; or use "
                                    f"--attention-backend auto")
-    return KernelChoice(SDPA, head_dim, head_dim, problem)
+    return KernelChoice(SDPA, head_dim, head_dim, problem, merged)
 
 
 def current_device() -> Device:
@@ -175,9 +189,11 @@ def kernel_for(attention_backend, head_dim: int, dtype: torch.dtype, dropout: fl
     import_problem = None
     if mode != SDPA and device.capability is not None:
         import_problem = load_fa4()[1]
+    gpu = device.capability is not None
     return choose_kernel(mode, head_dim, device, import_problem=import_problem, dtype=dtype, dropout=dropout,
                          flash_attention_version=flash_attention_version,
-                         checked=checked_head_dims(device.name) if device.capability else (), packed=packed)
+                         checked=checked_head_dims(device.name) if gpu else (), packed=packed,
+                         merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim))
 
 
 def config_dtype(config) -> torch.dtype:

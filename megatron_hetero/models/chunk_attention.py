@@ -14,10 +14,10 @@ and sums the queries' gradients.
 Kernels: cuDNN's aten ops on CUDA; on CPUs the CPU flash kernel's, the same arithmetic, so that CI
 runs this path. On a GPU it runs only where tools/gpu_cp_chunk_check.py found its outputs and
 gradients as close to fp32 attention as SDPA's own (CUDNN_MERGE_CHECKED), else attention.py keeps
-SDPA's bottom-right mask.
+SDPA's bottom-right mask; the module's kernel choice says which (attention_kernels.KernelChoice's
+merged_chunks, printed at start-up and recorded by the benchmarks).
 """
 
-import functools
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -74,22 +74,10 @@ def cudnn_merge_checked(device_name: str, dtype: torch.dtype, head_dim: int, env
     return listed and dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM
 
 
-@functools.cache
-def _device_name(index: int | None) -> str:
-    """The GPU's model name, looked up once per device (merge_kernel runs on every attention call)."""
-    return torch.cuda.get_device_name(index)
-
-
-def merge_kernel(q: torch.Tensor, dropout: float) -> _Kernel | None:
-    """The kernel that runs a chunk as two merged calls for these queries, or None (keep SDPA's
-    bottom-right mask): dropout, or a GPU or shape the cuDNN path is not checked for."""
-    if dropout > 0:
-        return None
-    if q.device.type == "cpu":
-        return CPU_KERNEL
-    if q.device.type == "cuda" and cudnn_merge_checked(_device_name(q.device.index), q.dtype, q.shape[-1]):
-        return CUDNN_KERNEL
-    return None
+def chunk_kernel(device_type: str) -> _Kernel:
+    """The kernel pair that runs merged chunks on this device type (the decision whether to merge is
+    the module's kernel choice: attention_kernels.choose_kernel, merged_chunks)."""
+    return CPU_KERNEL if device_type == "cpu" else CUDNN_KERNEL
 
 
 def _splits(k: torch.Tensor, v: torch.Tensor, start: int):
@@ -136,5 +124,5 @@ class PrefixCausalAttention(torch.autograd.Function):
 
 def prefix_causal_attention(q, k, v, kernel: _Kernel, scale: float | None = None) -> torch.Tensor:
     """Bottom-right causal attention of q [b, h, sq, d] over k, v [b, h, sk, d], sk > sq, on `kernel`
-    (merge_kernel) as two calls merged by log-sum-exp: PrefixCausalAttention."""
+    (chunk_kernel) as two calls merged by log-sum-exp: PrefixCausalAttention."""
     return PrefixCausalAttention.apply(q, k, v, kernel, scale)

@@ -134,9 +134,10 @@ def plans_to(device, plans: list[VarlenPlan], extra: list[torch.Tensor] = ()) ->
     return plans, moved[len(unique):]
 
 
-def _varlen_sdpa(q, k, v, plan: VarlenPlan, scale, causal) -> torch.Tensor:
+def _varlen_sdpa(q, k, v, plan: VarlenPlan, scale, causal, merged) -> torch.Tensor:
     """varlen_attention on torch SDPA: one batched call per segment shape, on views of the permuted
-    queries and keys; a segment without keys gives zeros, as flash-attn-4."""
+    queries and keys; a segment without keys gives zeros, as flash-attn-4; merged: segments with more
+    keys than queries as merged calls (KernelChoice.merged_chunks)."""
     qs = permute(q, plan.order_q, plan.inverse_q).split([lq * n for lq, _, n in plan.groups])
     ks, vs = (permute(t, plan.order_k, plan.inverse_k).split([lk * n for _, lk, n in plan.groups]) for t in (k, v))
     outs = []
@@ -148,7 +149,7 @@ def _varlen_sdpa(q, k, v, plan: VarlenPlan, scale, causal) -> torch.Tensor:
         qg, kg, vg = (t.view(n, -1, *t.shape[1:]).transpose(1, 2) for t in (qg, kg, vg))
         if kg.shape[1] != qg.shape[1]:
             kg, vg = (t.repeat_interleave(qg.shape[1] // kg.shape[1], dim=1) for t in (kg, vg))
-        part = (causal_attention(qg, kg, vg, scale=scale) if causal
+        part = (causal_attention(qg, kg, vg, merged, scale=scale) if causal
                 else F.scaled_dot_product_attention(qg, kg, vg, scale=scale))
         outs.append(part.transpose(1, 2).flatten(0, 1))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -168,7 +169,7 @@ def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_sc
         return run_fa4((fa4 or load_fa4()[0]).varlen_func, kernel, q, k, v, cu_seqlens_q=plan.cu_q,
                        cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,
                        softmax_scale=scale, causal=causal)
-    return _varlen_sdpa(q, k, v, plan, scale, causal)
+    return _varlen_sdpa(q, k, v, plan, scale, causal, kernel.merged_chunks)
 
 
 @dataclass
