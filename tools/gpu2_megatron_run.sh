@@ -68,7 +68,11 @@ fault() {  # kind (kill or hang), extra flags
   echo "fault $kind: exit $rc, $(python3 -c "print(f'{$end - float(open(\"$out/fault_$kind.time\").read()):.1f}')" 2>/dev/null) s from the fault to the end"
   grep "^error" "$out/fault_$kind.log" | head -3
 }
-if [ -z "${SKIP_FAULTS:-}" ]; then  # FAULTS: which of them (default both)
-  [[ " ${FAULTS:-kill hang} " == *" kill "* ]] && fault kill --hetero-heartbeat-interval 0.5
-  [[ " ${FAULTS:-kill hang} " == *" hang "* ]] && fault hang --hetero-heartbeat-interval 0.5 --hetero-heartbeat-timeout 20
-fi
+[ -n "${SKIP_FAULTS:-}" ] && FAULTS=""
+for kind in ${FAULTS-kill hang}; do  # FAULTS: which of them (default both)
+  case $kind in
+    kill) fault kill --hetero-heartbeat-interval 0.5 ;;
+    hang) fault hang --hetero-heartbeat-interval 0.5 --hetero-heartbeat-timeout 20 ;;
+    *) echo "error: FAULTS=$kind: use kill and/or hang"; exit 2 ;;
+  esac
+done
