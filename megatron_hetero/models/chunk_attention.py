@@ -27,7 +27,7 @@ import torch
 # GPU models (torch.cuda.get_device_name()) on which tools/gpu_cp_chunk_check.py passed, from its
 # output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x faster than SDPA's mask at 16K-64K):
 # docs/runs/gpu2/call13_w6_dp2_cap80/ and call16_h100_chunk_check/cp_chunk_check.log.
-# CUDNN_MERGE_ENV=1, set by that script for its own runs, counts as listed.
+# CUDNN_MERGE_ENV=1 counts as listed: a GPU whose check just passed, before its entry is added.
 CUDNN_MERGE_CHECKED: tuple[str, ...] = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 CUDNN_DTYPES = (torch.bfloat16, torch.float16)

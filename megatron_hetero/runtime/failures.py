@@ -23,6 +23,9 @@ _MODULE_PHASES = {"encoder-forward": "forward", "encoder-backward": "backward", 
                   "llm-backward": "backward"}
 GIB = 2**30
 EXPANDABLE = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF: segments that grow, no fragments
+# Sizes in torch's out-of-memory message: the failed allocation, the cache's reserved-but-unused part.
+_TRIED = re.compile(r"Tried to allocate ([\d.]+) ([KMGT])iB")
+_IDLE = re.compile(r"([\d.]+) ([KMGT])iB is reserved by PyTorch but unallocated")
 
 
 def current_phase(run) -> str:
@@ -51,8 +54,7 @@ def fragmentation_hint(error: BaseException, environ=os.environ) -> str | None:
     unallocated than the failed allocation asked for (the cache fragmented: at W6's 64K tokens on an
     80 GB H100, 13 GiB idle beside a failed 1 GiB; docs/benchmarks.md); None otherwise or when set."""
     message = str(error)
-    tried = _gib(re.search(r"Tried to allocate ([\d.]+) ([KMGT])iB", message))
-    idle = _gib(re.search(r"([\d.]+) ([KMGT])iB is reserved by PyTorch but unallocated", message))
+    tried, idle = _gib(_TRIED.search(message)), _gib(_IDLE.search(message))
     if tried is None or idle is None or idle < tried or EXPANDABLE in environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return None
     return f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} ({idle:.1f} GiB sat reserved but unallocated: fragmented)"
@@ -60,8 +62,8 @@ def fragmentation_hint(error: BaseException, environ=os.environ) -> str | None:
 
 def _usage(error: BaseException) -> str:
     """This GPU's peak and capacity, and the allocation that failed (from torch's message)."""
-    tried = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", str(error))
-    tried = f"; tried to allocate {tried.group(1)}" if tried else ""
+    tried = _TRIED.search(str(error))
+    tried = f"; tried to allocate {tried.group(1)} {tried.group(2)}iB" if tried else ""
     if not torch.cuda.is_available():
         return tried.removeprefix("; ")
     device = torch.cuda.current_device()
