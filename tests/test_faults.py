@@ -134,6 +134,9 @@ def test_out_of_memory_names_the_planners_answer():
     assert answer.startswith("the planner's best for W1 on 2 GPUs: ") and "GB/GPU predicted" in answer, answer
     assert "tools/plan_layout.py --workload W1 --llm-layers 8 --gpus 2 --gpu-memory-gb 141" in answer
     assert "finds no layout of W1 that fits 2 GPUs of 1 GB" in planner_answer(BENCH_WORKLOADS["W1"], 2, 1.0)
+    # W6 fits an 80 GB card only recomputed: the answer may recompute (it said "none fits" before).
+    long = planner_answer(dataclasses.replace(BENCH_WORKLOADS["W6"], layers=12), 2, 85.0)
+    assert long.startswith("the planner's best for W6 on 2 GPUs: ") and "recompute" in long, long
 
 
 def test_fragmentation_hint_reads_torchs_message():

@@ -12,6 +12,7 @@ records the line as the job's fault, so that every other rank stops with one lin
 
 import os
 import re
+from dataclasses import replace
 
 import torch
 
@@ -89,11 +90,14 @@ def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
     from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
     from megatron_hetero.planner import Calibration, Cluster, plan, trainer_workload
 
-    workload = trainer_workload(preset, padded_vocab_size(ModelSizes()), preset.frozen)
+    # With the memory-saving flags the line also names (recomputation, the distributed optimizer):
+    # without them the planner answered "none fits" where a recomputed layout fits (W6 on an H100).
+    workload = replace(trainer_workload(preset, padded_vocab_size(ModelSizes()), preset.frozen),
+                       distributed_optimizer=True, allow_recompute=True)
     best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
     # The depth the run built (bench_e2e's --llm-layers), so that the command gives the same answer.
     command = (f"python tools/plan_layout.py --workload {preset.name} --llm-layers {preset.layers} "
-               f"--gpus {world_size} --gpu-memory-gb {gpu_memory_gb:.0f}")
+               f"--gpus {world_size} --gpu-memory-gb {gpu_memory_gb:.0f} --distributed-optimizer --allow-recompute")
     if best is None:
         return (f"the planner finds no layout of {preset.name} that fits {world_size} GPUs of "
                 f"{gpu_memory_gb:.0f} GB ({command})")
