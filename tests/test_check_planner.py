@@ -160,3 +160,21 @@ def test_runs_under_another_schedule_are_not_fitted(flags, kept):
     record = dict(workload="W1", layout=layout, gpus=2, tokens_per_s=1.0, peak_gb_max=1.0, phases={})
     assert (record_run(record, LAYOUTS) is not None) == kept
     assert record_run(dict(record, layout="gpu2_colocated_pp2 (bubbles)"), LAYOUTS) is None
+
+
+def test_runs_are_judged_against_their_own_gpus_memory():
+    """A run on H100s, or under bench_e2e's 79.6 GiB cap, is grouped and judged at an 80 GB card's
+    memory, not at the H200's: W6's TP2+SP recomputing 9 of 12 layers, out of memory on the H100s
+    (call 18), is predicted over memory there and to fit on an H200."""
+    records = [json.loads(line) for line in (GPU2 / "call19_w6_h100_pair" / "bench_e2e.jsonl").read_text().splitlines()]
+    capped = [dict(r, device="NVIDIA H200", memory_cap_gib=79.6) for r in records]
+    h200 = [dict(r, device="NVIDIA H200") for r in records]
+    groups = measured_groups(records + capped + h200, LAYOUTS, trainer_vocab_size())
+    assert sorted(key[4] for key in groups) == [85.5, H200_MEMORY_GB]
+    (group,) = [g for key, g in groups.items() if key[4] == 85.5]
+    flags = BLOCK_1[:-1] + ("9",)
+    oom = Run("gpu2_colocated_sp [" + " ".join(flags) + "]", load_layout(str(LAYOUTS / "gpu2_colocated_sp.yaml"), 2),
+              1, None, None, {}, flags)
+    fitted = fit([group], Calibration.load(str(ROOT / "tools" / "calibration_h100_measured.json")))
+    assert not predict_run(oom, group, fitted).fits
+    assert predict_run(oom, replace(group, memory_gb=H200_MEMORY_GB), fitted).fits

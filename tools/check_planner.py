@@ -114,9 +114,9 @@ def main(argv=None) -> int:
         groups = measured_groups(records, LAYOUTS, trainer_vocab_size())
         add_oom_runs(groups, opts.oom)
         all_agree = True
-        for (name, layers, gpus, global_batch), group in groups.items():
-            all_agree &= check_group(f"{name}, LLM {layers} layers, {gpus} GPUs, global batch {global_batch}",
-                                     group, base, opts.leave_one_out)
+        for (name, layers, gpus, global_batch, memory_gb), group in groups.items():
+            title = f"{name}, LLM {layers} layers, {gpus} GPUs of {memory_gb:g} GB, global batch {global_batch}"
+            all_agree &= check_group(title, group, base, opts.leave_one_out)
         fitted = check_curve(list(groups.values()), base)
     except (OSError, ValueError, LayoutError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -127,13 +127,14 @@ def main(argv=None) -> int:
 
 
 def add_oom_runs(groups: dict, oom: list[str]) -> None:
-    """The named out-of-memory runs into their groups (at the group's first micro batch size)."""
+    """The named out-of-memory runs into their groups (at the group's first micro batch size; of a
+    workload measured at several memory sizes, the smallest's: where memory ran out)."""
     for item in oom:
         parts = item.split(":")
         if len(parts) not in (3, 4) or not parts[1].isdigit():
             raise ValueError(f"--oom {item}: write workload:LLM layers:layout[:flags], e.g. W2:8:gpu2_homogeneous_dp2")
         workload, layers, layout, flags = (*parts, "")[:4]
-        key = next((k for k in groups if k[:2] == (workload, int(layers))), None)
+        key = min((k for k in groups if k[:2] == (workload, int(layers))), key=lambda k: k[4], default=None)
         if key is None:
             raise ValueError(f"--oom {item}: no measured run of {workload} with {layers} LLM layers to compare with")
         group = groups[key]

@@ -36,7 +36,7 @@ from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
 from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
 from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_workload
-from megatron_hetero.planner.shapes import H200_MEMORY_GB, Cluster, ModuleShape, Workload
+from megatron_hetero.planner.shapes import H100_MEMORY_GB, H200_MEMORY_GB, Cluster, ModuleShape, Workload
 
 GIB = 2**30 / 1e9  # bench_e2e records peak memory in GiB
 # bench_e2e's run name: the layout file's stem, " (schedule)" unless the default, " [flags]" if any.
@@ -92,17 +92,19 @@ class Run:
 
 @dataclass(frozen=True)
 class Group:
-    """Runs of one workload, as the trainer built it, on one GPU count."""
+    """Runs of one workload, as the trainer built it, on one GPU count and memory per GPU (GB: what
+    the planner's predictions are judged to fit)."""
 
     workload: Workload
     gpus: int
     runs: tuple[Run, ...]
+    memory_gb: float = H200_MEMORY_GB
 
     def __post_init__(self):
         object.__setattr__(self, "runs", tuple(self.runs))
 
     def model(self, calibration: Calibration) -> CostModel:
-        return CostModel(self.workload, Cluster(self.gpus, H200_MEMORY_GB), calibration)
+        return CostModel(self.workload, Cluster(self.gpus, self.memory_gb), calibration)
 
 
 def record_run(record: dict, layouts: Path) -> Run | None:
@@ -122,21 +124,30 @@ def record_run(record: dict, layouts: Path) -> Run | None:
                2 if record.get("precision", "").startswith("bf16 weights") else 4)
 
 
+def record_memory_gb(record: dict) -> float:
+    """The memory per GPU a bench_e2e run had, in GB: its allocator's cap (`memory_cap_gib`) where it
+    ran under one, else its GPU's (records without a device are the first calls', on H200s)."""
+    if record.get("memory_cap_gib"):
+        return round(record["memory_cap_gib"] * GIB, 1)
+    return H100_MEMORY_GB if "H100" in record.get("device", "") else H200_MEMORY_GB
+
+
 def measured_groups(records: list[dict], layouts: Path, vocab: int) -> dict[tuple, Group]:
     """bench_e2e's records of layouts in `layouts` as groups keyed by (workload, LLM layers, GPUs,
-    global batch), the workload as the trainer built it with this vocabulary; a later record of a
-    run name replaces an earlier one."""
+    global batch, memory per GPU in GB), the workload as the trainer built it with this vocabulary;
+    a later record of a run name replaces an earlier one."""
     runs = defaultdict(dict)
     for r in records:
         run = record_run(r, layouts)
         if run is not None:
             w = BENCH_WORKLOADS[r["workload"]]
-            runs[r["workload"], r["llm_layers"], r["gpus"], r.get("global_batch", w.global_batch)][run.name] = run
+            key = r["workload"], r["llm_layers"], r["gpus"], r.get("global_batch", w.global_batch), record_memory_gb(r)
+            runs[key][run.name] = run
     groups = {}
-    for (name, layers, gpus, global_batch), found in runs.items():
+    for key, found in runs.items():
+        name, layers, gpus, global_batch, memory_gb = key
         w = replace(BENCH_WORKLOADS[name], layers=layers, global_batch=global_batch)
-        groups[name, layers, gpus, global_batch] = Group(trainer_workload(w, vocab, w.frozen), gpus,
-                                                         tuple(found.values()))
+        groups[key] = Group(trainer_workload(w, vocab, w.frozen), gpus, tuple(found.values()), memory_gb)
     return groups
 
 
@@ -226,7 +237,7 @@ def fit_curve(seen: list[Observation], base: Calibration) -> Calibration:
 
 def predict_run(run: Run, group: Group, calibration: Calibration) -> Prediction:
     """The planner's prediction for the run's layout at the run's micro batch size."""
-    cluster = Cluster(group.gpus, H200_MEMORY_GB)
+    cluster = Cluster(group.gpus, group.memory_gb)
     workload = run.workload(group.workload)
     (candidate,) = candidate_from_layout(run.layout, workload, cluster)
     return CostModel(workload, cluster, calibration).predict(replace(candidate, recompute=run.recompute(workload)))

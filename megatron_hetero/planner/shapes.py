@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-# nvidia-smi on an H200: 143771 MiB.
+# nvidia-smi on an H200: 143771 MiB; on an H100 80GB: 81559 MiB.
 H200_MEMORY_GB = 150.7
+H100_MEMORY_GB = 85.5
 
 
 def load_json(path: str, what: str, build):
