@@ -158,6 +158,19 @@ def test_fragmentation_hint_reads_torchs_message():
     assert fragmentation_hint(RuntimeError("CUDA out of memory."), environ={}) is None
 
 
+def test_memory_outside_the_allocator_reads_torchs_message():
+    """What the process held beyond PyTorch's allocated and cached memory (NCCL, the CUDA context)."""
+    from megatron_hetero.runtime.failures import _usage, outside_allocator_gib
+
+    error = RuntimeError("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 79.19 GiB "
+                         "of which 301.06 MiB is free. Including non-PyTorch memory, this process has 78.89 GiB "
+                         "memory in use. Of the allocated memory 68.20 GiB is allocated by PyTorch, and 512.00 MiB "
+                         "is reserved by PyTorch but unallocated.")
+    assert outside_allocator_gib(error) == pytest.approx(78.89 - 68.20 - 0.5)
+    assert outside_allocator_gib(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB.")) is None
+    assert "10.2 GiB held outside PyTorch's allocator" in _usage(error)
+
+
 def test_report_line_is_one_write(monkeypatch):
     """The watchdog's line reaches stderr in one write with its newline, also when Python runs
     unbuffered, so lines several ranks report at once into a shared pipe never interleave. stderr is

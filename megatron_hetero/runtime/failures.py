@@ -27,6 +27,8 @@ EXPANDABLE = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF: segments tha
 # Sizes in torch's out-of-memory message: the failed allocation, the cache's reserved-but-unused part.
 _TRIED = re.compile(r"Tried to allocate ([\d.]+) ([KMGT])iB")
 _IDLE = re.compile(r"([\d.]+) ([KMGT])iB is reserved by PyTorch but unallocated")
+_IN_USE = re.compile(r"this process has ([\d.]+) ([KMGT])iB memory in use")
+_ALLOCATED = re.compile(r"Of the allocated memory ([\d.]+) ([KMGT])iB is allocated by PyTorch")
 
 
 def current_phase(run) -> str:
@@ -61,10 +63,25 @@ def fragmentation_hint(error: BaseException, environ=os.environ) -> str | None:
     return f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE} ({idle:.1f} GiB sat reserved but unallocated: fragmented)"
 
 
+def outside_allocator_gib(error: BaseException) -> float | None:
+    """What this process held outside PyTorch's allocator when it ran out (NCCL's buffers, the CUDA
+    context, library workspaces), in GiB, from torch's message: in use less allocated less cached.
+    None where the message does not say (W6 on an H100 ran out with ~10 GiB beyond its peak allocation)."""
+    message = str(error)
+    in_use, allocated, idle = (_gib(p.search(message)) for p in (_IN_USE, _ALLOCATED, _IDLE))
+    if in_use is None or allocated is None:
+        return None
+    return max(0.0, in_use - allocated - (idle or 0.0))
+
+
 def _usage(error: BaseException) -> str:
-    """This GPU's peak and capacity, and the allocation that failed (from torch's message)."""
+    """This GPU's peak and capacity, the allocation that failed and, where it is 1 GiB or more, what
+    was held outside PyTorch's allocator (from torch's message)."""
     tried = _TRIED.search(str(error))
     tried = f"; tried to allocate {tried.group(1)} {tried.group(2)}iB" if tried else ""
+    outside = outside_allocator_gib(error)
+    if outside is not None and outside >= 1.0:
+        tried += f"; {outside:.1f} GiB held outside PyTorch's allocator"
     if not torch.cuda.is_available():
         return tried.removeprefix("; ")
     device = torch.cuda.current_device()
