@@ -178,3 +178,22 @@ def test_runs_are_judged_against_their_own_gpus_memory():
     fitted = fit([group], Calibration.load(str(ROOT / "tools" / "calibration_h100_measured.json")))
     assert not predict_run(oom, group, fitted).fits
     assert predict_run(oom, replace(group, memory_gb=H200_MEMORY_GB), fitted).fits
+
+
+def test_the_usable_memory_share_is_fitted_where_runs_ran_out():
+    """W6 on the H100s (call 19, and call 18's TP2+SP recomputing 10 of 12 layers, out of memory):
+    at the default 90% the planner has the failed run fit; fitted, the share separates it from the
+    runs that ran, and without a failed run the calibration's own share stays."""
+    records = [json.loads(line) for line in (GPU2 / "call19_w6_h100_pair" / "bench_e2e.jsonl").read_text().splitlines()]
+    (group,) = measured_groups(records, LAYOUTS, trainer_vocab_size()).values()
+    base = Calibration.load(str(ROOT / "tools" / "calibration_h200.json"))
+    assert fit([group], base).usable_memory_fraction == base.usable_memory_fraction == 0.9
+    flags = BLOCK_1[:-1] + ("10",)
+    oom = Run("gpu2_colocated_sp [" + " ".join(flags) + "]", load_layout(str(LAYOUTS / "gpu2_colocated_sp.yaml"), 2),
+              1, None, None, {}, flags)
+    with_oom = replace(group, runs=(*group.runs, oom))
+    assert predict_run(oom, with_oom, fit([group], base)).fits  # the default share: predicted to fit
+    fitted = fit([with_oom], base)
+    assert fitted.usable_memory_fraction < 0.9
+    assert not predict_run(oom, with_oom, fitted).fits
+    assert all(predict_run(run, with_oom, fitted).fits for run in group.runs)

@@ -253,10 +253,28 @@ def fit(groups: list[Group], base: Calibration) -> Calibration:
         times[o.key].append(o.layer_us(curve))
     ordered = sorted(times, key=LayerKey.describe)
     fitted = replace(curve, layer_forward_us_per_token={key: statistics.mean(times[key]) for key in ordered})
-    return replace(fitted, activation_memory_factor=memory_factor(groups, fitted),
-                   source="max_efficiency, half_efficiency_width, layer_forward_us_per_token and "
-                          "activation_memory_factor fitted by tools/check_planner.py to bench_e2e runs; the "
-                          f"other keys: {base.source}")
+    fitted = replace(fitted, activation_memory_factor=memory_factor(groups, fitted))
+    return replace(fitted, usable_memory_fraction=usable_fraction(groups, fitted),
+                   source="max_efficiency, half_efficiency_width, layer_forward_us_per_token, "
+                          "activation_memory_factor and usable_memory_fraction fitted by tools/check_planner.py "
+                          f"to bench_e2e runs; the other keys: {base.source.rsplit('the other keys: ', 1)[-1]}")
+
+
+def usable_fraction(groups: list[Group], calibration: Calibration) -> float:
+    """The share of a GPU's memory a layout may fill: the calibration's own where it separates the
+    runs that ran from those out of memory (or where nothing can: a run that ran predicted above one
+    that did not), else midway between the largest predicted share of a run that ran and the
+    smallest of one out of memory. (W6 on the H100s: TP2+SP recomputing 10 of 12 layers, predicted
+    at 87% of the card, ran out; CP2 at 85% ran; the default 90% had both fit.)"""
+    ran, out = [], []
+    for group in groups:
+        for run in group.runs:
+            share = predict_run(run, group, calibration).memory_gb / group.memory_gb
+            (ran if run.tokens_per_s is not None else out).append(share)
+    low, high, current = max(ran, default=0.0), min(out, default=1.0), calibration.usable_memory_fraction
+    if low >= high or low <= current < high:
+        return current
+    return round((low + high) / 2, 4)
 
 
 def memory_split(run: Run, group: Group, calibration: Calibration, factor: float) -> tuple[float, float]:
