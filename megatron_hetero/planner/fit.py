@@ -245,7 +245,7 @@ def predict_run(run: Run, group: Group, calibration: Calibration) -> Prediction:
 
 def fit(groups: list[Group], base: Calibration) -> Calibration:
     """The base calibration with the efficiency curve, the layer times of every observed shape and
-    layout, and the activation memory factor fitted to the groups' runs."""
+    layout, the activation memory factor and the usable memory share fitted to the groups' runs."""
     seen = [o for group in groups for o in observations(group)]
     curve = fit_curve(seen, base)
     times = defaultdict(list)
