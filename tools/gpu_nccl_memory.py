@@ -37,9 +37,11 @@ def outside_allocator_gib() -> float:
 
 
 def member_groups() -> list:
-    """Every process group this rank belongs to but the default one (torch's registry)."""
+    """Every NCCL process group this rank belongs to but the default one (torch's registry; gloo
+    groups, which some Megatron options add, hold no GPU memory)."""
     default = dist.distributed_c10d._get_default_group()
-    return [group for group in dist.distributed_c10d._world.pg_map if group is not default]
+    return [group for group in dist.distributed_c10d._world.pg_map
+            if group is not default and dist.get_backend(group) == "nccl"]
 
 
 def main(argv=None) -> int:
