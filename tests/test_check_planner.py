@@ -171,6 +171,9 @@ def test_runs_are_judged_against_their_own_gpus_memory():
     h200 = [dict(r, device="NVIDIA H200") for r in records]
     groups = measured_groups(records + capped + h200, LAYOUTS, trainer_vocab_size())
     assert sorted(key[4] for key in groups) == [85.5, H200_MEMORY_GB]
+    # Records since bench_e2e wrote the GPU's memory are judged by it, whatever the GPU's name.
+    nvl = [dict(r, device="NVIDIA H100 NVL", device_memory_gib=93.0) for r in records]
+    assert [key[4] for key in measured_groups(nvl, LAYOUTS, trainer_vocab_size())] == [99.9]
     (group,) = [g for key, g in groups.items() if key[4] == 85.5]
     flags = BLOCK_1[:-1] + ("9",)
     oom = Run("gpu2_colocated_sp [" + " ".join(flags) + "]", load_layout(str(LAYOUTS / "gpu2_colocated_sp.yaml"), 2),

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from megatron_hetero.groups import init_distributed
 from megatron_hetero.layout import load_layout
 from megatron_hetero.runtime.context import build_run
-
-GIB = 2**30
+from megatron_hetero.runtime.failures import GIB
 
 
 def outside_allocator_gib() -> float:

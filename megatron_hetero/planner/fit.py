@@ -126,9 +126,11 @@ def record_run(record: dict, layouts: Path) -> Run | None:
 
 def record_memory_gb(record: dict) -> float:
     """The memory per GPU a bench_e2e run had, in GB: its allocator's cap (`memory_cap_gib`) where it
-    ran under one, else its GPU's (records without a device are the first calls', on H200s)."""
-    if record.get("memory_cap_gib"):
-        return round(record["memory_cap_gib"] * GIB, 1)
+    ran under one, else its GPU's (`device_memory_gib`; records from before that field by the GPU's
+    name, those without a device the first calls', on H200s)."""
+    for key in ("memory_cap_gib", "device_memory_gib"):
+        if record.get(key):
+            return round(record[key] * GIB, 1)
     return H100_MEMORY_GB if "H100" in record.get("device", "") else H200_MEMORY_GB
 
 
