@@ -3,6 +3,16 @@
 Group creation is collective over the whole world: every rank builds every module's groups, in the
 layout's module order, also for modules it does not hold (it then gets None groups for them).
 `init_distributed` starts the world itself where megatron.training does not (the tools).
+
+Groups share communicators where that cannot change the order of any rank's communication: each
+NCCL communicator holds GPU memory once used, about 1.1 GiB for two H100s and 0.25 GiB for one
+rank alone (tools/gpu_nccl_memory.py, a colocated layout: 11.4 GiB outside PyTorch's allocator with
+24 groups, 9 of them of the same two ranks). Within a module, groups of the same ranks that only run
+collectives share one (a module's tp, mp, tp_cp, tp_dp_cp and distributed-optimizer groups are
+often the same ranks); cp and pp keep their own (point-to-point rings and pipeline sends beside the
+module's collectives), and so does each module (under pipelined colocated schedules the modules'
+collectives interleave differently on different ranks; one stream per group keeps them apart).
+Groups of one rank are shared by every module: nothing waits on another rank in them.
 """
 
 import copy
@@ -67,47 +77,68 @@ class ModuleGroups:
         return pgs
 
 
-def _first_and_last_stage_groups(grid: HyperCommGrid, rank: int):
+class SharedGroups:
+    """One module's groups, one per rank enumeration, and the world's one-rank groups (the module
+    docstring says why). Collective like `dist.new_subgroups_by_enumeration`: every rank asks for
+    the same groups in the same order."""
+
+    def __init__(self, singles: dict, backend: str | None):
+        self.made: dict[tuple, dist.ProcessGroup | None] = {}
+        self.singles, self.backend = singles, backend
+
+    def enumerated(self, rank_lists: list[list[int]], p2p: bool = False) -> dist.ProcessGroup | None:
+        """This rank's group of `rank_lists` (None where it is in none); `p2p`: groups of more than
+        one rank that carry point-to-point traffic, made anew."""
+        key = tuple(map(tuple, rank_lists))
+        single = all(len(ranks) == 1 for ranks in key)
+        if p2p and not single:
+            return dist.new_subgroups_by_enumeration(rank_lists, backend=self.backend)[0]
+        made = self.singles if single else self.made
+        if key not in made:
+            made[key] = dist.new_subgroups_by_enumeration(rank_lists, backend=self.backend)[0]
+        return made[key]
+
+    def get(self, grid: HyperCommGrid, dims: str | list[str], p2p: bool = False) -> dist.ProcessGroup | None:
+        """`grid.create_pg(dims)`, shared."""
+        return self.enumerated(grid.get_rank_enum(dims), p2p)
+
+
+def _first_and_last_stage_groups(grid: HyperCommGrid, shared: SharedGroups):
     """Embedding groups as megatron-core builds them: (first, last) pp stage, and first stage alone."""
-    embd = pos_embd = None
-    for pp_ranks in grid.get_rank_enum("pp"):
-        embd_ranks = sorted({pp_ranks[0], pp_ranks[-1]})
-        group = dist.new_group(ranks=embd_ranks)
-        if rank in embd_ranks:
-            embd = group
-        group = dist.new_group(ranks=[pp_ranks[0]])
-        if rank == pp_ranks[0]:
-            pos_embd = group
-    return embd, pos_embd
+    stages = grid.get_rank_enum("pp")
+    return (shared.enumerated([sorted({ranks[0], ranks[-1]}) for ranks in stages]),
+            shared.enumerated([[ranks[0]] for ranks in stages]))
 
 
-def build_module_groups(module: ModuleLayout, backend: str | None = None) -> ModuleGroups:
-    """Collective: create `module`'s process groups on every rank of the world."""
+def build_module_groups(module: ModuleLayout, backend: str | None = None,
+                        singles: dict | None = None) -> ModuleGroups:
+    """Collective: create `module`'s process groups on every rank of the world; `singles`: the
+    world's one-rank groups so far (build_groups shares them among modules)."""
     shape = [module.tp, module.cp, 1, module.dp, module.pp]
     grid = HyperCommGrid(shape, GRID_AXES, rank_offset=module.first_rank, backend=backend)
-    rank = dist.get_rank()
+    shared = SharedGroups({} if singles is None else singles, backend)
     groups = dict(
-        tp=grid.create_pg("tp"),
-        cp=grid.create_pg("cp"),
-        dp=grid.create_pg("dp"),
-        pp=grid.create_pg("pp"),
-        ep=grid.create_pg("ep"),
-        mp=grid.create_pg(["tp", "pp"]),
-        tp_cp=grid.create_pg(["tp", "cp"]),
-        dp_cp=grid.create_pg(["cp", "dp"]),
-        tp_dp_cp=grid.create_pg(["tp", "cp", "dp"]),
+        tp=shared.get(grid, "tp"),
+        cp=shared.get(grid, "cp", p2p=True),
+        dp=shared.get(grid, "dp"),
+        pp=shared.get(grid, "pp", p2p=True),
+        ep=shared.get(grid, "ep"),
+        mp=shared.get(grid, ["tp", "pp"]),
+        tp_cp=shared.get(grid, ["tp", "cp"]),
+        dp_cp=shared.get(grid, ["cp", "dp"]),
+        tp_dp_cp=shared.get(grid, ["tp", "cp", "dp"]),
         # One distributed-optimizer instance per module: all its ranks.
-        intra_dist_opt=grid.create_pg(GRID_AXES),
+        intra_dist_opt=shared.get(grid, GRID_AXES),
     )
-    embd, pos_embd = _first_and_last_stage_groups(grid, rank)
-    experts = _expert_groups(module, groups, backend)
+    embd, pos_embd = _first_and_last_stage_groups(grid, shared)
+    experts = _expert_groups(module, groups, shared, backend)
     if not grid.is_current_rank_in_grid():
         return ModuleGroups(module, grid, None)
     pgs = ProcessGroupCollection(**{**groups, **experts}, embd=embd, pos_embd=pos_embd)
     return ModuleGroups(module, grid, pgs, alone=groups["ep"])
 
 
-def _expert_groups(module: ModuleLayout, dense: dict, backend: str | None) -> dict:
+def _expert_groups(module: ModuleLayout, dense: dict, shared: "SharedGroups", backend: str | None) -> dict:
     """Collective: the expert groups megatron-core's MoE layers, DDP and optimizer take. Without
     an expert layout of its own (ep 1, etp = tp) they are the dense groups, an expert replicated
     like a dense weight over dp x cp."""
@@ -116,14 +147,15 @@ def _expert_groups(module: ModuleLayout, dense: dict, backend: str | None) -> di
     grid = HyperCommGrid(module.expert_grid_shape(), EXPERT_GRID_AXES, rank_offset=module.first_rank,
                          backend=backend)
     return dict(
-        ep=grid.create_pg("ep"),
-        expt_tp=grid.create_pg("tp"),
-        expt_dp=grid.create_pg("dp"),
-        tp_ep=grid.create_pg(["tp", "ep"]),
-        tp_ep_pp=grid.create_pg(["tp", "ep", "pp"]),
+        ep=shared.get(grid, "ep"),
+        expt_tp=shared.get(grid, "tp"),
+        expt_dp=shared.get(grid, "dp"),
+        tp_ep=shared.get(grid, ["tp", "ep"]),
+        tp_ep_pp=shared.get(grid, ["tp", "ep", "pp"]),
     )
 
 
 def build_groups(layout: HeteroLayout, backend: str | None = None) -> dict[str, ModuleGroups]:
     """Collective: every module's groups, keyed by module name, in layout order."""
-    return {m.name: build_module_groups(m, backend) for m in layout.modules}
+    singles = {}
+    return {m.name: build_module_groups(m, backend, singles) for m in layout.modules}

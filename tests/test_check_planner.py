@@ -36,6 +36,7 @@ from megatron_hetero.planner.fit import (
     predict_run,
     record_run,
 )
+from megatron_hetero.planner.shapes import H100_MEMORY_GB
 from megatron_hetero.training.bench import trainer_vocab_size
 from tests.tool_cli import run_tool
 
@@ -163,18 +164,18 @@ def test_runs_under_another_schedule_are_not_fitted(flags, kept):
 
 
 def test_runs_are_judged_against_their_own_gpus_memory():
-    """A run on H100s, or under bench_e2e's 79.6 GiB cap, is grouped and judged at an 80 GB card's
-    memory, not at the H200's: W6's TP2+SP recomputing 9 of 12 layers, out of memory on the H100s
-    (call 18), is predicted over memory there and to fit on an H200."""
+    """A run on H100s (torch's 79.18 GiB), or under bench_e2e's 79.6 GiB cap, is grouped and judged
+    at that memory, not at the H200's: W6's TP2+SP recomputing 9 of 12 layers, out of memory on the
+    H100s (calls 18, 25), is predicted over memory there and to fit on an H200."""
     records = [json.loads(line) for line in (GPU2 / "call19_w6_h100_pair" / "bench_e2e.jsonl").read_text().splitlines()]
     capped = [dict(r, device="NVIDIA H200", memory_cap_gib=79.6) for r in records]
     h200 = [dict(r, device="NVIDIA H200") for r in records]
     groups = measured_groups(records + capped + h200, LAYOUTS, trainer_vocab_size())
-    assert sorted(key[4] for key in groups) == [85.5, H200_MEMORY_GB]
+    assert sorted(key[4] for key in groups) == [H100_MEMORY_GB, round(79.6 * GIB, 1), H200_MEMORY_GB]
     # Records since bench_e2e wrote the GPU's memory are judged by it, whatever the GPU's name.
     nvl = [dict(r, device="NVIDIA H100 NVL", device_memory_gib=93.0) for r in records]
     assert [key[4] for key in measured_groups(nvl, LAYOUTS, trainer_vocab_size())] == [99.9]
-    (group,) = [g for key, g in groups.items() if key[4] == 85.5]
+    (group,) = [g for key, g in groups.items() if key[4] == H100_MEMORY_GB]
     flags = BLOCK_1[:-1] + ("9",)
     oom = Run("gpu2_colocated_sp [" + " ".join(flags) + "]", load_layout(str(LAYOUTS / "gpu2_colocated_sp.yaml"), 2),
               1, None, None, {}, flags)
