@@ -138,7 +138,7 @@ def build_module_groups(module: ModuleLayout, backend: str | None = None,
     return ModuleGroups(module, grid, pgs, alone=groups["ep"])
 
 
-def _expert_groups(module: ModuleLayout, dense: dict, shared: "SharedGroups", backend: str | None) -> dict:
+def _expert_groups(module: ModuleLayout, dense: dict, shared: SharedGroups, backend: str | None) -> dict:
     """Collective: the expert groups megatron-core's MoE layers, DDP and optimizer take. Without
     an expert layout of its own (ep 1, etp = tp) they are the dense groups, an expert replicated
     like a dense weight over dp x cp."""
