@@ -99,8 +99,14 @@ class SharedGroups:
         return made[key]
 
     def get(self, grid: HyperCommGrid, dims: str | list[str], p2p: bool = False) -> dist.ProcessGroup | None:
-        """`grid.create_pg(dims)`, shared."""
-        return self.enumerated(grid.get_rank_enum(dims), p2p)
+        """`grid.create_pg(dims)`, shared; `grid.get_pg(dims)` returns it too (upstream MIMO asks
+        the grids for groups: tools/bench_mimo.py)."""
+        group = self.enumerated(grid.get_rank_enum(dims), p2p)
+        names = [dims] if isinstance(dims, str) else dims
+        # The key create_pg's docstring gives: the dims in the grid's reversed order, joined by "-".
+        grid._pgs["-".join(d for d in reversed(grid.dim_names) if d in names)] = group
+        assert grid.get_pg(dims) is group
+        return group
 
 
 def _first_and_last_stage_groups(grid: HyperCommGrid, shared: SharedGroups):
