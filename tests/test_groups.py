@@ -3,16 +3,18 @@ the same ranks that only run collectives; one-rank groups across modules; never 
 than one rank, never two modules' groups of more than one rank. Rank 0 of a 2-rank world on torch's
 fake process group, which makes groups without talking to other processes."""
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_hetero.groups import build_groups
 from megatron_hetero.layout import load_layout
 from tests.test_layout import EXAMPLES
 
-FIELDS = ("tp", "cp", "dp", "pp", "ep", "mp", "tp_cp", "dp_cp", "tp_dp_cp", "intra_dist_opt", "embd", "pos_embd",
-          "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp")
+FIELDS = [field.name for field in dataclasses.fields(ProcessGroupCollection)]
 
 
 @pytest.fixture
