@@ -3,11 +3,12 @@ first one of its workload: the numbers a speed change is judged by, one table.
 
     python tools/ab_summary.py bench_e2e.jsonl [--peak 989] > summary.md
 
-Runs of one workload and layout (the layout name carries bench_e2e's --flags: the variant) are
-grouped; the median of their TFLOPS/GPU and step times is reported, with MFU against --peak (dense
-bf16 TFLOPS of the card: 989 for H100/H200 SXM) and the gain over the workload's first variant
-and layout (the baseline: the A/B scripts run it first). Medians, because one card's clock drifts between
-runs and an alternating order spreads the drift over both variants.
+Runs of one workload, layout and batch (the layout name carries bench_e2e's --flags; with the
+global and micro batch, the variant) are grouped; the median of their TFLOPS/GPU and step times is
+reported, with MFU against --peak (dense bf16 TFLOPS of the card: 989 for H100/H200 SXM) and the gain
+over the workload's first variant and layout (the baseline: the A/B scripts run it first). Medians,
+because one card's clock drifts between runs and an alternating order spreads the drift over both
+variants.
 """
 
 import argparse
@@ -17,10 +18,11 @@ import sys
 
 
 def grouped(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    """(workload, layout) -> its runs, in the order first seen."""
+    """(workload, variant: the layout and batch) -> its runs, in the order first seen."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in records:
-        groups.setdefault((f"{r['workload']} L{r['llm_layers']}", r["layout"]), []).append(r)
+        variant = f"{r['layout']} gb{r['global_batch']}/mb{r['micro_batch']}"
+        groups.setdefault((f"{r['workload']} L{r['llm_layers']}", variant), []).append(r)
     return groups
 
 
@@ -28,12 +30,12 @@ def table(records: list[dict], peak: float) -> list[str]:
     lines = ["| workload | variant | runs | TFLOPS/GPU (median; each) | MFU | step s (median) | vs baseline |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     baseline: dict[tuple[str, str], float] = {}
-    for (workload, layout), runs in grouped(records).items():
+    for (workload, variant), runs in grouped(records).items():
         tflops = [r["tflops_per_gpu"] for r in runs]
         median = statistics.median(tflops)
-        base = baseline.setdefault((workload, layout.split(" [")[0]), median)  # the variant: " [flags]"
+        base = baseline.setdefault((workload, variant.split(" ")[0]), median)  # the layout without flags and batch
         each = " / ".join(f"{t:.1f}" for t in tflops)
-        lines.append(f"| {workload} | {layout} | {len(runs)} | {median:.1f} ({each}) | {100 * median / peak:.1f}% | "
+        lines.append(f"| {workload} | {variant} | {len(runs)} | {median:.1f} ({each}) | {100 * median / peak:.1f}% | "
                      f"{statistics.median(r['step_s'] for r in runs):.3f} | {100 * (median / base - 1):+.1f}% |")
     return lines
 

@@ -1,5 +1,6 @@
 # Sourced by the tools/gpu_*_run.sh scripts: NCCL/PyTorch settings, this checkout's megatron_hetero
 # installed as users install it (the tools import it), megatron-core from .whl/ when carried there,
+# flash-attn-4 from $FA4_SITE when set,
 # $out for results, and the hardware line. (CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron wants for
 # TP/CP on pre-Blackwell GPUs, the plugin sets itself where unset: patches/startup.py.)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
@@ -17,3 +18,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 out=${OUT:-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/hardware.txt"
+# flash-attn-4, installed on this warm machine by tools/gpu_fa4_check.sh: importable where FA4_SITE names
+# its folder (pip's --target skips the DSL's .pth file), with the head dims that script checked here.
+if [ -n "${FA4_SITE:-}" ]; then
+  export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  [ -f "$FA4_SITE/checked_head_dims.txt" ] && export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$FA4_SITE/checked_head_dims.txt")
+fi

@@ -9,7 +9,7 @@
 # Out ($OUT, 5 files): hardware.txt, bench_e2e_families.jsonl, bench_e2e_families.log, table.md,
 # profile_<PROFILE>.md.
 #
-# flash-attn-4: importable where $FA4_SITE is set (installed by tools/gpu_fa4_check.sh on this warm
+# flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh on this warm
 # machine, its checked head dims used when there); otherwise every attention runs SDPA (the records
 # name the kernels). Each run stops at 140 s (flash-attn-4 compiles its kernels in the first steps); no
 # run starts after 380 s. The new presets run first, the baseline last.
@@ -17,10 +17,6 @@
 set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/gpu_env.sh"
-if [ -n "${FA4_SITE:-}" ]; then
-  export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-  [ -f "$FA4_SITE/checked_head_dims.txt" ] && export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$FA4_SITE/checked_head_dims.txt")
-fi
 profile=${PROFILE:-qwen3_vl_8b}
 e2e() {  # workload
   if [ $((SECONDS - start)) -gt 380 ]; then echo "$1: skipped (time)"; return; fi

@@ -16,19 +16,14 @@
 # The baseline: a tree of the commit before the change, BASE_DIR (default .base; make it here with
 # `rm -rf .base && mkdir .base && git archive BASE_REV | tar -x -C .base`, ignore it in .git/info/exclude
 # and carry it), else a git worktree of BASE_REV (default efed29c) where the device copy has .git.
-# flash-attn-4: importable where $FA4_SITE is set (installed by tools/gpu_fa4_check.sh on this warm
+# flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh on this warm
 # machine; its checked head dims, $FA4_SITE/checked_head_dims.txt, are used when there); without it
 # every variant runs SDPA and C equals B. Out ($OUT, 5 files): hardware.txt, bench_e2e.jsonl,
 # bench_e2e.log, summary.md, profile_new.md.
 set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/gpu_env.sh"
-if [ -n "${FA4_SITE:-}" ]; then
-  export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-  [ -f "$FA4_SITE/checked_head_dims.txt" ] && export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$FA4_SITE/checked_head_dims.txt")
-else
-  echo "warning: FA4_SITE unset: flash-attn-4 is not importable, C runs SDPA" | tee -a "$out/bench_e2e.log"
-fi
+[ -n "${FA4_SITE:-}" ] || echo "warning: FA4_SITE unset: flash-attn-4 is not importable, C runs SDPA" | tee -a "$out/bench_e2e.log"
 base=$(realpath "${BASE_DIR:-.base}" 2>/dev/null)
 if [ ! -f "$base/setup.py" ]; then
   base=/tmp/vitspeed_base && rm -rf $base
