@@ -22,5 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 # its folder (pip's --target skips the DSL's .pth file), with the head dims that script checked here.
 if [ -n "${FA4_SITE:-}" ]; then
   export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-  [ -f "$FA4_SITE/checked_head_dims.txt" ] && export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$FA4_SITE/checked_head_dims.txt")
+  if [ -f "$FA4_SITE/checked_head_dims.txt" ]; then
+    export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$FA4_SITE/checked_head_dims.txt")
+  fi
 fi

@@ -9,8 +9,8 @@
 # Out ($OUT, 5 files): hardware.txt, bench_e2e_families.jsonl, bench_e2e_families.log, table.md,
 # profile_<PROFILE>.md.
 #
-# flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh on this warm
-# machine, its checked head dims used when there); otherwise every attention runs SDPA (the records
+# flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh
+# on this warm machine, its checked head dims used when there); otherwise every attention runs SDPA (the records
 # name the kernels). Each run stops at 140 s (flash-attn-4 compiles its kernels in the first steps); no
 # run starts after 380 s. The new presets run first, the baseline last.
 # Usage: [LLM_LAYERS=4] [STEPS=3] [PROFILE=qwen3_vl_8b] [FA4_SITE=DIR] tools/gpu_families_run.sh

@@ -16,8 +16,8 @@
 # The baseline: a tree of the commit before the change, BASE_DIR (default .base; make it here with
 # `rm -rf .base && mkdir .base && git archive BASE_REV | tar -x -C .base`, ignore it in .git/info/exclude
 # and carry it), else a git worktree of BASE_REV (default efed29c) where the device copy has .git.
-# flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh on this warm
-# machine; its checked head dims, $FA4_SITE/checked_head_dims.txt, are used when there); without it
+# flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh
+# on this warm machine; its checked head dims, $FA4_SITE/checked_head_dims.txt, are used when there); without it
 # every variant runs SDPA and C equals B. Out ($OUT, 5 files): hardware.txt, bench_e2e.jsonl,
 # bench_e2e.log, summary.md, profile_new.md.
 set -uo pipefail
