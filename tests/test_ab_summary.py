@@ -1,0 +1,32 @@
+"""tools/ab_summary.py, the table speed changes are judged by: runs of one workload, layout, flags
+and batch are one variant, its median against the workload's first variant of the same layout."""
+
+import json
+import statistics
+
+from tests.tool_cli import run_tool
+
+
+def record(layout: str, global_batch: int, tflops: float, workload: str = "W1") -> dict:
+    return {"workload": workload, "llm_layers": 8, "layout": layout, "global_batch": global_batch,
+            "micro_batch": 2, "tflops_per_gpu": tflops, "step_s": 1000.0 / tflops}
+
+
+def test_batch_and_flags_are_variants_against_the_first(tmp_path):
+    runs = [record("single", 4, 520.0), record("single", 16, 540.0), record("single_frozen", 4, 550.0),
+            record("single", 4, 530.0), record("single", 16, 544.0), record("single [--x]", 4, 500.0),
+            record("single", 4, 600.0, workload="W3")]
+    path = tmp_path / "bench_e2e.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    result = run_tool("ab_summary", str(path), "--peak", "1000")
+    assert result.returncode == 0, result.stderr
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line for line in result.stdout.splitlines()[2:]}
+    assert len(rows) == 5, result.stdout
+    base, large = statistics.median([520.0, 530.0]), statistics.median([540.0, 544.0])
+    assert f"| 2 | {base:.1f} (520.0 / 530.0) | {base / 10:.1f}% |" in rows[("W1 L8", "single gb4/mb2")]
+    assert rows[("W1 L8", "single gb4/mb2")].endswith("| +0.0% |")
+    assert rows[("W1 L8", "single gb16/mb2")].endswith(f"| {100 * (large / base - 1):+.1f}% |")
+    assert rows[("W1 L8", "single [--x] gb4/mb2")].endswith(f"| {100 * (500.0 / base - 1):+.1f}% |")
+    # Another layout and another workload are baselines of their own.
+    assert rows[("W1 L8", "single_frozen gb4/mb2")].endswith("| +0.0% |")
+    assert rows[("W3 L8", "single gb4/mb2")].endswith("| +0.0% |")
