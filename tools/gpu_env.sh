@@ -18,11 +18,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 out=${OUT:-out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/hardware.txt"
-# flash-attn-4, installed on this warm machine by tools/gpu_fa4_check.sh: importable where FA4_SITE names
-# its folder (pip's --target skips the DSL's .pth file), with the head dims that script checked here.
-if [ -n "${FA4_SITE:-}" ]; then
-  export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
-  if [ -f "$FA4_SITE/checked_head_dims.txt" ]; then
-    export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$FA4_SITE/checked_head_dims.txt")
+# use_fa4 SITE: flash-attn-4 installed into SITE by tools/gpu_fa4_check.sh (pip's --target, which skips
+# the DSL's .pth file) importable, with the head dims that script checked on this machine
+# (fa4_checked: where it recorded them); done here for every script where FA4_SITE names it.
+fa4_checked() {
+  if [ -f "$1/checked_head_dims.txt" ]; then
+    export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$1/checked_head_dims.txt")
   fi
-fi
+}
+use_fa4() {
+  export PYTHONPATH=$1:$1/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  fa4_checked "$1"
+}
+if [ -n "${FA4_SITE:-}" ]; then use_fa4 "$FA4_SITE"; fi

@@ -22,19 +22,20 @@ if [ -z "${FA4_SITE:-}" ]; then
   echo "$CU13_SHA256  /tmp/fa4parts/$CU13" | sha256sum -c --quiet || { echo "error: the joined wheel is corrupt"; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" /tmp/fa4parts/*.whl || exit 2
 fi
-# --target skips the .pth file that puts the DSL's packages on the path.
-export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+if [ -z "${FA4_SITE:-}" ]; then use_fa4 "$SITE"; fi  # with FA4_SITE, gpu_env.sh did
 check=0
 if [ "${CHECK:-1}" != 0 ]; then
   echo "== $(date +%T) tools/gpu_fa4_check.py"
-  python3 tools/gpu_fa4_check.py ${QUICK:+--quick} --out "$out" > "$out/fa4_check.log" 2>&1; check=$?
+  # The check judges the committed table alone, not head dims an earlier check recorded here.
+  env -u MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS python3 tools/gpu_fa4_check.py ${QUICK:+--quick} --out "$out" \
+    > "$out/fa4_check.log" 2>&1; check=$?
   cp "$out/fa4_checked_head_dims.txt" "$SITE/checked_head_dims.txt" 2>/dev/null
   grep -E "\| (auto|flash|sdpa)|FAIL|negative control|CHECKED_HEAD_DIMS|head dims whose|^(PASS|FAIL|error)" \
     "$out/fa4_check.log" | cut -c1-230
   echo "gpu_fa4_check.py: exit $check"
 fi
 if [ "${LOSS:-1}" != 0 ]; then
-  [ -f "$SITE/checked_head_dims.txt" ] && export MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=$(cat "$SITE/checked_head_dims.txt")
+  fa4_checked "$SITE"  # what the check above recorded
   # A GPU-sized model: SigLIP-like ViT (224 px / 14: 256 tokens, 16 heads x 72) into an LLM of 8 heads
   # x 128, two samples packed per 1024-token sequence.
   FLAGS="--hetero-layout examples/layouts/single.yaml --bf16 --train-iters ${STEPS:-200} --global-batch-size 32
