@@ -3,6 +3,9 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Free disk a new .venv needs (GB): PyPI's torch is the CUDA build, ~6 GB installed, plus pip's
+# downloads while it installs; short of it pip fails midway with "No space left on device".
+VENV_GB := 8
 
 define find_python
 for c in python3.12 python3 python3.13; do \
@@ -25,7 +28,11 @@ setup: $(STAMP)
 $(STAMP): setup.py
 	@py=$$($(find_python)) || { echo "error: no Python >= 3.12 found on PATH or in pyenv; install one and retry" >&2; exit 1; }; \
 	echo "using $$py"; \
-	[ -x $(PY) ] || $$py -m venv $(VENV)
+	if [ ! -x $(PY) ]; then \
+	  free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	  [ "$$free" -ge $(VENV_GB) ] || { echo "error: .venv needs about $(VENV_GB) GB free on this disk, $$free GB are: free some and retry" >&2; exit 1; }; \
+	  $$py -m venv $(VENV); \
+	fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)

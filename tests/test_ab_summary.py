@@ -30,3 +30,20 @@ def test_batch_and_flags_are_variants_against_the_first(tmp_path):
     # Another layout and another workload are baselines of their own.
     assert rows[("W1 L8", "single_frozen gb4/mb2")].endswith("| +0.0% |")
     assert rows[("W3 L8", "single gb4/mb2")].endswith("| +0.0% |")
+
+
+def test_named_files_are_variants_the_first_the_baseline(tmp_path):
+    """Two checkouts' runs with the same flags (tools/gpu_batch_run.sh with BASE_REV): A=FILE B=FILE."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(record("single", 16, t)) + "\n" for t in (500.0, 510.0)))
+    b.write_text("".join(json.dumps(record("single", 16, t)) + "\n" for t in (530.0, 520.0)))
+    result = run_tool("ab_summary", f"A={a}", f"B={b}", "--peak", "1000")
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.splitlines()[2:]
+    assert len(rows) == 2, result.stdout
+    assert rows[0].startswith("| W1 L8 | single gb16/mb2 (A) | 2 | 505.0 (500.0 / 510.0) |")
+    assert rows[0].endswith("| +0.0% |")
+    assert rows[1].startswith("| W1 L8 | single gb16/mb2 (B) | 2 | 525.0 (530.0 / 520.0) |")
+    assert rows[1].endswith(f"| {100 * (525.0 / 505.0 - 1):+.1f}% |")
+    missing = run_tool("ab_summary", f"A={tmp_path / 'none.jsonl'}")
+    assert missing.returncode == 1 and missing.stderr.strip().startswith("error: no records in"), missing.stderr

@@ -42,7 +42,8 @@ from megatron_hetero.models.attention_kernels import (
     run_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
-from megatron_hetero.models.varlen import VarlenPlan, plans_to, to_device, varlen_attention
+from megatron_hetero.models.transfer import to_device
+from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
 H100_DIMS = attention_kernels.CHECKED_HEAD_DIMS[H100.name]

@@ -202,3 +202,34 @@ def test_a_memory_cap_without_a_gpu_is_one_line():
                       "--gpu-memory-gib", "79.6")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("--gpu-memory-gib caps a GPU's memory; no GPU is visible")
+
+
+def test_host_syncs_counts_each_wait_where_it_was_called(monkeypatch):
+    """host_syncs (profile_step's host waits) counts torch's sync-debug warnings by call site, and
+    only those: here a fake step warns as torch does, twice from one line, once from another."""
+    import inspect
+    import warnings
+
+    from megatron_hetero.training import bench
+
+    modes, lines = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def wait():
+        lines.append(inspect.currentframe().f_lineno + 1)
+        warnings.warn("called a synchronizing CUDA operation")
+
+    class Step:
+        def train_step(self, forward_backward_func):
+            wait(), wait()
+            lines.append(inspect.currentframe().f_lineno + 1)
+            warnings.warn("called a synchronizing CUDA operation")
+            warnings.warn("something else")
+
+    sites = bench.host_syncs(Step())
+    # The innermost frame of the package here is host_syncs' call of the step.
+    assert [(site.split(" <- ")[1], n) for site, n in sites] == [
+        (f"test_bench_e2e.py:{lines[0]}", 2), (f"test_bench_e2e.py:{lines[2]}", 1)], sites
+    assert all(site.startswith("bench.py:") for site, _ in sites), sites
+    assert modes == ["warn", "default"]

@@ -10,6 +10,20 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 install_checkout() {
   rm -rf "$2" && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$2" "$1"
 }
+# baseline_checkout REV: an A/B script's baseline installed beside this checkout: `base` its tree (BASE_DIR,
+# default .base, made here with `rm -rf .base && mkdir .base && git archive REV | tar -x -C .base`,
+# ignored in .git/info/exclude and carried; else a git worktree of REV where the device copy has .git),
+# BASE_PATH the PYTHONPATH that imports it instead of this checkout.
+baseline_checkout() {
+  base=$(realpath "${BASE_DIR:-.base}" 2>/dev/null)
+  if [ ! -f "$base/setup.py" ]; then
+    base=/tmp/ab_base && rm -rf $base
+    git worktree add --detach $base "$1" >/dev/null 2>&1 \
+      || { echo "error: no baseline tree: carry .base (git archive $1) or run where .git is"; return 2; }
+  fi
+  install_checkout "$base" /tmp/megatron_hetero_base || return 2
+  BASE_PATH=${PYTHONPATH/\/tmp\/megatron_hetero_site//tmp/megatron_hetero_base}
+}
 install_checkout "$PWD" /tmp/megatron_hetero_site || exit 1
 export PYTHONPATH=/tmp/megatron_hetero_site${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -13,9 +13,8 @@
 # dim 80 zero-padded to 96) for C), and in profile_new.md no "Memcpy HtoD (Pageable", far fewer fill /
 # index kernels and one attention call per layer instead of one per segment shape.
 #
-# The baseline: a tree of the commit before the change, BASE_DIR (default .base; make it here with
-# `rm -rf .base && mkdir .base && git archive BASE_REV | tar -x -C .base`, ignore it in .git/info/exclude
-# and carry it), else a git worktree of BASE_REV (default efed29c) where the device copy has .git.
+# The baseline: the commit before the change, BASE_REV (default efed29c), as tools/gpu_env.sh's
+# baseline_checkout finds it (a carried .base tree, else a git worktree).
 # flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh
 # on this warm machine; its checked head dims, $FA4_SITE/checked_head_dims.txt, are used when there); without it
 # every variant runs SDPA and C equals B. Out ($OUT, 5 files): hardware.txt, bench_e2e.jsonl,
@@ -24,14 +23,7 @@ set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/gpu_env.sh"
 [ -n "${FA4_SITE:-}" ] || echo "warning: FA4_SITE unset: flash-attn-4 is not importable, C runs SDPA" | tee -a "$out/bench_e2e.log"
-base=$(realpath "${BASE_DIR:-.base}" 2>/dev/null)
-if [ ! -f "$base/setup.py" ]; then
-  base=/tmp/vitspeed_base && rm -rf $base
-  git worktree add --detach $base "${BASE_REV:-efed29c}" >/dev/null 2>&1 \
-    || { echo "error: no baseline tree: carry .base (see the header) or run where .git is"; exit 2; }
-fi
-install_checkout "$base" /tmp/megatron_hetero_base || exit 2
-BASE_PATH=${PYTHONPATH/\/tmp\/megatron_hetero_site//tmp/megatron_hetero_base}
+baseline_checkout "${BASE_REV:-efed29c}" || exit 2
 e2e() {  # variant (A/B/C), extra bench_e2e arguments
   if [ $((SECONDS - start)) -gt 420 ]; then echo "$1: skipped (time)"; return; fi
   local dir=$PWD path=$PYTHONPATH flags=""

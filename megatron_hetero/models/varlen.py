@@ -28,25 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.attention import causal_attention
 from megatron_hetero.models.attention_kernels import FA4, Fa4, KernelChoice, config_dtype, kernel_for, load_fa4, run_fa4
-
-
-def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Host tensors (any dtypes) on `device` through one copy: their bytes packed into one buffer
-    (each part 16-byte aligned: every dtype's view, and kernels that load 16 bytes at a time, as
-    CuTe's may the cu_seqlens, stay aligned), pinned where the device is a GPU
-    and copied without blocking the host; the pinned buffer is kept until the copy ends by torch's
-    caching host allocator."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    sizes = [-(-p.numel() // 16) * 16 for p in parts]
-    buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
-    for part, start in zip(parts, [0, *torch.tensor(sizes).cumsum(0).tolist()]):
-        buffer[start : start + part.numel()] = part
-    device = torch.device(device)
-    if device.type == "cuda":
-        buffer = buffer.pin_memory()
-    buffer = buffer.to(device, non_blocking=True)
-    chunks = buffer.split(sizes)
-    return [c[: p.numel()].view(t.dtype).view(t.shape) for c, p, t in zip(chunks, parts, tensors)]
+from megatron_hetero.models.transfer import to_device
 
 
 class Permute(torch.autograd.Function):

@@ -32,6 +32,7 @@ from megatron_hetero.models.kinds import (
     rows_key,
 )
 from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.vlm import build_llm, llm_forward
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import ModelCall, ModelParts
@@ -123,15 +124,23 @@ class VLMAdapter:
         return BoundaryBatch(per_sample, call.kwargs[positions_key(kind.name)].cpu().numpy(),
                              call.kwargs["input_ids"].shape[1], rows, item_dp)
 
+    def _selected(self, inputs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """inputs[index] on this rank's device in the model's dtype, selected and cast there: the
+        whole host tensor goes over as it is (pinned by megatron.training's loader, so the copy does
+        not hold the host). Selecting on the host made a pageable copy, and a blocking
+        .to(device, dtype) casts on the CPU: the GPU waited for both, every microbatch."""
+        device = _device()
+        return inputs.to(device, non_blocking=True)[to_device([index], device)[0]].to(self.dtype)
+
     def _encoder_inputs(self, kind, call: ModelCall, items: torch.Tensor) -> tuple:
         """The first stage's arguments for `items`: their tensors (a native-resolution item's patches),
         and their grids where the items have them."""
         inputs, grids = call.kwargs[kind.input_key], call.kwargs.get(grids_key(kind.name))
         if grids is None:
-            return (inputs[items].to(device=_device(), dtype=self.dtype),)
+            return (self._selected(inputs, items),)
         ends = grids.prod(1).cumsum(0)
         patches = torch.cat([torch.arange(ends[i] - grids[i].prod(), ends[i]) for i in items.tolist()])
-        return inputs[patches].to(device=_device(), dtype=self.dtype), grids[items]
+        return self._selected(inputs, patches), grids[items]
 
     def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
         kind = encoder_kind(module.layout)
@@ -143,17 +152,18 @@ class VLMAdapter:
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         llm, coords = module.layout, module.coords()
         positions = cp_positions(self.sizes.seq_length, llm.cp, coords["cp"])
-        ids, labels, loss_mask = (
-            None if call.kwargs.get(key) is None else call.kwargs[key][share][:, positions].to(_device())
-            for key in ("input_ids", "labels", "loss_mask"))
+        rope = call.kwargs.get(POSITION_IDS_KEY)  # M-RoPE's [b, 3, S]; None: RoPE on the positions
+        host = {key: call.kwargs[key][share][:, positions] for key in ("input_ids", "labels", "loss_mask")
+                if call.kwargs.get(key) is not None}
+        # The rotary embedding takes the sequence's positions, M-RoPE's whole [3, b, S] (it keeps this
+        # rank's CP chunks), RoPE's this rank's
+        host["position_ids"] = positions if rope is None else rope[share].transpose(0, 1)
+        on = dict(zip(host, to_device(list(host.values()), _device())))  # one copy, the host not held
+        ids, position_ids = on["input_ids"], on["position_ids"]
+        position_ids = position_ids if rope is not None else position_ids[None].expand_as(ids)
         b_local = ids.shape[0]
         rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)
         documents = None if documents is None else documents[share]  # on the host: llm_forward moves it
-        position_ids = call.kwargs.get(POSITION_IDS_KEY)
-        if position_ids is None:  # RoPE: this rank's positions (the rotary embedding is the sequence's)
-            position_ids = positions.to(_device())[None].expand_as(ids)
-        else:  # M-RoPE: the whole sequence's [3, b, S]; the rotary embedding keeps this rank's CP chunks
-            position_ids = position_ids[share].transpose(0, 1).to(_device())
-        out = llm_forward(module.part, ids, position_ids, rows, labels, hidden, documents)
-        return out, loss_mask
+        out = llm_forward(module.part, ids, position_ids, rows, on.get("labels"), hidden, documents)
+        return out, on.get("loss_mask")

@@ -9,12 +9,15 @@ the forward-backward function is ours (schedules/forward_backward.py) unless a b
 with Megatron's signature (bench_mimo: upstream MIMO's schedules).
 """
 
+import collections
 import itertools
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -260,6 +263,8 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         hetero.config.timers = get_timers()
         batch = family_batch(w) if w.family else synthetic_batch(w, CaptionTokenizer())
         micro = global_microbatches(batch, w.micro_batch * hetero.run.layout.llm.dp)
+        if torch.cuda.is_available():  # as megatron.training's loader (pin_memory=True) yields them
+            micro = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro]
         yield Session(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
                       RerunDataIterator(itertools.cycle(micro)))
     finally:
@@ -394,8 +399,9 @@ def kernel_family(name: str) -> str:
 def profile_step(session: Session, path: str, forward_backward_func=None, trace: str | None = None) -> dict:
     """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
-    ranks), and the 25 costliest kernels, written to `path` (rank 0); with `trace`, rank 0's whole
-    timeline as a Chrome trace there too (where the idle gaps are). Returns the summary."""
+    ranks), and the 25 costliest kernels, written to `path` (rank 0) with the host's waits of one
+    step more (host_syncs); with `trace`, rank 0's whole timeline as a Chrome trace there too
+    (where the idle gaps are). Returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -412,24 +418,63 @@ def profile_step(session: Session, path: str, forward_backward_func=None, trace:
     busy_s = sum(families.values())
     summary = dict(wall_s=wall_s, kernel_s=busy_s, idle_s=max(wall_s - busy_s, 0.0),
                    families={k: families[k] for k in sorted(families, key=families.get, reverse=True)})
+    syncs = host_syncs(session, forward_backward_func)
     if dist.get_rank() == 0:
-        top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:25]
-        lines = [f"step {wall_s * 1e3:.1f} ms wall, {busy_s * 1e3:.1f} ms of GPU kernels "
-                 f"({100 * busy_s / wall_s:.1f}%), the GPU idle {summary['idle_s'] * 1e3:.1f} ms", "",
-                 "| kernel family | ms | share of the step |", "| --- | --- | --- |"]
-        lines += [f"| {k} | {v * 1e3:.1f} | {100 * v / wall_s:.1f}% |" for k, v in summary["families"].items()]
-        lines += ["", "| kernel | family | calls | ms |", "| --- | --- | --- | --- |"]
-        lines += [f"| {e.key[:90]} | {kernel_family(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.1f} |"
-                  for e in top]
-        lines += ["", "Our annotated ranges (host time from entry to exit; GPU time of the kernels they launch):", "",
-                  "| range | calls | host ms | GPU ms |", "| --- | --- | --- | --- |"]
-        lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
-                  for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
-        Path(path).write_text("\n".join(lines) + "\n")
+        Path(path).write_text("\n".join(_profile_lines(prof, kernels, summary) + _sync_lines(syncs)) + "\n")
         if trace:
             prof.export_chrome_trace(trace)
         print(json.dumps(dict(profile=path, **summary)))
     return summary
+
+
+def _profile_lines(prof, kernels: list, summary: dict) -> list[str]:
+    """The profile's tables: kernel families, the costliest kernels, our annotated ranges."""
+    wall_s, busy_s = summary["wall_s"], summary["kernel_s"]
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:25]
+    lines = [f"step {wall_s * 1e3:.1f} ms wall, {busy_s * 1e3:.1f} ms of GPU kernels "
+             f"({100 * busy_s / wall_s:.1f}%), the GPU idle {summary['idle_s'] * 1e3:.1f} ms", "",
+             "| kernel family | ms | share of the step |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v * 1e3:.1f} | {100 * v / wall_s:.1f}% |" for k, v in summary["families"].items()]
+    lines += ["", "| kernel | family | calls | ms |", "| --- | --- | --- | --- |"]
+    lines += [f"| {e.key[:90]} | {kernel_family(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.1f} |"
+              for e in top]
+    lines += ["", "Our annotated ranges (host time from entry to exit; GPU time of the kernels they launch):", "",
+              "| range | calls | host ms | GPU ms |", "| --- | --- | --- | --- |"]
+    lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
+              for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
+    return lines
+
+
+def host_syncs(session: Session, forward_backward_func=None) -> list[tuple[str, int]]:
+    """One more training step under torch's sync debug mode: each operation that made the host wait
+    for the GPU (a blocking copy, .item(), a shape read from device data), counted by where it was
+    called ("innermost frame of this package <- innermost frame"), most first. While the host waits
+    it queues no kernels, so the GPU idles from the wait's end until the host catches up."""
+    sites: collections.Counter = collections.Counter()
+
+    def seen(message, *_):
+        if "synchronizing" in str(message):
+            stack = [f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__]
+            ours = [f for f in stack if f"{os.sep}megatron_hetero{os.sep}" in f.filename]
+            where = [f"{Path(f.filename).name}:{f.lineno}" for f in (ours[-1:] + stack[-1:])]
+            sites[" <- ".join(dict.fromkeys(where))] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            session.train_step(forward_backward_func)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites.most_common()
+
+
+def _sync_lines(syncs: list[tuple[str, int]]) -> list[str]:
+    lines = ["", f"The host waited for the GPU {sum(n for _, n in syncs)} times in one more step (host_syncs):", "",
+             "| called at (ours <- innermost) | waits |", "| --- | --- |"]
+    return lines + [f"| {site} | {n} |" for site, n in syncs]
 
 
 def run_reporting_errors(run_fn, opts) -> int:
