@@ -448,8 +448,9 @@ def _profile_lines(prof, kernels: list, summary: dict) -> list[str]:
 def host_syncs(session: Session, forward_backward_func=None) -> list[tuple[str, int]]:
     """One more training step under torch's sync debug mode: each operation that made the host wait
     for the GPU (a blocking copy, .item(), a shape read from device data), counted by where it was
-    called ("innermost frame of this package <- innermost frame"), most first. While the host waits
-    it queues no kernels, so the GPU idles from the wait's end until the host catches up."""
+    called ("innermost frame of this package <- innermost frame"; autograd replays its threads'
+    warnings where backward was called), most first. While the host waits it queues no kernels, so
+    the GPU idles from the wait's end until the host catches up."""
     sites: collections.Counter = collections.Counter()
 
     def seen(message, *_):
