@@ -87,6 +87,8 @@ def test_upstream_mimo_matches_ours_and_bench_e2e(tmp_path):
     assert mimo["layout"] == "upstream_mimo_colocated" and ours["layout"] == "gpu2_colocated"
     assert mimo.keys() == ours.keys() and mimo["phases"].keys() == ours["phases"].keys()
     assert all(v > 0 for v in mimo["phases"].values()), mimo["phases"]
+    # Each step's loss, from the first (here the one timed step): the same model, weights and batch.
+    assert len(ours["losses"]) == 1 and mimo["losses"] == pytest.approx(ours["losses"], rel=1e-6, abs=0)
     # Each module's attention kernel, as the start-up line says it (CPUs: SDPA, and why).
     w = BENCH_WORKLOADS["tiny"]
     assert ours["attention"] == {"vision": f"sdpa (head dim {w.enc_hidden // w.enc_heads}: no GPU)",

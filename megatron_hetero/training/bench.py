@@ -310,16 +310,19 @@ class _BackwardPhases:
         return self.adapter.llm_forward(module, call, share, media, hidden)
 
 
-def _steps(session: Session, n: int, forward_backward_func) -> list[float]:
+def _steps(session: Session, n: int, forward_backward_func, losses: list | None = None) -> list[float]:
     """Seconds of each of n training steps (the GPU synchronized at each step's end: the host runs
-    ahead by at most one step's launches, which the next synchronization absorbs)."""
+    ahead by at most one step's launches, which the next synchronization absorbs); each step's
+    "lm loss" appended to `losses` on the LLM's last stage (read after the synchronization)."""
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        session.train_step(forward_backward_func)
+        loss = session.train_step(forward_backward_func)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        if losses is not None and loss:
+            losses.append(float(loss["lm loss"]))
     return times
 
 
@@ -330,11 +333,12 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     to `out` and prints it). memory_cap_gib: the allocator's cap the caller set, recorded."""
     hetero, world = session.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
-    _steps(session, warmup, forward_backward_func)
+    losses: list[float] = []  # every step's, from the first: a change that keeps the values keeps these
+    _steps(session, warmup, forward_backward_func, losses)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     waited = hetero.clock.waiting_s
-    step_times = _steps(session, steps, forward_backward_func)
+    step_times = _steps(session, steps, forward_backward_func, losses)
     step_s = sum(step_times) / len(step_times)
     waiting_s = (hetero.clock.waiting_s - waited) / steps
     hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
@@ -349,7 +353,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
 
     attention = {m.name: attention_summary(m.part) for m in run.modules.values() if m.held}
     mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases,
-                attention=attention)
+                attention=attention, losses=losses)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     bf16 = session.args.bf16
@@ -364,6 +368,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         attention={name: kernel for r in gathered for name, kernel in r["attention"].items()},
+        losses=next((r["losses"] for r in gathered if r["losses"]), []),
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
     )
