@@ -233,3 +233,30 @@ def test_host_syncs_counts_each_wait_where_it_was_called(monkeypatch):
         (f"test_bench_e2e.py:{lines[0]}", 2), (f"test_bench_e2e.py:{lines[2]}", 1)], sites
     assert all(site.startswith("bench.py:") for site, _ in sites), sites
     assert modes == ["warn", "default"]
+
+
+def test_matmul_lines_rate_each_shape_by_its_kernels_time():
+    """The profile's matmul table: torch.profiler counts 2*M*N*K per mm (checked on the CPU), and each
+    row's rate is its FLOPs over its kernels' GPU time; other ops, and ops without GPU time, are left out."""
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_hetero.training.bench import matmul_lines
+
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+        for _ in range(3):
+            torch.mm(a, b)
+    (mm,) = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::mm"]
+    assert mm.count == 3 and mm.flops == 3 * 2 * 64 * 32 * 48
+
+    def event(key, flops, us, shapes=((4096, 1024), (1024, 4096))):
+        return SimpleNamespace(key=key, input_shapes=[list(s) for s in shapes], count=10, flops=flops,
+                               device_time_total=us)
+
+    big = event("aten::addmm", 10 * 2 * 4096 * 1024 * 4096, 1000.0)
+    small = event("aten::mm", 10 * 2 * 64 * 64 * 64, 50.0, ((64, 64), (64, 64)))
+    rows = matmul_lines([small, event("aten::mul", 10**9, 5000.0), event("aten::mm", 10**12, 0.0), big])[5:]
+    assert rows == [f"| aten::addmm | {big.input_shapes} | 10 | 1.0 | {big.flops / 1000.0 / 1e6:.0f} |",
+                    f"| aten::mm | {small.input_shapes} | 10 | 0.1 | {small.flops / 50.0 / 1e6:.0f} |"]

@@ -404,13 +404,14 @@ def kernel_family(name: str) -> str:
 def profile_step(session: Session, path: str, forward_backward_func=None, trace: str | None = None) -> dict:
     """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
-    ranks), and the 25 costliest kernels, written to `path` (rank 0) with the host's waits of one
-    step more (host_syncs); with `trace`, rank 0's whole timeline as a Chrome trace there too
-    (where the idle gaps are). Returns the summary."""
+    ranks), and the 25 costliest kernels, written to `path` (rank 0) with, from one step more, the
+    matmuls by shape (matmul_lines) and the host's waits (host_syncs); with `trace`, rank 0's whole
+    timeline as a Chrome trace there too (where the idle gaps are). Returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         session.train_step(forward_backward_func)
         torch.cuda.synchronize()
@@ -423,9 +424,13 @@ def profile_step(session: Session, path: str, forward_backward_func=None, trace:
     busy_s = sum(families.values())
     summary = dict(wall_s=wall_s, kernel_s=busy_s, idle_s=max(wall_s - busy_s, 0.0),
                    families={k: families[k] for k in sorted(families, key=families.get, reverse=True)})
-    syncs = host_syncs(session, forward_backward_func)
+    # One step more for what costs host time, which would skew the idle time above: the host's waits
+    # and the input shapes and FLOPs of the matmuls (their kernels' times stay as they are).
+    with profile(activities=activities, record_shapes=True, with_flops=True) as shapes:
+        syncs = host_syncs(session, forward_backward_func)
     if dist.get_rank() == 0:
-        Path(path).write_text("\n".join(_profile_lines(prof, kernels, summary) + _sync_lines(syncs)) + "\n")
+        lines = _profile_lines(prof, kernels, summary) + matmul_lines(shapes.key_averages(group_by_input_shape=True))
+        Path(path).write_text("\n".join(lines + _sync_lines(syncs)) + "\n")
         if trace:
             prof.export_chrome_trace(trace)
         print(json.dumps(dict(profile=path, **summary)))
@@ -448,6 +453,21 @@ def _profile_lines(prof, kernels: list, summary: dict) -> list[str]:
     lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
               for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
     return lines
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_lines(events, top: int = 20) -> list[str]:
+    """The `top` matmuls by GPU time, per op and input shapes (torch.profiler's events grouped by
+    input shape, with its FLOP counts): calls, the GPU time of the kernels they launched, and the rate
+    that reached: which GEMMs fall short of the card's, and by how much."""
+    rows = sorted((e for e in events if e.key in MATMUL_OPS and e.flops and e.device_time_total > 0),
+                  key=lambda e: e.device_time_total, reverse=True)
+    lines = ["", "The costliest matmuls by shape (FLOPs as torch.profiler counts them; time: their kernels'):", "",
+             "| op | input shapes | calls | GPU ms | TFLOPS |", "| --- | --- | --- | --- | --- |"]
+    return lines + [f"| {e.key} | {e.input_shapes} | {e.count} | {e.device_time_total / 1e3:.1f} | "
+                    f"{e.flops / e.device_time_total / 1e6:.0f} |" for e in rows[:top]]
 
 
 def host_syncs(session: Session, forward_backward_func=None) -> list[tuple[str, int]]:
