@@ -152,15 +152,15 @@ class VLMAdapter:
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         llm, coords = module.layout, module.coords()
         positions = cp_positions(self.sizes.seq_length, llm.cp, coords["cp"])
-        rope = call.kwargs.get(POSITION_IDS_KEY)  # M-RoPE's [b, 3, S]; None: RoPE on the positions
+        mrope = call.kwargs.get(POSITION_IDS_KEY)  # [b, 3, S] with M-RoPE, else None
         host = {key: call.kwargs[key][share][:, positions] for key in ("input_ids", "labels", "loss_mask")
                 if call.kwargs.get(key) is not None}
-        # The rotary embedding takes the sequence's positions, M-RoPE's whole [3, b, S] (it keeps this
+        # The rotary embedding takes the sequence's positions: M-RoPE's whole [3, b, S] (it keeps this
         # rank's CP chunks), RoPE's this rank's
-        host["position_ids"] = positions if rope is None else rope[share].transpose(0, 1)
+        host["position_ids"] = positions if mrope is None else mrope[share].transpose(0, 1)
         on = dict(zip(host, to_device(list(host.values()), _device())))  # one copy, the host not held
         ids, position_ids = on["input_ids"], on["position_ids"]
-        position_ids = position_ids if rope is not None else position_ids[None].expand_as(ids)
+        position_ids = position_ids if mrope is not None else position_ids[None].expand_as(ids)
         b_local = ids.shape[0]
         rows = [(m.rows, input_rows(m.plan, b_local, _device())) for m in media.values()]
         documents = call.kwargs.get(DOCUMENTS_KEY)

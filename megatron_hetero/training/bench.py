@@ -313,7 +313,9 @@ class _BackwardPhases:
 def _steps(session: Session, n: int, forward_backward_func, losses: list | None = None) -> list[float]:
     """Seconds of each of n training steps (the GPU synchronized at each step's end: the host runs
     ahead by at most one step's launches, which the next synchronization absorbs); each step's
-    "lm loss" appended to `losses` on the LLM's last stage (read after the synchronization)."""
+    loss appended to `losses` on the LLM's last stage (read after the synchronization)."""
+    from megatron_hetero.training.providers import LOSS_KEY
+
     times = []
     for _ in range(n):
         start = time.perf_counter()
@@ -322,7 +324,7 @@ def _steps(session: Session, n: int, forward_backward_func, losses: list | None 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         if losses is not None and loss:
-            losses.append(float(loss["lm loss"]))
+            losses.append(float(loss[LOSS_KEY]))
     return times
 
 

@@ -72,12 +72,15 @@ def conversation_dataset(args, num_samples: int) -> ConversationSamples:
     return ConversationSamples(spec, tokenizer(args), num_samples, vision.input_key)
 
 
+LOSS_KEY = "lm loss"  # the loss's name in Megatron's report (train_step's loss dict), as pretrain_gpt's
+
+
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     """(sum of token losses, number of loss tokens, Megatron's report) of one microbatch."""
     mask = loss_mask.float()
     loss = (output.float() * mask).sum()
     num_tokens = mask.sum().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), mask.sum()])}
+    return loss, num_tokens, {LOSS_KEY: torch.stack([loss.detach(), mask.sum()])}
 
 
 def forward_step(data_iterator, model):
