@@ -1,6 +1,6 @@
 """The kernels behind the one-GPU step's non-matmul time, on a workload's own shapes (issue 16):
 
-    python tools/bench_ops.py [--workload W1] [--llm-layers 8] [--json out.jsonl]
+    python tools/bench_ops.py [--workload W1] [--llm-layers 8] [--ops attention wgrad gemm adam] [--json out.jsonl]
 
 - attention: torch SDPA per backend (cuDNN, flash, memory-efficient), forward and forward+backward,
   for the LLM's causal attention and the vision encoder's, with q, k, v laid out as megatron-core's
@@ -9,6 +9,10 @@
 - wgrad: each LLM linear's weight gradient accumulated into an fp32 main grad: a bf16 GEMM then an
   fp32 add (megatron-core without gradient-accumulation fusion) vs one GEMM accumulating into it
   (patches/grad_accum_fusion.py), and the largest difference between the two.
+- gemm: each linear's forward, input-gradient and weight-gradient GEMM in bf16 (LLM and vision, the
+  step's costliest matmuls by the profile) under torch's default cuBLAS call and with cuBLASLt
+  preferred, each result's largest difference from the default's; with `--iters 300` each GEMM is held
+  long enough for the clock to settle where the card's power limit holds it.
 - adam: one AdamW step over the workload's parameters as the trainer builds them (the LLM
   --llm-layers deep) as fp32 main params: torch's foreach implementation (megatron-core's choice
   without apex or Transformer Engine) vs its fused one.
@@ -90,6 +94,29 @@ def bench_wgrad(tokens, shapes, iters, device):
                "max_abs": reference.abs().max().item()}
 
 
+def bench_gemm(linears, iters, device):
+    """Each linear's three GEMMs as megatron-core's layers call them (weights [out, in]; the forward
+    `x @ w.t()`, the input gradient `g @ w`, the weight gradient `g.t() @ x`), on cuBLAS and cuBLASLt."""
+    for name, (tokens, n_in, n_out) in linears.items():
+        x = torch.randn(tokens, n_in, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) * n_in**-0.5
+        g = torch.randn(tokens, n_out, device=device, dtype=torch.bfloat16)
+        calls = {"fwd": (lambda: x @ w.t(), (tokens, n_in, n_out)), "dgrad": (lambda: g @ w, (tokens, n_out, n_in)),
+                 "wgrad": (lambda: g.t() @ x, (n_out, tokens, n_in))}  # (call, (rows, reduced, columns))
+        for op, (call, (rows, reduced, cols)) in calls.items():
+            reference = call()
+            before = torch.backends.cuda.preferred_blas_library()
+            for variant in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(variant)
+                try:
+                    ms = timed(call, iters)
+                    diff = (call().float() - reference.float()).abs().max().item()
+                finally:
+                    torch.backends.cuda.preferred_blas_library(before)
+                yield {"op": "gemm", "linear": name, "gemm": op, "variant": variant, "m": rows, "k": reduced,
+                       "n": cols, "ms": ms, "tflops": 2 * rows * reduced * cols / ms / 1e9, "max_abs_diff": diff}
+
+
 def bench_adam(shapes, iters, device):
     grads = [torch.randn(shape, device=device, dtype=torch.float32) * 1e-3 for shape in shapes]
     count, after_one_step = sum(g.numel() for g in grads), {}
@@ -113,6 +140,8 @@ def main(argv=None):
     parser.add_argument("--llm-layers", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=2, help="bench_e2e's default")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--ops", nargs="+", choices=("attention", "wgrad", "gemm", "adam"),
+                        default=["attention", "wgrad", "gemm", "adam"])
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -120,14 +149,24 @@ def main(argv=None):
     device, w = torch.device("cuda"), BENCH_WORKLOADS[opts.workload]
     mb, vocab = opts.micro_batch, trainer_vocab_size()
     h, ffn = w.hidden, trainer_workload(w, vocab, frozen_encoder=False).llm.ffn
-    records = [
-        *bench_attention("llm", mb, w.seq_length, w.heads, h // w.heads, True, opts.iters, device),
-        *bench_attention("vision", mb * w.images_per_sample, w.tokens_per_image, w.enc_heads,
-                         w.enc_hidden // w.enc_heads, False, opts.iters, device),
-        *bench_wgrad(mb * w.seq_length, {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, ffn), "fc2": (ffn, h)},
-                     opts.iters, device),
-        *bench_adam(trainer_parameter_shapes(replace(w, layers=opts.llm_layers), vocab), opts.iters, device),
-    ]
+    tokens, vision_tokens = mb * w.seq_length, mb * w.images_per_sample * w.tokens_per_image
+    e = w.enc_hidden
+    sections = {
+        "attention": lambda: [
+            *bench_attention("llm", mb, w.seq_length, w.heads, h // w.heads, True, opts.iters, device),
+            *bench_attention("vision", mb * w.images_per_sample, w.tokens_per_image, w.enc_heads,
+                             e // w.enc_heads, False, opts.iters, device)],
+        "wgrad": lambda: bench_wgrad(tokens, {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, ffn), "fc2": (ffn, h)},
+                                     opts.iters, device),
+        "gemm": lambda: bench_gemm({
+            "llm qkv": (tokens, h, 3 * h), "llm proj": (tokens, h, h), "llm fc1": (tokens, h, ffn),
+            "llm fc2": (tokens, ffn, h), "vision qkv": (vision_tokens, e, 3 * e),
+            "vision proj": (vision_tokens, e, e), "vision fc1": (vision_tokens, e, 4 * e),
+            "vision fc2": (vision_tokens, 4 * e, e)}, opts.iters, device),
+        "adam": lambda: bench_adam(trainer_parameter_shapes(replace(w, layers=opts.llm_layers), vocab), opts.iters,
+                                   device),
+    }
+    records = [record for op in opts.ops for record in sections[op]()]
     extra = {"workload": opts.workload, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(opts.json, "a") if opts.json else open("/dev/null", "w") as out:
         for record in records:
