@@ -148,10 +148,25 @@ def _reference(q, k, v, scale, causal):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(dtype)
 
 
-def fake_func(q, k, v, *, softmax_scale, causal):
-    """flash_attn.cute.flash_attn_func: [b, s, h, d] in, (out, lse) out."""
+def _dense_reference(q, k, v, softmax_scale, causal):
     assert q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[0] == k.shape[0]
-    return torch.stack([_reference(*x, softmax_scale, causal) for x in zip(q, k, v)]), None
+    return torch.stack([_reference(*x, softmax_scale, causal) for x in zip(q, k, v)])
+
+
+def fake_fwd(q, k, v, *, softmax_scale, causal, out, return_lse):
+    """flash_attn.cute.interface._flash_attn_fwd: [b, s, h, d] in, written into `out` (which must have
+    q's strides: Fa4.func's contract), (out, lse, p, row_max, o_lo) out."""
+    assert out.shape == q.shape and out.stride() == q.stride() and return_lse
+    out.copy_(_dense_reference(q, k, v, softmax_scale, causal))
+    return out, torch.zeros(q.shape[:3]), None, None, None
+
+
+def fake_bwd(q, k, v, out, dout, lse, softmax_scale, causal):
+    """flash_attn.cute.interface._flash_attn_bwd: dq, dk, dv of the reference, each in its input's layout."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        grads = torch.autograd.grad(_dense_reference(*leaves, softmax_scale, causal), leaves, dout)
+    return tuple(torch.empty_like(t).copy_(g) for t, g in zip((q, k, v), grads))
 
 
 def fake_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
@@ -168,7 +183,7 @@ def fake_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return torch.cat(outs), None
 
 
-FAKE = Fa4(fake_func, fake_varlen_func)
+FAKE = Fa4(fake_fwd, fake_bwd, fake_varlen_func)
 SD = KernelChoice(SDPA, 8, 8)
 
 
@@ -263,6 +278,18 @@ def test_fa4_path_full_attention():
     got = _grads(lambda: attend(*leaves, KernelChoice(FA4, 8, 16), 0.3, False, fa4=FAKE), leaves)
     want = _grads(lambda: attend(*leaves, SD, 0.3, False), leaves)
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("causal, cp", [(False, 1), (True, 1), (True, 2)])
+def test_fa4_dense_output_is_a_dense_matrix(causal, cp):
+    """Unpadded dense calls hand the output projection a contiguous [s, b, h * d] (FA4 writes in the
+    queries' [s, b] memory order; CP's two chunks join along s): no copy in its forward or weight
+    gradient. fake_fwd checks that the output it is given has q's strides."""
+    q, k, v = _leaves((16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8))
+    for rank in range(cp):
+        at = cp_positions(16, cp, rank)
+        out = attend(q[at], k, v, KernelChoice(FA4, 8, 8), 0.3, causal, cp=cp, cp_rank=rank, fa4=FAKE)
+        assert out.shape == (16 // cp, 2, 32) and out.is_contiguous()
 
 
 def test_packed_documents_do_not_see_each_other():
@@ -390,11 +417,12 @@ class _DoubledGradient(torch.autograd.Function):
         return 2 * grad
 
 
-def _wrong_backward(fn):
-    def kernel(q, k, v, **kwargs):
-        out, lse = fn(q, k, v, **kwargs)
+def _wrong_backward(fa4: Fa4) -> Fa4:
+    """The stand-in with every backward doubling its gradients (the dense kernel's and varlen's)."""
+    def varlen(q, k, v, **kwargs):
+        out, lse = fa4.varlen_func(q, k, v, **kwargs)
         return _DoubledGradient.apply(out), lse
-    return kernel
+    return Fa4(fa4.fwd, lambda *args: [2 * g for g in fa4.bwd(*args)], varlen)
 
 
 def _check_tool(monkeypatch):
@@ -420,7 +448,7 @@ def test_gpu_check_passes_right_kernels_and_fails_a_wrong_backward(monkeypatch):
             record = tool.measure(case, "test", kernel, iters=0)
             assert record["ok"], record
     for module in (attention, varlen):
-        monkeypatch.setattr(module, "load_fa4", lambda: (Fa4(*map(_wrong_backward, FAKE)), None))
+        monkeypatch.setattr(module, "load_fa4", lambda: (_wrong_backward(FAKE), None))
     for case in cases:
         record = tool.measure(case, "test", KernelChoice(FA4, 8, 8), iters=0)
         assert record["out_err"] < tool.TOLERANCE and min(record[f"d{x}_err"] for x in "qkv") > 0.5, record

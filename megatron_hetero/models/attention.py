@@ -145,14 +145,16 @@ def _fa4_documents(fa4: Fa4, kernel: KernelChoice, q, k, v, cu, chunks, scale) -
 
 
 def _attend_fa4(fa4: Fa4, kernel: KernelChoice, q, k, v, causal, packed, chunks, scale) -> torch.Tensor:
-    """q [s_local, b, h, d], k, v [s, b, hk, d] -> [b, s_local, h, d] on FA4."""
+    """q [s_local, b, h, d], k, v [s, b, hk, d] -> [s_local, b, h, d] on FA4 (the dense calls' outputs
+    in [s, b] memory order as their queries: Fa4.func)."""
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     if packed is not None:
-        return _fa4_documents(fa4, kernel, q, k, v, packed.cu_seqlens_q, chunks, scale)
+        return _fa4_documents(fa4, kernel, q, k, v, packed.cu_seqlens_q, chunks, scale).transpose(0, 1)
     if not causal:
-        return run_fa4(fa4.func, kernel, q, k, v, softmax_scale=scale, causal=False)
-    return torch.cat([run_fa4(fa4.func, kernel, q[:, a:e], k[:, :end], v[:, :end], softmax_scale=scale, causal=True)
-                      for (a, e), _, end in chunks], dim=1)
+        return run_fa4(fa4.func, kernel, q, k, v, softmax_scale=scale, causal=False).transpose(0, 1)
+    outs = [run_fa4(fa4.func, kernel, q[:, a:e], k[:, :end], v[:, :end], softmax_scale=scale, causal=True)
+            .transpose(0, 1) for (a, e), _, end in chunks]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)  # cat copies even one tensor
 
 
 def _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, merged, **sdpa_kwargs) -> torch.Tensor:
@@ -179,8 +181,7 @@ def attend(q, k, v, kernel: KernelChoice, scale: float, causal: bool, mask: torc
     tests pass a stand-in). FA4 runs neither an explicit mask nor dropout."""
     chunks = query_chunks(k.shape[0], cp, cp_rank)
     if kernel.kernel == FA4 and mask is None and dropout == 0.0:
-        out = _attend_fa4(fa4 or load_fa4()[0], kernel, q, k, v, causal, packed, chunks, scale)
-        return out.transpose(0, 1).flatten(2)
+        return _attend_fa4(fa4 or load_fa4()[0], kernel, q, k, v, causal, packed, chunks, scale).flatten(2)
     merged = kernel.merged_chunks and dropout == 0.0
     out = _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, merged, dropout_p=dropout, scale=scale)
     return out.permute(2, 0, 1, 3).flatten(2)

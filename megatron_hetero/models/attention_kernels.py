@@ -161,22 +161,61 @@ def current_device() -> Device:
     return Device(torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 
 
-class Fa4(NamedTuple):
-    """flash_attn.cute's entries: func([b, s, h, d] x3, ...), varlen_func([total, h, d] x3, ...)."""
+class _Dense(torch.autograd.Function):
+    """flash-attn-4's dense attention with its output laid out in memory as q is.
 
-    func: Callable
+    forward: out = softmax(q k^T * scale [causal]) v, FA4's kernel writing into torch.empty_like(q);
+    backward: dq, dk, dv from FA4's backward kernel (each allocated by it like its input).
+
+    Why not flash_attn_func: it allocates the output contiguous [b, s, h, d], while Megatron's layers
+    hold [s, b, h, d] and hand FA4 its transposed view. Flattened back to [s, b, h * d] that output is
+    not a dense matrix, so the output projection copied it twice per layer and microbatch (torch.matmul
+    in its forward, `prepare_input_tensors_for_wgrad_compute` in its weight gradient): 128 of the 176
+    strided copies (63 ms together) in W1's profiled step on one H200 (docs/benchmarks.md). Written
+    in q's memory order, the flattened output is contiguous. The two entries are
+    flash_attn.cute.interface's, called as its own FlashAttnFunc calls them (the `fa4` extra pins
+    the version).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, fa4):
+        assert v.shape[-1] == q.shape[-1], "the output takes q's layout: v's head dim must be q's"
+        out, lse = fa4.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, out=torch.empty_like(q),
+                           return_lse=True)[:2]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.bwd = softmax_scale, causal, fa4.bwd
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.bwd(q, k, v, out, dout, lse, ctx.softmax_scale, ctx.causal)[:3]
+        return dq, dk, dv, None, None, None
+
+
+class Fa4(NamedTuple):
+    """flash-attn-4's entries: its dense kernels' forward and backward (`_flash_attn_fwd`,
+    `_flash_attn_bwd`), and varlen_func([total, h, d] x3, ...)."""
+
+    fwd: Callable
+    bwd: Callable
     varlen_func: Callable
+
+    def func(self, q, k, v, *, softmax_scale: float, causal: bool) -> torch.Tensor:
+        """Dense attention, q [b, s, h, d], k, v [b, s, hk, d] -> [b, s, h, d] in q's memory order."""
+        return _Dense.apply(q, k, v, softmax_scale, causal, self)
 
 
 @functools.cache
 def load_fa4() -> tuple[Fa4 | None, str | None]:
     """(flash-attn-4's entries, None), or (None, why it does not import)."""
     try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+        from flash_attn.cute import flash_attn_varlen_func
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
         first_line = (str(error).splitlines() or [""])[0][:100]
         return None, f"flash-attn-4 does not import ({type(error).__name__}: {first_line}); {FA4_INSTALL}"
-    return Fa4(flash_attn_func, flash_attn_varlen_func), None
+    return Fa4(_flash_attn_fwd, _flash_attn_bwd, flash_attn_varlen_func), None
 
 
 def kernel_for(attention_backend, head_dim: int, dtype: torch.dtype, dropout: float = 0.0,
@@ -202,7 +241,7 @@ def config_dtype(config) -> torch.dtype:
 
 
 def run_fa4(fn: Callable, choice: KernelChoice, q, k, v, **kwargs) -> torch.Tensor:
-    """fn(q, k, v, **kwargs) (an Fa4 entry, or a stand-in with its signature) at the choice's head dim:
+    """fn(q, k, v, **kwargs) (Fa4.func or varlen_func) at the choice's head dim:
     q, k, v zero-padded on the last dim where it is larger (the caller passes the true head dim's
     softmax_scale: q.k and P.v are unchanged, the padded output columns are zero and cut off); FA4
     returns (out, lse) or out, depending on its version."""
