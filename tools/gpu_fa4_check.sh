@@ -8,7 +8,8 @@
 # flash-attn-4: from $FA4_SITE when set (installed by an earlier call on this warm machine, e.g.
 # FA4_SITE=$HOME/fasite), else installed here into $HOME/fasite from the carried wheels: call 1 copied
 # .fa4a to /tmp/fa4parts, this call carries .fa4b (the recipe: .fa4a/README.txt in the lead's checkout).
-# CHECK=0 / LOSS=0 skip a part; QUICK=1: 4K instead of 16K sequences, fewer timing runs; STEPS (200).
+# CHECK=0 / LOSS=0 skip a part; QUICK=1: 4K instead of 16K sequences, fewer timing runs; STEPS (200);
+# WORKLOAD_ONLY=1: our attention paths only, not the raw kernel per head dim (gpu_fa4_check.py --workload-only).
 # Where CHECKED_HEAD_DIMS has no entry for this GPU, the loss runs take the head dims the check passed
 # here (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS, kept in $SITE/checked_head_dims.txt for a later call).
 set -uo pipefail
@@ -27,7 +28,7 @@ check=0
 if [ "${CHECK:-1}" != 0 ]; then
   echo "== $(date +%T) tools/gpu_fa4_check.py"
   # The check judges the committed table alone, not head dims an earlier check recorded here.
-  env -u MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS python3 tools/gpu_fa4_check.py ${QUICK:+--quick} --out "$out" \
+  env -u MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS python3 tools/gpu_fa4_check.py ${QUICK:+--quick} ${WORKLOAD_ONLY:+--workload-only} --out "$out" \
     > "$out/fa4_check.log" 2>&1; check=$?
   cp "$out/fa4_checked_head_dims.txt" "$SITE/checked_head_dims.txt" 2>/dev/null
   grep -E "\| (auto|flash|sdpa)|FAIL|negative control|CHECKED_HEAD_DIMS|head dims whose|^(PASS|FAIL|error)" \
