@@ -170,8 +170,8 @@ class _Dense(torch.autograd.Function):
     Why not flash_attn_func: it allocates the output contiguous [b, s, h, d], while Megatron's layers
     hold [s, b, h, d] and hand FA4 its transposed view. Flattened back to [s, b, h * d] that output is
     not a dense matrix, so the output projection copied it twice per layer and microbatch (torch.matmul
-    in its forward, `prepare_input_tensors_for_wgrad_compute` in its weight gradient): 128 of the 176
-    strided copies (63 ms together) in W1's profiled step on one H200 (docs/benchmarks.md). Written
+    in its forward, `prepare_input_tensors_for_wgrad_compute` in its weight gradient): by count 128 of
+    the 176 strided copies (63 ms together) in W1's profiled step on one H200 (docs/benchmarks.md). Written
     in q's memory order, the flattened output is contiguous. The two entries are
     flash_attn.cute.interface's, called as its own FlashAttnFunc calls them (the `fa4` extra pins
     the version).
