@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30 on one H200, one call of at most 9 minutes: the whole step's MFU at the presets' own global
+# Issue 30 on one H200, one call of at most 9 minutes at the defaults: the whole step's MFU at the presets' own global
 # batch. bench_e2e's default global batch of 4 (2 microbatches of 2) pays the optimizer step and the
 # gradients' finalize once per 4 samples; W1 and W3 are defined at 16 (planner/presets.py), where the
 # same per-step work spreads over 8 microbatches. W1 and W3 (8 LLM layers, flash-attn-4 where $FA4_SITE
@@ -8,9 +8,10 @@
 # (400) seconds; each is bounded by RUN_TIMEOUT (150); PROFILE=0: no profiled run.
 #
 # With BASE_REV set, a change's A/B instead: that commit's checkout (A, tools/gpu_env.sh's
-# baseline_checkout: carry .base) against this one (B), same flags, at global batch 16 only: W1 A B A B
-# (the first B profiled), then W3 A B while time is left; medians per checkout (ab_summary.py A=... B=...);
-# AB_RUNS: the workloads of the A B pairs in their order (default "W1 W1 W3"; W3 on single_frozen).
+# baseline_checkout: carry .base) against this one (B), same flags, at global batch 16 only: W1 A B A B,
+# then W3 A B while time is left, the first B of each workload profiled (profile_<workload>_gb16.md);
+# medians per checkout (ab_summary.py A=... B=...). AB_RUNS: the workloads of the A B pairs in their
+# order (default "W1 W1 W3"; W3 on single_frozen, the others on single).
 set -uo pipefail
 start=$SECONDS
 profile() { [ "${PROFILE:-1}" = 0 ] || echo --profile "$out/profile_$1_gb16.md"; }
