@@ -151,18 +151,18 @@ def main(argv=None):
     h, ffn = w.hidden, trainer_workload(w, vocab, frozen_encoder=False).llm.ffn
     tokens, vision_tokens = mb * w.seq_length, mb * w.images_per_sample * w.tokens_per_image
     e = w.enc_hidden
+    # Each linear's (in, out) features, as the trainer builds them (trainer_workload's MLPs).
+    llm = {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, ffn), "fc2": (ffn, h)}
+    vision = {"qkv": (e, 3 * e), "proj": (e, e), "fc1": (e, 4 * e), "fc2": (4 * e, e)}
     sections = {
         "attention": lambda: [
             *bench_attention("llm", mb, w.seq_length, w.heads, h // w.heads, True, opts.iters, device),
             *bench_attention("vision", mb * w.images_per_sample, w.tokens_per_image, w.enc_heads,
                              e // w.enc_heads, False, opts.iters, device)],
-        "wgrad": lambda: bench_wgrad(tokens, {"qkv": (h, 3 * h), "proj": (h, h), "fc1": (h, ffn), "fc2": (ffn, h)},
-                                     opts.iters, device),
-        "gemm": lambda: bench_gemm({
-            "llm qkv": (tokens, h, 3 * h), "llm proj": (tokens, h, h), "llm fc1": (tokens, h, ffn),
-            "llm fc2": (tokens, ffn, h), "vision qkv": (vision_tokens, e, 3 * e),
-            "vision proj": (vision_tokens, e, e), "vision fc1": (vision_tokens, e, 4 * e),
-            "vision fc2": (vision_tokens, 4 * e, e)}, opts.iters, device),
+        "wgrad": lambda: bench_wgrad(tokens, llm, opts.iters, device),
+        "gemm": lambda: bench_gemm({f"{module} {name}": (n, *shape) for module, n, linears in
+                                    (("llm", tokens, llm), ("vision", vision_tokens, vision))
+                                    for name, shape in linears.items()}, opts.iters, device),
         "adam": lambda: bench_adam(trainer_parameter_shapes(replace(w, layers=opts.llm_layers), vocab), opts.iters,
                                    device),
     }
