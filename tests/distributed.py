@@ -26,8 +26,10 @@ import torch.multiprocessing as mp
 MEGATRON_LM_SCRIPT = Path(os.environ.get("MEGATRON_LM") or Path(__file__).parents[2] / "shared" / "megatron-lm",
                           "pretrain_vlm.py")
 
-# Imported once by the fork server (set before it starts: the first launch starts it).
-PRELOAD = ["torch", "megatron_hetero.patches", "megatron.training", "tests.distributed"]
+# Imported once by the fork server (set before it starts: the first launch starts it). Megatron's
+# tokenizer package imports transformers (about 3 CPU seconds) when a run builds its tokenizer.
+PRELOAD = ["torch", "megatron_hetero.patches", "megatron.training", "megatron.core.tokenizers.text",
+           "tests.distributed"]
 mp.set_forkserver_preload(PRELOAD)
 
 
