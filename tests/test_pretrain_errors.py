@@ -89,7 +89,16 @@ def _run(args, tmp_path, layout_text=None):
       "--pack-samples", "2"], None, "caption and <eos> 2 times (--pack-samples 2); use --seq-length"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, layout_text, expected):
-    result = _run(args, tmp_path, layout_text)
+    _assert_one_line(_run(args, tmp_path, layout_text), expected)
+
+
+def test_bad_norm_kernel_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_HETERO_NORM_KERNEL", "apex")
+    _assert_one_line(_run(["--hetero-layout", DEMO], tmp_path),
+                     "MEGATRON_HETERO_NORM_KERNEL=apex: use one of auto, torch")
+
+
+def _assert_one_line(result, expected):
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and expected in lines[0], result.stderr

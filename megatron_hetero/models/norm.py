@@ -17,12 +17,17 @@ Query/key norms (Qwen3's QK-norm: one RMSNorm over each head) see whole sequence
 heads, sequence parallel or not: built with `over_sequence=False` they never sum over TP themselves;
 megatron's `finalize_model_grads` sums their partial (per-head-slice) gradients over TP, by name
 (`q_layernorm`, `k_layernorm`), as it does for Transformer Engine's.
+
+The kernels: quack's fused forward and backward on Hopper/Blackwell GPUs where it imports, torch's
+elsewhere (norm_kernels.py: why, and how to pin torch's).
 """
 
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hetero.models.norm_kernels import QUACK, load_quack, norm_kernel_for, quack_norm
 
 
 class SequenceParallelNorm(torch.nn.Module):
@@ -57,6 +62,7 @@ class SequenceParallelNorm(torch.nn.Module):
         self.bias = None
         if not self.rms:
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.kernel = norm_kernel_for()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = [self.weight] if self.rms else [self.weight, self.bias]
@@ -66,6 +72,15 @@ class SequenceParallelNorm(torch.nn.Module):
             params = list(stacked.unbind(0))
         if self.zero_centered_gamma:
             params[0] = params[0] + 1
+        if self.kernel.kernel == QUACK:
+            return quack_norm(x, params[0], None if self.rms else params[1], self.eps, self.rms, load_quack()[0])
         if self.rms:
             return F.rms_norm(x, x.shape[-1:], params[0], self.eps)
         return F.layer_norm(x, x.shape[-1:], params[0], params[1], self.eps)
+
+
+def norm_summary(module: torch.nn.Module) -> str:
+    """The kernels a model part's norms run (e.g. "quack", "torch (no GPU)"), for the start-up line and
+    benchmark records; "none" for a part without our norms."""
+    found = [str(sub.kernel) for sub in module.modules() if isinstance(sub, SequenceParallelNorm)]
+    return "; ".join(dict.fromkeys(found)) or "none"

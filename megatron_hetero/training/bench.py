@@ -352,10 +352,12 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(w), frozen)
     from megatron_hetero.models.attention import attention_summary  # imports megatron-core
+    from megatron_hetero.models.norm import norm_summary
 
-    attention = {m.name: attention_summary(m.part) for m in run.modules.values() if m.held}
+    held = [m for m in run.modules.values() if m.held]
     mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases,
-                attention=attention, losses=losses)
+                attention={m.name: attention_summary(m.part) for m in held},
+                norms={m.name: norm_summary(m.part) for m in held}, losses=losses)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     bf16 = session.args.bf16
@@ -370,6 +372,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         attention={name: kernel for r in gathered for name, kernel in r["attention"].items()},
+        norms={name: kernel for r in gathered for name, kernel in r["norms"].items()},
         losses=next((r["losses"] for r in gathered if r["losses"]), []),
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
@@ -386,12 +389,13 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
 
 
 # Kernel families of a profile, by name (the first that matches): where a step's GPU time goes.
-# Attention first: flash-attn-4's kernels, compiled by CUTLASS's CuTe DSL, carry "cutlass" too.
+# Attention and normalization before matmul: flash-attn-4's and quack's kernels, compiled by
+# CUTLASS's CuTe DSL, carry "cutlass" too.
 KERNEL_FAMILIES = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("normalization", ("norm",)),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
     ("communication", ("nccl",)),
-    ("normalization", ("norm",)),
     ("softmax / cross entropy", ("softmax", "cross_entropy", "log_softmax", "nll")),
     ("elementwise / copies", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cat", "index", "where",
                               "reduce", "gelu", "silu", "mul", "add")),

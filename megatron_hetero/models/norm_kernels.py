@@ -1,0 +1,136 @@
+"""Which kernels a LayerNorm / RMSNorm runs: torch's everywhere, quack's (quack-kernels, installed
+with the `fa4` extra, which flash-attn-4 itself depends on) on Hopper and Blackwell GPUs where it
+imports.
+
+Why: torch's norm backward makes two passes over the activations, the input gradient and then
+GammaBetaBackward for the weight and bias gradients: in W1's profiled step on one H200 (8 LLM
+layers, global batch 16; docs/benchmarks.md) the forward took 63 ms, the input gradient 63 and the
+weight and bias gradients 71 more. quack's backward computes the weight and bias gradients in the
+input gradient's pass, as fp32 partial sums per SM added up afterwards (what apex's and Transformer
+Engine's fused norms do, neither of which is here). The statistics are fp32 in both.
+
+`MEGATRON_HETERO_NORM_KERNEL` (NORM_KERNEL_ENV): auto (the default: quack where it can run, torch
+elsewhere) or torch (torch's kernels on every device: A/B runs, or a suspected kernel). The choice is
+pure (choose_norm_kernel), so that it is tested without a GPU; norm_kernel_for() feeds it this
+process's facts. tools/gpu_norm_check.py checks quack's outputs and gradients against fp32 at the
+workloads' widths on a GPU.
+"""
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from megatron_hetero.models.attention_kernels import FA4_INSTALL, Device, current_device
+
+QUACK = "quack"
+TORCH = "torch"
+NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
+NORM_MODES = ("auto", TORCH)
+QUACK_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200): the archs quack's kernels target
+
+
+class NormKernelError(ValueError):
+    """A NORM_KERNEL_ENV value that is not a mode; one line saying which are."""
+
+
+@dataclass(frozen=True)
+class NormChoice:
+    """kernel: QUACK or TORCH; reason: why not quack."""
+
+    kernel: str
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kernel}{' (' + self.reason + ')' if self.reason else ''}"
+
+
+def norm_mode(environ=os.environ) -> str:
+    """NORM_KERNEL_ENV's value ("auto" where unset); NormKernelError for another."""
+    mode = environ.get(NORM_KERNEL_ENV, "auto") or "auto"
+    if mode not in NORM_MODES:
+        raise NormKernelError(f"{NORM_KERNEL_ENV}={mode}: use one of {', '.join(NORM_MODES)}")
+    return mode
+
+
+def choose_norm_kernel(mode: str, device: Device, import_problem: str | None = None) -> NormChoice:
+    """The kernel of every norm of this process under `mode` (norm_mode) on `device`."""
+    if mode == TORCH:
+        return NormChoice(TORCH, f"{NORM_KERNEL_ENV}=torch")
+    if device.capability is None:
+        return NormChoice(TORCH, "no GPU")
+    if device.capability[0] not in QUACK_ARCH_MAJORS:
+        return NormChoice(TORCH, f"quack targets sm90/sm100, not {device.name} "
+                                 f"(sm{device.capability[0]}{device.capability[1]})")
+    if import_problem:
+        return NormChoice(TORCH, import_problem)
+    return NormChoice(QUACK)
+
+
+class Quack(NamedTuple):
+    """quack's norm entries (quack.rmsnorm's, the ones its own autograd functions call): fwd writes
+    out, rstd and (LayerNorm) mean; bwd writes dx and the per-SM partial weight / bias gradients;
+    sm_count(hidden, device): how many partials bwd writes."""
+
+    fwd: Callable
+    bwd: Callable
+    sm_count: Callable
+
+
+@functools.cache
+def load_quack() -> tuple[Quack | None, str | None]:
+    """(quack's norm entries, None), or (None, why they do not import)."""
+    try:
+        from quack.rmsnorm import _rmsnorm_bwd, _rmsnorm_fwd, get_sm_count
+    except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
+        first_line = (str(error).splitlines() or [""])[0][:100]
+        return None, f"quack does not import ({type(error).__name__}: {first_line}); {FA4_INSTALL}"
+    return Quack(_rmsnorm_fwd, _rmsnorm_bwd, get_sm_count), None
+
+
+def norm_kernel_for() -> NormChoice:
+    """choose_norm_kernel for this process: NORM_KERNEL_ENV and its GPU."""
+    mode, device = norm_mode(), current_device()
+    import_problem = load_quack()[1] if mode != TORCH and device.capability is not None else None
+    return choose_norm_kernel(mode, device, import_problem)
+
+
+class _QuackNorm(torch.autograd.Function):
+    """quack's LayerNorm (bias may be None) or RMSNorm (bias None) over the last dim of a 2-D x.
+
+    forward: y = (x - mean) * rstd * weight + bias (RMSNorm: x * rstd * weight), fp32 statistics kept;
+    backward: dx, and the weight and bias gradients from the same pass (per-SM fp32 partials, summed
+    here and cast to the parameters' dtypes)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms, quack):
+        rows = x.shape[0]
+        out = torch.empty_like(x)
+        rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+        mean = None if rms else torch.empty(rows, device=x.device, dtype=torch.float32)
+        quack.fwd(x, weight, out, bias, rstd, mean, None, None, eps, not rms)
+        ctx.save_for_backward(x, weight, rstd, mean)
+        ctx.has_bias, ctx.bias_dtype, ctx.quack = bias is not None, getattr(bias, "dtype", None), quack
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, rstd, mean = ctx.saved_tensors
+        hidden, partials = x.shape[-1], ctx.quack.sm_count(x.shape[-1], x.device)
+        dx = torch.empty_like(x)
+        dw = torch.empty(partials, hidden, device=x.device, dtype=torch.float32)
+        db = torch.empty_like(dw) if ctx.has_bias else None
+        ctx.quack.bwd(x, weight, dout.contiguous(), rstd, dx, dw, db, None, None, partials, mean=mean,
+                      is_layernorm=mean is not None)
+        db = db.sum(0).to(ctx.bias_dtype) if db is not None else None
+        return dx, dw.sum(0).to(weight.dtype), db, None, None, None
+
+
+def quack_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               rms: bool, quack: Quack) -> torch.Tensor:
+    """LayerNorm (rms False; bias may be None) or RMSNorm of x over its last dim on quack's kernels,
+    any leading shape."""
+    flat = x.contiguous().view(-1, x.shape[-1])
+    return _QuackNorm.apply(flat, weight, bias, eps, rms, quack).view(x.shape)
