@@ -1,0 +1,114 @@
+"""Would quack's GEMM epilogues (GELU in the fc1 GEMM, its gradient in the fc2 input-gradient GEMM)
+make the MLP faster than cuBLAS plus torch's GELU kernels, at W1's shapes? Measured before building it.
+
+    python3 tools/gpu_fusion_probe.py [--out DIR]   (one Hopper GPU, quack importable: the fa4 extra)
+
+Per shape (W1's LLM MLP: 32768 tokens x 4096 -> 16384; its SigLIP ViT's: 23328 x 1152 -> 4304 padded
+to 4608 as the profile's GEMMs are), bf16, CUDA events over ITERS calls after warm-up:
+- forward: cuBLAS x @ w1^T then F.gelu (erf), against quack's gemm_act (activation gelu_erf, the
+  pre-activation stored for the backward);
+- backward through the activation: cuBLAS dout @ w2 then torch's GELU backward, against quack's
+  gemm_dact (which also writes the recomputed GELU output, the fc2 weight gradient's input);
+- the residual add before a LayerNorm: torch's add then its norm, against quack's norm with the
+  residual fused (it writes the sum for the next residual and the normalized output);
+- the plain GEMMs alone (cuBLAS against quack's gemm), forward orientation, to separate the GEMM's
+  own speed from the fusion's.
+Each fused result's max |diff| / max |ref| against the unfused bf16 one. One JSON line per row to
+DIR/fusion_probe.jsonl (DIR: $OUT or out/).
+"""
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_ops import timed
+
+ITERS = 30
+SHAPES = {"W1 LLM MLP": (32768, 4096, 16384), "W1 ViT MLP": (23328, 1152, 4608)}
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).bfloat16()
+
+
+def _add_norm_torch(x, residual, weight):
+    total = x + residual
+    return F.layer_norm(total, total.shape[-1:], weight, weight, 1e-5), total
+
+
+def _add_norm_quack(x, residual, weight, norm):
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    rows = x.shape[0]
+    stats = [torch.empty(rows, device=x.device, dtype=torch.float32) for _ in range(2)]
+    norm._rmsnorm_fwd(x, weight, out, weight, stats[0], stats[1], residual, total, 1e-5, True)
+    return out, total
+
+
+def probe(name: str, tokens: int, hidden: int, ffn: int, quack, norm) -> list[dict]:
+    """The comparisons at one shape; quack: quack.gemm_interface, norm: quack.rmsnorm."""
+    torch.manual_seed(0)
+    x, w1, w2 = _randn(tokens, hidden), _randn(ffn, hidden, scale=hidden**-0.5), _randn(hidden, ffn, scale=ffn**-0.5)
+    dout = _randn(tokens, hidden)
+    pre = x @ w1.t()
+    rows = []
+
+    def row(what, torch_fn, quack_fn, compare):
+        record = dict(shape=name, what=what, torch_ms=timed(torch_fn, ITERS), device=torch.cuda.get_device_name(),
+                      torch=torch.__version__)
+        try:
+            record.update(quack_ms=timed(quack_fn, ITERS), max_rel_diff=compare())
+        except Exception as error:  # quack 0.6.5's GEMM epilogues fail under cutlass-dsl 4.8.1 (docs/benchmarks.md)
+            record["quack_error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:150]}"
+        rows.append(record)
+        cells = (f"{record['quack_ms']:.3f} | {record['torch_ms'] / record['quack_ms']:.3f} | "
+                 f"{record['max_rel_diff']:.4f}" if "quack_ms" in record else f"{record['quack_error']} | |")
+        print(f"| {name} | {what} | {record['torch_ms']:.3f} | {cells} |", flush=True)
+
+    row("fc1 GEMM + GELU forward", lambda: F.gelu(x @ w1.t()),
+        lambda: quack.gemm_act(x, w1.t(), activation="gelu_erf", tuned=False),
+        lambda: _rel(quack.gemm_act(x, w1.t(), activation="gelu_erf", tuned=False)[1], F.gelu(pre)))
+    row("fc2 input gradient + GELU backward",
+        lambda: torch.ops.aten.gelu_backward(dout @ w2, pre),
+        lambda: quack.gemm_dact(dout, w2, pre, activation="gelu_erf", tuned=False),
+        lambda: _rel(quack.gemm_dact(dout, w2, pre, activation="gelu_erf", tuned=False)[0],
+                     torch.ops.aten.gelu_backward(dout @ w2, pre)))
+    row("residual add + LayerNorm forward", lambda: _add_norm_torch(x, dout, w2[:, 0]),
+        lambda: _add_norm_quack(x, dout, w2[:, 0].contiguous(), norm),
+        lambda: _rel(_add_norm_quack(x, dout, w2[:, 0].contiguous(), norm)[0], _add_norm_torch(x, dout, w2[:, 0])[0]))
+    row("fc1 GEMM alone", lambda: x @ w1.t(), lambda: quack.gemm(x, w1.t(), tuned=False),
+        lambda: _rel(quack.gemm(x, w1.t(), tuned=False), pre))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    try:
+        import quack.gemm_interface as quack
+
+        norm = importlib.import_module("quack.rmsnorm")  # `import quack.rmsnorm` gets quack's rmsnorm function
+    except Exception as error:
+        print(f"error: quack does not import ({type(error).__name__}: {error})")
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {ITERS} calls each")
+    print("| shape | what | cuBLAS + torch ms | quack ms | speed-up | max rel diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rows = [r for name, shape in SHAPES.items() for r in probe(name, *shape, quack, norm)]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "fusion_probe.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
