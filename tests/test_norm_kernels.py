@@ -73,8 +73,10 @@ def _fake_fwd(x, weight, out, bias, rstd, mean, residual, residual_out, eps, is_
 def _fake_bwd(x, weight, dout, rstd, dx, dw_partial, db_partial, dresidual_out, dresidual, sm_count, mean=None,
               is_layernorm=False):
     """quack's backward from the saved statistics alone (no eps), the weight / bias gradients as
-    sm_count partial sums over row blocks."""
+    sm_count partial sums over row blocks; like quack, it writes nothing for no rows."""
     assert dresidual_out is None and dresidual is None and dw_partial.shape[0] == sm_count
+    if x.numel() == 0:
+        return
     xc = x.float() - mean[:, None] if is_layernorm else x.float()
     x_hat, g = xc * rstd[:, None], dout.float() * weight.float()
     grad = g - x_hat * (g * x_hat).mean(-1, keepdim=True)
@@ -118,6 +120,14 @@ def test_quack_path_equals_torch(monkeypatch, normalization, zero_centered):
     assert len(runs[QUACK]) == (3 if normalization == "RMSNorm" else 4)
     for got, want in zip(runs[QUACK], runs[TORCH]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_no_rows_give_zero_parameter_gradients(monkeypatch):
+    """A rank with no tokens (an empty [0, b, h] input): zero weight and bias gradients, not the
+    uninitialized partials quack leaves untouched."""
+    module = _norm(monkeypatch, QUACK, "LayerNorm", False)
+    module(torch.randn(0, 2, 16, requires_grad=True)).sum().backward()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in module.parameters())
 
 
 def test_summary_names_the_kernel(monkeypatch):

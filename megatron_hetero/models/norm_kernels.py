@@ -120,8 +120,10 @@ class _QuackNorm(torch.autograd.Function):
         x, weight, rstd, mean = ctx.saved_tensors
         hidden, partials = x.shape[-1], ctx.quack.sm_count(x.shape[-1], x.device)
         dx = torch.empty_like(x)
-        dw = torch.empty(partials, hidden, device=x.device, dtype=torch.float32)
-        db = torch.empty_like(dw) if ctx.has_bias else None
+        # quack writes nothing for no rows: the partials start at zero there.
+        empty = torch.zeros if x.numel() == 0 else torch.empty
+        dw = empty(partials, hidden, device=x.device, dtype=torch.float32)
+        db = empty(partials, hidden, device=x.device, dtype=torch.float32) if ctx.has_bias else None
         ctx.quack.bwd(x, weight, dout.contiguous(), rstd, dx, dw, db, None, None, partials, mean=mean,
                       is_layernorm=mean is not None)
         db = db.sum(0).to(ctx.bias_dtype) if db is not None else None

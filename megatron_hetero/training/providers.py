@@ -38,11 +38,11 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
     args = get_args()
     parts = build_vlm_parts(args.hetero_run, model_sizes(args), args.seed, args.ablate_vision, args.params_dtype,
                             packed=args.pack_samples > 1, config_fields=megatron_config_fields(args))
-    report_attention(args.hetero_run, parts.parts)
+    report_kernels(args.hetero_run, parts.parts)
     return parts
 
 
-def report_attention(run, parts: dict) -> None:
+def report_kernels(run, parts: dict) -> None:
     """Start-up lines per module, from its first rank: the attention and norm kernels it runs."""
     for name, part in parts.items():
         if not any(run.modules[name].coords().values()):
