@@ -206,6 +206,12 @@ class Fa4(NamedTuple):
         return _Dense.apply(q, k, v, softmax_scale, causal, self)
 
 
+def import_failure(package: str, error: Exception) -> str:
+    """Why a package of the `fa4` extra (flash-attn-4, quack) does not import, in one line."""
+    first_line = (str(error).splitlines() or [""])[0][:100]
+    return f"{package} does not import ({type(error).__name__}: {first_line}); {FA4_INSTALL}"
+
+
 @functools.cache
 def load_fa4() -> tuple[Fa4 | None, str | None]:
     """(flash-attn-4's entries, None), or (None, why it does not import)."""
@@ -213,8 +219,7 @@ def load_fa4() -> tuple[Fa4 | None, str | None]:
         from flash_attn.cute import flash_attn_varlen_func
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
-        first_line = (str(error).splitlines() or [""])[0][:100]
-        return None, f"flash-attn-4 does not import ({type(error).__name__}: {first_line}); {FA4_INSTALL}"
+        return None, import_failure("flash-attn-4", error)
     return Fa4(_flash_attn_fwd, _flash_attn_bwd, flash_attn_varlen_func), None
 
 

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megatron_hetero.models.attention_kernels import FA4_INSTALL, Device, current_device
+from megatron_hetero.models.attention_kernels import Device, current_device, import_failure
 
 QUACK = "quack"
 TORCH = "torch"
@@ -85,8 +85,7 @@ def load_quack() -> tuple[Quack | None, str | None]:
     try:
         from quack.rmsnorm import _rmsnorm_bwd, _rmsnorm_fwd, get_sm_count
     except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
-        first_line = (str(error).splitlines() or [""])[0][:100]
-        return None, f"quack does not import ({type(error).__name__}: {first_line}); {FA4_INSTALL}"
+        return None, import_failure("quack", error)
     return Quack(_rmsnorm_fwd, _rmsnorm_bwd, get_sm_count), None
 
 
