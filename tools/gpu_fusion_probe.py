@@ -15,6 +15,12 @@ to 4608 as the profile's GEMMs are), bf16, CUDA events over ITERS calls after wa
   own speed from the fusion's.
 Each fused result's max |diff| / max |ref| against the unfused bf16 one. One JSON line per row to
 DIR/fusion_probe.jsonl (DIR: $OUT or out/).
+
+--key-context-vars: an experiment for the epilogue rows. quack 0.6.5 keys its compiled kernels by
+walking the epilogue's functions and their globals (quack/gemm_runtime/identity.py,
+semantic_value_key) and refuses a value it cannot key; under nvidia-cutlass-dsl 4.8.1 the walk
+reaches the DSL's `_LOC_TRANSFORMS` ContextVar (MLIR location transforms, not math) and every
+epilogue stops there (2026-11-27). With the flag, this process keys a ContextVar by its name.
 """
 
 import argparse
@@ -89,11 +95,30 @@ def probe(name: str, tokens: int, hidden: int, ffn: int, quack, norm) -> list[di
     return rows
 
 
+def key_context_vars() -> None:
+    """quack's semantic_value_key, in this process, with a ContextVar keyed by its name (--key-context-vars);
+    its recursive calls look the function up in its module, so they take this one too."""
+    import contextvars
+
+    identity = importlib.import_module("quack.gemm_runtime.identity")
+    original = identity.semantic_value_key
+
+    def semantic_value_key(value, seen):
+        if isinstance(value, contextvars.ContextVar):
+            return ("contextvar", value.name)
+        return original(value, seen)
+
+    identity.semantic_value_key = semantic_value_key
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--key-context-vars", action="store_true", help="the epilogue experiment (above)")
     args = parser.parse_args()
     try:
+        if args.key_context_vars:
+            key_context_vars()
         import quack.gemm_interface as quack
 
         norm = importlib.import_module("quack.rmsnorm")  # `import quack.rmsnorm` gets quack's rmsnorm function
