@@ -1,6 +1,8 @@
-"""Layers without Transformer Engine: the CP sequence layout (pure), our SDPA attention and norm
+"""Layers without Transformer Engine: the CP sequence layout (pure), our SDPA attention, norm and MLP
 against megatron-core's local layers (1 process), and a GPTModel on our spec under TP/CP/SP
-reproducing the 1-process model (4 gloo processes, one launch for every case)."""
+reproducing the 1-process model (4 gloo processes, one launch for every case). The MLPs run their
+fused path (the activation in the GEMMs' epilogues) on a stand-in for quack's GEMMs
+(tests/quack_stand_in.py): its TP / SP communication and parameters against megatron-core's MLP."""
 
 import pytest
 import torch
@@ -200,8 +202,10 @@ def _worker(rank, world_size):
     from megatron_hetero.groups import build_module_groups
     from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.patches import cpu
+    from tests.quack_stand_in import use_stand_in
 
     cpu.apply()
+    use_stand_in(setattr)
     # Every rank its own 1-process reference (tp = cp = 1).
     ref_pgs = build_module_groups(ModuleLayout("reference", "llm", dp=world_size)).pgs
     results = {case: _parallel_llm_pairs(case, ref_pgs) for case in CASES}

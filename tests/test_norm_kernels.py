@@ -19,15 +19,12 @@ from megatron_hetero.models.attention_kernels import Device
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 from megatron_hetero.models.norm_kernels import (
     NORM_KERNEL_ENV,
-    QUACK,
-    TORCH,
-    NormChoice,
-    NormKernelError,
     Quack,
     choose_norm_kernel,
     norm_kernel_for,
     norm_mode,
 )
+from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
 A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0))
@@ -49,13 +46,13 @@ def test_choice(mode, device, problem, expected):
 def test_mode_from_the_environment():
     assert norm_mode({}) == "auto" and norm_mode({NORM_KERNEL_ENV: ""}) == "auto"
     assert norm_mode({NORM_KERNEL_ENV: "torch"}) == TORCH
-    with pytest.raises(NormKernelError, match=f"{NORM_KERNEL_ENV}=apex: use one of auto, torch"):
+    with pytest.raises(KernelModeError, match=f"{NORM_KERNEL_ENV}=apex: use one of auto, torch"):
         norm_mode({NORM_KERNEL_ENV: "apex"})
 
 
 def test_cpu_runs_torch(monkeypatch):
     monkeypatch.delenv(NORM_KERNEL_ENV, raising=False)
-    assert norm_kernel_for() == NormChoice(TORCH, "no GPU")
+    assert norm_kernel_for() == QuackChoice(TORCH, "no GPU")
 
 
 # ---- the quack path, through a stand-in ---------------------------------------------------------
@@ -91,7 +88,7 @@ FAKE = Quack(_fake_fwd, _fake_bwd, lambda hidden, device: 3)
 
 
 def _norm(monkeypatch, kernel: str, normalization: str, zero_centered: bool, hidden=16):
-    monkeypatch.setattr(norm_module, "norm_kernel_for", lambda: NormChoice(kernel))
+    monkeypatch.setattr(norm_module, "norm_kernel_for", lambda: QuackChoice(kernel))
     monkeypatch.setattr(norm_module, "load_quack", lambda: (FAKE, None))
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, normalization=normalization,
                                layernorm_zero_centered_gamma=zero_centered)

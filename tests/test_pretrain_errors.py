@@ -92,10 +92,10 @@ def test_bad_input_is_one_line(tmp_path, args, layout_text, expected):
     _assert_one_line(_run(args, tmp_path, layout_text), expected)
 
 
-def test_bad_norm_kernel_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRON_HETERO_NORM_KERNEL", "apex")
-    _assert_one_line(_run(["--hetero-layout", DEMO], tmp_path),
-                     "MEGATRON_HETERO_NORM_KERNEL=apex: use one of auto, torch")
+@pytest.mark.parametrize("env", ["MEGATRON_HETERO_NORM_KERNEL", "MEGATRON_HETERO_MLP_KERNEL"])
+def test_bad_kernel_mode_is_one_line(tmp_path, monkeypatch, env):
+    monkeypatch.setenv(env, "apex")
+    _assert_one_line(_run(["--hetero-layout", DEMO], tmp_path), f"{env}=apex: use one of auto, torch")
 
 
 def _assert_one_line(result, expected):

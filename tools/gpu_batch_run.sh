@@ -45,6 +45,6 @@ else
   e2e - W1 single 4 2 5; e2e - W1 single 16 1 3
   summary=("$out/bench_e2e.jsonl")
 fi
-grep -E "^(attention|error)|Error" "$out/bench_e2e.log" | sort | uniq -c | head -8
+grep -E "^(attention|norms|mlp|error)|Error" "$out/bench_e2e.log" | sort | uniq -c | head -8
 python3 tools/ab_summary.py "${summary[@]}" | tee "$out/summary.md"
 for f in "$out"/profile_*_gb16.md; do [ -f "$f" ] && head -12 "$f"; done

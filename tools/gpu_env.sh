@@ -41,7 +41,12 @@ fa4_checked() {
   fi
 }
 use_fa4() {
-  export PYTHONPATH=$1:$1/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  # quack keys its GEMM epilogues' compiled kernels by walking their code and stops at installed code,
+  # which it knows by a site-packages directory in the path (models/mlp_kernels.py): import SITE
+  # through a link named so, or every epilogue GEMM refuses to compile.
+  mkdir -p /tmp/fa4_import && ln -sfn "$(realpath "$1")" /tmp/fa4_import/site-packages
+  local site=/tmp/fa4_import/site-packages
+  export PYTHONPATH=$site:$site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
   fa4_checked "$1"
 }
 if [ -n "${FA4_SITE:-}" ]; then use_fa4 "$FA4_SITE"; fi

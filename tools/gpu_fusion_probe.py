@@ -12,7 +12,9 @@ to 4608 as the profile's GEMMs are), bf16, CUDA events over ITERS calls after wa
 - the residual add before a LayerNorm: torch's add then its norm, against quack's norm with the
   residual fused (it writes the sum for the next residual and the normalized output);
 - the plain GEMMs alone (cuBLAS against quack's gemm), forward orientation, to separate the GEMM's
-  own speed from the fusion's.
+  own speed from the fusion's;
+- GELU alone, forward and backward: torch's kernels against inductor's (torch.compile), the same erf
+  formula, for when the epilogues cannot run.
 Each fused result's max |diff| / max |ref| against the unfused bf16 one. One JSON line per row to
 DIR/fusion_probe.jsonl (DIR: $OUT or out/).
 
@@ -20,7 +22,8 @@ DIR/fusion_probe.jsonl (DIR: $OUT or out/).
 walking the epilogue's functions and their globals (quack/gemm_runtime/identity.py,
 semantic_value_key) and refuses a value it cannot key; under nvidia-cutlass-dsl 4.8.1 the walk
 reaches the DSL's `_LOC_TRANSFORMS` ContextVar (MLIR location transforms, not math) and every
-epilogue stops there (2026-11-27). With the flag, this process keys a ContextVar by its name.
+epilogue stops there (2026-11-27), then at CPython's `code.co_positions` descriptor. With the flag,
+this process keys a ContextVar by its name and a builtin descriptor by its class and name.
 """
 
 import argparse
@@ -67,17 +70,17 @@ def probe(name: str, tokens: int, hidden: int, ffn: int, quack, norm) -> list[di
     pre = x @ w1.t()
     rows = []
 
-    def row(what, torch_fn, quack_fn, compare):
-        record = dict(shape=name, what=what, torch_ms=timed(torch_fn, ITERS), device=torch.cuda.get_device_name(),
-                      torch=torch.__version__)
+    def row(what, torch_fn, fused_fn, compare, candidate="quack"):
+        record = dict(shape=name, what=what, candidate=candidate, torch_ms=timed(torch_fn, ITERS),
+                      device=torch.cuda.get_device_name(), torch=torch.__version__)
         try:
-            record.update(quack_ms=timed(quack_fn, ITERS), max_rel_diff=compare())
+            record.update(candidate_ms=timed(fused_fn, ITERS), max_rel_diff=compare())
         except Exception as error:  # quack 0.6.5's GEMM epilogues fail under cutlass-dsl 4.8.1 (docs/benchmarks.md)
-            record["quack_error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:150]}"
+            record["candidate_error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:150]}"
         rows.append(record)
-        cells = (f"{record['quack_ms']:.3f} | {record['torch_ms'] / record['quack_ms']:.3f} | "
-                 f"{record['max_rel_diff']:.4f}" if "quack_ms" in record else f"{record['quack_error']} | |")
-        print(f"| {name} | {what} | {record['torch_ms']:.3f} | {cells} |", flush=True)
+        cells = (f"{record['candidate_ms']:.3f} | {record['torch_ms'] / record['candidate_ms']:.3f} | "
+                 f"{record['max_rel_diff']:.4f}" if "candidate_ms" in record else f"{record['candidate_error']} | |")
+        print(f"| {name} | {what} | {record['torch_ms']:.3f} | {candidate}: {cells} |", flush=True)
 
     row("fc1 GEMM + GELU forward", lambda: F.gelu(x @ w1.t()),
         lambda: quack.gemm_act(x, w1.t(), activation="gelu_erf", tuned=False),
@@ -92,6 +95,11 @@ def probe(name: str, tokens: int, hidden: int, ffn: int, quack, norm) -> list[di
         lambda: _rel(_add_norm_quack(x, dout, w2[:, 0].contiguous(), norm)[0], _add_norm_torch(x, dout, w2[:, 0])[0]))
     row("fc1 GEMM alone", lambda: x @ w1.t(), lambda: quack.gemm(x, w1.t(), tuned=False),
         lambda: _rel(quack.gemm(x, w1.t(), tuned=False), pre))
+    gelu, gelu_backward = torch.compile(F.gelu), torch.compile(torch.ops.aten.gelu_backward)
+    dact = _randn(tokens, ffn)
+    row("GELU forward alone", lambda: F.gelu(pre), lambda: gelu(pre), lambda: _rel(gelu(pre), F.gelu(pre)), "inductor")
+    row("GELU backward alone", lambda: torch.ops.aten.gelu_backward(dact, pre), lambda: gelu_backward(dact, pre),
+        lambda: _rel(gelu_backward(dact, pre), torch.ops.aten.gelu_backward(dact, pre)), "inductor")
     return rows
 
 
@@ -99,13 +107,19 @@ def key_context_vars() -> None:
     """quack's semantic_value_key, in this process, with a ContextVar keyed by its name (--key-context-vars);
     its recursive calls look the function up in its module, so they take this one too."""
     import contextvars
+    import types
 
     identity = importlib.import_module("quack.gemm_runtime.identity")
     original = identity.semantic_value_key
 
+    descriptors = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType,
+                   types.GetSetDescriptorType, types.MemberDescriptorType)
+
     def semantic_value_key(value, seen):
         if isinstance(value, contextvars.ContextVar):
             return ("contextvar", value.name)
+        if isinstance(value, descriptors):  # e.g. code.co_positions: CPython's own, fixed by the interpreter
+            return ("descriptor", value.__objclass__.__qualname__, value.__name__)
         return original(value, seen)
 
     identity.semantic_value_key = semantic_value_key
@@ -126,7 +140,7 @@ def main() -> int:
         print(f"error: quack does not import ({type(error).__name__}: {error})")
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {ITERS} calls each")
-    print("| shape | what | cuBLAS + torch ms | quack ms | speed-up | max rel diff |")
+    print("| shape | what | cuBLAS + torch ms | candidate: ms | speed-up | max rel diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     rows = [r for name, shape in SHAPES.items() for r in probe(name, *shape, quack, norm)]
     Path(args.out).mkdir(parents=True, exist_ok=True)

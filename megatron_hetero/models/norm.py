@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.models.norm_kernels import QUACK, load_quack, norm_kernel_for, quack_norm
+from megatron_hetero.models.norm_kernels import load_quack, norm_kernel_for, quack_norm
+from megatron_hetero.models.quack_kernels import QUACK
 
 
 class SequenceParallelNorm(torch.nn.Module):

@@ -10,63 +10,32 @@ input gradient's pass, as fp32 partial sums per SM added up afterwards (what ape
 Engine's fused norms do, neither of which is here). The statistics are fp32 in both.
 
 `MEGATRON_HETERO_NORM_KERNEL` (NORM_KERNEL_ENV): auto (the default: quack where it can run, torch
-elsewhere) or torch (torch's kernels on every device: A/B runs, or a suspected kernel). The choice is
-pure (choose_norm_kernel), so that it is tested without a GPU; norm_kernel_for() feeds it this
-process's facts. tools/gpu_norm_check.py checks quack's outputs and gradients against fp32 at the
-workloads' widths on a GPU.
+elsewhere) or torch (torch's kernels on every device: A/B runs, or a suspected kernel); the rule is
+quack_kernels.py's, shared with the MLP's GEMMs; norm_kernel_for() feeds it this process's facts.
+tools/gpu_norm_check.py checks quack's outputs and gradients against fp32 at the workloads' widths on
+a GPU.
 """
 
 import functools
 import os
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
 from megatron_hetero.models.attention_kernels import Device, current_device, import_failure
+from megatron_hetero.models.quack_kernels import TORCH, QuackChoice, choose_quack, kernel_mode
 
-QUACK = "quack"
-TORCH = "torch"
 NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
-NORM_MODES = ("auto", TORCH)
-QUACK_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200): the archs quack's kernels target
-
-
-class NormKernelError(ValueError):
-    """A NORM_KERNEL_ENV value that is not a mode; one line saying which are."""
-
-
-@dataclass(frozen=True)
-class NormChoice:
-    """kernel: QUACK or TORCH; reason: why not quack."""
-
-    kernel: str
-    reason: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.kernel}{' (' + self.reason + ')' if self.reason else ''}"
 
 
 def norm_mode(environ=os.environ) -> str:
-    """NORM_KERNEL_ENV's value ("auto" where unset); NormKernelError for another."""
-    mode = environ.get(NORM_KERNEL_ENV, "auto") or "auto"
-    if mode not in NORM_MODES:
-        raise NormKernelError(f"{NORM_KERNEL_ENV}={mode}: use one of {', '.join(NORM_MODES)}")
-    return mode
+    """NORM_KERNEL_ENV's value ("auto" where unset); KernelModeError for another."""
+    return kernel_mode(NORM_KERNEL_ENV, environ)
 
 
-def choose_norm_kernel(mode: str, device: Device, import_problem: str | None = None) -> NormChoice:
+def choose_norm_kernel(mode: str, device: Device, import_problem: str | None = None) -> QuackChoice:
     """The kernel of every norm of this process under `mode` (norm_mode) on `device`."""
-    if mode == TORCH:
-        return NormChoice(TORCH, f"{NORM_KERNEL_ENV}=torch")
-    if device.capability is None:
-        return NormChoice(TORCH, "no GPU")
-    if device.capability[0] not in QUACK_ARCH_MAJORS:
-        return NormChoice(TORCH, f"quack targets sm90/sm100, not {device.name} "
-                                 f"(sm{device.capability[0]}{device.capability[1]})")
-    if import_problem:
-        return NormChoice(TORCH, import_problem)
-    return NormChoice(QUACK)
+    return choose_quack(NORM_KERNEL_ENV, mode, device, import_problem)
 
 
 class Quack(NamedTuple):
@@ -89,7 +58,7 @@ def load_quack() -> tuple[Quack | None, str | None]:
     return Quack(_rmsnorm_fwd, _rmsnorm_bwd, get_sm_count), None
 
 
-def norm_kernel_for() -> NormChoice:
+def norm_kernel_for() -> QuackChoice:
     """choose_norm_kernel for this process: NORM_KERNEL_ENV and its GPU."""
     mode, device = norm_mode(), current_device()
     import_problem = load_quack()[1] if mode != TORCH and device.capability is not None else None

@@ -1,5 +1,8 @@
 """Layer specs: Transformer Engine's when it is importable; otherwise megatron-core's local layers
-with our core attention (SDPA, context parallelism) and norm (sequence parallelism) substituted."""
+with our core attention (SDPA, context parallelism), norm (sequence parallelism) and dense MLP (the
+activation in quack's GEMMs where they run) substituted."""
+
+import functools
 
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -11,6 +14,7 @@ from megatron.core.models.vision.vit_layer_specs import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -20,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from megatron_hetero.models.attention import SDPAttention
+from megatron_hetero.models.mlp import EpilogueMLP
 from megatron_hetero.models.norm import SequenceParallelNorm
 
 try:
@@ -31,11 +36,14 @@ except ImportError:
 
 
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-    """megatron's local layer spec with our attention and norms (query/key norms included, where
-    the spec has them); its other submodules kept."""
+    """megatron's local layer spec with our attention, norms (query/key norms included, where the spec
+    has them) and dense MLP; its other submodules (an MoE layer's) kept."""
     norm = _norm_spec(pg_collection)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
+    mlp = layer.submodules.mlp
+    if isinstance(mlp, functools.partial) and mlp.func == MLP.as_mlp_submodule:
+        layer.submodules.mlp = functools.partial(EpilogueMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = SDPAttention
     for name in ("q_layernorm", "k_layernorm"):

@@ -372,14 +372,17 @@ def _check_attention(args, layout) -> None:
             raise ArgsError(f"module {name}: {error}") from None
 
 
-def _check_norm_kernel() -> None:
-    """MEGATRON_HETERO_NORM_KERNEL, read where the norms are built: a value that is not a mode stops
-    the run here in one line (models/norm_kernels.py)."""
-    from megatron_hetero.models.norm_kernels import NormKernelError, norm_mode
+def _check_kernel_modes() -> None:
+    """MEGATRON_HETERO_NORM_KERNEL and MEGATRON_HETERO_MLP_KERNEL, read where the layers are built: a
+    value that is not a mode stops the run here in one line (models/quack_kernels.py)."""
+    from megatron_hetero.models.mlp_kernels import mlp_mode
+    from megatron_hetero.models.norm_kernels import norm_mode
+    from megatron_hetero.models.quack_kernels import KernelModeError
 
     try:
         norm_mode()
-    except NormKernelError as error:
+        mlp_mode()
+    except KernelModeError as error:
         raise ArgsError(str(error)) from None
 
 
@@ -394,7 +397,7 @@ def check_args(args, layout) -> None:
     _check_family(args, layout)
     _check_sizes(args, layout)
     _check_attention(args, layout)
-    _check_norm_kernel()
+    _check_kernel_modes()
     _check_data(args, layout)
     image_normalization(args, model_sizes(args))
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):

@@ -16,6 +16,7 @@ from megatron_hetero.data.media import TileImages
 from megatron_hetero.families import family_named
 from megatron_hetero.models.attention import attention_summary
 from megatron_hetero.models.kinds import ENCODER_KINDS
+from megatron_hetero.models.mlp import mlp_summary
 from megatron_hetero.models.norm import norm_summary
 from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import image_normalization, model_description, model_sizes, tokenizer
@@ -43,11 +44,12 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
 
 
 def report_kernels(run, parts: dict) -> None:
-    """Start-up lines per module, from its first rank: the attention and norm kernels it runs."""
+    """Start-up lines per module, from its first rank: the attention, norm and MLP kernels it runs."""
     for name, part in parts.items():
         if not any(run.modules[name].coords().values()):
             print(f"attention: {name}: {attention_summary(part)}", flush=True)
             print(f"norms: {name}: {norm_summary(part)}", flush=True)
+            print(f"mlp: {name}: {mlp_summary(part)}", flush=True)
 
 
 def image_processing(args, sizes):

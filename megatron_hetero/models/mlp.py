@@ -1,0 +1,80 @@
+"""megatron-core's dense MLP with the activation inside its GEMMs where quack can run them
+(mlp_kernels.py: why, where, and how to pin torch's); megatron-core's own forward everywhere else.
+
+The same module as megatron-core's MLP (its linear_fc1 / linear_fc2 parameters, names, checkpoints
+and TP sharding unchanged); only the forward differs where the epilogue path runs. Its communication
+is what megatron's ColumnParallelLinear / RowParallelLinear do around their GEMMs, through
+megatron-core's mappings and the MLP's own TP group: fc1's input gathered over the sequence
+(sequence parallelism; backward: reduce-scatter) or copied into the TP region (backward:
+all-reduce), fc2's output reduce-scattered or all-reduced. fc2's bias is returned apart, as the
+layer's bias-dropout-add expects (megatron builds both linears with skip_bias_add).
+"""
+
+import torch
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.mlp import MLP
+
+from megatron_hetero.models.mlp_kernels import (
+    EPILOGUE_DTYPES,
+    epilogue_mlp,
+    load_quack_gemm,
+    mlp_kernel_for,
+    quack_activation,
+)
+from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice
+
+
+def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
+    """Whether an MLP of `config` with these linears runs its activation in quack's GEMMs, given the
+    process's kernel choice (mlp_kernel_for); the reason where it does not."""
+    if kernel.kernel != QUACK:
+        return kernel
+    if quack_activation(config) is None:
+        return QuackChoice(TORCH, "a gated or non-GELU activation")
+    if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
+        return QuackChoice(TORCH, f"linears {type(fc1).__name__} / {type(fc2).__name__}")
+    if fc1.is_expert or fc1.disable_grad_reduce or config.fp8 or config.delay_wgrad_compute:
+        return QuackChoice(TORCH, "an expert, FP8 or delayed weight-gradient MLP")
+    return QuackChoice(QUACK, quack_activation(config))
+
+
+def epilogue_input(x: torch.Tensor) -> bool:
+    """Whether quack's GEMMs take this input: bf16 / fp16 on the GPU."""
+    return x.is_cuda and x.dtype in EPILOGUE_DTYPES
+
+
+class EpilogueMLP(MLP):
+    """megatron-core's MLP (same arguments and parameters); `epilogue` says whether its activation
+    runs in quack's GEMMs, where inputs are bf16 / fp16 on the GPU."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for())
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
+        if self.epilogue.kernel != QUACK or per_token_scale is not None or not epilogue_input(hidden_states):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if fc1.sequence_parallel:
+            x = gather_from_sequence_parallel_region(hidden_states, group=fc1.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(hidden_states, group=fc1.tp_group)
+        out = epilogue_mlp(x, fc1.weight, fc1.bias, fc2.weight, quack_activation(self.config),
+                           fc1.gradient_accumulation_fusion, load_quack_gemm()[0])
+        if fc2.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, group=fc2.tp_group), fc2.bias
+        return reduce_from_tensor_model_parallel_region(out, group=fc2.tp_group), fc2.bias
+
+
+def mlp_summary(module: torch.nn.Module) -> str:
+    """The kernels a model part's MLPs run (e.g. "quack (gelu_erf)", "torch (no GPU)"), for the start-up
+    line and benchmark records; "none" for a part without our MLPs."""
+    found = [str(sub.epilogue) for sub in module.modules() if isinstance(sub, EpilogueMLP)]
+    return "; ".join(dict.fromkeys(found)) or "none"

@@ -1,0 +1,181 @@
+"""The MLP's activation inside its GEMMs (quack-kernels' epilogues), where megatron-core's MLP runs
+fc1's GEMM, the activation and fc2's GEMM as separate passes over [tokens, ffn].
+
+Why: without Transformer Engine, GELU is an elementwise kernel reading and writing the widest tensor
+of the layer, forward and backward: in W3's profiled step on one H200 (8 LLM layers, global batch 16;
+docs/benchmarks.md) 94.6 ms forward and 71.8 ms backward of 6,106. quack's GEMMs apply it in their
+epilogue, on the accumulator in registers: fc1's GEMM writes the pre-activation and the activation
+(1.07x fc1 + GELU at W1's LLM shape), and fc2's input-gradient GEMM multiplies by the activation's
+derivative and writes the activation again, recomputed from the pre-activation, which fc2's weight
+gradient needs (1.15x). So the activation is not kept for the backward: one [tokens, ffn] tensor
+less per layer than megatron's MLP keeps.
+
+Where: dense, non-gated MLPs whose activation quack computes exactly as megatron-core would
+(ACTIVATIONS: F.gelu, erf; with --bias-gelu-fusion megatron's bias_gelu_impl, the tanh
+approximation), in bf16 / fp16, on GPUs quack targets (quack_kernels.py's rule, pinned off with
+MEGATRON_HETERO_MLP_KERNEL=torch). The other GEMMs (fc2 forward, fc1's input gradient, both weight
+gradients) stay torch's (cuBLAS, at the same speed as quack's plain GEMM by tools/gpu_fusion_probe.py);
+the weight gradients go into main_grad inside the GEMM where megatron's gradient-accumulation fusion
+is on, as megatron-core's linear layers do. tools/gpu_mlp_check.py checks the outputs and gradients
+against fp32 on a GPU.
+"""
+
+import functools
+import os
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import layers as tp_layers
+
+from megatron_hetero.models.attention_kernels import current_device, import_failure
+from megatron_hetero.models.quack_kernels import TORCH, QuackChoice, choose_quack, kernel_mode
+
+MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
+# quack's activation name -> torch's same function: what megatron-core's MLP computes without the fusion.
+ACTIVATIONS: dict[str, Callable] = {
+    "gelu_erf": F.gelu,
+    "gelu_tanh_approx": functools.partial(F.gelu, approximate="tanh"),
+}
+EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def mlp_mode(environ=os.environ) -> str:
+    """MLP_KERNEL_ENV's value ("auto" where unset); KernelModeError for another."""
+    return kernel_mode(MLP_KERNEL_ENV, environ)
+
+
+def quack_activation(config) -> str | None:
+    """quack's name for the activation of megatron-core's dense MLP under `config` (a
+    TransformerConfig), or None where the fused GEMMs do not compute it (gated units, other functions,
+    Transformer Engine's activation modules)."""
+    function = config.activation_func
+    if config.gated_linear_unit or config.use_te_activation_func:
+        return None
+    if (isinstance(function, functools.partial) and function.func is F.gelu and not function.args
+            and function.keywords == {"approximate": "tanh"}):  # Hugging Face's gelu_pytorch_tanh (models/vlm.py)
+        return "gelu_tanh_approx"
+    if function is not F.gelu:
+        return None
+    # megatron-core's MLP fuses the bias with the tanh-approximated GELU (bias_gelu_impl) under this flag.
+    return "gelu_tanh_approx" if config.bias_activation_fusion else "gelu_erf"
+
+
+class QuackGemm(NamedTuple):
+    """quack's GEMMs with an activation epilogue (quack.gemm_interface): act(A, B, bias=, activation=,
+    tuned=) -> (preact, postact); dact(A, B, preact, activation=, tuned=) -> (dpreact, postact)."""
+
+    act: Callable
+    dact: Callable
+
+
+def _dsl_location_problem(dsl_file: str) -> str | None:
+    """quack keys an epilogue's compiled kernel by walking its functions' globals and stops at installed
+    code, which it knows by a site-packages or dist-packages directory in the file's path; the CuTe DSL
+    installed elsewhere (pip --target DIR) leads the walk into the DSL's runtime state, and every
+    epilogue GEMM refuses to compile (TypeError: ... no fail-closed semantic key)."""
+    parts = dsl_file.split(os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return None
+    return (f"quack's epilogue GEMMs need nvidia-cutlass-dsl installed under a site-packages directory, "
+            f"not {os.path.dirname(os.path.dirname(dsl_file))}")
+
+
+@functools.cache
+def load_quack_gemm() -> tuple[QuackGemm | None, str | None]:
+    """(quack's epilogue GEMMs, None), or (None, why they cannot run here)."""
+    try:
+        import cutlass
+        from quack.gemm_interface import gemm_act, gemm_dact
+    except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
+        return None, import_failure("quack", error)
+    problem = _dsl_location_problem(cutlass.__file__)
+    return (None, problem) if problem else (QuackGemm(gemm_act, gemm_dact), None)
+
+
+def mlp_kernel_for() -> QuackChoice:
+    """quack_kernels.choose_quack for this process's MLPs: MLP_KERNEL_ENV and its GPU."""
+    mode, device = mlp_mode(), current_device()
+    import_problem = load_quack_gemm()[1] if mode != TORCH and device.capability is not None else None
+    return choose_quack(MLP_KERNEL_ENV, mode, device, import_problem)
+
+
+def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor,
+                accumulation_fusion: bool) -> torch.Tensor | None:
+    """grad_output^T @ total_input, the weight gradient of a linear layer as megatron-core's linear
+    layers return it: under gradient-accumulation fusion added to weight.main_grad inside the GEMM
+    (megatron's fused_weight_gradient_mlp_cuda; apex's, or the plugin's on torch's GEMM) and a
+    placeholder returned where megatron's DDP expects one (grad_added_to_main_grad)."""
+    if not accumulation_fusion:
+        return grad_output.t().matmul(total_input)
+    main_grad = weight.main_grad
+    kernels = tp_layers.fused_weight_gradient_mlp_cuda
+    accumulate = kernels.wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else kernels.wgrad_gemm_accum_fp16
+    accumulate(total_input, grad_output, main_grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    # A placeholder keeps DDP's hooks on the main backward thread (megatron-core's linear layers do the same).
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(main_grad.shape, dtype=total_input.dtype, device=total_input.device)
+
+
+class _LinearAct(torch.autograd.Function):
+    """fc1 with the activation in its GEMM's epilogue, on 2-D x [tokens, in].
+
+    forward: preact = x @ w^T (+ b), act = activation(preact), one GEMM writing both; act is not
+    differentiable (its gradient comes back as preact's, from _DActLinear's backward);
+    backward: dx = dpreact @ w, dw = dpreact^T @ x, db = sum of dpreact over tokens."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, accumulation_fusion, gemm):
+        preact, act = gemm.act(x, weight.t(), bias=bias, activation=activation, tuned=False)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.accumulation_fusion = bias is not None, accumulation_fusion
+        ctx.mark_non_differentiable(act)
+        ctx.set_materialize_grads(False)
+        return preact, act
+
+    @staticmethod
+    def backward(ctx, dpreact, _):
+        x, weight = ctx.saved_tensors
+        dx = dpreact.matmul(weight) if ctx.needs_input_grad[0] else None
+        dw = weight_grad(weight, x, dpreact, ctx.accumulation_fusion) if ctx.needs_input_grad[1] else None
+        db = dpreact.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
+class _DActLinear(torch.autograd.Function):
+    """fc2 whose input-gradient GEMM applies the activation's derivative in its epilogue.
+
+    forward: out = act @ w^T; preact is kept for the backward, act is not;
+    backward: one GEMM gives dpreact = (dout @ w) * activation'(preact) and act again, recomputed
+    from preact, for dw = dout^T @ act (torch's activation recomputes it where dpreact is not needed)."""
+
+    @staticmethod
+    def forward(ctx, preact, act, weight, activation, accumulation_fusion, gemm):
+        ctx.save_for_backward(preact, weight)
+        ctx.activation, ctx.accumulation_fusion, ctx.gemm = activation, accumulation_fusion, gemm
+        return act.matmul(weight.t())
+
+    @staticmethod
+    def backward(ctx, dout):
+        preact, weight = ctx.saved_tensors
+        dout = dout.contiguous()
+        if ctx.needs_input_grad[0]:
+            dpreact, act = ctx.gemm.dact(dout, weight, preact, activation=ctx.activation, tuned=False)
+        else:
+            dpreact, act = None, ACTIVATIONS[ctx.activation](preact)
+        dw = weight_grad(weight, act, dout, ctx.accumulation_fusion) if ctx.needs_input_grad[2] else None
+        return dpreact, None, dw, None, None, None
+
+
+def epilogue_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None,
+                 fc2_weight: torch.Tensor, activation: str, accumulation_fusion: bool,
+                 gemm: QuackGemm) -> torch.Tensor:
+    """fc2(activation(fc1(x))) of one TP rank's weights (fc1 [ffn, in], fc2 [out, ffn]), fc2's bias
+    left to the caller, on x of any leading shape; the activation in the GEMMs' epilogues."""
+    flat = x.reshape(-1, x.shape[-1])
+    preact, act = _LinearAct.apply(flat.contiguous(), fc1_weight, fc1_bias, activation, accumulation_fusion, gemm)
+    out = _DActLinear.apply(preact, act, fc2_weight, activation, accumulation_fusion, gemm)
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,169 @@
+"""The MLP's fused GEMMs without a GPU (CI never has quack's kernels).
+
+- which MLPs take the fused path: the activation megatron-core would compute, the linears, the
+  kernel rule and MEGATRON_HETERO_MLP_KERNEL (pure), and where quack's epilogues cannot be keyed;
+- epilogue_mlp on a pure-torch stand-in with quack's call signatures (tests/quack_stand_in.py):
+  output and every gradient equal torch's MLP, weight gradients into main_grad as megatron's
+  gradient-accumulation fusion does, frozen parts; the module in megatron's layers under TP / SP is
+  tested in test_layers.py, the kernels' numbers by tools/gpu_mlp_check.py on a GPU, whose judging is
+  tested here.
+"""
+
+import functools
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hetero.models.attention_kernels import Device
+from megatron_hetero.models.mlp_kernels import (
+    ACTIVATIONS,
+    MLP_KERNEL_ENV,
+    QuackGemm,
+    _dsl_location_problem,
+    epilogue_mlp,
+    mlp_kernel_for,
+    mlp_mode,
+    quack_activation,
+)
+from megatron_hetero.models.quack_kernels import TORCH, KernelModeError, QuackChoice, choose_quack
+from tests.quack_stand_in import STAND_IN
+
+
+def _config(**fields) -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, **fields)
+
+
+# ---- which MLPs (pure) --------------------------------------------------------------------------
+@pytest.mark.parametrize("fields, expected", [
+    ({}, "gelu_erf"),
+    ({"add_bias_linear": True, "bias_activation_fusion": True}, "gelu_tanh_approx"),  # megatron's bias_gelu_impl
+    ({"activation_func": functools.partial(F.gelu, approximate="tanh")}, "gelu_tanh_approx"),
+    ({"activation_func": F.silu, "gated_linear_unit": True}, None),
+    ({"gated_linear_unit": True}, None),
+    ({"activation_func": F.silu}, None),
+    ({"activation_func": functools.partial(F.gelu, approximate="none")}, None),
+])
+def test_activation_megatron_would_compute(fields, expected):
+    assert quack_activation(_config(**fields)) == expected
+
+
+def test_mode_and_rule():
+    assert mlp_mode({}) == "auto" and mlp_mode({MLP_KERNEL_ENV: "torch"}) == TORCH
+    with pytest.raises(KernelModeError, match=f"{MLP_KERNEL_ENV}=fused: use one of auto, torch"):
+        mlp_mode({MLP_KERNEL_ENV: "fused"})
+    h100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
+    assert str(choose_quack(MLP_KERNEL_ENV, "torch", h100)) == f"torch ({MLP_KERNEL_ENV}=torch)"
+    assert str(choose_quack(MLP_KERNEL_ENV, "auto", h100)) == "quack"
+
+
+def test_cpu_runs_torch(monkeypatch):
+    monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
+    assert mlp_kernel_for() == QuackChoice(TORCH, "no GPU")
+
+
+def test_epilogues_need_the_dsl_under_site_packages():
+    """quack's epilogue cache key stops at installed code it recognizes by its directory; a `pip
+    --target` install elsewhere makes every epilogue GEMM refuse to compile (2026-11-27, one H200)."""
+    assert _dsl_location_problem("/usr/lib/python3.12/site-packages/cutlass/__init__.py") is None
+    assert _dsl_location_problem("/usr/lib/python3/dist-packages/cutlass/__init__.py") is None
+    problem = _dsl_location_problem("/root/fasite/nvidia_cutlass_dsl/python_packages/cutlass/__init__.py")
+    assert problem == ("quack's epilogue GEMMs need nvidia-cutlass-dsl installed under a site-packages "
+                       "directory, not /root/fasite/nvidia_cutlass_dsl/python_packages")
+
+
+# ---- the fused path on the stand-in --------------------------------------------------------------
+def _torch_mlp(x, w1, b1, w2, activation):
+    preact = x @ w1.t() if b1 is None else x @ w1.t() + b1
+    return ACTIVATIONS[activation](preact) @ w2.t()
+
+
+def _leaves(bias: bool, frozen: tuple[str, ...] = ()):
+    torch.manual_seed(0)
+    tensors = dict(x=torch.randn(5, 3, 8, dtype=torch.float64), w1=torch.randn(24, 8, dtype=torch.float64) / 3,
+                   b1=torch.randn(24, dtype=torch.float64) if bias else None,
+                   w2=torch.randn(8, 24, dtype=torch.float64) / 5)
+    return {k: (v.requires_grad_(k not in frozen) if v is not None else None) for k, v in tensors.items()}
+
+
+def _run(mlp, leaves, activation):
+    out = mlp(leaves["x"], leaves["w1"], leaves["b1"], leaves["w2"], activation)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+    return out.detach(), {k: v.grad for k, v in leaves.items() if v is not None and v.requires_grad}
+
+
+def _fused(gemm=STAND_IN, fusion=False):
+    return lambda x, w1, b1, w2, activation: epilogue_mlp(x, w1, b1, w2, activation, fusion, gemm)
+
+
+@pytest.mark.parametrize("bias, activation", [(False, "gelu_erf"), (True, "gelu_erf"), (True, "gelu_tanh_approx")])
+@pytest.mark.parametrize("frozen", [(), ("w1", "b1"), ("x", "w1", "b1"), ("w2",)])
+def test_fused_path_equals_torch(bias, activation, frozen):
+    """[s, b, h] in, output and every gradient as torch's MLP, frozen parts (no gradient) included:
+    with x and fc1 frozen fc2's weight gradient recomputes the activation with torch."""
+    got = _run(_fused(), _leaves(bias, frozen), activation)
+    want = _run(_torch_mlp, _leaves(bias, frozen), activation)
+    assert got[1].keys() == want[1].keys()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _accumulating(monkeypatch):
+    """megatron's fused_weight_gradient_mlp_cuda as the plugin provides it, in fp64 on the CPU."""
+    def accumulate(total_input, grad_output, main_grad):
+        main_grad.add_(grad_output.t() @ total_input)
+    module = types.SimpleNamespace(wgrad_gemm_accum_fp32=accumulate, wgrad_gemm_accum_fp16=accumulate)
+    monkeypatch.setattr(tp_layers, "fused_weight_gradient_mlp_cuda", module, raising=False)
+
+
+def test_weight_gradients_accumulate_into_main_grad(monkeypatch):
+    """Under gradient-accumulation fusion: main_grad += the weight gradient (twice: two microbatches),
+    and DDP's placeholder returned with grad_added_to_main_grad set, as megatron's linear layers do."""
+    _accumulating(monkeypatch)
+    leaves = _leaves(bias=True)
+    for weight in (leaves["w1"], leaves["w2"]):
+        weight.main_grad = torch.full_like(weight, 0.5)
+        weight.grad_added_to_main_grad = False
+        weight.zero_out_wgrad = True  # the placeholder is zeros: nothing else to add
+    for _ in range(2):
+        _run(_fused(fusion=True), leaves, "gelu_erf")
+    want = _run(_torch_mlp, _leaves(bias=True), "gelu_erf")[1]
+    for name in ("w1", "w2"):
+        weight = leaves[name]
+        torch.testing.assert_close(weight.main_grad, 0.5 + 2 * want[name], rtol=1e-12, atol=1e-12)
+        assert weight.grad_added_to_main_grad and torch.equal(weight.grad, torch.zeros_like(weight))
+    torch.testing.assert_close(leaves["b1"].grad, 2 * want["b1"], rtol=1e-12, atol=1e-12)
+
+
+# ---- the GPU script's judging ---------------------------------------------------------------------
+def _check_tool(monkeypatch, gemm: QuackGemm):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tools"))
+    import gpu_mlp_check
+
+    _accumulating(monkeypatch)
+    monkeypatch.setattr(gpu_mlp_check, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu_mlp_check, "load_quack_gemm", lambda: (gemm, None))
+    return gpu_mlp_check
+
+
+def _wrong_derivative(gemm: QuackGemm) -> QuackGemm:
+    def dact(*args, **kwargs):
+        dpreact, postact = gemm.dact(*args, **kwargs)
+        return dpreact * 1.5, postact
+    return QuackGemm(gemm.act, dact)
+
+
+def test_gpu_check_passes_a_right_kernel_and_fails_a_wrong_derivative(monkeypatch):
+    cases = [(bias, activation) for bias in (False, True) for activation in ACTIVATIONS]
+    for gemm, right in ((STAND_IN, True), (_wrong_derivative(STAND_IN), False)):
+        tool = _check_tool(monkeypatch, gemm)
+        for bias, activation in cases:
+            record = tool.measure(tool.Case("test", 64, 16, 48, bias, activation), iters=0)
+            assert record["ok"] == right and record["torch_dx_err"] < tool.TOLERANCE, record
+            if not right:  # the input gradient and fc1's gradients are off, fc2's are not
+                assert record["quack_dx_err"] > 0.2 and record["quack_dw2_err"] < tool.TOLERANCE, record

@@ -1,0 +1,155 @@
+"""Are the MLP's fused GEMMs (the activation in quack's epilogues) right on this GPU at the workloads'
+shapes, and faster than cuBLAS plus torch's activation?
+
+    python3 tools/gpu_mlp_check.py [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
+
+Per case (tokens, hidden, ffn, fc1 bias or not, activation; bf16 as the models train): the output, the
+input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
+`epilogue_mlp`, weight gradients accumulated into fp32 main_grad as megatron's gradient-accumulation
+fusion does in training) and of torch's bf16 path (x @ w1^T + b1, the activation, @ w2^T: what
+megatron-core's MLP runs) against fp32 autograd of the same inputs, as max |diff| / max |ref|; then
+both paths' forward and forward+backward ms (CUDA events). A fused error above TOLERANCE: FAIL, exit 1.
+Records (one JSON object per line) go to DIR/mlp_check.jsonl; DIR defaults to $OUT or out/.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from bench_ops import timed
+
+from megatron_hetero.models.mlp_kernels import ACTIVATIONS, epilogue_mlp, load_quack_gemm
+from megatron_hetero.patches import grad_accum_fusion
+
+TOLERANCE = 0.02  # torch's own bf16 MLP is ~0.005-0.01 off fp32 (bf16 rounding of activations and grads)
+DEVICE = "cuda"  # tests/test_mlp_kernels.py runs the measuring on CPU with a stand-in kernel
+GRADS = ("out", "dx", "dw1", "db1", "dw2")
+
+
+class Case(NamedTuple):
+    name: str
+    tokens: int
+    hidden: int
+    ffn: int
+    bias: bool
+    activation: str = "gelu_erf"
+
+
+def cases(quick: bool) -> list[Case]:
+    """The dense MLPs of the workloads at one micro batch's tokens (2 samples; W1's ViT: 32 images of
+    729 patches): W1/W3's LLM (no biases), SigLIP's ViT (W1, biased), InternViT-6B's (W4), Qwen3-VL's
+    ViT (tanh GELU)."""
+    cut = 8 if quick else 1
+    return [Case("W1/W3 LLM 4096 -> 16384", 32768 // cut, 4096, 16384, False),
+            Case("W1 SigLIP ViT 1152 -> 4304", 23328 // cut, 1152, 4304, True),
+            Case("W4 InternViT-6B 3200 -> 12800", 16384 // cut, 3200, 12800, True),
+            Case("Qwen3-VL ViT 1152 -> 4304 (tanh)", 16384 // cut, 1152, 4304, True, "gelu_tanh_approx")]
+
+
+def inputs(case: Case, seed: int = 0) -> list[torch.Tensor | None]:
+    """x, w1, b1 (None without bias), w2, dout: weights at 1 / sqrt(fan-in), as trained layers are."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device=DEVICE, generator=g) * scale
+
+    return [randn(case.tokens, case.hidden), randn(case.ffn, case.hidden, scale=case.hidden**-0.5),
+            randn(case.ffn, scale=0.1) if case.bias else None, randn(case.hidden, case.ffn, scale=case.ffn**-0.5),
+            randn(case.tokens, case.hidden)]
+
+
+def torch_mlp(case: Case, x, w1, b1, w2):
+    preact = x @ w1.t() if b1 is None else x @ w1.t() + b1
+    return ACTIVATIONS[case.activation](preact) @ w2.t()
+
+
+def fused_mlp(case: Case, x, w1, b1, w2):
+    """epilogue_mlp with the weight gradients accumulated into each weight's fp32 main_grad."""
+    return epilogue_mlp(x, w1, b1, w2, case.activation, True, load_quack_gemm()[0])
+
+
+def _grads(mlp, case: Case, dtype, main_grads: bool) -> list[torch.Tensor]:
+    """mlp's output and gradients (x, w1, b1, w2) in fp32, inputs cast to dtype."""
+    x, w1, b1, w2, dout = inputs(case)
+    leaves = [t.to(dtype).requires_grad_() if t is not None else None for t in (x, w1, b1, w2)]
+    for weight in (leaves[1], leaves[3]):
+        weight.main_grad = torch.zeros_like(weight, dtype=torch.float32) if main_grads else None
+    out = mlp(case, *leaves)
+    out.backward(dout.to(dtype))
+    x, w1, b1, w2 = leaves
+    grads = [x.grad, w1.main_grad if main_grads else w1.grad, b1.grad if b1 is not None else None,
+             w2.main_grad if main_grads else w2.grad]
+    return [out.detach().float(), *(g.float() if g is not None else None for g in grads)]
+
+
+def errors(mlp, case: Case, main_grads: bool) -> dict[str, float]:
+    """Max |diff| / max |ref| of out, dx, dw1, (db1,) dw2 of mlp at bf16 against fp32 torch."""
+    reference = _grads(torch_mlp, case, torch.float32, False)
+    got = _grads(mlp, case, torch.bfloat16, main_grads)
+    return {name: float((a - r).abs().max() / r.abs().max())
+            for name, a, r in zip(GRADS, got, reference) if r is not None}
+
+
+def speed(mlp, case: Case, iters: int) -> tuple[float, float]:
+    """Forward and forward+backward ms of mlp at bf16 (plain weight gradients for both paths)."""
+    x, w1, b1, w2, dout = (t.bfloat16().requires_grad_() if t is not None else None for t in inputs(case))
+    for weight in (w1, w2):
+        weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+    forward = timed(lambda: mlp(case, x, w1, b1, w2), iters)
+    both = timed(lambda: mlp(case, x, w1, b1, w2).backward(dout), iters)
+    return forward, both
+
+
+def measure(case: Case, iters: int) -> dict:
+    """Both paths' errors and times; ok: the fused path's errors within TOLERANCE."""
+    record = dict(case=case.name, tokens=case.tokens, hidden=case.hidden, ffn=case.ffn, bias=case.bias,
+                  activation=case.activation)
+    for label, mlp, main_grads in (("torch", torch_mlp, False), ("quack", fused_mlp, True)):
+        record.update({f"{label}_{n}_err": e for n, e in errors(mlp, case, main_grads).items()})
+        if iters:
+            record[f"{label}_fwd_ms"], record[f"{label}_fwd_bwd_ms"] = speed(mlp, case, iters)
+    record["ok"] = all(record[k] <= TOLERANCE for k in record if k.startswith("quack_") and k.endswith("_err"))
+    return record
+
+
+def _errs(r: dict, label: str) -> str:
+    return " / ".join(f"{r[k]:.4f}" for k in r if k.startswith(label) and k.endswith("_err"))
+
+
+def _line(r: dict) -> str:
+    times = (f" | {r['torch_fwd_ms']:.3f} / {r['torch_fwd_bwd_ms']:.3f} | {r['quack_fwd_ms']:.3f} / "
+             f"{r['quack_fwd_bwd_ms']:.3f}" if "quack_fwd_ms" in r else " | | ")
+    return f"| {r['case']} | {r['tokens']} | {_errs(r, 'torch')} | {_errs(r, 'quack')}{times} | " \
+           f"{'ok' if r['ok'] else 'FAIL'} |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="an eighth of the tokens, fewer timing calls")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = parser.parse_args()
+    if load_quack_gemm()[0] is None:
+        print(f"error: {load_quack_gemm()[1]}")
+        return 2
+    grad_accum_fusion.apply()  # main_grad accumulation without apex, as in training
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| case | tokens | torch bf16 err (out / dx / dw1 / [db1 /] dw2) | fused err | torch ms (fwd / fwd+bwd) | "
+          "fused ms | |\n| --- | --- | --- | --- | --- | --- | --- |")
+    records = [measure(case, 5 if args.quick else 20) for case in cases(args.quick)]
+    for r in records:
+        print(_line(r), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "mlp_check.jsonl", "a") as f:
+        for r in records:
+            f.write(json.dumps(dict(r, device=torch.cuda.get_device_name(), torch=torch.__version__)) + "\n")
+    ok = all(r["ok"] for r in records)
+    print("PASS" if ok else f"FAIL: the fused path above {TOLERANCE} of fp32")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
