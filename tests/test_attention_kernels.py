@@ -64,18 +64,8 @@ def test_backend_mode_is_megatrons_attention_backend():
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_auto_takes_fa4_at_the_checked_head_dims(head_dim):
-    """Its short dense calls on SDPA (AUTO_SDPA_MAX_QUERY), not under flash, not for packed modules."""
-    assert _choose("auto", head_dim) == KernelChoice(FA4, head_dim, head_dim, short_on_sdpa=True)
-    assert str(_choose("auto", head_dim)) == f"fa4 (head dim {head_dim}; calls of up to 1024 query tokens on sdpa)"
-    assert _choose("flash", head_dim) == KernelChoice(FA4, head_dim, head_dim)
-    assert _choose("auto", head_dim, packed=True) == KernelChoice(FA4, head_dim, head_dim)
-    assert _choose("auto", head_dim, merge_checked=True).merged_chunks  # for its short CP chunks on SDPA
-
-
-def test_short_dense_calls_run_on_sdpa_under_auto():
-    choice = _choose("auto", 128)
-    assert [choice.runs_fa4(n) for n in (729, 1024, 1025, 16384)] == [False, False, True, True]
-    assert _choose("flash", 128).runs_fa4(729) and not _choose("sdpa", 128).runs_fa4(16384)
+    assert _choose("auto", head_dim) == KernelChoice(FA4, head_dim, head_dim)
+    assert str(_choose("auto", head_dim)) == f"fa4 (head dim {head_dim})"
 
 
 @pytest.mark.parametrize("head_dim, padded", [(72, 96), (80, 96), (32, 64), (100, 128)])
@@ -288,24 +278,6 @@ def test_fa4_path_full_attention():
     got = _grads(lambda: attend(*leaves, KernelChoice(FA4, 8, 16), 0.3, False, fa4=FAKE), leaves)
     want = _grads(lambda: attend(*leaves, SD, 0.3, False), leaves)
     _assert_same(got, want)
-
-
-@pytest.mark.parametrize("cp, packed, on_fa4", [(1, False, True), (2, False, False), (4, False, False),
-                                                (2, True, True)])
-def test_short_calls_of_an_auto_module_run_on_sdpa(monkeypatch, cp, packed, on_fa4):
-    """attend's dispatch under auto, with AUTO_SDPA_MAX_QUERY at 4: a 16-token sequence whole on FA4,
-    its CP chunks of 4 or 2 tokens on SDPA, packed documents on FA4's varlen entry whatever their
-    length; the same outputs and gradients as SDPA's either way."""
-    monkeypatch.setattr(attention_kernels, "AUTO_SDPA_MAX_QUERY", 4)
-    calls = []
-    counting = Fa4(lambda *a, **kw: calls.append("dense") or FAKE.fwd(*a, **kw), FAKE.bwd,
-                   lambda *a, **kw: calls.append("varlen") or FAKE.varlen_func(*a, **kw))
-    leaves = _leaves((16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8))
-    params = packed_seq_params(DOCUMENTS, "cpu") if packed else None
-    auto = KernelChoice(FA4, 8, 8, merged_chunks=True, short_on_sdpa=True)
-    got = _grads(lambda: _cp_run(auto, counting, cp, *leaves, packed=params), leaves)
-    _assert_same(got, _grads(lambda: _cp_run(SD, None, 1, *leaves, packed=params), leaves))
-    assert bool(calls) == on_fa4, calls
 
 
 @pytest.mark.parametrize("causal, cp", [(False, 1), (True, 1), (True, 2)])

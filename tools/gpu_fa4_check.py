@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -281,9 +280,7 @@ def negative_control(records: list, checked: tuple[int, ...]) -> None:
     device = current_device()
     for case in (dense_case("control: W1 ViT 32 x 729 x 16 x 72", 32, 729, 16, 16, 72, False),
                  varlen_case("control: Qwen2.5-VL ViT varlen 16 x 80", [256, 1024, 4096, 576], 16, 80)):
-        # Unbounded: auto would run W1's 729-token images on SDPA (AUTO_SDPA_MAX_QUERY), not FA4.
-        kernel = replace(choose_kernel("auto", case.head_dim, device, checked=tuple(sorted({*checked, 72, 80}))),
-                         short_on_sdpa=False)
+        kernel = choose_kernel("auto", case.head_dim, device, checked=tuple(sorted({*checked, 72, 80})))
         records.append(measure(case, "auto, 72/80 as if checked", kernel, 0, judged=False))
         caught = not records[-1]["ok"]
         print(f"negative control at head dim {case.head_dim}: " + (

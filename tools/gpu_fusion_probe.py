@@ -18,12 +18,9 @@ to 4608 as the profile's GEMMs are), bf16, CUDA events over ITERS calls after wa
 Each fused result's max |diff| / max |ref| against the unfused bf16 one. One JSON line per row to
 DIR/fusion_probe.jsonl (DIR: $OUT or out/).
 
---key-context-vars: an experiment for the epilogue rows. quack 0.6.5 keys its compiled kernels by
-walking the epilogue's functions and their globals (quack/gemm_runtime/identity.py,
-semantic_value_key) and refuses a value it cannot key; under nvidia-cutlass-dsl 4.8.1 the walk
-reaches the DSL's `_LOC_TRANSFORMS` ContextVar (MLIR location transforms, not math) and every
-epilogue stops there (2026-11-27), then at CPython's `code.co_positions` descriptor. With the flag,
-this process keys a ContextVar by its name and a builtin descriptor by its class and name.
+quack's epilogue GEMMs compile only where nvidia-cutlass-dsl is imported from a site-packages directory
+(models/mlp_kernels.py; tools/gpu_env.sh links FA4_SITE so): from a `pip --target` directory every
+epilogue row failed (2026-11-27).
 """
 
 import argparse
@@ -75,7 +72,7 @@ def probe(name: str, tokens: int, hidden: int, ffn: int, quack, norm) -> list[di
                       device=torch.cuda.get_device_name(), torch=torch.__version__)
         try:
             record.update(candidate_ms=timed(fused_fn, ITERS), max_rel_diff=compare())
-        except Exception as error:  # quack 0.6.5's GEMM epilogues fail under cutlass-dsl 4.8.1 (docs/benchmarks.md)
+        except Exception as error:  # e.g. quack's epilogues with the DSL outside site-packages (docs/benchmarks.md)
             record["candidate_error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:150]}"
         rows.append(record)
         cells = (f"{record['candidate_ms']:.3f} | {record['torch_ms'] / record['candidate_ms']:.3f} | "
@@ -103,36 +100,11 @@ def probe(name: str, tokens: int, hidden: int, ffn: int, quack, norm) -> list[di
     return rows
 
 
-def key_context_vars() -> None:
-    """quack's semantic_value_key, in this process, with a ContextVar keyed by its name (--key-context-vars);
-    its recursive calls look the function up in its module, so they take this one too."""
-    import contextvars
-    import types
-
-    identity = importlib.import_module("quack.gemm_runtime.identity")
-    original = identity.semantic_value_key
-
-    descriptors = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType,
-                   types.GetSetDescriptorType, types.MemberDescriptorType)
-
-    def semantic_value_key(value, seen):
-        if isinstance(value, contextvars.ContextVar):
-            return ("contextvar", value.name)
-        if isinstance(value, descriptors):  # e.g. code.co_positions: CPython's own, fixed by the interpreter
-            return ("descriptor", value.__objclass__.__qualname__, value.__name__)
-        return original(value, seen)
-
-    identity.semantic_value_key = semantic_value_key
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
-    parser.add_argument("--key-context-vars", action="store_true", help="the epilogue experiment (above)")
     args = parser.parse_args()
     try:
-        if args.key_context_vars:
-            key_context_vars()
         import quack.gemm_interface as quack
 
         norm = importlib.import_module("quack.rmsnorm")  # `import quack.rmsnorm` gets quack's rmsnorm function

@@ -180,9 +180,7 @@ def attend(q, k, v, kernel: KernelChoice, scale: float, causal: bool, mask: torc
     packed: per document. kernel: the module's choice; fa4: FA4's entries (default: the installed ones;
     tests pass a stand-in). FA4 runs neither an explicit mask nor dropout."""
     chunks = query_chunks(k.shape[0], cp, cp_rank)
-    # Packed documents stay on FA4's varlen entry: SDPA would take them with a dense document mask.
-    on_fa4 = kernel.kernel == FA4 if packed is not None else kernel.runs_fa4(max(e - a for (a, e), _, _ in chunks))
-    if on_fa4 and mask is None and dropout == 0.0:
+    if kernel.kernel == FA4 and mask is None and dropout == 0.0:
         return _attend_fa4(fa4 or load_fa4()[0], kernel, q, k, v, causal, packed, chunks, scale).flatten(2)
     merged = kernel.merged_chunks and dropout == 0.0
     out = _attend_sdpa(q, k, v, causal, mask, packed, cp, cp_rank, chunks, merged, dropout_p=dropout, scale=scale)

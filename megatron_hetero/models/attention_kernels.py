@@ -10,13 +10,11 @@ that GPU model (CHECKED_HEAD_DIMS). Elsewhere torch SDPA; CPUs always.
 Megatron's own `--attention-backend` chooses (Megatron-LM users already pass it, default auto; it
 reaches every module's TransformerConfig as `attention_backend`, and Transformer Engine's layers read
 it in their own sense where they are used instead of ours):
-- auto: FA4 where it is checked, SDPA elsewhere, and SDPA for dense calls of at most
-  AUTO_SDPA_MAX_QUERY query tokens per sequence (cuDNN measured faster there). An unchecked head dim
-  is not padded for one dense call: zero-padding to a checked one is exact but was slower than cuDNN
-  on the H100 (GPU-KERNELS.md, pad check) and at W1's ViT on the H200 (docs/attention.md). Packed
-  (varlen) calls are padded: SDPA runs them one launch per segment shape, and the padded varlen call
-  was twice as fast on the H200's packed Qwen2.5-VL ViT (16 x 80 -> 96: 6.28 against 12.64 ms
-  fwd+bwd, docs/attention.md).
+- auto: FA4 where it is checked, SDPA elsewhere. An unchecked head dim is not padded for one dense
+  call: zero-padding to a checked one is exact but was slower than cuDNN on the H100 (GPU-KERNELS.md,
+  pad check) and at W1's ViT on the H200 (docs/attention.md). Packed (varlen) calls are padded: SDPA
+  runs them one launch per segment shape, and the padded varlen call was twice as fast on the
+  H200's packed Qwen2.5-VL ViT (16 x 80 -> 96: 6.28 against 12.64 ms fwd+bwd, docs/attention.md).
 - flash: FA4 for every module, an unchecked head dim zero-padded to the next checked one with the
   true head dim's softmax scale (exact, at the padded FLOPs); where FA4 cannot run exactly, one line
   saying why (AttentionKernelError), never a silent fallback.
@@ -55,12 +53,6 @@ CHECKED_HEAD_DIMS: dict[str, tuple[int, ...]] = {
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 FA4_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
-# Under auto, a dense call (or CP's query chunk) of at most this many query tokens per sequence runs on
-# SDPA: at 1,024 cuDNN was the faster kernel at head dim 128 on the H200, for W4's ViT (8 x 1,024
-# tokens, full attention: 0.908-0.910 against FA4's 0.940-0.954 ms fwd+bwd) and for CP2's 1,024-token
-# chunks of a 4,096-token sequence (3.18 against 4.09 ms); from 8,192 (causal) FA4 was faster
-# (docs/attention.md, ../shared/GPU-KERNELS.md). Between them: FA4, as before the rule.
-AUTO_SDPA_MAX_QUERY = 1024
 FA4_INSTALL = "pip install 'megatron-hetero[fa4]'"
 
 
@@ -79,27 +71,20 @@ class KernelChoice:
     """kernel: FA4 or SDPA; head_dim: the module's; run_head_dim: what the kernel computes at (FA4 at
     an unchecked head dim: the checked one it is zero-padded to); reason: why not FA4; merged_chunks:
     on SDPA, a causal query chunk behind a longer key prefix (CP's later chunks) runs as two merged
-    calls (chunk_attention.py: CPUs, and GPUs where checked) instead of SDPA's bottom-right mask;
-    short_on_sdpa: FA4 under auto, its dense calls of at most AUTO_SDPA_MAX_QUERY query tokens on SDPA."""
+    calls (chunk_attention.py: CPUs, and GPUs where checked) instead of SDPA's bottom-right mask."""
 
     kernel: str
     head_dim: int
     run_head_dim: int
     reason: str = ""
     merged_chunks: bool = False
-    short_on_sdpa: bool = False
 
     def __str__(self) -> str:
         if self.kernel == SDPA:
             return f"sdpa (head dim {self.head_dim}{': ' + self.reason if self.reason else ''})"
         if self.run_head_dim != self.head_dim:
             return f"fa4 (head dim {self.head_dim} zero-padded to {self.run_head_dim})"
-        short = f"; calls of up to {AUTO_SDPA_MAX_QUERY} query tokens on sdpa" if self.short_on_sdpa else ""
-        return f"fa4 (head dim {self.head_dim}{short})"
-
-    def runs_fa4(self, query_tokens: int) -> bool:
-        """Whether a dense call (or CP chunk) of query_tokens per sequence runs on FA4."""
-        return self.kernel == FA4 and not (self.short_on_sdpa and query_tokens <= AUTO_SDPA_MAX_QUERY)
+        return f"fa4 (head dim {self.head_dim})"
 
     def describe(self, cp: int) -> str:
         """str(self), with how CP's later chunks are attended where the module runs CP on SDPA."""
@@ -158,8 +143,7 @@ def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: s
         return KernelChoice(SDPA, head_dim, head_dim, "chosen by --attention-backend", merged)
     problem = fa4_problem(device, import_problem, dtype, dropout, flash_attention_version, checked)
     if problem is None and head_dim in checked:
-        return KernelChoice(FA4, head_dim, head_dim, merged_chunks=merged,
-                            short_on_sdpa=mode == "auto" and not packed)
+        return KernelChoice(FA4, head_dim, head_dim)
     padded = next((d for d in sorted(checked) if d > head_dim), None)
     if problem is None and (mode == "flash" or packed) and padded is not None:
         return KernelChoice(FA4, head_dim, padded)
