@@ -12,13 +12,10 @@ both paths' forward and forward+backward ms (CUDA events). A fused error above T
 Records (one JSON object per line) go to DIR/mlp_check.jsonl; DIR defaults to $OUT or out/.
 """
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 from typing import NamedTuple
 
+import kernel_check
 import torch
 from bench_ops import timed
 
@@ -116,39 +113,11 @@ def measure(case: Case, iters: int) -> dict:
     return record
 
 
-def _errs(r: dict, label: str) -> str:
-    return " / ".join(f"{r[k]:.4f}" for k in r if k.startswith(label) and k.endswith("_err"))
-
-
-def _line(r: dict) -> str:
-    times = (f" | {r['torch_fwd_ms']:.3f} / {r['torch_fwd_bwd_ms']:.3f} | {r['quack_fwd_ms']:.3f} / "
-             f"{r['quack_fwd_bwd_ms']:.3f}" if "quack_fwd_ms" in r else " | | ")
-    return f"| {r['case']} | {r['tokens']} | {_errs(r, 'torch')} | {_errs(r, 'quack')}{times} | " \
-           f"{'ok' if r['ok'] else 'FAIL'} |"
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="an eighth of the tokens, fewer timing calls")
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
-    args = parser.parse_args()
-    if load_quack_gemm()[0] is None:
-        print(f"error: {load_quack_gemm()[1]}")
-        return 2
     grad_accum_fusion.apply()  # main_grad accumulation without apex, as in training
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| case | tokens | torch bf16 err (out / dx / dw1 / [db1 /] dw2) | fused err | torch ms (fwd / fwd+bwd) | "
-          "fused ms | |\n| --- | --- | --- | --- | --- | --- | --- |")
-    records = [measure(case, 5 if args.quick else 20) for case in cases(args.quick)]
-    for r in records:
-        print(_line(r), flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(args.out) / "mlp_check.jsonl", "a") as f:
-        for r in records:
-            f.write(json.dumps(dict(r, device=torch.cuda.get_device_name(), torch=torch.__version__)) + "\n")
-    ok = all(r["ok"] for r in records)
-    print("PASS" if ok else f"FAIL: the fused path above {TOLERANCE} of fp32")
-    return 0 if ok else 1
+    return kernel_check.main(__doc__, load_quack_gemm()[1], cases, measure, "tokens",
+                             "torch bf16 err (out / dx / dw1 / [db1 /] dw2) | quack err", "mlp_check.jsonl",
+                             f"the fused path above {TOLERANCE} of fp32")
 
 
 if __name__ == "__main__":

@@ -10,13 +10,10 @@ paths' forward and forward+backward ms (CUDA events). A quack error above TOLERA
 Records (one JSON object per line) go to DIR/norm_check.jsonl; DIR defaults to $OUT or out/.
 """
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 from typing import NamedTuple
 
+import kernel_check
 import torch
 import torch.nn.functional as F
 from bench_ops import timed
@@ -105,38 +102,10 @@ def measure(case: Case, iters: int) -> dict:
     return record
 
 
-def _errs(r: dict, label: str) -> str:
-    return " / ".join(f"{r[k]:.4f}" for k in r if k.startswith(label) and k.endswith("_err"))
-
-
-def _line(r: dict) -> str:
-    times = (f" | {r['torch_fwd_ms']:.3f} / {r['torch_fwd_bwd_ms']:.3f} | {r['quack_fwd_ms']:.3f} / "
-             f"{r['quack_fwd_bwd_ms']:.3f}" if "quack_fwd_ms" in r else " | | ")
-    verdict = "ok" if r["ok"] else "FAIL"
-    return f"| {r['case']} | {r['rows']} | {_errs(r, 'torch')} | {_errs(r, 'quack')}{times} | {verdict} |"
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="an eighth of the rows, fewer timing calls")
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
-    args = parser.parse_args()
-    if load_quack()[0] is None:
-        print(f"error: {load_quack()[1]}")
-        return 2
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| case | rows | torch bf16 err (out / dx / dw / db) | quack err | torch ms (fwd / fwd+bwd) | "
-          "quack ms | |\n| --- | --- | --- | --- | --- | --- | --- |")
-    records = [measure(case, 5 if args.quick else 20) for case in cases(args.quick)]
-    for r in records:
-        print(_line(r), flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(args.out) / "norm_check.jsonl", "a") as f:
-        for r in records:
-            f.write(json.dumps(dict(r, device=torch.cuda.get_device_name(), torch=torch.__version__)) + "\n")
-    ok = all(r["ok"] for r in records)
-    print("PASS" if ok else f"FAIL: quack above {TOLERANCE} of fp32")
-    return 0 if ok else 1
+    return kernel_check.main(__doc__, load_quack()[1], cases, measure, "rows",
+                             "torch bf16 err (out / dx / dw / db) | quack err", "norm_check.jsonl",
+                             f"quack above {TOLERANCE} of fp32")
 
 
 if __name__ == "__main__":
