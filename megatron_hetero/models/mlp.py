@@ -7,7 +7,10 @@ is what megatron's ColumnParallelLinear / RowParallelLinear do around their GEMM
 megatron-core's mappings and the MLP's own TP group: fc1's input gathered over the sequence
 (sequence parallelism; backward: reduce-scatter) or copied into the TP region (backward:
 all-reduce), fc2's output reduce-scattered or all-reduced. fc2's bias is returned apart, as the
-layer's bias-dropout-add expects (megatron builds both linears with skip_bias_add).
+layer's bias-dropout-add expects (megatron builds both linears with skip_bias_add). Under sequence
+parallelism fc1's gathered input is kept for its weight gradient (megatron's linear gathers it again in
+the backward instead): (TP - 1) / TP more hidden-wide rows per token, against the activation's
+ffn / TP no longer kept.
 """
 
 import torch

@@ -25,7 +25,7 @@ class KernelModeError(ValueError):
 
 @dataclass(frozen=True)
 class QuackChoice:
-    """kernel: QUACK or TORCH; reason: why not quack."""
+    """kernel: QUACK or TORCH; reason: why not quack (or, on quack, what it runs: the MLP's activation)."""
 
     kernel: str
     reason: str = ""
