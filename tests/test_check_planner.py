@@ -206,3 +206,26 @@ def test_the_usable_memory_share_is_fitted_where_runs_ran_out():
     assert fitted.usable_memory_fraction < 0.9
     assert not predict_run(oom, with_oom, fitted).fits
     assert all(predict_run(run, with_oom, fitted).fits for run in group.runs)
+
+
+def test_a_fused_mlp_keeps_no_activation_output():
+    """A dense GELU MLP on quack's GEMM epilogues (models/mlp.py) keeps its fc1 output but not the
+    activation's: ffn / TP fewer values per token and layer; gated and expert MLPs as before. A record
+    whose MLPs ran so (`mlp`) is predicted with it."""
+    from megatron_hetero.planner.counts import activation_bytes_per_token_layer
+
+    llm = PRESETS["W1"].workload.llm
+    for tp, sp in ((1, False), (2, True)):
+        plain, fused = (activation_bytes_per_token_layer(llm, tp, sp, 2, fused) for fused in (False, True))
+        assert plain - fused == 2 * llm.ffn / tp
+        for other in (replace(llm, gated_mlp=True), replace(llm, experts=4, topk=2)):
+            assert activation_bytes_per_token_layer(other, tp, sp, 2, True) == \
+                activation_bytes_per_token_layer(other, tp, sp, 2)
+    record = dict(workload="W1", layout="gpu2_colocated", gpus=2, tokens_per_s=1.0, peak_gb_max=1.0, phases={})
+    runs = [record_run(dict(record, mlp={"vision": kernel, "llm": kernel}), LAYOUTS)
+            for kernel in ("torch (no GPU)", "quack (gelu_erf)")]
+    assert [run.fused_mlp for run in runs] == [False, True]
+    workload = PRESETS["W1"].workload
+    memory = [CostModel(run.workload(workload), Cluster(2, 141.0), Calibration()).activation_bytes(
+        workload.llm, run.layout.llm, 1, 0) for run in runs]
+    assert memory[1] < memory[0]

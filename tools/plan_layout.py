@@ -21,7 +21,7 @@ megatron_hetero.planner.presets. A workload file is JSON:
 
 (further shape keys: kv_heads, gated_mlp, output_tokens_per_item, frozen, experts and topk (an
 MoE LLM: experts MLPs of width ffn, topk per token); workload keys:
-micro_batch, dtype_bytes, distributed_optimizer, allow_recompute).
+micro_batch, dtype_bytes, distributed_optimizer, allow_recompute, fused_mlp).
 """
 
 import argparse
@@ -73,6 +73,9 @@ def parse_args(argv):
     overrides.add_argument("--allow-recompute", action=argparse.BooleanOptionalAction, default=None,
                            help="also try activation recomputation: the fewest layers of each stage that "
                                 "fit (Megatron's --recompute-method block)")
+    overrides.add_argument("--fused-mlp", action=argparse.BooleanOptionalAction, default=None,
+                           help="GELU MLPs keep no activation output (quack's GEMM epilogues: Hopper/Blackwell "
+                                "with the fa4 extra)")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
     parser.add_argument("--write-yaml", metavar="FILE", help="write the best layout here")
@@ -95,7 +98,7 @@ def load_workload(args) -> tuple[Workload, str, int]:
     llm_changes = {key: value for key, value in (("seq_length", args.seq_length), ("layers", args.llm_layers))
                    if value is not None}
     changes["llm"] = replace(workload.llm, **llm_changes)
-    for key in ("global_batch", "micro_batch", "distributed_optimizer", "allow_recompute"):
+    for key in ("global_batch", "micro_batch", "distributed_optimizer", "allow_recompute", "fused_mlp"):
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)
     return replace(workload, **changes), description, gpus

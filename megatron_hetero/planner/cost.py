@@ -265,7 +265,7 @@ class CostModel:
             return 0.0
         tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
         dtype = self.workload.dtype_bytes
-        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype)
+        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, self.workload.fused_mlp)
         layers = shape.layers // layout.pp
         kept = max(layers - recomputed, 1 if recomputed else 0)
         layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)

@@ -129,14 +129,18 @@ def model_flops_per_step(workload: Workload) -> float:
     return total * workload.global_batch
 
 
-def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtype_bytes: int) -> float:
+def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtype_bytes: int,
+                                     fused_mlp: bool = False) -> float:
     """Activations one layer keeps per token for its backward, on one GPU, without recomputation
     (Korthikanti et al. 2022, "Reducing Activation Recomputation", with dropout off and a fused
     attention kernel that keeps no seq x seq scores):
     - the two norm inputs and the two norm outputs that feed the QKV and FC1 GEMMs (4 x hidden),
       whole on every TP rank unless sequence parallelism splits them;
-    - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP."""
+    - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP; with
+      `fused_mlp` a dense non-gated MLP keeps no activation output (its fc2 input-gradient GEMM
+      recomputes it: models/mlp.py)."""
     replicated = 4 * shape.hidden
+    mlp_tensors = 3 if shape.gated_mlp else 1 if fused_mlp and not shape.experts else 2
     # An MoE layer keeps its topk experts' MLP activations per token.
-    split = 2 * shape.q_dim + 2 * shape.kv_dim + (3 if shape.gated_mlp else 2) * shape.ffn * max(shape.topk, 1)
+    split = 2 * shape.q_dim + 2 * shape.kv_dim + mlp_tensors * shape.ffn * max(shape.topk, 1)
     return dtype_bytes * ((replicated / tp if sp else replicated) + split / tp)

@@ -70,6 +70,7 @@ class Run:
     phases: dict
     flags: tuple[str, ...] = ()  # Megatron's flags the run added
     weight_bytes: int = 2  # bf16 weights (Megatron's --bf16); 4: fp32 weights (records without `precision`)
+    fused_mlp: bool = False  # the MLPs ran GELU in quack's GEMMs (the record's `mlp`: models/mlp.py)
 
     @property
     def label(self) -> str:
@@ -87,7 +88,7 @@ class Run:
     def workload(self, workload: Workload) -> Workload:
         """The group's workload at this run's micro batch size and optimizer."""
         return replace(workload, micro_batch=self.micro_batch, weight_bytes=self.weight_bytes,
-                       distributed_optimizer="--use-distributed-optimizer" in self.flags)
+                       distributed_optimizer="--use-distributed-optimizer" in self.flags, fused_mlp=self.fused_mlp)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     w = BENCH_WORKLOADS[record["workload"]]  # runs recorded before batch sizes were: the workload's
     return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
                record["tokens_per_s"], record["peak_gb_max"], record["phases"], flags,
-               2 if record.get("precision", "").startswith("bf16 weights") else 4)
+               2 if record.get("precision", "").startswith("bf16 weights") else 4,
+               any(kernel.startswith("quack") for kernel in record.get("mlp", {}).values()))
 
 
 def record_memory_gb(record: dict) -> float:

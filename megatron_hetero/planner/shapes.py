@@ -167,6 +167,9 @@ class Workload:
     # block method): the first k layers of each stage keep only their input and rerun their forward
     # in the backward; the planner takes the fewest k that fit (candidates.Recompute).
     allow_recompute: bool = False
+    # The dense, non-gated (GELU) MLPs run with the activation in quack's GEMM epilogues (models/mlp.py,
+    # on Hopper/Blackwell GPUs with the `fa4` extra): they keep no activation output for the backward.
+    fused_mlp: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "encoders", tuple(self.encoders))
@@ -184,7 +187,7 @@ class Workload:
         if not (positive_int(self.micro_batch) or self.micro_batch == 0):
             raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), "
                              f"got {self.micro_batch!r}")
-        for key in ("distributed_optimizer", "allow_recompute"):
+        for key in ("distributed_optimizer", "allow_recompute", "fused_mlp"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
         for key in ("dtype_bytes", "weight_bytes"):
@@ -202,7 +205,8 @@ class Workload:
     @classmethod
     def from_dict(cls, data: dict) -> Workload:
         """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
-        optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute}."""
+        optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute,
+        fused_mlp}."""
         if not isinstance(data, dict):
             raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
