@@ -34,3 +34,4 @@ def use_stand_in(set_attribute, gemm: QuackGemm = STAND_IN) -> None:
     set_attribute(mlp_module, "mlp_kernel_for", lambda: QuackChoice(QUACK))
     set_attribute(mlp_module, "load_quack_gemm", lambda: (gemm, None))
     set_attribute(mlp_module, "epilogue_input", lambda x: True)
+    set_attribute(mlp_module, "EPILOGUE_DTYPES", (torch.bfloat16, torch.float16, torch.float32, torch.float64))

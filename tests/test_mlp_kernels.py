@@ -30,7 +30,7 @@ from megatron_hetero.models.mlp_kernels import (
     mlp_mode,
     quack_activation,
 )
-from megatron_hetero.models.quack_kernels import TORCH, KernelModeError, QuackChoice, choose_quack
+from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice, choose_quack
 from tests.quack_stand_in import STAND_IN
 
 
@@ -50,6 +50,21 @@ def _config(**fields) -> TransformerConfig:
 ])
 def test_activation_megatron_would_compute(fields, expected):
     assert quack_activation(_config(**fields)) == expected
+
+
+def test_which_mlps_take_the_fused_path():
+    """The reasons in the start-up line, in the order checked: the kernel rule's, the activations'
+    dtype, the activation, the linears (here none: a spec's own)."""
+    from megatron_hetero.models.mlp import epilogue_choice
+
+    quack = QuackChoice(QUACK)
+    bf16 = {"params_dtype": torch.bfloat16, "bf16": True}
+    assert epilogue_choice(_config(**bf16), None, None, QuackChoice(TORCH, "no GPU")) == QuackChoice(TORCH, "no GPU")
+    assert str(epilogue_choice(_config(), None, None, quack)) == \
+        "torch (torch.float32 activations: quack's GEMMs take bf16 / fp16)"
+    assert str(epilogue_choice(_config(gated_linear_unit=True, **bf16), None, None, quack)) == \
+        "torch (a gated or non-GELU activation)"
+    assert str(epilogue_choice(_config(**bf16), None, None, quack)) == "torch (linears NoneType / NoneType)"
 
 
 def test_mode_and_rule():

@@ -39,6 +39,8 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     process's kernel choice (mlp_kernel_for); the reason where it does not."""
     if kernel.kernel != QUACK:
         return kernel
+    if config.params_dtype not in EPILOGUE_DTYPES:
+        return QuackChoice(TORCH, f"{config.params_dtype} activations: quack's GEMMs take bf16 / fp16")
     if quack_activation(config) is None:
         return QuackChoice(TORCH, "a gated or non-GELU activation")
     if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
