@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -54,7 +55,7 @@ def test_activation_megatron_would_compute(fields, expected):
 
 def test_which_mlps_take_the_fused_path():
     """The reasons in the start-up line, in the order checked: the kernel rule's, the activations'
-    dtype, the activation, the linears (here none: a spec's own)."""
+    dtype, the activation, the linears (none: a spec's own), their widths."""
     from megatron_hetero.models.mlp import epilogue_choice
 
     quack = QuackChoice(QUACK)
@@ -65,6 +66,12 @@ def test_which_mlps_take_the_fused_path():
     assert str(epilogue_choice(_config(gated_linear_unit=True, **bf16), None, None, quack)) == \
         "torch (a gated or non-GELU activation)"
     assert str(epilogue_choice(_config(**bf16), None, None, quack)) == "torch (linears NoneType / NoneType)"
+    fc1, fc2 = object.__new__(ColumnParallelLinear), object.__new__(RowParallelLinear)
+    for width, expected in ((1152, "quack (gelu_erf)"), (1076, "torch (fc1 of (1076, 1152) per TP rank: quack's "
+                                                             "GEMMs need widths that are multiples of 8)")):
+        for name, value in dict(is_expert=False, disable_grad_reduce=False, weight=torch.empty(width, 1152)).items():
+            object.__setattr__(fc1, name, value)  # SigLIP's 4304 over TP4 is 1076
+        assert str(epilogue_choice(_config(**bf16), fc1, fc2, quack)) == expected
 
 
 def test_mode_and_rule():

@@ -33,6 +33,8 @@ from megatron_hetero.models.mlp_kernels import (
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice
 
+ALIGNMENT = 8  # elements: the 16-byte row alignment quack's (TMA) GEMMs need at 2 bytes per element
+
 
 def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     """Whether an MLP of `config` with these linears runs its activation in quack's GEMMs, given the
@@ -47,6 +49,9 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
         return QuackChoice(TORCH, f"linears {type(fc1).__name__} / {type(fc2).__name__}")
     if fc1.is_expert or fc1.disable_grad_reduce or config.fp8 or config.delay_wgrad_compute:
         return QuackChoice(TORCH, "an expert, FP8 or delayed weight-gradient MLP")
+    if any(width % ALIGNMENT for width in fc1.weight.shape):
+        return QuackChoice(TORCH, f"fc1 of {tuple(fc1.weight.shape)} per TP rank: quack's GEMMs need widths "
+                                  f"that are multiples of {ALIGNMENT}")
     return QuackChoice(QUACK, quack_activation(config))
 
 
