@@ -20,11 +20,10 @@ from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 from megatron_hetero.models.norm_kernels import (
     NORM_KERNEL_ENV,
     Quack,
-    choose_norm_kernel,
     norm_kernel_for,
     norm_mode,
 )
-from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice
+from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice, choose_quack
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
 A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0))
@@ -40,7 +39,7 @@ A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0))
     ("torch", H100, None, f"torch ({NORM_KERNEL_ENV}=torch)"),
 ])
 def test_choice(mode, device, problem, expected):
-    assert str(choose_norm_kernel(mode, device, problem)) == expected
+    assert str(choose_quack(NORM_KERNEL_ENV, mode, device, problem)) == expected
 
 
 def test_mode_from_the_environment():

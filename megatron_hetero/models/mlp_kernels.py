@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tp_layers
 
-from megatron_hetero.models.attention_kernels import current_device, import_failure
-from megatron_hetero.models.quack_kernels import TORCH, QuackChoice, choose_quack, kernel_mode
+from megatron_hetero.models.attention_kernels import import_failure
+from megatron_hetero.models.quack_kernels import QuackChoice, kernel_mode, quack_kernel_for
 
 MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
 # quack's activation name -> torch's same function: what megatron-core's MLP computes without the fusion.
@@ -94,10 +94,8 @@ def load_quack_gemm() -> tuple[QuackGemm | None, str | None]:
 
 
 def mlp_kernel_for() -> QuackChoice:
-    """quack_kernels.choose_quack for this process's MLPs: MLP_KERNEL_ENV and its GPU."""
-    mode, device = mlp_mode(), current_device()
-    import_problem = load_quack_gemm()[1] if mode != TORCH and device.capability is not None else None
-    return choose_quack(MLP_KERNEL_ENV, mode, device, import_problem)
+    """The kernel of this process's MLPs: MLP_KERNEL_ENV and its GPU."""
+    return quack_kernel_for(MLP_KERNEL_ENV, load_quack_gemm)
 
 
 def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor,

@@ -22,8 +22,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megatron_hetero.models.attention_kernels import Device, current_device, import_failure
-from megatron_hetero.models.quack_kernels import TORCH, QuackChoice, choose_quack, kernel_mode
+from megatron_hetero.models.attention_kernels import import_failure
+from megatron_hetero.models.quack_kernels import QuackChoice, kernel_mode, quack_kernel_for
 
 NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
 
@@ -31,11 +31,6 @@ NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
 def norm_mode(environ=os.environ) -> str:
     """NORM_KERNEL_ENV's value ("auto" where unset); KernelModeError for another."""
     return kernel_mode(NORM_KERNEL_ENV, environ)
-
-
-def choose_norm_kernel(mode: str, device: Device, import_problem: str | None = None) -> QuackChoice:
-    """The kernel of every norm of this process under `mode` (norm_mode) on `device`."""
-    return choose_quack(NORM_KERNEL_ENV, mode, device, import_problem)
 
 
 class Quack(NamedTuple):
@@ -59,10 +54,8 @@ def load_quack() -> tuple[Quack | None, str | None]:
 
 
 def norm_kernel_for() -> QuackChoice:
-    """choose_norm_kernel for this process: NORM_KERNEL_ENV and its GPU."""
-    mode, device = norm_mode(), current_device()
-    import_problem = load_quack()[1] if mode != TORCH and device.capability is not None else None
-    return choose_norm_kernel(mode, device, import_problem)
+    """The kernel of this process's norms: NORM_KERNEL_ENV and its GPU."""
+    return quack_kernel_for(NORM_KERNEL_ENV, load_quack)
 
 
 class _QuackNorm(torch.autograd.Function):

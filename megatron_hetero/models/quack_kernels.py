@@ -10,8 +10,9 @@ without the other. The choice is pure (choose_quack), so that it is tested witho
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
-from megatron_hetero.models.attention_kernels import Device
+from megatron_hetero.models.attention_kernels import Device, current_device
 
 QUACK = "quack"
 TORCH = "torch"
@@ -55,3 +56,11 @@ def choose_quack(env: str, mode: str, device: Device, import_problem: str | None
     if import_problem:
         return QuackChoice(TORCH, import_problem)
     return QuackChoice(QUACK)
+
+
+def quack_kernel_for(env: str, load: Callable) -> QuackChoice:
+    """choose_quack for this process: `env`'s mode and its GPU; load() gives (quack's entries for this
+    kind, None) or (None, why they do not load), asked only where quack could run."""
+    mode, device = kernel_mode(env), current_device()
+    import_problem = load()[1] if mode != TORCH and device.capability is not None else None
+    return choose_quack(env, mode, device, import_problem)
