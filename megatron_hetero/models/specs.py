@@ -23,9 +23,9 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
-from megatron_hetero.models.attention import SDPAttention
-from megatron_hetero.models.mlp import EpilogueMLP
-from megatron_hetero.models.norm import SequenceParallelNorm
+from megatron_hetero.models.attention import SDPAttention, attention_summary
+from megatron_hetero.models.mlp import EpilogueMLP, mlp_summary
+from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 
 try:
     import transformer_engine  # noqa: F401  (only whether it imports matters)
@@ -97,3 +97,12 @@ def block_spec(
         return layer
     num_layers = get_num_layers_to_build(config, pp_rank=get_pg_rank(pg_collection.pp))
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm_spec(pg_collection))
+
+
+KERNEL_KINDS = ("attention", "norms", "mlp")  # the start-up lines' and benchmark records' keys
+
+
+def kernel_summaries(part) -> dict[str, str]:
+    """What our layers of a model part run, by KERNEL_KINDS (e.g. {"attention": "fa4 (head dim 128)",
+    "norms": "quack", "mlp": "quack (gelu_erf)"})."""
+    return dict(zip(KERNEL_KINDS, (attention_summary(part), norm_summary(part), mlp_summary(part))))

@@ -351,14 +351,11 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(w), frozen)
-    from megatron_hetero.models.attention import attention_summary  # imports megatron-core
-    from megatron_hetero.models.mlp import mlp_summary
-    from megatron_hetero.models.norm import norm_summary
+    from megatron_hetero.models.specs import KERNEL_KINDS, kernel_summaries  # imports megatron-core
 
-    held = [m for m in run.modules.values() if m.held]
+    kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
     mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases,
-                attention={m.name: attention_summary(m.part) for m in held},
-                norms={m.name: norm_summary(m.part) for m in held}, mlp={m.name: mlp_summary(m.part) for m in held},
+                **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
                 losses=losses)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -373,9 +370,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
         peak_gb_max=max(r["peak_gb"] for r in gathered),
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
-        attention={name: kernel for r in gathered for name, kernel in r["attention"].items()},
-        norms={name: kernel for r in gathered for name, kernel in r["norms"].items()},
-        mlp={name: kernel for r in gathered for name, kernel in r["mlp"].items()},
+        **{kind: {name: kernel for r in gathered for name, kernel in r[kind].items()} for kind in KERNEL_KINDS},
         losses=next((r["losses"] for r in gathered if r["losses"]), []),
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],

@@ -14,10 +14,8 @@ from megatron_hetero.data.conversations import ConversationSamples, Conversation
 from megatron_hetero.data.images import ImageSpec
 from megatron_hetero.data.media import TileImages
 from megatron_hetero.families import family_named
-from megatron_hetero.models.attention import attention_summary
 from megatron_hetero.models.kinds import ENCODER_KINDS
-from megatron_hetero.models.mlp import mlp_summary
-from megatron_hetero.models.norm import norm_summary
+from megatron_hetero.models.specs import kernel_summaries
 from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import image_normalization, model_description, model_sizes, tokenizer
 
@@ -47,9 +45,8 @@ def report_kernels(run, parts: dict) -> None:
     """Start-up lines per module, from its first rank: the attention, norm and MLP kernels it runs."""
     for name, part in parts.items():
         if not any(run.modules[name].coords().values()):
-            print(f"attention: {name}: {attention_summary(part)}", flush=True)
-            print(f"norms: {name}: {norm_summary(part)}", flush=True)
-            print(f"mlp: {name}: {mlp_summary(part)}", flush=True)
+            for kind, summary in kernel_summaries(part).items():
+                print(f"{kind}: {name}: {summary}", flush=True)
 
 
 def image_processing(args, sizes):
