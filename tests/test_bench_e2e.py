@@ -260,3 +260,26 @@ def test_matmul_lines_rate_each_shape_by_its_kernels_time():
     rows = matmul_lines([small, event("aten::mul", 10**9, 5000.0), event("aten::mm", 10**12, 0.0), big])[5:]
     assert rows == [f"| aten::addmm | {big.input_shapes} | 10 | 1.0 | {big.flops / 1000.0 / 1e6:.0f} |",
                     f"| aten::mm | {small.input_shapes} | 10 | 0.1 | {small.flops / 50.0 / 1e6:.0f} |"]
+
+
+def test_matmul_calls_give_each_shape_its_spread_and_kernels():
+    """The matmul table's per-call columns: each call's kernels summed, min / median / max over calls,
+    the kernels' names; shapes and ops apart, other ops and calls without kernels left out."""
+    from types import SimpleNamespace
+
+    from megatron_hetero.training.bench import matmul_calls, matmul_lines
+
+    def call(name, shapes, *kernels):
+        return SimpleNamespace(name=name, input_shapes=shapes,
+                               kernels=[SimpleNamespace(name=k, duration=us) for k, us in kernels])
+
+    shape, other = [[8, 4], [4, 8]], [[8, 8], [8, 8]]
+    events = [call("aten::mm", shape, ("gemm_a", 1000.0)), call("aten::mm", shape, ("gemm_a", 3000.0)),
+              call("aten::mm", shape, ("gemm_b", 1500.0), ("copy", 500.0)), call("aten::mm", other, ("gemm_c", 10.0)),
+              call("aten::mul", shape, ("mul", 99.0)), call("aten::mm", shape)]
+    calls = matmul_calls(events)
+    assert calls == {("aten::mm", str(shape)): ([1.0, 3.0, 2.0], {"gemm_a", "gemm_b", "copy"}),
+                     ("aten::mm", str(other)): ([0.01], {"gemm_c"})}
+    row = SimpleNamespace(key="aten::mm", input_shapes=shape, count=3, flops=6 * 10**9, device_time_total=6000.0)
+    assert matmul_lines([row], calls)[-1].endswith("| 1.00 / 2.00 / 3.00 | copy, gemm_a, gemm_b |")
+    assert matmul_lines([row])[-1].endswith("| 1 |")

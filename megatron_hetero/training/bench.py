@@ -433,7 +433,8 @@ def profile_step(session: Session, path: str, forward_backward_func=None, trace:
     with profile(activities=activities, record_shapes=True, with_flops=True) as shapes:
         syncs = host_syncs(session, forward_backward_func)
     if dist.get_rank() == 0:
-        lines = _profile_lines(prof, kernels, summary) + matmul_lines(shapes.key_averages(group_by_input_shape=True))
+        matmuls = matmul_lines(shapes.key_averages(group_by_input_shape=True), matmul_calls(shapes.events()))
+        lines = _profile_lines(prof, kernels, summary) + matmuls
         Path(path).write_text("\n".join(lines + _sync_lines(syncs)) + "\n")
         if trace:
             prof.export_chrome_trace(trace)
@@ -462,16 +463,43 @@ def _profile_lines(prof, kernels: list, summary: dict) -> list[str]:
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
-def matmul_lines(events, top: int = 20) -> list[str]:
+def matmul_calls(events) -> dict[tuple[str, str], tuple[list[float], set[str]]]:
+    """Per (op, input shapes) of the profiled matmuls: each call's GPU ms (the kernels it launched) and
+    those kernels' names. A shape's rate can fall short because cuBLAS picked a slow kernel (every call
+    slow, one name) or because the clock dropped around it (calls spread, same kernel)."""
+    calls: dict[tuple[str, str], tuple[list[float], set[str]]] = {}
+    for e in events:
+        if e.name in MATMUL_OPS and e.kernels:
+            times, names = calls.setdefault((e.name, str(e.input_shapes)), ([], set()))
+            times.append(sum(k.duration for k in e.kernels) / 1e3)
+            names.update(k.name[:48] for k in e.kernels)
+    return calls
+
+
+def _spread(calls: dict, key: tuple[str, str]) -> str:
+    times, names = calls.get(key, ([], set()))
+    if not times:
+        return " | |"
+    times = sorted(times)
+    return (f" {times[0]:.2f} / {times[len(times) // 2]:.2f} / {times[-1]:.2f} |"
+            f" {', '.join(sorted(names))} |")
+
+
+def matmul_lines(events, calls: dict | None = None, top: int = 20) -> list[str]:
     """The `top` matmuls by GPU time, per op and input shapes (torch.profiler's events grouped by
     input shape, with its FLOP counts): calls, the GPU time of the kernels they launched, and the rate
-    that reached: which GEMMs fall short of the card's, and by how much."""
+    that reached: which GEMMs fall short of the card's, and by how much; with `calls` (matmul_calls),
+    each call's time (min / median / max) and the kernels that ran."""
     rows = sorted((e for e in events if e.key in MATMUL_OPS and e.flops and e.device_time_total > 0),
                   key=lambda e: e.device_time_total, reverse=True)
     lines = ["", "The costliest matmuls by shape (FLOPs as torch.profiler counts them; time: their kernels'):", "",
-             "| op | input shapes | calls | GPU ms | TFLOPS |", "| --- | --- | --- | --- | --- |"]
+             "| op | input shapes | calls | GPU ms | TFLOPS |" + (" ms per call (min / median / max) | kernels |"
+                                                                  if calls is not None else ""),
+             "| --- | --- | --- | --- | --- |" + (" --- | --- |" if calls is not None else "")]
     return lines + [f"| {e.key} | {e.input_shapes} | {e.count} | {e.device_time_total / 1e3:.1f} | "
-                    f"{e.flops / e.device_time_total / 1e6:.0f} |" for e in rows[:top]]
+                    f"{e.flops / e.device_time_total / 1e6:.0f} |"
+                    + (_spread(calls, (e.key, str(e.input_shapes))) if calls is not None else "")
+                    for e in rows[:top]]
 
 
 def host_syncs(session: Session, forward_backward_func=None) -> list[tuple[str, int]]:
