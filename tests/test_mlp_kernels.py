@@ -24,6 +24,7 @@ from megatron_hetero.models.attention_kernels import Device
 from megatron_hetero.models.mlp_kernels import (
     ACTIVATIONS,
     MLP_KERNEL_ENV,
+    MLP_MIN_MACS,
     QuackGemm,
     _dsl_location_problem,
     epilogue_mlp,
@@ -75,12 +76,23 @@ def test_which_mlps_take_the_fused_path():
 
 
 def test_mode_and_rule():
+    from megatron_hetero.models.mlp import epilogue_choice
+
     assert mlp_mode({}) == "auto" and mlp_mode({MLP_KERNEL_ENV: "torch"}) == TORCH
-    with pytest.raises(KernelModeError, match=f"{MLP_KERNEL_ENV}=fused: use one of auto, torch"):
+    with pytest.raises(KernelModeError, match=f"{MLP_KERNEL_ENV}=fused: use one of auto, torch, quack$"):
         mlp_mode({MLP_KERNEL_ENV: "fused"})
     h100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
-    assert str(choose_quack(MLP_KERNEL_ENV, "torch", h100)) == f"torch ({MLP_KERNEL_ENV}=torch)"
-    assert str(choose_quack(MLP_KERNEL_ENV, "auto", h100)) == "quack"
+    assert str(choose_quack(MLP_KERNEL_ENV, "torch", h100, None, MLP_MIN_MACS)) == f"torch ({MLP_KERNEL_ENV}=torch)"
+    assert str(choose_quack(MLP_KERNEL_ENV, "quack", h100, None, MLP_MIN_MACS)) == "quack"
+    auto = choose_quack(MLP_KERNEL_ENV, "auto", h100, None, MLP_MIN_MACS)
+    assert str(auto) == "quack (calls of >= 2^36 multiply-adds)"
+    assert auto.runs_quack(2**36) and not auto.runs_quack(2**36 - 1)
+    # The MLP's own checks keep the minimum (the MLP's forward asks runs_quack with fc1's work).
+    fc1, fc2 = object.__new__(ColumnParallelLinear), object.__new__(RowParallelLinear)
+    for name, value in dict(is_expert=False, disable_grad_reduce=False, weight=torch.empty(64, 16)).items():
+        object.__setattr__(fc1, name, value)
+    bf16 = _config(params_dtype=torch.bfloat16, bf16=True)
+    assert str(epilogue_choice(bf16, fc1, fc2, auto)) == "quack (gelu_erf; calls of >= 2^36 multiply-adds)"
 
 
 def test_cpu_runs_torch(monkeypatch):

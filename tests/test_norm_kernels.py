@@ -19,6 +19,7 @@ from megatron_hetero.models.attention_kernels import Device
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 from megatron_hetero.models.norm_kernels import (
     NORM_KERNEL_ENV,
+    NORM_MIN_ELEMENTS,
     Quack,
     norm_kernel_for,
     norm_mode,
@@ -37,15 +38,24 @@ A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0))
     ("auto", A100, None, "torch (quack targets sm90/sm100, not NVIDIA A100-SXM4-80GB (sm80))"),
     ("auto", H100, "quack does not import (ImportError: x)", "torch (quack does not import (ImportError: x))"),
     ("torch", H100, None, f"torch ({NORM_KERNEL_ENV}=torch)"),
+    ("quack", H100, None, "quack"),
+    ("quack", Device("cpu"), None, "torch (no GPU)"),
 ])
 def test_choice(mode, device, problem, expected):
-    assert str(choose_quack(NORM_KERNEL_ENV, mode, device, problem)) == expected
+    """Under auto, calls below the norms' minimum take torch's kernels (the start-up line says so);
+    under quack, every call where quack can run."""
+    expected = expected.replace("quack", "quack (calls of >= 2^24 elements)", mode == "auto" and expected == "quack")
+    choice = choose_quack(NORM_KERNEL_ENV, mode, device, problem, NORM_MIN_ELEMENTS)
+    assert str(choice) == expected
+    assert choice.runs_quack(2**24) == expected.startswith("quack")
+    assert choice.runs_quack(2**24 - 1) == (mode == "quack" and expected.startswith("quack"))
 
 
 def test_mode_from_the_environment():
     assert norm_mode({}) == "auto" and norm_mode({NORM_KERNEL_ENV: ""}) == "auto"
     assert norm_mode({NORM_KERNEL_ENV: "torch"}) == TORCH
-    with pytest.raises(KernelModeError, match=f"{NORM_KERNEL_ENV}=apex: use one of auto, torch"):
+    assert norm_mode({NORM_KERNEL_ENV: "quack"}) == QUACK
+    with pytest.raises(KernelModeError, match=f"{NORM_KERNEL_ENV}=apex: use one of auto, torch, quack$"):
         norm_mode({NORM_KERNEL_ENV: "apex"})
 
 
@@ -70,13 +80,15 @@ def _fake_bwd(x, weight, dout, rstd, dx, dw_partial, db_partial, dresidual_out, 
               is_layernorm=False):
     """quack's backward from the saved statistics alone (no eps), the weight / bias gradients as
     sm_count partial sums over row blocks; like quack, it writes nothing for no rows."""
-    assert dresidual_out is None and dresidual is None and dw_partial.shape[0] == sm_count
+    assert dresidual is None and dw_partial.shape[0] == sm_count
     if x.numel() == 0:
         return
     xc = x.float() - mean[:, None] if is_layernorm else x.float()
     x_hat, g = xc * rstd[:, None], dout.float() * weight.float()
     grad = g - x_hat * (g * x_hat).mean(-1, keepdim=True)
     dx.copy_(rstd[:, None] * (grad - g.mean(-1, keepdim=True) if is_layernorm else grad))
+    if dresidual_out is not None:  # the residual's gradient, added into dx in the same pass
+        dx.add_(dresidual_out)
     for i, rows in enumerate(torch.arange(x.shape[0]).tensor_split(sm_count)):
         dw_partial[i] = (dout.float() * x_hat)[rows].sum(0)
         if db_partial is not None:
@@ -86,17 +98,29 @@ def _fake_bwd(x, weight, dout, rstd, dx, dw_partial, db_partial, dresidual_out, 
 FAKE = Quack(_fake_fwd, _fake_bwd, lambda hidden, device: 3)
 
 
-def _norm(monkeypatch, kernel: str, normalization: str, zero_centered: bool, hidden=16):
+def _norm(monkeypatch, kernel: str, normalization: str, zero_centered: bool, hidden=16, has_residual=False):
     monkeypatch.setattr(norm_module, "norm_kernel_for", lambda: QuackChoice(kernel))
     monkeypatch.setattr(norm_module, "load_quack", lambda: (FAKE, None))
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, normalization=normalization,
                                layernorm_zero_centered_gamma=zero_centered)
     torch.manual_seed(0)
-    module = SequenceParallelNorm(config, hidden, eps=1e-5)
+    module = SequenceParallelNorm(config, hidden, eps=1e-5, has_residual=has_residual)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0.1 if p is module.bias else 1.0, 0.2)
     return module
+
+
+def test_calls_below_the_minimum_take_torchs_kernels(monkeypatch):
+    """A norm on quack with a minimum: a call of fewer elements runs torch's norm, not quack's."""
+    module = _norm(monkeypatch, QUACK, "LayerNorm", False)
+    module.kernel = QuackChoice(QUACK, min_work=7 * 2 * 16)
+    calls = []
+    counted = FAKE._replace(fwd=lambda *args: calls.append(1) or FAKE.fwd(*args))
+    monkeypatch.setattr(norm_module, "load_quack", lambda: (counted, None))
+    for rows in (6, 7):
+        module(torch.randn(rows, 2, 16)).sum().backward()
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("normalization, zero_centered", [("LayerNorm", False), ("LayerNorm", True),
@@ -159,3 +183,40 @@ def test_gpu_check_passes_a_right_kernel_and_fails_a_wrong_weight_gradient(monke
     for rms, hidden in cases:
         record = tool.measure(tool.Case("test", rms, hidden, 40), iters=0)
         assert not record["ok"] and record["quack_dw_err"] > 0.2 and record["quack_dx_err"] < tool.TOLERANCE, record
+
+
+@pytest.mark.parametrize("kernel", [TORCH, QUACK])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_a_layers_norm_hands_back_the_residual(monkeypatch, kernel, normalization):
+    """has_residual: (output, input), as a layer's residual add takes it; the input's gradient is the
+    norm's plus the residual's (quack's kernel adds the second), as one norm of a tensor used twice."""
+    x = torch.randn(7, 2, 16, dtype=torch.float64) * 2 + 0.5
+    douts = torch.randn(2, 7, 2, 16, dtype=torch.float64)
+    runs = []
+    for has_residual in (False, True):
+        module = _norm(monkeypatch, kernel, normalization, False, has_residual=has_residual).double()
+        leaf = x.clone().requires_grad_()
+        out = module(leaf)
+        out, residual = out if has_residual else (out, leaf)
+        assert torch.equal(residual, leaf)
+        (out * douts[0] + residual * douts[1]).sum().backward()
+        runs.append([out, leaf.grad, *(p.grad for p in module.parameters())])
+    for got, want in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_norms_checkpointed_or_offloaded_alone_keep_one_output():
+    """Where megatron checkpoints a norm alone (its checkpoint frees the outputs) or offloads its
+    input, a layer's norm returns its output alone."""
+    from megatron_hetero.models.norm import passes_residual
+
+    def config(**fields):
+        return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, **fields)
+
+    assert passes_residual(config())
+    assert passes_residual(config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+    assert passes_residual(config(recompute_granularity="selective", recompute_modules=["core_attn"]))
+    assert not passes_residual(config(recompute_granularity="selective", recompute_modules=["layernorm"]))
+    module = SequenceParallelNorm(config(recompute_granularity="selective", recompute_modules=["layernorm"]), 16,
+                                  has_residual=True)
+    assert isinstance(module(torch.randn(3, 1, 16)), torch.Tensor)

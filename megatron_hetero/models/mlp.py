@@ -13,6 +13,8 @@ the backward instead): (TP - 1) / TP more hidden-wide rows per token, against th
 ffn / TP no longer kept.
 """
 
+import dataclasses
+
 import torch
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -52,7 +54,7 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     if any(width % ALIGNMENT for width in fc1.weight.shape):
         return QuackChoice(TORCH, f"fc1 of {tuple(fc1.weight.shape)} per TP rank: quack's GEMMs need widths "
                                   f"that are multiples of {ALIGNMENT}")
-    return QuackChoice(QUACK, quack_activation(config))
+    return dataclasses.replace(kernel, reason=quack_activation(config))
 
 
 def epilogue_input(x: torch.Tensor) -> bool:
@@ -69,9 +71,10 @@ class EpilogueMLP(MLP):
         self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for())
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
-        if self.epilogue.kernel != QUACK or per_token_scale is not None or not epilogue_input(hidden_states):
-            return super().forward(hidden_states, per_token_scale, **kwargs)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if (not self.epilogue.runs_quack(hidden_states.numel() * fc1.weight.shape[0]) or per_token_scale is not None
+                or not epilogue_input(hidden_states)):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
         if fc1.sequence_parallel:
             x = gather_from_sequence_parallel_region(hidden_states, group=fc1.tp_group)
         else:

@@ -32,6 +32,10 @@ from megatron_hetero.models.attention_kernels import import_failure
 from megatron_hetero.models.quack_kernels import QuackChoice, kernel_mode, quack_kernel_for
 
 MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
+# Under auto, quack for an MLP call of >= 2^36 multiply-adds in fc1 (tokens x hidden x ffn on this
+# rank; quack_kernels.py: why): W1's ViT (23,328 x 1152 x 4304, 2^36.8) and the workloads' LLMs run
+# quack; the loss model's LLM (8,192 x 1024 x 4096, 2^35) torch.
+MLP_MIN_MACS = (2**36, "multiply-adds")
 # quack's activation name -> torch's same function: what megatron-core's MLP computes without the fusion.
 ACTIVATIONS: dict[str, Callable] = {
     "gelu_erf": F.gelu,
@@ -95,7 +99,7 @@ def load_quack_gemm() -> tuple[QuackGemm | None, str | None]:
 
 def mlp_kernel_for() -> QuackChoice:
     """The kernel of this process's MLPs: MLP_KERNEL_ENV and its GPU."""
-    return quack_kernel_for(MLP_KERNEL_ENV, load_quack_gemm)
+    return quack_kernel_for(MLP_KERNEL_ENV, load_quack_gemm, MLP_MIN_MACS)
 
 
 def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor,

@@ -20,6 +20,12 @@ megatron's `finalize_model_grads` sums their partial (per-head-slice) gradients 
 
 The kernels: quack's fused forward and backward on Hopper/Blackwell GPUs where it imports, torch's
 elsewhere (norm_kernels.py: why, and how to pin torch's).
+
+A layer's norms (has_residual, megatron-core's convention for Transformer Engine's fused residual
+RMSNorm: TransformerLayer unpacks (output, residual)) hand their input back as the residual, so that
+its two gradients (through the norm, and the residual add's) meet in the norm's backward: quack's
+adds the second into the input gradient it writes, where autograd would add them in one more pass
+over the activations.
 """
 
 import torch
@@ -28,7 +34,6 @@ from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.norm_kernels import load_quack, norm_kernel_for, quack_norm
-from megatron_hetero.models.quack_kernels import QUACK
 
 
 class SequenceParallelNorm(torch.nn.Module):
@@ -37,7 +42,9 @@ class SequenceParallelNorm(torch.nn.Module):
 
     tp_group is needed when config.sequence_parallel and TP > 1: bind it in the spec
     (functools.partial), since megatron builds norms from (config, hidden_size, eps) alone.
-    over_sequence=False: a norm whose input is not split over the sequence (query/key norms)."""
+    over_sequence=False: a norm whose input is not split over the sequence (query/key norms).
+    has_residual: a layer's norm before a residual add, which returns (output, its input) where
+    passes_residual(config)."""
 
     def __init__(
         self,
@@ -46,8 +53,10 @@ class SequenceParallelNorm(torch.nn.Module):
         eps: float = 1e-5,
         tp_group: torch.distributed.ProcessGroup | None = None,
         over_sequence: bool = True,
+        has_residual: bool = False,
     ):
         super().__init__()
+        self.has_residual = has_residual and passes_residual(config)
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization {config.normalization!r} is not LayerNorm or RMSNorm")
         sums_over_tp = over_sequence and config.sequence_parallel and config.tensor_model_parallel_size > 1
@@ -73,11 +82,22 @@ class SequenceParallelNorm(torch.nn.Module):
             params = list(stacked.unbind(0))
         if self.zero_centered_gamma:
             params[0] = params[0] + 1
-        if self.kernel.kernel == QUACK:
-            return quack_norm(x, params[0], None if self.rms else params[1], self.eps, self.rms, load_quack()[0])
+        if self.kernel.runs_quack(x.numel()):
+            return quack_norm(x, params[0], None if self.rms else params[1], self.eps, self.rms, load_quack()[0],
+                              self.has_residual)
         if self.rms:
-            return F.rms_norm(x, x.shape[-1:], params[0], self.eps)
-        return F.layer_norm(x, x.shape[-1:], params[0], params[1], self.eps)
+            out = F.rms_norm(x, x.shape[-1:], params[0], self.eps)
+        else:
+            out = F.layer_norm(x, x.shape[-1:], params[0], params[1], self.eps)
+        return (out, x) if self.has_residual else out
+
+
+def passes_residual(config: TransformerConfig) -> bool:
+    """Whether a layer's norms may return (output, residual): not where megatron checkpoints a norm
+    alone (selective recompute of "layernorm": its checkpoint frees the outputs' storage, the
+    residual's with them) or offloads its input."""
+    recomputed = config.recompute_granularity == "selective" and "layernorm" in (config.recompute_modules or ())
+    return not recomputed and not config.fine_grained_activation_offloading
 
 
 def norm_summary(module: torch.nn.Module) -> str:

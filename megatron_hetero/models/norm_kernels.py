@@ -26,6 +26,10 @@ from megatron_hetero.models.attention_kernels import import_failure
 from megatron_hetero.models.quack_kernels import QuackChoice, kernel_mode, quack_kernel_for
 
 NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
+# Under auto, quack for a norm call of >= 2^24 elements (quack_kernels.py: why): W1's and W3's ViT
+# norms (23,328 x 1152, 2^24.7) and every LLM's of the workloads run quack; the loss model's (8,192 x
+# 1024, 2^23) torch.
+NORM_MIN_ELEMENTS = (2**24, "elements")
 
 
 def norm_mode(environ=os.environ) -> str:
@@ -55,18 +59,19 @@ def load_quack() -> tuple[Quack | None, str | None]:
 
 def norm_kernel_for() -> QuackChoice:
     """The kernel of this process's norms: NORM_KERNEL_ENV and its GPU."""
-    return quack_kernel_for(NORM_KERNEL_ENV, load_quack)
+    return quack_kernel_for(NORM_KERNEL_ENV, load_quack, NORM_MIN_ELEMENTS)
 
 
 class _QuackNorm(torch.autograd.Function):
     """quack's LayerNorm (bias may be None) or RMSNorm (bias None) over the last dim of a 2-D x.
 
     forward: y = (x - mean) * rstd * weight + bias (RMSNorm: x * rstd * weight), fp32 statistics kept;
+    with pass_residual also x itself (the layer's residual);
     backward: dx, and the weight and bias gradients from the same pass (per-SM fp32 partials, summed
-    here and cast to the parameters' dtypes)."""
+    here and cast to the parameters' dtypes); the residual's gradient added into dx by the kernel."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, quack):
+    def forward(ctx, x, weight, bias, eps, rms, quack, pass_residual):
         rows = x.shape[0]
         out = torch.empty_like(x)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
@@ -74,26 +79,32 @@ class _QuackNorm(torch.autograd.Function):
         quack.fwd(x, weight, out, bias, rstd, mean, None, None, eps, not rms)
         ctx.save_for_backward(x, weight, rstd, mean)
         ctx.has_bias, ctx.bias_dtype, ctx.quack = bias is not None, getattr(bias, "dtype", None), quack
-        return out
+        ctx.set_materialize_grads(False)
+        return (out, x) if pass_residual else out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dresidual=None):
         x, weight, rstd, mean = ctx.saved_tensors
         hidden, partials = x.shape[-1], ctx.quack.sm_count(x.shape[-1], x.device)
+        dout = torch.zeros_like(x) if dout is None else dout.contiguous()
         dx = torch.empty_like(x)
         # quack writes nothing for no rows: the partials start at zero there.
         empty = torch.zeros if x.numel() == 0 else torch.empty
         dw = empty(partials, hidden, device=x.device, dtype=torch.float32)
         db = empty(partials, hidden, device=x.device, dtype=torch.float32) if ctx.has_bias else None
-        ctx.quack.bwd(x, weight, dout.contiguous(), rstd, dx, dw, db, None, None, partials, mean=mean,
+        dresidual = None if dresidual is None else dresidual.to(x.dtype).contiguous()
+        ctx.quack.bwd(x, weight, dout, rstd, dx, dw, db, dresidual, None, partials, mean=mean,
                       is_layernorm=mean is not None)
         db = db.sum(0).to(ctx.bias_dtype) if db is not None else None
-        return dx, dw.sum(0).to(weight.dtype), db, None, None, None
+        return dx, dw.sum(0).to(weight.dtype), db, None, None, None, None
 
 
 def quack_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-               rms: bool, quack: Quack) -> torch.Tensor:
+               rms: bool, quack: Quack, pass_residual: bool = False):
     """LayerNorm (rms False; bias may be None) or RMSNorm of x over its last dim on quack's kernels,
-    any leading shape."""
+    any leading shape; with pass_residual (output, x), x's two gradients summed in the backward."""
     flat = x.contiguous().view(-1, x.shape[-1])
-    return _QuackNorm.apply(flat, weight, bias, eps, rms, quack).view(x.shape)
+    if not pass_residual:
+        return _QuackNorm.apply(flat, weight, bias, eps, rms, quack, False).view(x.shape)
+    out, residual = _QuackNorm.apply(flat, weight, bias, eps, rms, quack, True)
+    return out.view(x.shape), residual.view(x.shape)

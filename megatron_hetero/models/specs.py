@@ -38,7 +38,7 @@ except ImportError:
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
     """megatron's local layer spec with our attention, norms (query/key norms included, where the spec
     has them) and dense MLP; its other submodules (an MoE layer's) kept."""
-    norm = _norm_spec(pg_collection)
+    norm = _norm_spec(pg_collection, has_residual=True)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     mlp = layer.submodules.mlp
@@ -53,10 +53,11 @@ def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | N
     return layer
 
 
-def _norm_spec(pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
-    # megatron builds norms from (config, hidden_size, eps): the TP group comes bound.
+def _norm_spec(pg_collection: ProcessGroupCollection | None, has_residual: bool = False) -> ModuleSpec:
+    # megatron builds norms from (config, hidden_size, eps): the TP group comes bound; a layer's norms
+    # hand back the residual (norm.py: why), the block's final one has none.
     tp_group = None if pg_collection is None else pg_collection.tp
-    return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group})
+    return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group, "has_residual": has_residual})
 
 
 def llm_uses_te(packed: bool) -> bool:
