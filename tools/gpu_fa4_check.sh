@@ -43,16 +43,19 @@ if [ "${LOSS:-1}" != 0 ]; then
     --micro-batch-size 8 --pack-samples 2 --seq-length 1024 --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 20
     --log-interval 50 --seed 1234 --image-size 224 --patch-size 14 --enc-hidden-size 1152 --enc-num-layers 4
     --enc-num-attention-heads 16 --hidden-size 1024 --num-attention-heads 8 --num-layers 4"
-  # LOSS_ARMS: the two runs compared, each NAME:BACKEND[:VAR=VALUE,...] (default SDPA against
+  # LOSS_ARMS: the runs, each NAME:BACKEND[:SETTING,...], a setting VAR=VALUE (the environment) or
+  # --flag=VALUE (one more flag, e.g. --seed=4321); the first two are compared (default SDPA against
   # flash-attn-4; the fused norms and MLP against torch's kernels: LOSS_ARMS="torch:auto:
   # MEGATRON_HETERO_NORM_KERNEL=torch,MEGATRON_HETERO_MLP_KERNEL=torch quack:auto", without the space).
   read -r -a arms <<< "${LOSS_ARMS:-unfused:unfused flash:flash}"
   for arm in "${arms[@]}"; do
     IFS=: read -r name backend settings <<< "$arm"
-    echo "== $(date +%T) pretrain_vlm.py --attention-backend $backend ${settings//,/ }" | tee -a "$out/loss_runs.log"
+    read -r -a parts <<< "${settings//,/ }"; envs=(); flags=()
+    for part in "${parts[@]}"; do if [[ $part == --* ]]; then flags+=("$part"); else envs+=("$part"); fi; done
+    echo "== $(date +%T) pretrain_vlm.py --attention-backend $backend ${parts[*]}" | tee -a "$out/loss_runs.log"
     # shellcheck disable=SC2086
-    env ${settings//,/ } torchrun --nproc-per-node 1 examples/pretrain_vlm.py $FLAGS --attention-backend $backend \
-      --metrics-file "$out/loss_$name.jsonl" >> "$out/loss_runs.log" 2>&1
+    env "${envs[@]}" torchrun --nproc-per-node 1 examples/pretrain_vlm.py $FLAGS --attention-backend $backend \
+      "${flags[@]}" --metrics-file "$out/loss_$name.jsonl" >> "$out/loss_runs.log" 2>&1
     echo "exit $?"; grep -E "^(attention|norms|mlp):|^error" "$out/loss_runs.log" | tail -6
   done
   python3 tools/gpu_fa4_check.py --compare-losses "$out/loss_${arms[0]%%:*}.jsonl" "$out/loss_${arms[1]%%:*}.jsonl" \
