@@ -12,8 +12,9 @@ less per layer than megatron's MLP keeps.
 
 Where: dense, non-gated MLPs whose activation quack computes exactly as megatron-core would
 (ACTIVATIONS: F.gelu, erf; with --bias-gelu-fusion megatron's bias_gelu_impl, the tanh
-approximation), in bf16 / fp16, on GPUs quack targets (quack_kernels.py's rule, pinned off with
-MEGATRON_HETERO_MLP_KERNEL=torch). The other GEMMs (fc2 forward, fc1's input gradient, both weight
+approximation), in bf16 / fp16, on GPUs quack targets, for calls of MLP_MIN_MACS or more
+(quack_kernels.py's rule; MEGATRON_HETERO_MLP_KERNEL=torch pins it off, =quack on for every call).
+The other GEMMs (fc2 forward, fc1's input gradient, both weight
 gradients) stay torch's (cuBLAS, at the same speed as quack's plain GEMM by tools/gpu_fusion_probe.py);
 the weight gradients go into main_grad inside the GEMM where megatron's gradient-accumulation fusion
 is on, as megatron-core's linear layers do. tools/gpu_mlp_check.py checks the outputs and gradients

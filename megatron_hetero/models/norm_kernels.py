@@ -9,8 +9,9 @@ weight and bias gradients 71 more. quack's backward computes the weight and bias
 input gradient's pass, as fp32 partial sums per SM added up afterwards (what apex's and Transformer
 Engine's fused norms do, neither of which is here). The statistics are fp32 in both.
 
-`MEGATRON_HETERO_NORM_KERNEL` (NORM_KERNEL_ENV): auto (the default: quack where it can run, torch
-elsewhere) or torch (torch's kernels on every device: A/B runs, or a suspected kernel); the rule is
+`MEGATRON_HETERO_NORM_KERNEL` (NORM_KERNEL_ENV): auto (the default: quack where it can run for calls of
+NORM_MIN_ELEMENTS or more, torch elsewhere), torch (torch's kernels on every device: A/B runs, or a
+suspected kernel) or quack (every call where it can run); the rule is
 quack_kernels.py's, shared with the MLP's GEMMs; norm_kernel_for() feeds it this process's facts.
 tools/gpu_norm_check.py checks quack's outputs and gradients against fp32 at the workloads' widths on
 a GPU.
