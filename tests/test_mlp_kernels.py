@@ -95,6 +95,31 @@ def test_mode_and_rule():
     assert str(epilogue_choice(bf16, fc1, fc2, auto)) == "quack (gelu_erf; calls of >= 2^36 multiply-adds)"
 
 
+def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
+    """The MLP's work is fc1's multiply-adds on this rank's input (tokens x hidden x ffn): below the
+    minimum megatron-core's forward runs, at it the epilogue path."""
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_hetero.models import mlp as mlp_module
+
+    ran = []
+    monkeypatch.setattr(MLP, "forward", lambda self, x, scale=None, **kwargs: ran.append("megatron") or (x, None))
+    monkeypatch.setattr(mlp_module, "epilogue_mlp", lambda x, *args: ran.append("epilogue") or x)
+    monkeypatch.setattr(mlp_module, "copy_to_tensor_model_parallel_region", lambda x, group: x)
+    monkeypatch.setattr(mlp_module, "reduce_from_tensor_model_parallel_region", lambda x, group: x)
+    monkeypatch.setattr(mlp_module, "load_quack_gemm", lambda: (STAND_IN, None))
+    monkeypatch.setattr(mlp_module, "epilogue_input", lambda x: True)
+    fc1, fc2 = (types.SimpleNamespace(weight=torch.empty(24, 8), bias=None, sequence_parallel=False, tp_group=None,
+                                      gradient_accumulation_fusion=False) for _ in range(2))
+    module = object.__new__(mlp_module.EpilogueMLP)
+    torch.nn.Module.__init__(module)
+    module.linear_fc1, module.linear_fc2, module.config = fc1, fc2, _config(params_dtype=torch.bfloat16, bf16=True)
+    module.epilogue = QuackChoice(QUACK, "gelu_erf", min_work=5 * 3 * 8 * 24)
+    for tokens in (4, 5):
+        module(torch.randn(tokens, 3, 8))
+    assert ran == ["megatron", "epilogue"]
+
+
 def test_cpu_runs_torch(monkeypatch):
     monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
     assert mlp_kernel_for() == QuackChoice(TORCH, "no GPU")
