@@ -1,26 +1,40 @@
 """A pure-torch stand-in for quack's epilogue GEMMs (quack.gemm_interface's gemm_act / gemm_dact: their
-call signatures and outputs), for CPU tests of the MLP's fused path; GPUs check the real kernels
-(tools/gpu_mlp_check.py)."""
+call signatures and outputs, gated units' layout as its gemm_act_ref lays it out), for CPU tests of the
+MLP's fused path; GPUs check the real kernels (tools/gpu_mlp_check.py)."""
 
 import torch
 
 from megatron_hetero.models import mlp as mlp_module
-from megatron_hetero.models.mlp_kernels import ACTIVATIONS, QuackGemm
+from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, QuackGemm, halves
 from megatron_hetero.models.quack_kernels import QUACK, QuackChoice
 
 
-def gemm_act(A, B, bias=None, activation=None, tuned=True):
-    """(preact, postact) = (A @ B + bias, activation of it)."""
+def interleave(t):
+    """quack's _concat_interleave: [first; second] halves along t's non-contiguous dim -> [f0, s0, f1, ...]."""
+    dim = -2 if t.stride(-1) == 1 else -1
+    return t.unflatten(dim, (2, t.shape[dim] // 2)).transpose(dim - 1, dim).flatten(dim - 1, dim)
+
+
+def _act(activation, preact):
+    """The activation of quack's pre-activation: a gated unit's gate and up interleaved."""
+    return ACTIVATIONS[activation](halves(preact) if activation in GATED else preact)
+
+
+def gemm_act(A, B, bias=None, activation=None, tuned=True, concat_layout=None):
+    """(preact, postact) = (A @ B + bias, activation of it); concat_layout ("B",): B's halves interleaved
+    first (a gated unit's [gate; up] weight)."""
+    assert concat_layout in (None, ("B",)) and (concat_layout is None or bias is None)
+    B = interleave(B) if concat_layout else B
     preact = A @ B if bias is None else A @ B + bias
-    return preact, ACTIVATIONS[activation](preact)
+    return preact, _act(activation, preact)
 
 
 def gemm_dact(A, B, PreAct, activation=None, tuned=True):
     """(dpreact, postact): A @ B (the activation's output gradient) times the activation's derivative at
-    PreAct, and the activation of PreAct recomputed."""
+    PreAct, and the activation of PreAct recomputed (a gated unit's: both in PreAct's layout)."""
     with torch.enable_grad():
         x = PreAct.detach().requires_grad_()
-        y = ACTIVATIONS[activation](x)
+        y = _act(activation, x)
         (dx,) = torch.autograd.grad(y, x, A @ B)
     return dx, y.detach()
 

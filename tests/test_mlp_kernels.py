@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_hetero.models.attention_kernels import Device
 from megatron_hetero.models.mlp_kernels import (
     ACTIVATIONS,
+    GATED,
     MLP_KERNEL_ENV,
     MLP_MIN_MACS,
     QuackGemm,
@@ -45,7 +46,9 @@ def _config(**fields) -> TransformerConfig:
     ({}, "gelu_erf"),
     ({"add_bias_linear": True, "bias_activation_fusion": True}, "gelu_tanh_approx"),  # megatron's bias_gelu_impl
     ({"activation_func": functools.partial(F.gelu, approximate="tanh")}, "gelu_tanh_approx"),
-    ({"activation_func": F.silu, "gated_linear_unit": True}, None),
+    ({"activation_func": F.silu, "gated_linear_unit": True}, "swiglu"),
+    ({"activation_func": F.silu, "gated_linear_unit": True, "glu_linear_offset": 1.0}, None),
+    ({"activation_func": F.silu, "gated_linear_unit": True, "activation_func_clamp_value": 7.0}, None),
     ({"gated_linear_unit": True}, None),
     ({"activation_func": F.silu}, None),
     ({"activation_func": functools.partial(F.gelu, approximate="none")}, None),
@@ -65,14 +68,27 @@ def test_which_mlps_take_the_fused_path():
     assert str(epilogue_choice(_config(), None, None, quack)) == \
         "torch (torch.float32 activations: quack's GEMMs take bf16 / fp16)"
     assert str(epilogue_choice(_config(gated_linear_unit=True, **bf16), None, None, quack)) == \
-        "torch (a gated or non-GELU activation)"
+        "torch (an activation quack's epilogues do not compute)"
     assert str(epilogue_choice(_config(**bf16), None, None, quack)) == "torch (linears NoneType / NoneType)"
     fc1, fc2 = object.__new__(ColumnParallelLinear), object.__new__(RowParallelLinear)
     for width, expected in ((1152, "quack (gelu_erf)"), (1076, "torch (fc1 of (1076, 1152) per TP rank: quack's "
                                                              "GEMMs need widths that are multiples of 8)")):
-        for name, value in dict(is_expert=False, disable_grad_reduce=False, weight=torch.empty(width, 1152)).items():
+        for name, value in dict(is_expert=False, disable_grad_reduce=False, weight=torch.empty(width, 1152),
+                                bias=None).items():
             object.__setattr__(fc1, name, value)  # SigLIP's 4304 over TP4 is 1076
         assert str(epilogue_choice(_config(**bf16), fc1, fc2, quack)) == expected
+    # SwiGLU: only where asked for (not yet checked on a GPU), without fc1 biases, gate and up aligned.
+    swiglu = _config(activation_func=F.silu, gated_linear_unit=True, **bf16)
+    assert str(epilogue_choice(swiglu, fc1, fc2, quack)) == (
+        f"torch (swiglu: not yet checked on a GPU (tools/gpu_mlp_check.py); {MLP_KERNEL_ENV}=quack runs it)")
+    for rows, bias, expected in ((2 * 1024, None, "quack (swiglu)"),
+                                 (2 * 1024, torch.empty(2 * 1024), "torch (a gated MLP with fc1 biases (quack's gated "
+                                                                   "bias layout not checked))"),
+                                 (2 * 1076, None, "torch (fc1 of (2152, 1152) per TP rank: quack's GEMMs need widths "
+                                                  "that are multiples of 8)")):
+        object.__setattr__(fc1, "weight", torch.empty(rows, 1152))
+        object.__setattr__(fc1, "bias", bias)
+        assert str(epilogue_choice(swiglu, fc1, fc2, quack, "quack")) == expected
 
 
 def test_mode_and_rule():
@@ -141,11 +157,12 @@ def _torch_mlp(x, w1, b1, w2, activation):
     return ACTIVATIONS[activation](preact) @ w2.t()
 
 
-def _leaves(bias: bool, frozen: tuple[str, ...] = ()):
+def _leaves(bias: bool, frozen: tuple[str, ...] = (), gated: bool = False):
+    """x [5, 3, 8], fc1 [24, 8] (gated: [gate; up] of 12 each), fc2 [8, ffn]."""
     torch.manual_seed(0)
     tensors = dict(x=torch.randn(5, 3, 8, dtype=torch.float64), w1=torch.randn(24, 8, dtype=torch.float64) / 3,
                    b1=torch.randn(24, dtype=torch.float64) if bias else None,
-                   w2=torch.randn(8, 24, dtype=torch.float64) / 5)
+                   w2=torch.randn(8, 12 if gated else 24, dtype=torch.float64) / 5)
     return {k: (v.requires_grad_(k not in frozen) if v is not None else None) for k, v in tensors.items()}
 
 
@@ -159,13 +176,16 @@ def _fused(gemm=STAND_IN, fusion=False):
     return lambda x, w1, b1, w2, activation: epilogue_mlp(x, w1, b1, w2, activation, fusion, gemm)
 
 
-@pytest.mark.parametrize("bias, activation", [(False, "gelu_erf"), (True, "gelu_erf"), (True, "gelu_tanh_approx")])
+@pytest.mark.parametrize("bias, activation", [(False, "gelu_erf"), (True, "gelu_erf"), (True, "gelu_tanh_approx"),
+                                              (False, "swiglu")])
 @pytest.mark.parametrize("frozen", [(), ("w1", "b1"), ("x", "w1", "b1"), ("w2",)])
 def test_fused_path_equals_torch(bias, activation, frozen):
     """[s, b, h] in, output and every gradient as torch's MLP, frozen parts (no gradient) included:
-    with x and fc1 frozen fc2's weight gradient recomputes the activation with torch."""
-    got = _run(_fused(), _leaves(bias, frozen), activation)
-    want = _run(_torch_mlp, _leaves(bias, frozen), activation)
+    with x and fc1 frozen fc2's weight gradient recomputes the activation with torch. SwiGLU: fc1 as
+    megatron-core lays it out ([gate; up]), the GEMMs' pre-activation interleaved as quack's is."""
+    gated = activation == "swiglu"
+    got = _run(_fused(), _leaves(bias, frozen, gated), activation)
+    want = _run(_torch_mlp, _leaves(bias, frozen, gated), activation)
     assert got[1].keys() == want[1].keys()
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
     for name in want[1]:
@@ -218,7 +238,8 @@ def _wrong_derivative(gemm: QuackGemm) -> QuackGemm:
 
 
 def test_gpu_check_passes_a_right_kernel_and_fails_a_wrong_derivative(monkeypatch):
-    cases = [(bias, activation) for bias in (False, True) for activation in ACTIVATIONS]
+    cases = [(bias, activation) for bias in (False, True) for activation in ACTIVATIONS
+             if not (bias and activation in GATED)]
     for gemm, right in ((STAND_IN, True), (_wrong_derivative(STAND_IN), False)):
         tool = _check_tool(monkeypatch, gemm)
         for bias, activation in cases:

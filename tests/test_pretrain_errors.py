@@ -95,7 +95,7 @@ def test_bad_input_is_one_line(tmp_path, args, layout_text, expected):
 @pytest.mark.parametrize("env", ["MEGATRON_HETERO_NORM_KERNEL", "MEGATRON_HETERO_MLP_KERNEL"])
 def test_bad_kernel_mode_is_one_line(tmp_path, monkeypatch, env):
     monkeypatch.setenv(env, "apex")
-    _assert_one_line(_run(["--hetero-layout", DEMO], tmp_path), f"{env}=apex: use one of auto, torch")
+    _assert_one_line(_run(["--hetero-layout", DEMO], tmp_path), f"{env}=apex: use one of auto, torch, quack")
 
 
 def _assert_one_line(result, expected):

@@ -3,7 +3,8 @@ shapes, and faster than cuBLAS plus torch's activation?
 
     python3 tools/gpu_mlp_check.py [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
 
-Per case (tokens, hidden, ffn, fc1 bias or not, activation; bf16 as the models train): the output, the
+Per case (tokens, hidden, ffn, fc1 bias or not, activation, SwiGLU's among them; bf16 as the models
+train): the output, the
 input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
 `epilogue_mlp`, weight gradients accumulated into fp32 main_grad as megatron's gradient-accumulation
 fusion does in training) and of torch's bf16 path (x @ w1^T + b1, the activation, @ w2^T: what
@@ -19,7 +20,7 @@ import kernel_check
 import torch
 from bench_ops import timed
 
-from megatron_hetero.models.mlp_kernels import ACTIVATIONS, epilogue_mlp, load_quack_gemm
+from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
 from megatron_hetero.patches import grad_accum_fusion
 
 TOLERANCE = 0.02  # torch's own bf16 MLP is ~0.005-0.01 off fp32 (bf16 rounding of activations and grads)
@@ -39,23 +40,27 @@ class Case(NamedTuple):
 def cases(quick: bool) -> list[Case]:
     """The dense MLPs of the workloads at one micro batch's tokens (2 samples; W1's ViT: 32 images of
     729 patches): W1/W3's LLM (no biases), SigLIP's ViT (W1, biased), InternViT-6B's (W4), Qwen3-VL's
-    ViT (tanh GELU)."""
+    ViT (tanh GELU); the families' SwiGLU LLMs (no biases) at 16,384 tokens."""
     cut = 8 if quick else 1
     return [Case("W1/W3 LLM 4096 -> 16384", 32768 // cut, 4096, 16384, False),
             Case("W1 SigLIP ViT 1152 -> 4304", 23328 // cut, 1152, 4304, True),
             Case("W4 InternViT-6B 3200 -> 12800", 16384 // cut, 3200, 12800, True),
-            Case("Qwen3-VL ViT 1152 -> 4304 (tanh)", 16384 // cut, 1152, 4304, True, "gelu_tanh_approx")]
+            Case("Qwen3-VL ViT 1152 -> 4304 (tanh)", 16384 // cut, 1152, 4304, True, "gelu_tanh_approx"),
+            Case("Qwen2.5-VL-7B LLM 3584 -> 2 x 18944 (SwiGLU)", 16384 // cut, 3584, 18944, False, "swiglu"),
+            Case("Qwen3-VL-8B LLM 4096 -> 2 x 12288 (SwiGLU)", 16384 // cut, 4096, 12288, False, "swiglu")]
 
 
 def inputs(case: Case, seed: int = 0) -> list[torch.Tensor | None]:
-    """x, w1, b1 (None without bias), w2, dout: weights at 1 / sqrt(fan-in), as trained layers are."""
+    """x, w1, b1 (None without bias), w2, dout: weights at 1 / sqrt(fan-in), as trained layers are; a
+    gated unit's fc1 [gate; up] of ffn rows each."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, device=DEVICE, generator=g) * scale
 
-    return [randn(case.tokens, case.hidden), randn(case.ffn, case.hidden, scale=case.hidden**-0.5),
-            randn(case.ffn, scale=0.1) if case.bias else None, randn(case.hidden, case.ffn, scale=case.ffn**-0.5),
+    rows = 2 * case.ffn if case.activation in GATED else case.ffn
+    return [randn(case.tokens, case.hidden), randn(rows, case.hidden, scale=case.hidden**-0.5),
+            randn(rows, scale=0.1) if case.bias else None, randn(case.hidden, case.ffn, scale=case.ffn**-0.5),
             randn(case.tokens, case.hidden)]
 
 

@@ -28,9 +28,13 @@ from megatron.core.transformer.mlp import MLP
 
 from megatron_hetero.models.mlp_kernels import (
     EPILOGUE_DTYPES,
+    GATED,
+    MLP_KERNEL_ENV,
+    UNCHECKED,
     epilogue_mlp,
     load_quack_gemm,
     mlp_kernel_for,
+    mlp_mode,
     quack_activation,
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice
@@ -38,23 +42,30 @@ from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice
 ALIGNMENT = 8  # elements: the 16-byte row alignment quack's (TMA) GEMMs need at 2 bytes per element
 
 
-def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
+def epilogue_choice(config, fc1, fc2, kernel: QuackChoice, mode: str = "auto") -> QuackChoice:
     """Whether an MLP of `config` with these linears runs its activation in quack's GEMMs, given the
-    process's kernel choice (mlp_kernel_for); the reason where it does not."""
+    process's kernel choice (mlp_kernel_for) and mode (mlp_mode); the reason where it does not."""
     if kernel.kernel != QUACK:
         return kernel
+    activation = quack_activation(config)
     if config.params_dtype not in EPILOGUE_DTYPES:
         return QuackChoice(TORCH, f"{config.params_dtype} activations: quack's GEMMs take bf16 / fp16")
-    if quack_activation(config) is None:
-        return QuackChoice(TORCH, "a gated or non-GELU activation")
+    if activation is None:
+        return QuackChoice(TORCH, "an activation quack's epilogues do not compute")
+    if activation in UNCHECKED and mode != QUACK:
+        return QuackChoice(TORCH, f"{activation}: not yet checked on a GPU (tools/gpu_mlp_check.py); "
+                                  f"{MLP_KERNEL_ENV}=quack runs it")
     if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
         return QuackChoice(TORCH, f"linears {type(fc1).__name__} / {type(fc2).__name__}")
     if fc1.is_expert or fc1.disable_grad_reduce or config.fp8 or config.delay_wgrad_compute:
         return QuackChoice(TORCH, "an expert, FP8 or delayed weight-gradient MLP")
-    if any(width % ALIGNMENT for width in fc1.weight.shape):
+    if activation in GATED and fc1.bias is not None:
+        return QuackChoice(TORCH, "a gated MLP with fc1 biases (quack's gated bias layout not checked)")
+    widths = (*fc1.weight.shape, fc1.weight.shape[0] // 2) if activation in GATED else fc1.weight.shape
+    if any(width % ALIGNMENT for width in widths):
         return QuackChoice(TORCH, f"fc1 of {tuple(fc1.weight.shape)} per TP rank: quack's GEMMs need widths "
                                   f"that are multiples of {ALIGNMENT}")
-    return dataclasses.replace(kernel, reason=quack_activation(config))
+    return dataclasses.replace(kernel, reason=activation)
 
 
 def epilogue_input(x: torch.Tensor) -> bool:
@@ -68,7 +79,7 @@ class EpilogueMLP(MLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for())
+        self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for(), mlp_mode())
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         fc1, fc2 = self.linear_fc1, self.linear_fc2

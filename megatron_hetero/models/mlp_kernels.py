@@ -10,15 +10,17 @@ derivative and writes the activation again, recomputed from the pre-activation, 
 gradient needs (1.15x). So the activation is not kept for the backward: one [tokens, ffn] tensor
 less per layer than megatron's MLP keeps.
 
-Where: dense, non-gated MLPs whose activation quack computes exactly as megatron-core would
-(ACTIVATIONS: F.gelu, erf; with --bias-gelu-fusion megatron's bias_gelu_impl, the tanh
-approximation), in bf16 / fp16, on GPUs quack targets, for calls of MLP_MIN_MACS or more
-(quack_kernels.py's rule; MEGATRON_HETERO_MLP_KERNEL=torch pins it off, =quack on for every call).
-The other GEMMs (fc2 forward, fc1's input gradient, both weight
-gradients) stay torch's (cuBLAS, at the same speed as quack's plain GEMM by tools/gpu_fusion_probe.py);
-the weight gradients go into main_grad inside the GEMM where megatron's gradient-accumulation fusion
-is on, as megatron-core's linear layers do. tools/gpu_mlp_check.py checks the outputs and gradients
-against fp32 on a GPU.
+Where: dense MLPs whose activation quack computes exactly as megatron-core would (ACTIVATIONS:
+F.gelu, erf; with --bias-gelu-fusion megatron's bias_gelu_impl, the tanh approximation; SwiGLU, the
+gated unit of the Qwen and InternVL families' LLMs, at 1.06-1.20x forward and 1.53-1.65x for the
+input gradient's GEMM with the gate's derivative by tools/gpu_fusion_probe.py --swiglu), in bf16 /
+fp16, on GPUs quack targets, for calls of MLP_MIN_MACS or more (quack_kernels.py's rule;
+MEGATRON_HETERO_MLP_KERNEL=torch pins it off, =quack on for every call). UNCHECKED activations run
+only under =quack until tools/gpu_mlp_check.py has passed them on a GPU. The other GEMMs (fc2
+forward, fc1's input gradient, both weight gradients) stay torch's (cuBLAS, at the same speed as
+quack's plain GEMM by tools/gpu_fusion_probe.py); the weight gradients go into main_grad inside the
+GEMM where megatron's gradient-accumulation fusion is on, as megatron-core's linear layers do.
+tools/gpu_mlp_check.py checks the outputs and gradients against fp32 on a GPU.
 """
 
 import functools
@@ -37,12 +39,34 @@ MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
 # rank; quack_kernels.py: why): W1's ViT (23,328 x 1152 x 4304, 2^36.8) and the workloads' LLMs run
 # quack; the loss model's LLM (8,192 x 1024 x 4096, 2^35) torch.
 MLP_MIN_MACS = (2**36, "multiply-adds")
-# quack's activation name -> torch's same function: what megatron-core's MLP computes without the fusion.
+
+
+def _swiglu(preact: torch.Tensor) -> torch.Tensor:
+    """megatron-core's gated unit on fc1's output as it lays it out: [gate; up] halves, silu(gate) * up."""
+    gate, up = preact.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# quack's activation name -> torch's same function on megatron-core's layout of fc1's output: what
+# megatron-core's MLP computes without the fusion.
 ACTIVATIONS: dict[str, Callable] = {
     "gelu_erf": F.gelu,
     "gelu_tanh_approx": functools.partial(F.gelu, approximate="tanh"),
+    "swiglu": _swiglu,
 }
+# Gated units: fc1's weight is [gate; up] (megatron-core's layout, kept); quack's GEMM reads it so
+# (concat_layout) and writes the pre-activation interleaved, [g0, u0, g1, u1, ...], so that its epilogue
+# pairs each gate with its up; torch sees it through halves().
+GATED = ("swiglu",)
+# Not yet checked against fp32 on a GPU (tools/gpu_mlp_check.py's gated cases): auto leaves them to
+# megatron-core's MLP; MEGATRON_HETERO_MLP_KERNEL=quack runs them (the check, and who wants them now).
+UNCHECKED = ("swiglu",)
 EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def halves(interleaved: torch.Tensor) -> torch.Tensor:
+    """A gated pre-activation (or its gradient) from quack's interleaved layout to [gate; up] halves."""
+    return interleaved.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
 def mlp_mode(environ=os.environ) -> str:
@@ -52,11 +76,14 @@ def mlp_mode(environ=os.environ) -> str:
 
 def quack_activation(config) -> str | None:
     """quack's name for the activation of megatron-core's dense MLP under `config` (a
-    TransformerConfig), or None where the fused GEMMs do not compute it (gated units, other functions,
-    Transformer Engine's activation modules)."""
+    TransformerConfig), or None where the fused GEMMs do not compute it (other functions, gated units
+    other than plain SwiGLU, Transformer Engine's activation modules)."""
     function = config.activation_func
-    if config.gated_linear_unit or config.use_te_activation_func:
+    if config.use_te_activation_func:
         return None
+    if config.gated_linear_unit:
+        plain = config.activation_func_clamp_value is None and config.glu_linear_offset == 0
+        return "swiglu" if function is F.silu and plain else None
     if (isinstance(function, functools.partial) and function.func is F.gelu and not function.args
             and function.keywords == {"approximate": "tanh"}):  # Hugging Face's gelu_pytorch_tanh (models/vlm.py)
         return "gelu_tanh_approx"
@@ -127,14 +154,17 @@ class _LinearAct(torch.autograd.Function):
     """fc1 with the activation in its GEMM's epilogue, on 2-D x [tokens, in].
 
     forward: preact = x @ w^T (+ b), act = activation(preact), one GEMM writing both; act is not
-    differentiable (its gradient comes back as preact's, from _DActLinear's backward);
-    backward: dx = dpreact @ w, dw = dpreact^T @ x, db = sum of dpreact over tokens."""
+    differentiable (its gradient comes back as preact's, from _DActLinear's backward); a gated
+    unit's preact interleaved (GATED);
+    backward: dx = dpreact @ w, dw = dpreact^T @ x, db = sum of dpreact over tokens (a gated unit's
+    dpreact first back in [gate; up] halves: one copy of it, so that both GEMMs stay cuBLAS's)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, accumulation_fusion, gemm):
-        preact, act = gemm.act(x, weight.t(), bias=bias, activation=activation, tuned=False)
+        layout = {"concat_layout": ("B",)} if activation in GATED else {}
+        preact, act = gemm.act(x, weight.t(), bias=bias, activation=activation, tuned=False, **layout)
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.accumulation_fusion = bias is not None, accumulation_fusion
+        ctx.has_bias, ctx.accumulation_fusion, ctx.gated = bias is not None, accumulation_fusion, bool(layout)
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
         return preact, act
@@ -142,6 +172,8 @@ class _LinearAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dpreact, _):
         x, weight = ctx.saved_tensors
+        if ctx.gated:  # [gate; up] as the weight's rows, for cuBLAS and the fused weight gradient
+            dpreact = halves(dpreact)
         dx = dpreact.matmul(weight) if ctx.needs_input_grad[0] else None
         dw = weight_grad(weight, x, dpreact, ctx.accumulation_fusion) if ctx.needs_input_grad[1] else None
         db = dpreact.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -168,7 +200,7 @@ class _DActLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dpreact, act = ctx.gemm.dact(dout, weight, preact, activation=ctx.activation, tuned=False)
         else:
-            dpreact, act = None, ACTIVATIONS[ctx.activation](preact)
+            dpreact, act = None, ACTIVATIONS[ctx.activation](halves(preact) if ctx.activation in GATED else preact)
         dw = weight_grad(weight, act, dout, ctx.accumulation_fusion) if ctx.needs_input_grad[2] else None
         return dpreact, None, dw, None, None, None
 
