@@ -4,8 +4,7 @@ shapes, and faster than cuBLAS plus torch's activation?
     python3 tools/gpu_mlp_check.py [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
 
 Per case (tokens, hidden, ffn, fc1 bias or not, activation, SwiGLU's among them; bf16 as the models
-train): the output, the
-input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
+train): the output, the input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
 `epilogue_mlp`, weight gradients accumulated into fp32 main_grad as megatron's gradient-accumulation
 fusion does in training) and of torch's bf16 path (x @ w1^T + b1, the activation, @ w2^T: what
 megatron-core's MLP runs) against fp32 autograd of the same inputs, as max |diff| / max |ref|; then
