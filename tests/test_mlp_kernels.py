@@ -131,6 +131,7 @@ def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
     torch.nn.Module.__init__(module)
     module.linear_fc1, module.linear_fc2, module.config = fc1, fc2, _config(params_dtype=torch.bfloat16, bf16=True)
     module.epilogue = QuackChoice(QUACK, "gelu_erf", min_work=5 * 3 * 8 * 24)
+    module.activation = "gelu_erf"
     for tokens in (4, 5):
         module(torch.randn(tokens, 3, 8))
     assert ran == ["megatron", "epilogue"]

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from bench_ops import timed
 
+from megatron_hetero.models.mlp_kernels import ACTIVATIONS
+
 ITERS = 30
 SHAPES = {"W1 LLM MLP": (32768, 4096, 16384), "W1 ViT MLP": (23328, 1152, 4608)}
 GATED_SHAPES = {"Qwen2.5-VL-7B LLM MLP": (32768, 3584, 18944), "Qwen3-VL-8B LLM MLP": (32768, 4096, 12288)}
@@ -110,19 +112,14 @@ def probe(name: str, tokens: int, hidden: int, ffn: int, quack, norm) -> list[di
     ]
 
 
-def _swiglu(pre):
-    """megatron-core's gated unit on fc1's output: [gate; up] halves, silu(gate) * up."""
-    gate, up = pre.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def probe_gated(name: str, tokens: int, hidden: int, ffn: int, quack) -> list[dict]:
     """The swiglu comparisons at one shape (fc1 [2 ffn, hidden] as [gate; up], fc2 [hidden, ffn])."""
     torch.manual_seed(0)
     x, w1 = _randn(tokens, hidden), _randn(2 * ffn, hidden, scale=hidden**-0.5)
     w2, dout = _randn(hidden, ffn, scale=ffn**-0.5), _randn(tokens, hidden)
     pre = (x @ w1.t()).requires_grad_()
-    post = _swiglu(pre)  # the graph the torch backward runs through, again each call
+    swiglu = ACTIVATIONS["swiglu"]  # megatron-core's gated unit on [gate; up] halves
+    post = swiglu(pre)  # the graph the torch backward runs through, again each call
 
     def fused_forward():
         return quack.gemm_act(x, w1.t(), activation="swiglu", concat_layout=("B",), tuned=False)
@@ -133,7 +130,7 @@ def probe_gated(name: str, tokens: int, hidden: int, ffn: int, quack) -> list[di
         return quack.gemm_dact(dout, w2, fused_preact(), activation="swiglu", tuned=False)
 
     return [
-        _row(name, "fc1 GEMM + SwiGLU forward", lambda: _swiglu(x @ w1.t()), fused_forward,
+        _row(name, "fc1 GEMM + SwiGLU forward", lambda: swiglu(x @ w1.t()), fused_forward,
              lambda: _rel(fused_forward()[1], post.detach())),
         _row(name, "fc2 input gradient + SwiGLU backward",
              lambda: torch.autograd.grad(post, pre, dout @ w2, retain_graph=True), fused_backward,

@@ -80,6 +80,7 @@ class EpilogueMLP(MLP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for(), mlp_mode())
+        self.activation = quack_activation(self.config)
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
@@ -90,7 +91,7 @@ class EpilogueMLP(MLP):
             x = gather_from_sequence_parallel_region(hidden_states, group=fc1.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(hidden_states, group=fc1.tp_group)
-        out = epilogue_mlp(x, fc1.weight, fc1.bias, fc2.weight, quack_activation(self.config),
+        out = epilogue_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.activation,
                            fc1.gradient_accumulation_fusion, load_quack_gemm()[0])
         if fc2.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, group=fc2.tp_group), fc2.bias
