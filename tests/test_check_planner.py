@@ -209,16 +209,19 @@ def test_the_usable_memory_share_is_fitted_where_runs_ran_out():
 
 
 def test_a_fused_mlp_keeps_no_activation_output():
-    """A dense GELU MLP on quack's GEMM epilogues (models/mlp.py) keeps its fc1 output but not the
-    activation's: ffn / TP fewer values per token and layer; gated and expert MLPs as before. A record
-    whose MLPs ran so (`mlp`) is predicted with it."""
+    """A dense MLP on quack's GEMM epilogues (models/mlp.py) keeps its fc1 output but not the
+    activation's: ffn / TP fewer values per token and layer, the LLM's gated ones too; a gated encoder
+    (fc1 biases: not fused) and expert MLPs as before. A record whose MLPs ran so (`mlp`) is
+    predicted with it."""
     from megatron_hetero.planner.counts import activation_bytes_per_token_layer
 
     llm = PRESETS["W1"].workload.llm
+    gated_encoder = replace(PRESETS["W1"].workload.encoders[0], gated_mlp=True)
     for tp, sp in ((1, False), (2, True)):
-        plain, fused = (activation_bytes_per_token_layer(llm, tp, sp, 2, fused) for fused in (False, True))
-        assert plain - fused == 2 * llm.ffn / tp
-        for other in (replace(llm, gated_mlp=True), replace(llm, experts=4, topk=2)):
+        for shape in (llm, replace(llm, gated_mlp=True)):
+            plain, fused = (activation_bytes_per_token_layer(shape, tp, sp, 2, fused) for fused in (False, True))
+            assert plain - fused == 2 * shape.ffn / tp
+        for other in (gated_encoder, replace(llm, experts=4, topk=2)):
             assert activation_bytes_per_token_layer(other, tp, sp, 2, True) == \
                 activation_bytes_per_token_layer(other, tp, sp, 2)
     record = dict(workload="W1", layout="gpu2_colocated", gpus=2, tokens_per_s=1.0, peak_gb_max=1.0, phases={})

@@ -361,6 +361,7 @@ def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path):
     (["--workload", "W1", "--global-batch", "-1"], "error: global batch must be a positive integer"),
     (["--workload", "W1", "--gpus", "4", "--layouts", "examples/layouts/gpu2_colocated.yaml"],
      "error: examples/layouts/gpu2_colocated.yaml: module vision: tp*cp*dp*pp = 2"),
+    (["--workload", "paper", "--as-trained"], "error: --as-trained: bench_e2e does not train paper; drop the flag"),
 ])
 def test_cli_bad_input_is_one_error_line(argv, message):
     result = run_tool("plan_layout", *argv)

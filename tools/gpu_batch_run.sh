@@ -11,7 +11,8 @@
 # baseline_checkout: carry .base) against this one (B), same flags, at global batch 16 only: W1 A B A B,
 # then W3 A B while time is left, the first B of each workload profiled (profile_<workload>_gb16.md);
 # medians per checkout (ab_summary.py A=... B=...). AB_RUNS: the workloads of the A B pairs in their
-# order (default "W1 W1 W3"; W3 on single_frozen, the others on single).
+# order (default "W1 W1 W3"; W3 on single_frozen, the others on single). FLAGS: more training-script
+# flags for every run (bench_e2e --flags, e.g. the recomputation a workload needs on an 80 GB card).
 set -uo pipefail
 start=$SECONDS
 profile() { [ "${PROFILE:-1}" = 0 ] || echo --profile "$out/profile_$1_gb16.md"; }
@@ -27,7 +28,7 @@ e2e() {  # checkout (A: the baseline, B: this one, -: this one alone), workload,
   echo "== $(date +%T) $2 gb$4 checkout $1" >> "$out/bench_e2e.log"
   (cd "$dir" && PYTHONPATH=$path timeout "${RUN_TIMEOUT:-150}" torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$2" \
     --llm-layers "${LLM_LAYERS:-8}" --hetero-layout "examples/layouts/$3.yaml" --global-batch "$4" --micro-batch 2 \
-    --warmup "$5" --steps "$6" --out "$file" "${@:7}") >> "$out/bench_e2e.log" 2>&1
+    --warmup "$5" --steps "$6" --flags="${FLAGS:-}" --out "$file" "${@:7}") >> "$out/bench_e2e.log" 2>&1
   echo "$2 gb$4 $1: exit $? at $((SECONDS - start)) s"
 }
 if [ -n "${BASE_REV:-}" ]; then

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import (
+    BENCH_WORKLOADS,
     H200_MEMORY_GB,
     PRESETS,
     Calibration,
@@ -43,7 +44,9 @@ from megatron_hetero.planner import (
     layout_yaml,
     module_params,
     plan,
+    trainer_workload,
 )
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"
 # "Heterogeneous Parallelism for Multimodal Large Language Model Training" (arXiv 2605.27678).
@@ -62,6 +65,10 @@ def parse_args(argv):
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N")
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION), metavar="FILE",
                         help="calibration JSON (default: tools/calibration_h200.json, assumed figures)")
+    parser.add_argument("--as-trained", action="store_true",
+                        help="the preset as tools/bench_e2e.py trains it (the trainer's MLPs 4 x hidden, the demo "
+                             "tokenizer's padded vocabulary, its micro batch): what bench_e2e's out-of-memory line "
+                             "plans")
     overrides = parser.add_argument_group("workload overrides")
     overrides.add_argument("--global-batch", type=int, metavar="N")
     overrides.add_argument("--micro-batch", type=int, metavar="N", help="fix the micro batch size (default: search)")
@@ -74,8 +81,8 @@ def parse_args(argv):
                            help="also try activation recomputation: the fewest layers of each stage that "
                                 "fit (Megatron's --recompute-method block)")
     overrides.add_argument("--fused-mlp", action=argparse.BooleanOptionalAction, default=None,
-                           help="GELU MLPs keep no activation output (quack's GEMM epilogues: Hopper/Blackwell "
-                                "with the fa4 extra)")
+                           help="dense MLPs (GELU; the LLM's SwiGLU) keep no activation output (quack's GEMM "
+                                "epilogues: Hopper/Blackwell with the fa4 extra)")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
     parser.add_argument("--write-yaml", metavar="FILE", help="write the best layout here")
@@ -87,6 +94,10 @@ def load_workload(args) -> tuple[Workload, str, int]:
     if args.workload:
         preset = PRESETS[args.workload]
         workload, description, gpus = preset.workload, f"{args.workload}: {preset.description}", preset.gpus
+        if args.as_trained:
+            workload, description = _as_trained(args), f"{description}, as bench_e2e trains it"
+    elif args.as_trained:
+        raise ValueError("--as-trained: give a preset (--workload), not a workload file")
     else:
         workload, description, gpus = Workload.load(args.workload_file), args.workload_file, 8
     encoder_changes = {}
@@ -102,6 +113,21 @@ def load_workload(args) -> tuple[Workload, str, int]:
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)
     return replace(workload, **changes), description, gpus
+
+
+def _as_trained(args) -> Workload:
+    """The preset in the planner's terms as bench_e2e's trainer builds it, at the depth and batch
+    sizes given (bench_e2e's sized_workload)."""
+    from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
+
+    bench = BENCH_WORKLOADS.get(args.workload) or FAMILY_BENCH_WORKLOADS.get(args.workload)
+    if bench is None:
+        raise ValueError(f"--as-trained: bench_e2e does not train {args.workload}; drop the flag or use one of "
+                         f"{', '.join(sorted([*BENCH_WORKLOADS, *FAMILY_BENCH_WORKLOADS]))}")
+    bench = replace(bench, layers=args.llm_layers or bench.layers,
+                    global_batch=args.global_batch or bench.global_batch,
+                    micro_batch=args.micro_batch or bench.micro_batch)
+    return trainer_workload(bench, padded_vocab_size(ModelSizes()), bench.frozen)
 
 
 def _gain(prediction, reference) -> str:

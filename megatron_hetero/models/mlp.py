@@ -29,12 +29,9 @@ from megatron.core.transformer.mlp import MLP
 from megatron_hetero.models.mlp_kernels import (
     EPILOGUE_DTYPES,
     GATED,
-    MLP_KERNEL_ENV,
-    UNCHECKED,
     epilogue_mlp,
     load_quack_gemm,
     mlp_kernel_for,
-    mlp_mode,
     quack_activation,
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice
@@ -42,9 +39,9 @@ from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice
 ALIGNMENT = 8  # elements: the 16-byte row alignment quack's (TMA) GEMMs need at 2 bytes per element
 
 
-def epilogue_choice(config, fc1, fc2, kernel: QuackChoice, mode: str = "auto") -> QuackChoice:
+def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     """Whether an MLP of `config` with these linears runs its activation in quack's GEMMs, given the
-    process's kernel choice (mlp_kernel_for) and mode (mlp_mode); the reason where it does not."""
+    process's kernel choice (mlp_kernel_for); the reason where it does not."""
     if kernel.kernel != QUACK:
         return kernel
     activation = quack_activation(config)
@@ -52,9 +49,6 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice, mode: str = "auto") -
         return QuackChoice(TORCH, f"{config.params_dtype} activations: quack's GEMMs take bf16 / fp16")
     if activation is None:
         return QuackChoice(TORCH, "an activation quack's epilogues do not compute")
-    if activation in UNCHECKED and mode != QUACK:
-        return QuackChoice(TORCH, f"{activation}: not yet checked on a GPU (tools/gpu_mlp_check.py); "
-                                  f"{MLP_KERNEL_ENV}=quack runs it")
     if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
         return QuackChoice(TORCH, f"linears {type(fc1).__name__} / {type(fc2).__name__}")
     if fc1.is_expert or fc1.disable_grad_reduce or config.fp8 or config.delay_wgrad_compute:
@@ -79,7 +73,7 @@ class EpilogueMLP(MLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for(), mlp_mode())
+        self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for())
         self.activation = quack_activation(self.config)
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):

@@ -15,8 +15,8 @@ F.gelu, erf; with --bias-gelu-fusion megatron's bias_gelu_impl, the tanh approxi
 gated unit of the Qwen and InternVL families' LLMs, at 1.06-1.20x forward and 1.53-1.65x for the
 input gradient's GEMM with the gate's derivative by tools/gpu_fusion_probe.py --swiglu), in bf16 /
 fp16, on GPUs quack targets, for calls of MLP_MIN_MACS or more (quack_kernels.py's rule;
-MEGATRON_HETERO_MLP_KERNEL=torch pins it off, =quack on for every call). UNCHECKED activations run
-only under =quack until tools/gpu_mlp_check.py has passed them on a GPU. The other GEMMs (fc2
+MEGATRON_HETERO_MLP_KERNEL=torch pins it off, =quack on for every call); each activation's outputs
+and gradients passed tools/gpu_mlp_check.py on an H200 before auto ran it. The other GEMMs (fc2
 forward, fc1's input gradient, both weight gradients) stay torch's (cuBLAS, at the same speed as
 quack's plain GEMM by tools/gpu_fusion_probe.py); the weight gradients go into main_grad inside the
 GEMM where megatron's gradient-accumulation fusion is on, as megatron-core's linear layers do.
@@ -58,9 +58,6 @@ ACTIVATIONS: dict[str, Callable] = {
 # (concat_layout) and writes the pre-activation interleaved, [g0, u0, g1, u1, ...], so that its epilogue
 # pairs each gate with its up; torch sees it through halves().
 GATED = ("swiglu",)
-# Not yet checked against fp32 on a GPU (tools/gpu_mlp_check.py's gated cases): auto leaves them to
-# megatron-core's MLP; MEGATRON_HETERO_MLP_KERNEL=quack runs them (the check, and who wants them now).
-UNCHECKED = ("swiglu",)
 EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
 
 

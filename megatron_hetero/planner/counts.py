@@ -137,10 +137,12 @@ def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtyp
     - the two norm inputs and the two norm outputs that feed the QKV and FC1 GEMMs (4 x hidden),
       whole on every TP rank unless sequence parallelism splits them;
     - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP; with
-      `fused_mlp` a dense non-gated MLP keeps no activation output (its fc2 input-gradient GEMM
-      recomputes it: models/mlp.py)."""
+      `fused_mlp` a dense MLP keeps no activation output (its fc2 input-gradient GEMM recomputes it:
+      models/mlp.py), a gated one only in the LLM (the gated encoder here, Qwen2.5-VL's tower, has
+      fc1 biases, which the fused gated path does not take)."""
     replicated = 4 * shape.hidden
-    mlp_tensors = 3 if shape.gated_mlp else 1 if fused_mlp and not shape.experts else 2
+    fused = fused_mlp and not shape.experts and (not shape.gated_mlp or shape.role == "llm")
+    mlp_tensors = (3 if shape.gated_mlp else 2) - fused
     # An MoE layer keeps its topk experts' MLP activations per token.
     split = 2 * shape.q_dim + 2 * shape.kv_dim + mlp_tensors * shape.ffn * max(shape.topk, 1)
     return dtype_bytes * ((replicated / tp if sp else replicated) + split / tp)

@@ -112,13 +112,16 @@ def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
     workload = replace(trainer_workload(preset, padded_vocab_size(ModelSizes()), preset.frozen),
                        distributed_optimizer=True, allow_recompute=True)
     best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
-    # The depth the run built (bench_e2e's --llm-layers), so that the command gives the same answer.
-    command = (f"python tools/plan_layout.py --workload {preset.name} --llm-layers {preset.layers} "
-               f"--gpus {world_size} --gpu-memory-gb {gpu_memory_gb:.0f} --distributed-optimizer --allow-recompute")
+    # The workload the run built (--as-trained; bench_e2e's depth and batch sizes), so that the command
+    # gives the same answer.
+    command = (f"python tools/plan_layout.py --workload {preset.name} --as-trained --llm-layers {preset.layers} "
+               f"--global-batch {preset.global_batch} --micro-batch {preset.micro_batch} --gpus {world_size} "
+               f"--gpu-memory-gb {round(gpu_memory_gb, 2):g} --distributed-optimizer --allow-recompute")
     if best is None:
         return (f"the planner finds no layout of {preset.name} that fits {world_size} GPUs of "
                 f"{gpu_memory_gb:.0f} GB ({command})")
-    return (f"the planner's best for {preset.name} on {world_size} GPUs: {best.candidate.placement} "
+    return (f"the planner's best for {preset.name} on {world_size} GPU{'s' if world_size > 1 else ''}: "
+            f"{best.candidate.placement} "
             f"{best.candidate.describe()}, micro batch {best.candidate.micro_batch}, "
             f"{best.memory_gb:.0f} GB/GPU predicted ({command} --write-yaml best.yaml)")
 
