@@ -12,21 +12,32 @@
 # flash-attn-4: importable where $FA4_SITE is set (tools/gpu_env.sh; installed by tools/gpu_fa4_check.sh
 # on this warm machine, its checked head dims used when there); otherwise every attention runs SDPA (the records
 # name the kernels). Each run stops at 140 s (flash-attn-4 compiles its kernels in the first steps); no
-# run starts after 380 s. The new presets run first, the baseline last.
-# Usage: [LLM_LAYERS=4] [STEPS=3] [PROFILE=qwen3_vl_8b] [FA4_SITE=DIR] tools/gpu_families_run.sh
+# run starts after BUDGET_S (380) s. The new presets run first, the baseline last.
+# MLP_AB="qwen2_5_vl_7b": instead, those families' MLP A/B, A B A B (~110 s a run: one family a call),
+# megatron-core's MLP (A: MEGATRON_HETERO_MLP_KERNEL=torch) against the default (B: the fused SwiGLU and
+# GELU), records bench_e2e_A.jsonl / bench_e2e_B.jsonl, medians in ab_table.md (tools/ab_summary.py).
+# Usage: [LLM_LAYERS=4] [STEPS=3] [PROFILE=qwen3_vl_8b] [MLP_AB=...] [FA4_SITE=DIR] tools/gpu_families_run.sh
 set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/gpu_env.sh"
 profile=${PROFILE:-qwen3_vl_8b}
-e2e() {  # workload
-  if [ $((SECONDS - start)) -gt 380 ]; then echo "$1: skipped (time)"; return; fi
-  local extra=(); [ "$1" = "$profile" ] && extra=(--profile "$out/profile_$1.md")
-  echo "== $(date +%T) $1" >> "$out/bench_e2e_families.log"
-  timeout 140 torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$1" --llm-layers "${LLM_LAYERS:-4}" \
-    --hetero-layout examples/layouts/single.yaml --warmup 2 --steps "${STEPS:-3}" \
-    --out "$out/bench_e2e_families.jsonl" "${extra[@]}" >> "$out/bench_e2e_families.log" 2>&1
-  echo "$1: exit $? at $((SECONDS - start)) s"
+e2e() {  # workload [records file] [MLP kernel]
+  if [ $((SECONDS - start)) -gt "${BUDGET_S:-380}" ]; then echo "$1: skipped (time)"; return; fi
+  local extra=(); [ "$1" = "$profile" ] && [ -z "${MLP_AB:-}" ] && extra=(--profile "$out/profile_$1.md")
+  echo "== $(date +%T) $1 ${3:-}" >> "$out/bench_e2e_families.log"
+  MEGATRON_HETERO_MLP_KERNEL=${3:-auto} timeout 140 torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$1" \
+    --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml --warmup 2 --steps "${STEPS:-3}" \
+    --out "$out/${2:-bench_e2e_families.jsonl}" "${extra[@]}" >> "$out/bench_e2e_families.log" 2>&1
+  echo "$1 ${3:-}: exit $? at $((SECONDS - start)) s"
 }
+if [ -n "${MLP_AB:-}" ]; then
+  for round in 1 2; do
+    for workload in $MLP_AB; do e2e "$workload" bench_e2e_A.jsonl torch; e2e "$workload" bench_e2e_B.jsonl auto; done
+  done
+  grep -E "^(mlp|error)|Error|out of memory" "$out/bench_e2e_families.log" | sort | uniq -c | head -8
+  python3 tools/ab_summary.py A="$out/bench_e2e_A.jsonl" B="$out/bench_e2e_B.jsonl" | tee "$out/ab_table.md"
+  exit 0
+fi
 for workload in internvl3_8b qwen3_vl_8b qwen3_vl_30b_a3b qwen2_5_vl_7b; do e2e "$workload"; done
 grep -E "^(attention|error)|Error|out of memory" "$out/bench_e2e_families.log" | sort | uniq -c | head -8
 python3 tools/bench_e2e.py --report "$out/bench_e2e_families.jsonl" | tee "$out/table.md"
