@@ -116,8 +116,7 @@ def _parameters_as_built(rank, world_size):
 
 def test_trainer_parameter_shapes_are_the_built_models(tmp_path):
     """The parameter list bench_ops steps Adam over is the one the trainer builds, shape for shape."""
-    from megatron_hetero.planner.presets import trainer_parameter_shapes
-    from megatron_hetero.training.bench import trainer_vocab_size
+    from megatron_hetero.planner.presets import trainer_parameter_shapes, trainer_vocab_size
     from tests.distributed import collect_distributed
 
     (built,) = collect_distributed(_parameters_as_built, 1, tmp_path)
@@ -153,7 +152,9 @@ def test_the_family_gpu_presets_pass_the_script_and_batch(name):
     preset at --llm-layers 4 on the one-GPU layout pass the script's checks (the model's sizes from
     the family's Hugging Face config), and a sample's synthetic batch holds the planned items, patches
     and rows, every row at an image placeholder of the family's config."""
-    from megatron_hetero.training.bench import family_batch
+    from megatron_hetero.models.sizes import padded_vocab_size
+    from megatron_hetero.planner.presets import trainer_vocab_size
+    from megatron_hetero.training.bench import family_batch, family_sizes
 
     file = str(LAYOUTS / "single.yaml")
     layout = load_layout(file, 1)
@@ -168,6 +169,8 @@ def test_the_family_gpu_presets_pass_the_script_and_batch(name):
     placeholder = FAMILY_BENCHES[name].config["image_token_id"]
     assert (batch["input_ids"][0, batch["vision_positions"]] == placeholder).all()
     assert int((batch["input_ids"] == placeholder).sum()) == vision.rows_per_sample
+    # The planner's vocabulary for it (the FLOPs, the out-of-memory line's plan) is the model's padded one.
+    assert trainer_vocab_size(w) == padded_vocab_size(family_sizes(w))
 
 
 def test_a_family_depth_without_room_for_deepstack_is_one_line():

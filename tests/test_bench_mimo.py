@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_hetero.planner import BENCH_WORKLOADS, model_flops
-from megatron_hetero.training.bench import trainer_vocab_size
+from megatron_hetero.planner.presets import trainer_vocab_size
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,8 +36,8 @@ from megatron_hetero.planner.fit import (
     predict_run,
     record_run,
 )
+from megatron_hetero.planner.presets import trainer_vocab_size
 from megatron_hetero.planner.shapes import H100_MEMORY_GB
-from megatron_hetero.training.bench import trainer_vocab_size
 from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]

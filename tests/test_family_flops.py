@@ -79,7 +79,7 @@ def _measured_flops(w) -> dict[str, int]:
 def _planned_flops(w) -> dict[str, float]:
     """The planner's forward FLOPs per sample as the trainer builds the workload (its padded
     vocabulary), the LLM's attention over every key (the module docstring)."""
-    from megatron_hetero.training.bench import trainer_vocab_size
+    from megatron_hetero.planner.presets import trainer_vocab_size
 
     shapes = trainer_workload(w, trainer_vocab_size(w), frozen_encoder=False)
     llm = replace(shapes.llm, attention_keys=float(shapes.llm.seq_length))

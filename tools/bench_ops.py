@@ -27,8 +27,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_hetero.patches.grad_accum_fusion import accumulate_wgrad
-from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_parameter_shapes, trainer_workload
-from megatron_hetero.training.bench import trainer_vocab_size
+from megatron_hetero.planner.presets import (
+    BENCH_WORKLOADS,
+    trainer_parameter_shapes,
+    trainer_vocab_size,
+    trainer_workload,
+)
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}

@@ -45,7 +45,7 @@ from megatron_hetero.planner.fit import (
     measured_groups,
     observations,
 )
-from megatron_hetero.training.bench import trainer_vocab_size
+from megatron_hetero.planner.presets import trainer_vocab_size
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "examples" / "layouts"
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"

@@ -46,7 +46,7 @@ from megatron_hetero.planner import (
     plan,
     trainer_workload,
 )
-from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, trainer_vocab_size
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"
 # "Heterogeneous Parallelism for Multimodal Large Language Model Training" (arXiv 2605.27678).
@@ -66,9 +66,9 @@ def parse_args(argv):
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION), metavar="FILE",
                         help="calibration JSON (default: tools/calibration_h200.json, assumed figures)")
     parser.add_argument("--as-trained", action="store_true",
-                        help="the preset as tools/bench_e2e.py trains it (the trainer's MLPs 4 x hidden, the demo "
-                             "tokenizer's padded vocabulary, its micro batch): what bench_e2e's out-of-memory line "
-                             "plans")
+                        help="the preset as tools/bench_e2e.py trains it (the trainer's MLPs 4 x hidden, its "
+                             "padded vocabulary: a family's own, else the demo tokenizer's; its micro batch): "
+                             "what bench_e2e's out-of-memory line plans")
     overrides = parser.add_argument_group("workload overrides")
     overrides.add_argument("--global-batch", type=int, metavar="N")
     overrides.add_argument("--micro-batch", type=int, metavar="N", help="fix the micro batch size (default: search)")
@@ -118,8 +118,6 @@ def load_workload(args) -> tuple[Workload, str, int]:
 def _as_trained(args) -> Workload:
     """The preset in the planner's terms as bench_e2e's trainer builds it, at the depth and batch
     sizes given (bench_e2e's sized_workload)."""
-    from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
-
     bench = BENCH_WORKLOADS.get(args.workload) or FAMILY_BENCH_WORKLOADS.get(args.workload)
     if bench is None:
         raise ValueError(f"--as-trained: bench_e2e does not train {args.workload}; drop the flag or use one of "
@@ -127,7 +125,7 @@ def _as_trained(args) -> Workload:
     bench = replace(bench, layers=args.llm_layers or bench.layers,
                     global_batch=args.global_batch or bench.global_batch,
                     micro_batch=args.micro_batch or bench.micro_batch)
-    return trainer_workload(bench, padded_vocab_size(ModelSizes()), bench.frozen)
+    return trainer_workload(bench, trainer_vocab_size(bench), bench.frozen)
 
 
 def _gain(prediction, reference) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
 from megatron_hetero.planner.counts import module_forward_flops_per_sample
 from megatron_hetero.planner.families import FAMILY_BENCHES, FamilyBench
 from megatron_hetero.planner.shapes import ModuleShape, Workload
@@ -199,6 +200,13 @@ def _family_bench_workload(name: str, bench: FamilyBench) -> BenchWorkload:
 
 
 FAMILY_BENCH_WORKLOADS = {name: _family_bench_workload(name, bench) for name, bench in FAMILY_BENCHES.items()}
+
+
+def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
+    """The padded vocabulary the trainer builds `w` with: a VLM family's own (its config's), else (the
+    reference model, any workload) the demo tokenizer's (ModelSizes' default)."""
+    vocab = FAMILY_BENCHES[w.name].config["text_config"]["vocab_size"] if w is not None and w.family else None
+    return padded_vocab_size(ModelSizes(vocab_size=vocab) if vocab else ModelSizes())
 
 
 def trainer_workload(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> Workload:

@@ -104,12 +104,12 @@ def memory_flags(args, layout) -> list[str]:
 
 def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
     """The planner's best layout that fits for a preset workload (a BenchWorkload: bench_e2e's)."""
-    from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
     from megatron_hetero.planner import Calibration, Cluster, plan, trainer_workload
+    from megatron_hetero.planner.presets import trainer_vocab_size
 
     # With the memory-saving flags the line also names (recomputation, the distributed optimizer):
     # without them the planner answered "none fits" where a recomputed layout fits (W6 on an H100).
-    workload = replace(trainer_workload(preset, padded_vocab_size(ModelSizes()), preset.frozen),
+    workload = replace(trainer_workload(preset, trainer_vocab_size(preset), preset.frozen),
                        distributed_optimizer=True, allow_recompute=True)
     best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
     # The workload the run built (--as-trained; bench_e2e's depth and batch sizes), so that the command

@@ -29,10 +29,10 @@ from megatron_hetero.boundary.exchange import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.layout import LayoutError
-from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size, sizes_to_dict
+from megatron_hetero.models.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
-from megatron_hetero.planner.presets import FAMILY_BENCHES, BenchWorkload, trainer_workload
+from megatron_hetero.planner.presets import FAMILY_BENCHES, BenchWorkload, trainer_vocab_size, trainer_workload
 from megatron_hetero.training.args import ArgsError, parse_script_args
 
 # Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
@@ -104,13 +104,6 @@ def workload_flags(w: BenchWorkload, layout_file: str, bf16: bool) -> list[str]:
 def workload_args(w: BenchWorkload, layout_file: str, bf16: bool):
     """The script's flags for the workload, parsed but not validated (what check_args checks)."""
     return parse_script_args(workload_flags(w, layout_file, bf16), validate=False)
-
-
-def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
-    """The padded vocabulary the model is built with: a family workload's own, else (the reference
-    model, any workload) the demo tokenizer's."""
-    family = w is not None and w.family
-    return padded_vocab_size(family_sizes(w) if family else ModelSizes(vocab_size=CaptionTokenizer().vocab_size))
 
 
 class _BenchTokenizer:
