@@ -25,7 +25,7 @@ e2e() {  # workload [records file] [MLP kernel]
   if [ $((SECONDS - start)) -gt "${BUDGET_S:-380}" ]; then echo "$1: skipped (time)"; return; fi
   local extra=(); [ "$1" = "$profile" ] && [ -z "${MLP_AB:-}" ] && extra=(--profile "$out/profile_$1.md")
   echo "== $(date +%T) $1 ${3:-}" >> "$out/bench_e2e_families.log"
-  MEGATRON_HETERO_MLP_KERNEL=${3:-auto} timeout 140 torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$1" \
+  MEGATRON_HETERO_MLP_KERNEL=${3:-${MEGATRON_HETERO_MLP_KERNEL:-auto}} timeout 140 torchrun --nproc-per-node 1 tools/bench_e2e.py --workload "$1" \
     --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml --warmup 2 --steps "${STEPS:-3}" \
     --out "$out/${2:-bench_e2e_families.jsonl}" "${extra[@]}" >> "$out/bench_e2e_families.log" 2>&1
   echo "$1 ${3:-}: exit $? at $((SECONDS - start)) s"
