@@ -117,11 +117,10 @@ def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
     command = (f"python tools/plan_layout.py --workload {preset.name} --as-trained --llm-layers {preset.layers} "
                f"--global-batch {preset.global_batch} --micro-batch {preset.micro_batch} --gpus {world_size} "
                f"--gpu-memory-gb {round(gpu_memory_gb, 2):g} --distributed-optimizer --allow-recompute")
+    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     if best is None:
-        return (f"the planner finds no layout of {preset.name} that fits {world_size} GPUs of "
-                f"{gpu_memory_gb:.0f} GB ({command})")
-    return (f"the planner's best for {preset.name} on {world_size} GPU{'s' if world_size > 1 else ''}: "
-            f"{best.candidate.placement} "
+        return f"the planner finds no layout of {preset.name} that fits {gpus} of {gpu_memory_gb:.0f} GB ({command})"
+    return (f"the planner's best for {preset.name} on {gpus}: {best.candidate.placement} "
             f"{best.candidate.describe()}, micro batch {best.candidate.micro_batch}, "
             f"{best.memory_gb:.0f} GB/GPU predicted ({command} --write-yaml best.yaml)")
 
