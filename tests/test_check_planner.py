@@ -211,24 +211,32 @@ def test_the_usable_memory_share_is_fitted_where_runs_ran_out():
 def test_a_fused_mlp_keeps_no_activation_output():
     """A dense MLP on quack's GEMM epilogues (models/mlp.py) keeps its fc1 output but not the
     activation's: ffn / TP fewer values per token and layer, the LLM's gated ones too; a gated encoder
-    (fc1 biases: not fused) and expert MLPs as before. A record whose MLPs ran so (`mlp`) is
-    predicted with it."""
-    from megatron_hetero.planner.counts import activation_bytes_per_token_layer
+    (fc1 biases: not fused), expert MLPs and calls below MLP_MIN_MACS (auto leaves them to torch: W1's
+    ViT at micro batch 1, 11,664 x 1152 x 4304 = 2^35.8) as before. A record whose MLPs ran so (`mlp`)
+    is predicted with it."""
+    from megatron_hetero.planner.counts import activation_bytes_per_token_layer, mlp_runs_fused
 
-    llm = PRESETS["W1"].workload.llm
-    gated_encoder = replace(PRESETS["W1"].workload.encoders[0], gated_mlp=True)
+    llm, vit = PRESETS["W1"].workload.llm, PRESETS["W1"].workload.encoders[0]
     for tp, sp in ((1, False), (2, True)):
         for shape in (llm, replace(llm, gated_mlp=True)):
             plain, fused = (activation_bytes_per_token_layer(shape, tp, sp, 2, fused) for fused in (False, True))
             assert plain - fused == 2 * shape.ffn / tp
-        for other in (gated_encoder, replace(llm, experts=4, topk=2)):
-            assert activation_bytes_per_token_layer(other, tp, sp, 2, True) == \
-                activation_bytes_per_token_layer(other, tp, sp, 2)
+    large = 2**36 // (llm.hidden * llm.ffn) + 1  # tokens: fc1's GEMM just over the minimum at TP1
+    assert mlp_runs_fused(llm, large, 1, True) and not mlp_runs_fused(llm, large, 2, True)
+    assert not mlp_runs_fused(llm, large, 1, False)
+    for other in (replace(vit, gated_mlp=True), replace(llm, experts=4, topk=2)):
+        assert not mlp_runs_fused(other, 10**9, 1, True)
+    assert vit.tokens_per_sample == 11_664
+    assert [mlp_runs_fused(vit, samples * vit.tokens_per_sample, 1, True) for samples in (1, 2)] == [False, True]
     record = dict(workload="W1", layout="gpu2_colocated", gpus=2, tokens_per_s=1.0, peak_gb_max=1.0, phases={})
     runs = [record_run(dict(record, mlp={"vision": kernel, "llm": kernel}), LAYOUTS)
             for kernel in ("torch (no GPU)", "quack (gelu_erf)")]
     assert [run.fused_mlp for run in runs] == [False, True]
     workload = PRESETS["W1"].workload
-    memory = [CostModel(run.workload(workload), Cluster(2, 141.0), Calibration()).activation_bytes(
-        workload.llm, run.layout.llm, 1, 0) for run in runs]
-    assert memory[1] < memory[0]
+    models = [CostModel(run.workload(workload), Cluster(2, 141.0), Calibration()) for run in runs]
+    llm = [model.activation_bytes(workload.llm, runs[0].layout.llm, 1, 0) for model in models]
+    assert llm[1] < llm[0]
+    # The ViT's call at one sample is below the minimum: the same bytes fused or not; at two, fewer.
+    vision = runs[0].layout.module("vision")
+    vit_bytes = [[model.activation_bytes(vit, vision, samples, 0) for samples in (1, 2)] for model in models]
+    assert vit_bytes[1][0] == vit_bytes[0][0] and vit_bytes[1][1] < vit_bytes[0][1]

@@ -25,7 +25,6 @@ from megatron_hetero.models.mlp_kernels import (
     ACTIVATIONS,
     GATED,
     MLP_KERNEL_ENV,
-    MLP_MIN_MACS,
     QuackGemm,
     _dsl_location_problem,
     epilogue_mlp,
@@ -34,6 +33,7 @@ from megatron_hetero.models.mlp_kernels import (
     quack_activation,
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice, choose_quack
+from megatron_hetero.models.sizes import MLP_MIN_MACS
 from tests.quack_stand_in import STAND_IN
 
 
@@ -110,7 +110,7 @@ def test_mode_and_rule():
 
 
 def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
-    """The MLP's work is fc1's multiply-adds on this rank's input (tokens x hidden x ffn): below the
+    """The MLP's work is fc1's multiply-adds on this rank (tokens in its GEMM x hidden x ffn): below the
     minimum megatron-core's forward runs, at it the epilogue path."""
     from megatron.core.transformer.mlp import MLP
 
@@ -133,6 +133,14 @@ def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
     for tokens in (4, 5):
         module(torch.randn(tokens, 3, 8))
     assert ran == ["megatron", "epilogue"]
+    # Under sequence parallelism fc1's GEMM takes the sequence gathered over TP (2 here): 3 of 6 rows.
+    monkeypatch.setattr(mlp_module, "gather_from_sequence_parallel_region", lambda x, group: x)
+    monkeypatch.setattr(mlp_module, "reduce_scatter_to_sequence_parallel_region", lambda x, group: x)
+    for linear in (fc1, fc2):
+        linear.sequence_parallel, linear.tp_group = True, types.SimpleNamespace(size=lambda: 2)
+    for tokens in (2, 3):
+        module(torch.randn(tokens, 3, 8))
+    assert ran == ["megatron", "epilogue", "megatron", "epilogue"]
 
 
 def test_cpu_runs_torch(monkeypatch):

@@ -82,7 +82,8 @@ def parse_args(argv):
                                 "fit (Megatron's --recompute-method block)")
     overrides.add_argument("--fused-mlp", action=argparse.BooleanOptionalAction, default=None,
                            help="dense MLPs (GELU; the LLM's SwiGLU) keep no activation output (quack's GEMM "
-                                "epilogues: Hopper/Blackwell with the fa4 extra)")
+                                "epilogues: Hopper/Blackwell with the fa4 extra), the calls auto runs so "
+                                "(MLP_MIN_MACS, models/sizes.py)")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
     parser.add_argument("--write-yaml", metavar="FILE", help="write the best layout here")

@@ -78,8 +78,10 @@ class EpilogueMLP(MLP):
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        if (not self.epilogue.runs_quack(hidden_states.numel() * fc1.weight.shape[0]) or per_token_scale is not None
-                or not epilogue_input(hidden_states)):
+        # fc1's multiply-adds (models/sizes.py MLP_MIN_MACS): its GEMM takes the gathered sequence under SP.
+        gathered = fc1.tp_group.size() if fc1.sequence_parallel else 1
+        if (not self.epilogue.runs_quack(hidden_states.numel() * gathered * fc1.weight.shape[0])
+                or per_token_scale is not None or not epilogue_input(hidden_states)):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         if fc1.sequence_parallel:
             x = gather_from_sequence_parallel_region(hidden_states, group=fc1.tp_group)

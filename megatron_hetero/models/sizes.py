@@ -7,6 +7,14 @@ from dataclasses import asdict, dataclass, field, fields
 # The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
 AUDIO_FRAMES_PER_TOKEN = 4
 
+# Under MEGATRON_HETERO_MLP_KERNEL=auto an MLP call runs on quack's GEMM epilogues (models/mlp.py) when
+# fc1's GEMM on its rank is at least this many multiply-adds: tokens in the GEMM (gathered under
+# sequence parallelism) x hidden x fc1's output width on the rank (quack_kernels.py: why). W1's ViT
+# at micro batch 2 (23,328 x 1152 x 4304, 2^36.8) and the workloads' LLMs run quack; W1's ViT at
+# micro batch 1 (2^35.8) and the loss model's LLM (8,192 x 1024 x 4096, 2^35) torch. Here so that the
+# planner (pure, below models) counts the same calls fused.
+MLP_MIN_MACS = (2**36, "multiply-adds")
+
 
 @dataclass(frozen=True)
 class TransformerArch:

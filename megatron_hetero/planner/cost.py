@@ -18,6 +18,7 @@ from megatron_hetero.planner.counts import (
     head_params,
     layer_forward_flops_per_token,
     layer_params,
+    mlp_runs_fused,
     model_flops_per_step,
     optimizer_bytes,
 )
@@ -265,7 +266,8 @@ class CostModel:
             return 0.0
         tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
         dtype = self.workload.dtype_bytes
-        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, self.workload.fused_mlp)
+        fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp)
+        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, fused)
         layers = shape.layers // layout.pp
         kept = max(layers - recomputed, 1 if recomputed else 0)
         layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)

@@ -3,6 +3,7 @@ LLM's layers hold every expert and compute with the `topk` each token goes to)."
 
 from __future__ import annotations
 
+from megatron_hetero.models.sizes import MLP_MIN_MACS
 from megatron_hetero.planner.shapes import ModuleShape, Workload
 
 # Bytes per parameter kept on a GPU under Megatron's --bf16 (the trainer on GPUs since 2026-11-24):
@@ -129,19 +130,29 @@ def model_flops_per_step(workload: Workload) -> float:
     return total * workload.global_batch
 
 
+def mlp_runs_fused(shape: ModuleShape, tokens: float, tp: int, fused_mlp: bool) -> bool:
+    """Whether a layer's MLP call of `tokens` tokens (a microbatch's on one rank, before sequence
+    parallelism splits them) runs on quack's GEMM epilogues (models/mlp.py) where the workload's
+    MLPs do (`fused_mlp`): a dense MLP, or a gated one in the LLM (the gated encoder here, Qwen2.5-VL's
+    tower, has fc1 biases, which the fused gated path does not take), not experts, and under auto
+    only where fc1's GEMM is at least MLP_MIN_MACS multiply-adds (models/sizes.py)."""
+    if not fused_mlp or shape.experts or (shape.gated_mlp and shape.role != "llm"):
+        return False
+    fc1_width = shape.ffn * (2 if shape.gated_mlp else 1) / tp
+    return tokens * shape.hidden * fc1_width >= MLP_MIN_MACS[0]
+
+
 def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtype_bytes: int,
-                                     fused_mlp: bool = False) -> float:
+                                     fused: bool = False) -> float:
     """Activations one layer keeps per token for its backward, on one GPU, without recomputation
     (Korthikanti et al. 2022, "Reducing Activation Recomputation", with dropout off and a fused
     attention kernel that keeps no seq x seq scores):
     - the two norm inputs and the two norm outputs that feed the QKV and FC1 GEMMs (4 x hidden),
       whole on every TP rank unless sequence parallelism splits them;
-    - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP; with
-      `fused_mlp` a dense MLP keeps no activation output (its fc2 input-gradient GEMM recomputes it:
-      models/mlp.py), a gated one only in the LLM (the gated encoder here, Qwen2.5-VL's tower, has
-      fc1 biases, which the fused gated path does not take)."""
+    - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP; an
+      MLP that runs `fused` (mlp_runs_fused) keeps no activation output (its fc2 input-gradient GEMM
+      recomputes it: models/mlp.py)."""
     replicated = 4 * shape.hidden
-    fused = fused_mlp and not shape.experts and (not shape.gated_mlp or shape.role == "llm")
     mlp_tensors = (3 if shape.gated_mlp else 2) - fused
     # An MoE layer keeps its topk experts' MLP activations per token.
     split = 2 * shape.q_dim + 2 * shape.kv_dim + mlp_tensors * shape.ffn * max(shape.topk, 1)

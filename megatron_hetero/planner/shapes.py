@@ -167,8 +167,8 @@ class Workload:
     # block method): the first k layers of each stage keep only their input and rerun their forward
     # in the backward; the planner takes the fewest k that fit (candidates.Recompute).
     allow_recompute: bool = False
-    # The dense, non-gated (GELU) MLPs run with the activation in quack's GEMM epilogues (models/mlp.py,
-    # on Hopper/Blackwell GPUs with the `fa4` extra): they keep no activation output for the backward.
+    # MLPs run with the activation in quack's GEMM epilogues (models/mlp.py, on Hopper/Blackwell GPUs
+    # with the `fa4` extra) where auto runs them so (counts.mlp_runs_fused): no activation output kept.
     fused_mlp: bool = False
 
     def __post_init__(self):
