@@ -214,6 +214,7 @@ def test_a_fused_mlp_keeps_no_activation_output():
     (fc1 biases: not fused), expert MLPs and calls below MLP_MIN_MACS (auto leaves them to torch: W1's
     ViT at micro batch 1, 11,664 x 1152 x 4304 = 2^35.8) as before. A record whose MLPs ran so (`mlp`)
     is predicted with it."""
+    from megatron_hetero.models.sizes import MLP_MIN_MACS
     from megatron_hetero.planner.counts import activation_bytes_per_token_layer, mlp_runs_fused
 
     llm, vit = PRESETS["W1"].workload.llm, PRESETS["W1"].workload.encoders[0]
@@ -221,7 +222,7 @@ def test_a_fused_mlp_keeps_no_activation_output():
         for shape in (llm, replace(llm, gated_mlp=True)):
             plain, fused = (activation_bytes_per_token_layer(shape, tp, sp, 2, fused) for fused in (False, True))
             assert plain - fused == 2 * shape.ffn / tp
-    large = 2**36 // (llm.hidden * llm.ffn) + 1  # tokens: fc1's GEMM just over the minimum at TP1
+    large = MLP_MIN_MACS[0] // (llm.hidden * llm.ffn) + 1  # tokens: fc1's GEMM just over the minimum at TP1
     assert mlp_runs_fused(llm, large, 1, True) and not mlp_runs_fused(llm, large, 2, True)
     assert not mlp_runs_fused(llm, large, 1, False)
     for other in (replace(vit, gated_mlp=True), replace(llm, experts=4, topk=2)):
