@@ -18,7 +18,8 @@ bubbles: README, Schedules).
 
 Workloads: the presets of megatron_hetero.planner.presets, the table plan_layout.py plans (bf16;
 images of SigLIP-so400m shape: 378 px, patch 14 -> 729 tokens, hidden 1152, 27 layers, 16 heads;
-the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth; global batch 4 in
+the LLM has 7B width, hidden 4096 and 32 heads; --llm-layers shrinks its depth, --seq-length,
+--items-per-sample and --image-size change the sequence and images; global batch 4 in
 microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest the layout accepts):
 - W1: 16 images per sample into a 16K context; W2: the same at 32K; W3: W1 with the encoder frozen
   (`freeze: true` in the layout); W4, encoder-heavy: 8 images of 448 px, patch 14 -> 1024 tokens,
@@ -73,7 +74,8 @@ def run(opts) -> dict:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     layout = load_layout(opts.hetero_layout, world)
-    w = sized_workload(WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch)
+    w = sized_workload(WORKLOADS[opts.workload], layout, opts.llm_layers, opts.global_batch, opts.micro_batch,
+                       seq_length=opts.seq_length, items_per_sample=opts.items_per_sample, image_size=opts.image_size)
     bf16 = not opts.fp32 and torch.cuda.is_available()
     check_trainable(layout)
     if w.frozen and not all(m.freeze for m in layout.encoders):
@@ -156,6 +158,13 @@ def main() -> int:
     parser.add_argument("--hetero-layout")
     parser.add_argument("--llm-layers", type=int, default=0, help="shrink the LLM's depth to fit")
     parser.add_argument("--global-batch", type=int, default=0, help="samples per step (default: the workload's)")
+    parser.add_argument("--seq-length", type=int, default=0, help="the LLM's sequence length (default: the workload's)")
+    parser.add_argument("--items-per-sample", type=int, default=0,
+                        help="images per sample (default: the workload's; a family's preset images cycled to this "
+                             "count)")
+    parser.add_argument("--image-size", type=int, default=0,
+                        help="square image size in px, a multiple of the patch size (the reference model's "
+                             "workloads; default: the workload's)")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="samples per LLM DP rank and microbatch (default: the workload's; 0: the "
                              "smallest the layout accepts)")

@@ -114,9 +114,8 @@ def main(argv=None) -> int:
         groups = measured_groups(records, LAYOUTS, trainer_vocab_size())
         add_oom_runs(groups, opts.oom)
         all_agree = True
-        for (name, layers, gpus, global_batch, memory_gb), group in groups.items():
-            title = f"{name}, LLM {layers} layers, {gpus} GPUs of {memory_gb:g} GB, global batch {global_batch}"
-            all_agree &= check_group(title, group, base, opts.leave_one_out)
+        for key, group in groups.items():
+            all_agree &= check_group(key.describe(), group, base, opts.leave_one_out)
         fitted = check_curve(list(groups.values()), base)
     except (OSError, ValueError, LayoutError) as error:
         print(f"error: {error}", file=sys.stderr)

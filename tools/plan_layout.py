@@ -46,7 +46,7 @@ from megatron_hetero.planner import (
     plan,
     trainer_workload,
 )
-from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, trainer_vocab_size
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, resized_workload, trainer_vocab_size
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"
 # "Heterogeneous Parallelism for Multimodal Large Language Model Training" (arXiv 2605.27678).
@@ -123,7 +123,8 @@ def _as_trained(args) -> Workload:
     if bench is None:
         raise ValueError(f"--as-trained: bench_e2e does not train {args.workload}; drop the flag or use one of "
                          f"{', '.join(sorted([*BENCH_WORKLOADS, *FAMILY_BENCH_WORKLOADS]))}")
-    bench = replace(bench, layers=args.llm_layers or bench.layers,
+    bench = replace(resized_workload(bench, args.seq_length or 0, args.items_per_sample or 0),
+                    layers=args.llm_layers or bench.layers,
                     global_batch=args.global_batch or bench.global_batch,
                     micro_batch=args.micro_batch or bench.micro_batch)
     return trainer_workload(bench, trainer_vocab_size(bench), bench.frozen)

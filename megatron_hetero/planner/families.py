@@ -145,10 +145,17 @@ class FamilyBench:
     micro_batch: int
     tokens: dict = field(default_factory=dict)
 
-    def workload(self, llm_layers: int = 0, seq_length: int = 0) -> Workload:
-        """The planner's shapes: the family's vision tower as it runs (module docstring) and its LLM
-        at depth `llm_layers` (0: the config's) and `seq_length` (0: the preset's)."""
-        vision = VISION_SHAPES[self.model_type](self.config, self.images)
+    def sample_images(self, count: int = 0) -> tuple[tuple[int, int], ...]:
+        """A sample's images (width, height): the preset's, cycled to `count` (0: the preset's own)."""
+        sizes = tuple(self.images)
+        return tuple(sizes[i % len(sizes)] for i in range(count or len(sizes)))
+
+    def workload(self, llm_layers: int = 0, seq_length: int = 0, images: tuple = ()) -> Workload:
+        """The planner's shapes: the family's vision tower as it runs (module docstring) on `images`
+        (sizes among the preset's; default the preset's own) and its LLM at depth `llm_layers` (0:
+        the config's) and `seq_length` (0: the preset's)."""
+        items = [self.images[size] for size in images or self.sample_images()]
+        vision = VISION_SHAPES[self.model_type](self.config, items)
         llm = llm_shape(self.config["text_config"], llm_layers, seq_length or self.seq_length)
         return Workload((vision,), llm, global_batch=self.global_batch, micro_batch=self.micro_batch)
 
@@ -173,28 +180,31 @@ def _native_vision(v: dict, grids: list[tuple[int, int]], gated: bool, keys: flo
                        patch_dim=3 * v["temporal_patch_size"] * v["patch_size"] ** 2, deepstack=deepstack)
 
 
-def qwen2_5_vl_vision(config: dict, images: dict) -> ModuleShape:
-    """Qwen2.5-VL's tower: SwiGLU, windows of window_size px in all but the full-attention layers."""
-    v, grids = config["vision_config"], list(images.values())
+def qwen2_5_vl_vision(config: dict, grids: list) -> ModuleShape:
+    """Qwen2.5-VL's tower on images of these patch grids: SwiGLU, windows of window_size px in all
+    but the full-attention layers."""
+    v = config["vision_config"]
     keys = window_attention_keys(grids, v["window_size"] // v["patch_size"], v["spatial_merge_size"],
                                  len(v["fullatt_block_indexes"]), v["depth"])
     return _native_vision(v, grids, True, keys, 0)
 
 
-def qwen3_vl_vision(config: dict, images: dict) -> ModuleShape:
-    """Qwen3-VL's tower: GELU MLPs, each image attending within itself, DeepStack mergers."""
-    v, grids = config["vision_config"], list(images.values())
+def qwen3_vl_vision(config: dict, grids: list) -> ModuleShape:
+    """Qwen3-VL's tower on images of these patch grids: GELU MLPs, each image attending within
+    itself, DeepStack mergers."""
+    v = config["vision_config"]
     return _native_vision(v, grids, False, item_attention_keys(grids), len(v["deepstack_visual_indexes"]))
 
 
-def internvl_vision(config: dict, images: dict) -> ModuleShape:
-    """InternVL's InternViT: every tile's patches and class token through the layers, pixel shuffle
-    (1 / downsample_ratio patches a side into one row) into the projector of the LLM's width."""
+def internvl_vision(config: dict, tiles: list) -> ModuleShape:
+    """InternVL's InternViT on images of these tile counts: every tile's patches and class token
+    through the layers, pixel shuffle (1 / downsample_ratio patches a side into one row) into the
+    projector of the LLM's width."""
     v, shuffle = config["vision_config"], round(1 / config.get("downsample_ratio", 0.5))
     patches = (v["image_size"] // v["patch_size"]) ** 2
     return ModuleShape("vision", "encoder", hidden=v["hidden_size"], layers=v["num_hidden_layers"],
                        heads=v["num_attention_heads"], ffn=v["intermediate_size"], tokens_per_item=patches,
-                       class_tokens=1, items_per_sample=sum(images.values()),
+                       class_tokens=1, items_per_sample=sum(tiles),
                        output_tokens_per_item=patches // shuffle**2, projector_ffn=config["text_config"]["hidden_size"],
                        patch_dim=3 * v["patch_size"] ** 2)
 

@@ -30,12 +30,20 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, ModuleLayout, load_layout
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
 from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
-from megatron_hetero.planner.presets import BENCH_WORKLOADS, trainer_workload
+from megatron_hetero.planner.presets import (
+    BENCH_WORKLOADS,
+    FAMILY_BENCH_WORKLOADS,
+    BenchWorkload,
+    resized_workload,
+    trainer_vocab_size,
+    trainer_workload,
+)
 from megatron_hetero.planner.shapes import H100_MEMORY_GB, H200_MEMORY_GB, Cluster, ModuleShape, Workload
 
 GIB = 2**30 / 1e9  # bench_e2e records peak memory in GiB
@@ -119,7 +127,7 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     scheduled = name["schedule"] or schedule not in (None, ColocatedSchedule.RECOMPUTE)
     if scheduled or not file.exists():
         return None
-    w = BENCH_WORKLOADS[record["workload"]]  # runs recorded before batch sizes were: the workload's
+    w = RECORDED_WORKLOADS[record["workload"]]  # runs recorded before batch sizes were: the workload's
     return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
                record["tokens_per_s"], record["peak_gb_max"], record["phases"], flags,
                2 if record.get("precision", "").startswith("bf16 weights") else 4,
@@ -136,22 +144,55 @@ def record_memory_gb(record: dict) -> float:
     return H100_MEMORY_GB if "H100" in record.get("device", "") else H200_MEMORY_GB
 
 
+RECORDED_WORKLOADS = {**BENCH_WORKLOADS, **FAMILY_BENCH_WORKLOADS}
+
+
+class GroupKey(NamedTuple):
+    """What a group's runs share: the workload as trained, the GPUs and their memory (GB)."""
+
+    workload: str
+    layers: int
+    gpus: int
+    global_batch: int
+    memory_gb: float
+    seq_length: int
+    items_per_sample: int
+    image_size: int
+
+    def describe(self) -> str:
+        w = RECORDED_WORKLOADS[self.workload]
+        sizes = [f"{self.seq_length} tokens"] if self.seq_length != w.seq_length else []
+        sizes += [f"{self.items_per_sample} images per sample"] if self.items_per_sample != w.images_per_sample else []
+        sizes += [f"{self.image_size}-px images"] if self.image_size != w.image_size else []
+        return (f"{self.workload}, LLM {self.layers} layers, {self.gpus} GPUs of {self.memory_gb:g} GB, global batch "
+                f"{self.global_batch}" + "".join(f", {s}" for s in sizes))
+
+
+def record_workload(record: dict) -> BenchWorkload:
+    """The workload a bench_e2e record trained: its preset at the record's LLM depth, global batch,
+    sequence length, images per sample and image size (records without them: the preset's)."""
+    w = RECORDED_WORKLOADS[record["workload"]]
+    w = resized_workload(w, record.get("seq_length", 0), record.get("items_per_sample", 0),
+                         record.get("image_size", 0) if not w.family else 0)
+    return replace(w, layers=record["llm_layers"], global_batch=record.get("global_batch", w.global_batch))
+
+
 def measured_groups(records: list[dict], layouts: Path, vocab: int) -> dict[tuple, Group]:
-    """bench_e2e's records of layouts in `layouts` as groups keyed by (workload, LLM layers, GPUs,
-    global batch, memory per GPU in GB), the workload as the trainer built it with this vocabulary;
-    a later record of a run name replaces an earlier one."""
+    """bench_e2e's records of layouts in `layouts` as groups keyed by the workload as trained
+    (record_workload), GPUs and memory per GPU in GB (GroupKey), the workload as the trainer built it with this
+    vocabulary (a VLM family: its own); a later record of a run name replaces an earlier one."""
     runs = defaultdict(dict)
     for r in records:
         run = record_run(r, layouts)
         if run is not None:
-            w = BENCH_WORKLOADS[r["workload"]]
-            key = r["workload"], r["llm_layers"], r["gpus"], r.get("global_batch", w.global_batch), record_memory_gb(r)
-            runs[key][run.name] = run
+            w = record_workload(r)
+            key = GroupKey(w.name, w.layers, r["gpus"], w.global_batch, record_memory_gb(r), w.seq_length,
+                           w.images_per_sample, w.image_size)
+            runs[key, w][run.name] = run
     groups = {}
-    for key, found in runs.items():
-        name, layers, gpus, global_batch, memory_gb = key
-        w = replace(BENCH_WORKLOADS[name], layers=layers, global_batch=global_batch)
-        groups[key] = Group(trainer_workload(w, vocab, w.frozen), gpus, tuple(found.values()), memory_gb)
+    for (key, w), found in runs.items():
+        own_vocab = trainer_vocab_size(w) if w.family else vocab
+        groups[key] = Group(trainer_workload(w, own_vocab, w.frozen), key.gpus, tuple(found.values()), key.memory_gb)
     return groups
 
 

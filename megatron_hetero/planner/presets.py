@@ -196,10 +196,30 @@ def _family_bench_workload(name: str, bench: FamilyBench) -> BenchWorkload:
     patch = bench.config["vision_config"]["patch_size"]
     return BenchWorkload(name, 0, patch, vision.items_per_sample, vision.hidden, vision.layers, vision.heads,
                          llm.hidden, llm.heads, llm.layers, llm.seq_length, bench.global_batch, bench.micro_batch,
-                         family=bench.model_type, image_sizes=tuple(bench.images))
+                         family=bench.model_type, image_sizes=bench.sample_images())
 
 
 FAMILY_BENCH_WORKLOADS = {name: _family_bench_workload(name, bench) for name, bench in FAMILY_BENCHES.items()}
+
+
+def resized_workload(w: BenchWorkload, seq_length: int = 0, items_per_sample: int = 0,
+                     image_size: int = 0) -> BenchWorkload:
+    """The workload at another LLM sequence length, images per sample (a family's preset images
+    cycled to that count) or image size in px (square; the reference model's images only: a
+    family's images are its processor's native sizes); 0 keeps the workload's. ValueError where a
+    family is given an image size."""
+    if image_size and w.family:
+        raise ValueError(f"--image-size: {w.name} trains its preset's native-resolution images; "
+                         "change their count with --items-per-sample instead")
+    if image_size and image_size % w.patch_size:
+        raise ValueError(f"--image-size {image_size}: not a multiple of {w.name}'s {w.patch_size}-px patches")
+    w = replace(w, seq_length=seq_length or w.seq_length, image_size=image_size or w.image_size)
+    if not items_per_sample:
+        return w
+    if w.family:
+        return replace(w, images_per_sample=items_per_sample,
+                       image_sizes=FAMILY_BENCHES[w.name].sample_images(items_per_sample))
+    return replace(w, images_per_sample=items_per_sample)
 
 
 def trainer_vocab_size(w: BenchWorkload | None = None) -> int:
@@ -213,7 +233,7 @@ def trainer_workload(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> Work
     """The workload in the planner's terms as the trainer builds it (the shapes whose FLOPs, time
     and memory the planner models), at the workload's micro batch size."""
     if w.family:
-        shapes = FAMILY_BENCHES[w.name].workload(w.layers, w.seq_length)
+        shapes = FAMILY_BENCHES[w.name].workload(w.layers, w.seq_length, w.image_sizes)
         encoder = replace(shapes.encoders[0], frozen=frozen_encoder)
         return replace(shapes, encoders=(encoder,), llm=replace(shapes.llm, vocab=vocab), global_batch=w.global_batch,
                        micro_batch=w.micro_batch)

@@ -32,7 +32,13 @@ from megatron_hetero.layout import LayoutError
 from megatron_hetero.models.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
-from megatron_hetero.planner.presets import FAMILY_BENCHES, BenchWorkload, trainer_vocab_size, trainer_workload
+from megatron_hetero.planner.presets import (
+    FAMILY_BENCHES,
+    BenchWorkload,
+    resized_workload,
+    trainer_vocab_size,
+    trainer_workload,
+)
 from megatron_hetero.training.args import ArgsError, parse_script_args
 
 # Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
@@ -44,10 +50,15 @@ PRECISION = {True: "bf16 weights, fp32 main params (megatron-core optimizer)", F
 
 
 def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: int = 0,
-                   micro_batch: int | None = None) -> BenchWorkload:
-    """The workload with the LLM depth and global batch overridden (0: the workload's) and micro
+                   micro_batch: int | None = None, **sizes) -> BenchWorkload:
+    """The workload with the LLM depth and global batch overridden (0: the workload's), micro
     batch `micro_batch` (None: the workload's; 0: the smallest the layout accepts: micro batch x
-    LLM DP divides the global batch)."""
+    LLM DP divides the global batch) and `sizes` (presets.resized_workload's: sequence length,
+    images per sample, image size; a bad one is one line)."""
+    try:
+        w = resized_workload(w, **sizes)
+    except ValueError as error:
+        raise ArgsError(str(error)) from None
     w = replace(w, layers=llm_layers or w.layers, global_batch=global_batch or w.global_batch)
     if micro_batch == 0:
         sizes = micro_batches(replace(trainer_workload(w, 1, False), micro_batch=0), (*layout.encoders, layout.llm))
@@ -347,7 +358,8 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     from megatron_hetero.models.specs import KERNEL_KINDS, kernel_summaries  # imports megatron-core
 
     kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
-    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, waiting_s=waiting_s, phases=phases,
+    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, outside_allocator_gib=_outside_allocator_gib(),
+                waiting_s=waiting_s, phases=phases,
                 **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
                 losses=losses)
     gathered = [None] * world
@@ -355,12 +367,14 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
     bf16 = session.args.bf16
     record = dict(
         workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
-        micro_batch=w.micro_batch,
+        micro_batch=w.micro_batch, seq_length=w.seq_length, items_per_sample=w.images_per_sample,
+        **({} if w.family else {"image_size": w.image_size}),
         step_s=step_s, step_s_min=min(step_times), step_s_max=max(step_times), steps=len(step_times),
         tokens_per_s=w.global_batch * w.seq_length / step_s,
         tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
         encoder_flops_share=flops["encoder"] / sum(flops.values()),
         peak_gb_max=max(r["peak_gb"] for r in gathered),
+        outside_allocator_gib_max=max(r["outside_allocator_gib"] for r in gathered),
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         **{kind: {name: kernel for r in gathered for name, kernel in r[kind].items()} for kind in KERNEL_KINDS},
@@ -377,6 +391,15 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
             f.write(json.dumps(record) + "\n")
         print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
     return record
+
+
+def _outside_allocator_gib() -> float:
+    """What this process holds on its GPU outside PyTorch's allocator (NCCL's buffers, the CUDA
+    context, workspaces), in GiB: what an allocator cap (--gpu-memory-gib) does not see; 0 on CPUs."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**30
 
 
 # Kernel families of a profile, by name (the first that matches): where a step's GPU time goes.
