@@ -566,25 +566,50 @@ def test_ranks_that_disagree_all_stop_with_one_line(tmp_path):
         assert max(float(seconds) for _, seconds in lines) < 10, lines
 
 
+class _ReturnsInput(torch.autograd.Function):
+    """What megatron-core's TP all-reduce is to autograd (tensor_parallel.mappings._reduce): a
+    custom Function returning its input, which autograd hands on as a view made inside it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+# How the LLM's embedding [b, s, h] reaches write_rows as [s, b, h]: (micro batch, embedding).
+EMBEDDINGS = {
+    "copy": (3, lambda text: text.transpose(0, 1).contiguous()),
+    # LLM TP without SP at micro batch 1: the transpose is contiguous already, so .contiguous()
+    # keeps the view of the all-reduce's output
+    "tp_all_reduce_view": (1, lambda text: _ReturnsInput.apply(text * 1).transpose(0, 1).contiguous()),
+}
+
+
+@pytest.mark.parametrize("embedding", list(EMBEDDINGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_rows_is_the_masked_merge(dtype):
+def test_write_rows_is_the_masked_merge(dtype, embedding):
     """write_rows (in place, row kernels) against the out-of-place merge it replaced: the same
     input embedding forward; the same gradients for the text embedding (zero where rows were
-    written) and for the rows, which may arrive in another dtype."""
+    written) and for the rows, which may arrive in another dtype; also where the embedding is a
+    view autograd forbids writing into."""
     gen = torch.Generator().manual_seed(0)
-    seq, b, h = 7, 3, 5
+    b, embed = EMBEDDINGS[embedding]
+    seq, h = 21 // b, 5
     at = torch.tensor([1, 2, 9, 10, 11, 20])  # rows of the [seq * b, h] view
-    text = torch.randn(seq, b, h, generator=gen).to(dtype).requires_grad_()
+    text = torch.randn(b, seq, h, generator=gen).to(dtype).requires_grad_()
     rows = torch.randn(len(at), h, generator=gen).requires_grad_()  # fp32, as a boundary may hold them
     grad = torch.randn(seq, b, h, generator=gen).to(dtype)
 
-    got = write_rows(text * 1, rows, at)  # the embedding's output is a fresh tensor
+    got = write_rows(embed(text), rows, at)
     got.backward(grad)
     got_grads = text.grad, rows.grad
     text.grad = rows.grad = None
     mask = torch.zeros(seq * b, dtype=torch.bool).index_fill_(0, at, True).view(seq, b, 1)
     placed = torch.zeros(seq * b, h).index_copy(0, at, rows).view(seq, b, h).to(dtype)
-    want = torch.where(mask, placed, text)
+    want = torch.where(mask, placed, text.transpose(0, 1))
     want.backward(grad)
     assert torch.equal(got, want)
     assert torch.equal(got_grads[0], text.grad) and torch.equal(got_grads[1], rows.grad)

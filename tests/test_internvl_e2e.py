@@ -9,7 +9,7 @@ finds equal to the checkpoint. Under the `families` marker (make test-families):
 (vision DP2 -> LLM CP2 / PP2, non-colocated vision -> LLM TP2, vision DP2 -> LLM PP2 and vision PP2 ->
 LLM TP2, vision TP2 DP2 -> LLM TP2 CP2 SP), `hf compare` under vision TP2, vision DP2 -> LLM TP2 SP,
 LLM CP2, LLM PP2, non-colocated, non-colocated vision PP2 and that 4-rank layout, a resume under
-another layout.
+another layout, the training matrix at micro batch 1.
 The helpers are Qwen2.5-VL's tests' (tests/test_qwen2_5_vl.py): the same commands, another family."""
 
 import os
@@ -23,6 +23,7 @@ from tests.internvl_models import SPECIALS, internvl_dir
 from tests.test_checkpoint import SCRIPT, at
 from tests.test_internvl import _opengvlab_spelled
 from tests.test_qwen2_5_vl import (
+    MICRO_BATCH_1,
     _cli,
     _compare_args,
     _compare_worker,
@@ -220,6 +221,20 @@ def test_training_under_vision_tp2_llm_tp2_equals_one_process_and_exports(intern
 @pytest.mark.parametrize("layout", MATRIX)
 def test_training_matrix(internvl, reference, layout):
     assert_same_steps(reference, train(*internvl, layout, layout, WORLD.get(layout, 2)))
+
+
+@pytest.fixture(scope="module")
+def reference_micro_batch_1(internvl):
+    return train(*internvl, "reference_mbs1", "single", 1, MICRO_BATCH_1)
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("layout", ["vtp2_ltp2", "vdp2_ltp2sp", *MATRIX])
+def test_micro_batch_1_matrix(internvl, reference_micro_batch_1, layout):
+    """Micro batch 1 under every layout of the matrix, vision TP2 -> LLM TP2 without SP and vision DP2
+    -> LLM TP2 with SP too: 3 steps equal one process's."""
+    got = train(*internvl, f"{layout}_mbs1", layout, WORLD.get(layout, 2), MICRO_BATCH_1)
+    assert_same_steps(reference_micro_batch_1, got)
 
 
 @pytest.mark.families

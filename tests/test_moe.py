@@ -12,7 +12,7 @@ import pytest
 
 from megatron_hetero.layout import load_layout
 from megatron_hetero.models.context_parallel import cp_positions
-from tests.test_parity import LAYOUTS, _assert_reproduces, _run, _train_and_capture
+from tests.test_parity import LAYOUTS, MICRO_BATCH_1, _assert_reproduces, _run, _train_and_capture
 
 MOE = ["--num-experts", "6", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff",
        "0.001", "--moe-token-dispatcher-type", "alltoall"]
@@ -114,9 +114,13 @@ def _run_moe(out: Path, layout_file: Path, world_size: int, flags: list[str]):
     return metrics, tensors, _routes(out)
 
 
+@pytest.mark.parametrize("micro_batch", [pytest.param([], id="mbs2"),  # mbs1: as test_parity's MICRO_BATCH_1_CASES
+                                         pytest.param(MICRO_BATCH_1, id="mbs1", marks=pytest.mark.families)])
 @pytest.mark.parametrize("layout_name", list(CASES))
-def test_moe_layout_reproduces_one_process(reference, tmp_path, layout_name):
+def test_moe_layout_reproduces_one_process(reference, tmp_path, layout_name, micro_batch):
     world_size, flags = CASES[layout_name]
+    batch = 6 if flags == EP3 else 8
+    flags = [*flags, *micro_batch]
     layout = load_layout(LAYOUTS / f"{layout_name}.yaml", world_size)
     assert layout.llm.has_expert_grid
     metrics, tensors, routes = _run_moe(tmp_path / layout_name, LAYOUTS / f"{layout_name}.yaml", world_size, flags)
@@ -129,7 +133,6 @@ def test_moe_layout_reproduces_one_process(reference, tmp_path, layout_name):
     assert all(m["load_balancing_loss"] > 0 and m["z_loss"] > 0 for m in metrics)
     assert ("vision_grads" in tensors) == (not frozen)
     # Router determinism: every token of the first step, at every layer, went to the same experts.
-    batch = 6 if flags == EP3 else 8
     assert len(ref_routes) == 2 * batch * 32  # layers x samples x positions
     assert routes == ref_routes
 

@@ -194,6 +194,34 @@ def test_layout_reproduces_one_process(references, tmp_path, layout_name):
         assert reference[0][-1]["loss"] != references("single", flags)[0][-1]["loss"]
 
 
+
+# Micro batch 1, where the LLM input's [b, s, h] -> [s, b, h] transpose is contiguous already: views
+# reach the writes that larger batches make into copies. Every layout kind against the 1-process run
+# at micro batch 1: LLM TP2 without SP, colocated and non-colocated, in `make test`; the rest under `families`
+# (MoE layouts: test_moe). Layout -> world size.
+MICRO_BATCH_1 = ["--micro-batch-size", "1"]
+MICRO_BATCH_1_CASES = {
+    "gpu2_colocated": 2,  # vision DP2 -> LLM TP2 without SP
+    "non_colocated_2_2": 4,  # vision DP2 -> LLM TP2 without SP, on other ranks
+    "demo_colocated": 4,  # vision DP4 -> LLM TP2 DP2 without SP
+    "gpu2_colocated_sp": 2,  # TP + SP
+    "colocated_vdp4_ltp2cp2sp": 4,  # TP + CP + SP
+    "gpu2_colocated_cp2": 2,
+    "colocated_vdp2_lpp2": 2,
+    "colocated_vdp4_lcp2pp2": 4,
+    "non_colocated_vdp2_ltp2pp2": 6,  # LLM TP without SP over pipeline stages
+}
+
+
+@pytest.mark.parametrize("layout_name", [name if name in ("gpu2_colocated", "non_colocated_2_2") else
+                                         pytest.param(name, marks=pytest.mark.families)
+                                         for name in MICRO_BATCH_1_CASES])
+def test_micro_batch_1_reproduces_one_process(references, tmp_path, layout_name):
+    run = _run(tmp_path / layout_name, LAYOUTS / f"{layout_name}.yaml", MICRO_BATCH_1_CASES[layout_name],
+               MICRO_BATCH_1)
+    _assert_reproduces(run, references("single", MICRO_BATCH_1))
+
+
 # Any number of images per sample (0 included), balanced over the encoder's DP ranks, which need
 # not divide the microbatch (a rank may get no image): layout -> (world size, reference, flags).
 VARIABLE = ["--images-per-sample", "0-2", "--seq-length", "64"]

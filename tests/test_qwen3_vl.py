@@ -4,9 +4,10 @@ equals transformers' (logits within 1e-4 fp32, `hf compare`) on one process and 
 LLM TP2 with SP, LLM PP2 (the second DeepStack block's rows cross the stage boundary), LLM CP2,
 non-colocated and, for the MoE model, LLM EP2; import -> export is bit-identical (the MoE experts in
 transformers' fused layout and in the Hub's transposed one) and the export loads in transformers;
-3 training steps under LLM PP2 equal one process's (1e-4). The rest of the training matrix runs
-under `make test-families` (pytest -m families). The data are Qwen2.5-VL's (its tests check them
-against transformers' processor; Qwen3-VL uses the same processor and get_rope_index for images)."""
+3 training steps under LLM PP2 equal one process's (1e-4). The rest of the training matrix, at micro
+batch 2 and 1, runs under `make test-families` (pytest -m families). The data are Qwen2.5-VL's (its
+tests check them against transformers' processor; Qwen3-VL uses the same processor and get_rope_index
+for images)."""
 
 import contextlib
 import io
@@ -20,12 +21,23 @@ from safetensors.torch import save_file
 from tests.distributed import collect_distributed
 from tests.qwen3_vl_models import model_class, qwen3_vl_dir
 from tests.test_checkpoint import at
-from tests.test_qwen2_5_vl import SEQ, TOL, _cli, _report, _tensors, _train_flags, assert_same_steps, train
+from tests.test_qwen2_5_vl import (
+    MICRO_BATCH_1,
+    SEQ,
+    TOL,
+    _cli,
+    _report,
+    _tensors,
+    _train_flags,
+    assert_same_steps,
+    train,
+)
 from tests.vlm_fixtures import conversations
 
 _C = "placement: colocated\nmodules:\n"
 LAYOUTS = {
     "single": _C + "  vision: {role: encoder}\n  llm: {role: llm}\n",
+    "vdp2_ltp2": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n",
     "vdp2_ltp2sp": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2, sp: true}\n",
     "lpp2": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n",
     "lcp2": _C + "  vision: {role: encoder, tp: 2}\n  llm: {role: llm, cp: 2}\n",
@@ -187,10 +199,27 @@ def test_checkpoint_resumes_under_another_layout(dense):
     assert_same_steps(straight, resumed, rel=1e-5, first=3)
 
 
+@pytest.fixture(scope="module")
+def reference_micro_batch_1(dense):
+    return train(*dense, "reference_mbs1", "single", 1, MICRO_BATCH_1)
+
+
 @pytest.mark.families
-def test_moe_training_under_expert_parallel(moe):
-    """The MoE model: 3 steps under LLM EP2 equal one process's."""
-    assert_same_steps(train(*moe, "reference", "single", 1), train(*moe, "lep2", "lep2", 2))
+@pytest.mark.parametrize("layout", ["vdp2_ltp2", "vdp2_ltp2sp", "lpp2", "lcp2", "noncolocated_lpp2"])
+def test_micro_batch_1_equals_one_process(dense, reference_micro_batch_1, layout):
+    """Micro batch 1 (DeepStack's rows written like the main ones) under vision DP2 -> LLM TP2 without
+    and with SP, LLM PP2, LLM CP2 and non-colocated: 3 steps equal one process's."""
+    world = 3 if layout.startswith("non") else 2
+    assert_same_steps(reference_micro_batch_1, train(*dense, f"{layout}_mbs1", layout, world, MICRO_BATCH_1))
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("micro_batch", [2, 1])
+def test_moe_training_under_expert_parallel(moe, micro_batch):
+    """The MoE model: 3 steps under LLM EP2 equal one process's, at micro batch 2 and 1."""
+    flags = ["--micro-batch-size", str(micro_batch)]
+    assert_same_steps(train(*moe, f"reference_mbs{micro_batch}", "single", 1, flags),
+                      train(*moe, f"lep2_mbs{micro_batch}", "lep2", 2, flags))
 
 
 # ---- DeepStack edges in layout files, refusals ----------------------------------------------------

@@ -342,15 +342,23 @@ def input_rows(plan: RankPlan, b_local: int, device) -> torch.Tensor:
 
 
 class WriteRows(torch.autograd.Function):
-    """forward: `rows` [n, h] written into `embedding` [s, b, h] in place, at rows `at` [n] of its
-    [s * b, h] view (input_rows): one pass over the rows, none over the rest.
+    """forward: `rows` [n, h] written into `embedding` [s, b, h] in place (into a copy where it is
+    a view), at rows `at` [n] of its [s * b, h] view (input_rows): one pass over the rows, none over
+    the rest.
     backward: the rows' gradients gathered from there; the embedding's gradient with them zeroed
     (whole-row kernels: index_select, index_fill; autograd's own in-place write on a view would
     copy the whole embedding, and its 2-D advanced indexing runs per element)."""
 
     @staticmethod
     def forward(ctx, embedding: torch.Tensor, rows: torch.Tensor, at: torch.Tensor):
-        ctx.mark_dirty(embedding)
+        # Autograd refuses an in-place write into a view made inside a custom Function, and the LLM's
+        # embedding can be one: under TP without SP megatron-core's all-reduce returns its input, and
+        # at micro batch 1 the embedding's [b, s, h] -> [s, b, h] transpose is contiguous already, so
+        # its .contiguous() keeps the view. A view's rows go into a copy; anything else is written in place.
+        if embedding._is_view():
+            embedding = embedding.clone(memory_format=torch.contiguous_format)
+        else:
+            ctx.mark_dirty(embedding)
         ctx.save_for_backward(at)
         ctx.rows_dtype = rows.dtype
         embedding.view(-1, embedding.shape[-1]).index_copy_(0, at, rows.to(embedding.dtype))
@@ -366,7 +374,8 @@ class WriteRows(torch.autograd.Function):
 
 def write_rows(embedding: torch.Tensor, rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """The LLM's input embedding [s, b, h] (contiguous) with this rank's boundary `rows` in place
-    of the text at `at` (input_rows); differentiable in both."""
+    of the text at `at` (input_rows); differentiable in both. Use the result: where `embedding` is a
+    view it is left as it was."""
     return WriteRows.apply(embedding, rows, at)
 
 

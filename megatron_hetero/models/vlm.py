@@ -213,7 +213,8 @@ def llm_forward(
         for rows, at in media:
             rows, blocks = split_rows(rows, width)
             # In place (the embedding's backward does not read its output; autograd's version
-            # check guards that): one pass over the image rows, none over the text.
+            # check guards that): one pass over the image rows, none over the text; into a copy where
+            # the embedding is a view (WriteRows).
             decoder_input = write_rows(decoder_input, rows, at)
             additions += dense_additions(blocks, at, decoder_input)
     else:
