@@ -24,10 +24,8 @@ import numpy as np
 import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
 
-from megatron_hetero import rules
 from megatron_hetero.boundary import PlanCache, check_agreement
 from megatron_hetero.boundary.exchange import annotate
-from megatron_hetero.layout import LayoutError
 from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import Adapter, ModelCall
 from megatron_hetero.runtime.timers import Clock, PhaseTimers
@@ -83,14 +81,14 @@ class GradSync:
     under its DDP's no_sync but the last, whose gradient hooks then issue the buckets' reductions
     (with --overlap-grad-reduce, overlapping that backward). Every schedule runs one backward per
     microbatch through each trainable module a rank holds (one per group of k for an encoder
-    batched over k microbatches, layout `microbatches`), so a module's last backward is its
-    `num_microbatches / k`-th: `before` counts them."""
+    batched over k microbatches, layout `microbatches`, the last group possibly shorter), so a
+    module's last backward is its ceil(num_microbatches / k)-th: `before` counts them."""
 
     def __init__(self, run: HeteroRun, num_microbatches: int):
         self.held = {name: m.ddp.no_sync() for name, m in run.modules.items() if m.ddp is not None}
         for context in self.held.values():
             context.__enter__()
-        self.remaining = {name: num_microbatches // run.modules[name].layout.microbatches for name in self.held}
+        self.remaining = {name: -(-num_microbatches // run.modules[name].layout.microbatches) for name in self.held}
 
     def before(self, modules: list[ModuleRuntime]) -> None:
         """A backward through `modules` is about to run."""
@@ -153,8 +151,8 @@ class StepContext:
         self.batch_size = self.adapter.batch_size(self.calls[0])
         layout = self.run.layout
         M = self.num_microbatches
-        rules.check(LayoutError, *(rules.encoder_microbatches_problem(e, M) for e in layout.encoders))
-        # An encoder's items are balanced over its DP ranks per pass: over k microbatches for one batched over k.
+        # An encoder's items are balanced over its DP ranks per pass: over k microbatches for one
+        # batched over k (a step of fewer, e.g. caption evaluation's one, ends with a shorter pass).
         self.batches = batches = {
             (e.name, i + j): batch for e in layout.encoders for i in range(0, M, e.microbatches)
             for j, batch in enumerate(self.adapter.boundary_batches(e.name, self.calls[i:i + e.microbatches]))}

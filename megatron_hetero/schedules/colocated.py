@@ -62,9 +62,9 @@ def encoders_to_llm(ctx: StepContext, i: int, given: dict | None = None) -> dict
 
 
 def group_forward(ctx: StepContext, module: ModuleRuntime, i: int) -> tuple[torch.Tensor, tuple]:
-    """Encoder `module`'s forward on the microbatches of its pass starting at i: (its rows, their
-    parts per microbatch, in order)."""
-    k = module.layout.microbatches
+    """Encoder `module`'s forward on the microbatches of its pass starting at i (k of them, or
+    those left in the step): (its rows, their parts per microbatch, in order)."""
+    k = min(module.layout.microbatches, ctx.num_microbatches - i)
     rows = ctx.encoder_forward(module, i, k=k)
     return rows, rows.split([ctx.plans[module.name][j].num_source_rows for j in range(i, i + k)])
 
@@ -91,7 +91,8 @@ class Batched:
         """After microbatch i's backward: the backward of every group it ends."""
         for name, module in self.modules.items():
             rows = self.rows[name]
-            if (i + 1) % module.layout.microbatches or not rows.requires_grad:
+            last = (i + 1) % module.layout.microbatches == 0 or i + 1 == self.ctx.num_microbatches
+            if not last or not rows.requires_grad:
                 continue
             grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in self.leaves.pop(name)]
             with self.ctx.timers("encoder-backward", name):
