@@ -74,7 +74,7 @@ PLACEMENTS = tuple(Placement)
 TOP_KEYS = ("placement", "modules", "edges")
 # A module's boolean settings (each `true` or `false` in a file).
 FLAGS = ("sp", "freeze", "cp_replicated", "on_first_stage")
-MODULE_KEYS = ("role", "kind", *AXES, *FLAGS, "ranks", "ep", "etp")
+MODULE_KEYS = ("role", "kind", *AXES, *FLAGS, "ranks", "ep", "etp", "microbatches")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _RANKS = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?\Z")
@@ -141,6 +141,10 @@ class ModuleLayout:
     # under an LLM with PP (LLaVA, MIMO): its ranks are that stage's, with the llm's tp, cp and dp
     # there, and the later stages hold no encoder. A baseline to measure against, colocated only.
     on_first_stage: bool = False
+    # LLM microbatches a colocated encoder encodes in one pass: its forward runs once over the
+    # items of k consecutive microbatches (a larger batch per DP rank, balanced over the group),
+    # their rows cross the boundary microbatch by microbatch, and its backward runs once per group.
+    microbatches: int = 1
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -168,6 +172,12 @@ class ModuleLayout:
                               f"encoder with cp: 2 or more, or remove it")
         if self.on_first_stage and self.role != "encoder":
             raise LayoutError(f"{where}: on_first_stage stacks an encoder on the llm's first pipeline stage; "
+                              f"set it on an encoder, or remove it")
+        if not _is_int(self.microbatches) or self.microbatches < 1:
+            raise LayoutError(f"{where}: microbatches must be a positive integer, got {self.microbatches!r}; "
+                              f"set microbatches: 1 or more")
+        if self.microbatches > 1 and self.role != "encoder":
+            raise LayoutError(f"{where}: microbatches batches an encoder's forward over llm microbatches; "
                               f"set it on an encoder, or remove it")
         if not isinstance(self.kind, str) or (self.kind and not _NAME.match(self.kind)):
             raise LayoutError(f"{where}: kind {self.kind!r} is not valid; use a name such as vision or audio")
@@ -361,6 +371,9 @@ class HeteroLayout:
                 if getattr(m, flag):
                     raise LayoutError(f"module {m.name}: {flag} is Megatron's colocated baseline ({what}); "
                                       f"use placement: colocated or remove it")
+            if m.microbatches > 1:  # its own ranks already stream microbatches through its pipeline
+                raise LayoutError(f"module {m.name}: microbatches: {m.microbatches} batches a colocated "
+                                  f"encoder's forward; use placement: colocated or set microbatches: 1")
         for m in self.modules:
             if m.ranks.stop > self.world_size:
                 raise LayoutError(
@@ -438,7 +451,8 @@ class HeteroLayout:
             sizes = " ".join(f"{axis}{getattr(m, axis)}" for axis in AXES)
             flags = "".join([", sp" if m.sp else "", ", frozen" if m.freeze else "",
                              ", cp replicated" if m.cp_replicated else "",
-                             ", on the llm's first stage" if m.on_first_stage else ""])
+                             ", on the llm's first stage" if m.on_first_stage else "",
+                             f", {m.microbatches} microbatches a pass" if m.microbatches > 1 else ""])
             role = m.role if m.kind == m.name or m.role == "llm" else f"{m.role}, kind {m.kind}"
             if m.has_expert_grid:
                 sizes += " | experts " + " ".join(
@@ -503,7 +517,7 @@ def _parse_module(name, spec, placement: str, world_size: int) -> ModuleLayout:
     module = ModuleLayout(
         name=name,
         first_rank=ranks.start,
-        **{key: spec[key] for key in ("role", "kind", *AXES, *FLAGS, "ep", "etp")
+        **{key: spec[key] for key in ("role", "kind", *AXES, *FLAGS, "ep", "etp", "microbatches")
            if key in spec},
     )
     # Colocated sizes are checked against the world by HeteroLayout; here only the explicit range.

@@ -23,6 +23,7 @@ __all__ = [
     "dp_split_problem",
     "edge_problem",
     "encoder_cp_problem",
+    "encoder_microbatches_problem",
     "encoder_pp_problem",
     "experts_problem",
     "first_problem",
@@ -85,12 +86,31 @@ def encoder_pp_problem(encoder: ModuleLayout, placement: str) -> str | None:
     return None
 
 
-def colocated_schedule_problem(placement: str, llm: ModuleLayout, schedule: str) -> str | None:
+def colocated_schedule_problem(placement: str, llm: ModuleLayout, schedule: str,
+                               encoders: tuple[ModuleLayout, ...] = ()) -> str | None:
     """--hetero-colocated-schedule orders a colocated rank's encoder work around a pipelined LLM's
-    (schedules/colocated_order.py); elsewhere there is nothing to order."""
-    if schedule != ColocatedSchedule.RECOMPUTE and (placement != Placement.COLOCATED or llm.pp == 1):
+    (schedules/colocated_order.py); elsewhere there is nothing to order. Its orders place each
+    microbatch's encoder work on its own, so an encoder batched over microbatches (`microbatches`)
+    runs under the recompute schedule."""
+    if schedule == ColocatedSchedule.RECOMPUTE:
+        return None
+    if placement != Placement.COLOCATED or llm.pp == 1:
         return (f"--hetero-colocated-schedule {schedule} applies to colocated layouts with llm pp > 1 "
                 f"(this one: {placement}, pp {llm.pp}); drop the flag")
+    batched = next((e for e in encoders if e.microbatches > 1), None)
+    if batched:
+        return (f"module {batched.name}: microbatches: {batched.microbatches} runs under the recompute schedule, "
+                f"not --hetero-colocated-schedule {schedule}; drop the flag or set microbatches: 1")
+    return None
+
+
+def encoder_microbatches_problem(encoder: ModuleLayout, num_microbatches: int) -> str | None:
+    """An encoder batched over k LLM microbatches (layout `microbatches`) encodes whole groups of k."""
+    k = encoder.microbatches
+    if num_microbatches % k:
+        return (f"module {encoder.name}: microbatches: {k} does not divide the step's {num_microbatches} llm "
+                f"microbatches (--global-batch-size / (--micro-batch-size x llm dp)); use a divisor of "
+                f"{num_microbatches}")
     return None
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hetero import rules
 from megatron_hetero.layout import (
     AXES,
     Edge,
@@ -222,6 +223,24 @@ def test_rank_map_colocated():
     )
 
 
+def test_encoder_microbatches_a_pass():
+    """`microbatches: k` on a colocated encoder: one pass over k llm microbatches, k dividing the
+    step's microbatches; under a pipelined llm with the recompute schedule only."""
+    layout = parse_layout(with_module(colocated(), "vision", microbatches=2), 4)
+    vision = layout.module("vision")
+    assert vision.microbatches == 2 and layout.llm.microbatches == 1
+    assert "vision (encoder): tp1 cp1 dp4 pp1, ranks 0-3, 2 microbatches a pass" in layout.rank_map().splitlines()
+    assert rules.encoder_microbatches_problem(vision, 4) is None
+    assert rules.encoder_microbatches_problem(vision, 3) == (
+        "module vision: microbatches: 2 does not divide the step's 3 llm microbatches (--global-batch-size / "
+        "(--micro-batch-size x llm dp)); use a divisor of 3")
+    piped = parse_layout(with_module(colocated(tp=1, pp=2), "vision", microbatches=2), 4)
+    assert rules.colocated_schedule_problem("colocated", piped.llm, "recompute", piped.encoders) is None
+    assert rules.colocated_schedule_problem("colocated", piped.llm, "bubbles", piped.encoders) == (
+        "module vision: microbatches: 2 runs under the recompute schedule, not --hetero-colocated-schedule "
+        "bubbles; drop the flag or set microbatches: 1")
+
+
 def stacked(**vision):
     """Megatron's layout under LLM PP: the encoder on the LLM's first stage (ranks 0-1 of 4)."""
     return {"placement": "colocated",
@@ -367,6 +386,15 @@ def with_module(data, name, **changes):
         (stacked(dp=1, pp=2), 4, ["module vision: on_first_stage", "got tp=1 cp=1 dp=1 pp=2", "pp: 1"]),
         (with_module(non_colocated(), "vision", on_first_stage=True), 4,
          ["module vision: on_first_stage is Megatron's colocated baseline", "use placement: colocated"]),
+        # an encoder's pass over several llm microbatches (microbatches)
+        (with_module(colocated(), "vision", microbatches=0), 4,
+         ["module vision: microbatches must be a positive integer, got 0", "set microbatches: 1 or more"]),
+        (with_module(colocated(), "vision", microbatches=True), 4, ["module vision: microbatches must be"]),
+        (with_module(colocated(), "llm", microbatches=2), 4,
+         ["module llm: microbatches batches an encoder's forward", "set it on an encoder, or remove it"]),
+        (with_module(non_colocated(), "vision", microbatches=2), 4,
+         ["module vision: microbatches: 2 batches a colocated encoder's forward",
+          "use placement: colocated or set microbatches: 1"]),
     ],
 )
 def test_errors(data, world, fragments):

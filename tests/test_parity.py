@@ -370,3 +370,52 @@ def test_ordered_colocated_schedules_reproduce_one_process(references, tmp_path,
         layout.write_text(f"placement: colocated\nmodules:\n  {modules}\n")
     run = _run(tmp_path / layout_name, layout, world_size, [*flags, "--hetero-colocated-schedule", schedule])
     _assert_reproduces(run, references(reference_name, flags))
+
+
+
+def _train_and_count_passes(rank, world_size, layout_file, out_dir, flags):
+    """_train_and_capture, recording the items of each of this rank's encoder passes (the
+    adapter's forwards)."""
+    from megatron_hetero.models.vlm_parts import VLMAdapter
+
+    forward, passes = VLMAdapter.encoder_forward, []
+
+    def counted(self, module, share, hidden):
+        passes.append(sum(len(items) for _, items in share))
+        return forward(self, module, share, hidden)
+
+    VLMAdapter.encoder_forward = counted
+    _train_and_capture(rank, world_size, layout_file, out_dir, flags)
+    (Path(out_dir) / f"passes_rank{rank}.json").write_text(json.dumps(passes))
+
+
+# An encoder batched over k LLM microbatches (layout `microbatches: k`), micro batch 1: name ->
+# (flags of both runs, each rank's encoder passes a step and its items a pass (None: any), modules).
+MICRO1 = ["--micro-batch-size", "1"]
+BATCHED_WRITTEN = {
+    # 8 microbatches of one image: unbatched, vision DP rank 0 would encode all 8 in 8 passes
+    "colocated_vdp2k2_ltp2": ([], 4, 1, "vision: {role: encoder, dp: 2, microbatches: 2}\n  llm: {role: llm, tp: 2}"),
+    # 0-2 images a sample over LLM DP 2 (4 microbatches): ranks without items in some passes
+    "colocated_vdp2k4_ldp2": (VARIABLE, 1, None, "vision: {role: encoder, dp: 2, microbatches: 4}\n"
+                                                 "  llm: {role: llm, dp: 2}"),
+    # LLM PP 2, the recompute schedule: both encoder forwards once per pass
+    "colocated_vdp2k2_lpp2": ([], 2 * 4, 1, "vision: {role: encoder, dp: 2, microbatches: 2}\n"
+                                             "  llm: {role: llm, pp: 2}"),
+}
+
+
+@pytest.mark.parametrize("layout_name", list(BATCHED_WRITTEN))
+def test_batched_encoder_reproduces_one_process(references, tmp_path, layout_name):
+    """Each pass of the encoder takes the items of k microbatches, balanced over its DP ranks: k
+    times fewer passes, every rank busy, and the same losses and gradients as one process."""
+    flags, passes, items, modules = BATCHED_WRITTEN[layout_name]
+    layout = tmp_path / f"{layout_name}.yaml"
+    layout.write_text(f"placement: colocated\nmodules:\n  {modules}\n")
+    out = tmp_path / layout_name
+    run = _run(out, layout, 2, [*flags, *MICRO1], train=_train_and_count_passes)
+    _assert_reproduces(run, references("single", flags))
+    for f in out.glob("passes_rank*.json"):
+        counts = json.loads(f.read_text())
+        assert len(counts) <= STEPS * passes, f.name
+        if items is not None:
+            assert counts == [items] * (STEPS * passes), f.name

@@ -30,7 +30,7 @@ from megatron_hetero.planner import (
     plan,
 )
 from megatron_hetero.planner.calibration import LayerKey
-from megatron_hetero.planner.candidates import Recompute
+from megatron_hetero.planner.candidates import Recompute, encoder_batchings
 from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
 from tests.tool_cli import run_tool
 
@@ -410,3 +410,52 @@ def test_plan_ranks_moe_layouts_by_expert_parallelism():
     best = result.best()
     written = parse_layout(yaml.safe_load(layout_yaml(best, MOE, cluster)), 8)
     assert written.llm.ep == best.candidate.llm.ep
+
+
+
+def _batched_candidates(images: int):
+    """W1 with `images` a sample at micro batch 1, vision DP 4 beside an LLM at TP 4: (the workload,
+    its cost model, a candidate per microbatches a pass the planner offers)."""
+    vision = replace(W1.encoders[0], items_per_sample=images)
+    workload = replace(W1, encoders=(vision,), micro_batch=1, global_batch=16)
+    layouts = (ModuleLayout("vision", "encoder", dp=4), ModuleLayout("llm", "llm", tp=4, sp=True))
+    batchings = encoder_batchings(workload, layouts, 1, choose=True)
+    return workload, CostModel(workload, Cluster(4, 150), Calibration()), [Candidate("colocated", b, 1)
+                                                                         for b in batchings]
+
+
+def test_planner_batches_the_encoder_over_microbatches():
+    """One image a microbatch over an encoder's 4 DP ranks keeps one busy; a pass over k
+    microbatches (layout `microbatches`) keeps k busy: k times fewer passes, each rank still
+    holding one image's activations. The planner offers each k up to the one that fills every
+    rank and takes the fastest."""
+    workload, model, candidates = _batched_candidates(images=1)
+    assert [c.encoders[0].microbatches for c in candidates] == [1, 2, 4]
+    vision = [model.predict(c).busy["vision"] for c in candidates]
+    for k, busy in zip((2, 4), vision[1:]):
+        assert busy.compute == pytest.approx(vision[0].compute / k, rel=0.01)
+        assert busy.boundary == vision[0].boundary  # rows still cross per microbatch
+    assert len({model.predict(c).memory_gb for c in candidates}) == 1
+    best = best_micro_batch(model, candidates)
+    assert best.candidate.encoders[0].microbatches == 4
+    assert "vision dp4 4 microbatches a pass" in best.candidate.describe()
+    assert "microbatches: 4" in layout_yaml(best, workload, Cluster(4, 150))
+    # a layout file's k is kept where it divides the step's 16 microbatches
+    layouts = candidates[2].layouts
+    assert encoder_batchings(workload, layouts, 1, choose=False) == [layouts]
+    assert encoder_batchings(workload, (replace(layouts[0], microbatches=3), layouts[1]), 1, choose=False) == []
+
+
+def test_planner_takes_the_microbatches_a_pass_that_fit():
+    """Three images a microbatch over 4 DP ranks: a pass over 4 microbatches gives each rank 3
+    (0.75 a microbatch, against 1), 3 times the busiest rank's activations; where those do not
+    fit the planner keeps fewer microbatches a pass."""
+    _, model, candidates = _batched_candidates(images=3)
+    predictions = [model.predict(c) for c in candidates]
+    samples = [model.encoder_samples(c, c.encoders[0]) for c in candidates]
+    assert samples == [1 / 3, 2 / 3, 1]  # of 3-image samples, the busiest rank's a pass
+    assert predictions[2].busy["vision"].compute < predictions[0].busy["vision"].compute
+    assert best_micro_batch(model, candidates).candidate.encoders[0].microbatches == 4
+    tight = (predictions[0].memory_gb + predictions[2].memory_gb) / 2 / Calibration().usable_memory_fraction
+    tight_model = CostModel(model.workload, Cluster(4, tight), Calibration())
+    assert best_micro_batch(tight_model, candidates).candidate.encoders[0].microbatches < 4

@@ -72,6 +72,14 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", DEMO, "--hetero-colocated-schedule", "bubbles"], None,
      "--hetero-colocated-schedule bubbles applies to colocated layouts with llm pp > 1 (this one: colocated, pp 1)"),
     (["--hetero-layout", DEMO, "--non-persistent-save-interval", "5"], None, "--non-persistent-save-interval"),
+    # an encoder's pass over k llm microbatches: whole passes, the recompute schedule under llm pp > 1
+    (["--hetero-layout", "layout.yaml", "--micro-batch-size", "1"],
+     "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4, microbatches: 3}\n  llm: {role: llm, tp: 4}\n",
+     "module vision: microbatches: 3 does not divide the step's 32 llm microbatches"),
+    (["--hetero-layout", "layout.yaml", "--hetero-colocated-schedule", "three-phase"],
+     "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4, microbatches: 2}\n"
+     "  llm: {role: llm, dp: 2, pp: 2}\n",
+     "module vision: microbatches: 2 runs under the recompute schedule, not --hetero-colocated-schedule three-phase"),
     (["--hetero-layout", "layout.yaml"],
      "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 2, ranks: 0-1}\n"
      "  llm: {role: llm, dp: 2, ranks: 2-3}\n",

@@ -81,7 +81,8 @@ def run(opts) -> dict:
     if w.frozen and not all(m.freeze for m in layout.encoders):
         raise ArgsError(f"workload {w.name} freezes the encoder: use a layout with freeze: true on it "
                         "(e.g. examples/layouts/gpu2_colocated_frozen.yaml)")
-    rules.check(ArgsError, rules.colocated_schedule_problem(layout.placement, layout.llm, opts.colocated_schedule))
+    rules.check(ArgsError, rules.colocated_schedule_problem(layout.placement, layout.llm, opts.colocated_schedule,
+                                                            layout.encoders))
     check_args(workload_args(w, opts.hetero_layout, bf16), layout)  # before any process starts
     extra, name = shlex.split(opts.flags), Path(opts.hetero_layout).stem
     if opts.colocated_schedule != ColocatedSchedule.RECOMPUTE:

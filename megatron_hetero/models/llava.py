@@ -45,6 +45,9 @@ def check_llava_layout(run: HeteroRun) -> None:
     if encoders[0].pp != 1 or encoders[0].cp != 1:
         raise LLaVALayoutError(f"module {encoders[0].name}: LLaVAModel's vision model runs unpipelined "
                                f"and without cp; set pp: 1, cp: 1 (use dp or tp)")
+    if encoders[0].microbatches != 1:
+        raise LLaVALayoutError(f"module {encoders[0].name}: LLaVAModel's vision model encodes one microbatch "
+                               f"a pass; set microbatches: 1")
     if llm.cp != 1 or llm.sp:
         raise LLaVALayoutError(f"module {llm.name}: LLaVAModel runs cp > 1 or sequence parallelism only "
                                f"with Transformer Engine; set cp: 1, sp: false")
@@ -128,14 +131,16 @@ class LLaVAAdapter:
         return torch.empty(self.seq_length, share.stop - share.start, self.hidden, dtype=self.dtype,
                            device=self._device())
 
-    def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
+    def boundary_batches(self, name: str, calls: list[ModelCall]) -> list[BoundaryBatch]:
         """One image per sample: its img_seq_len rows, addressed by their index in the image."""
+        (call,) = calls  # check_llava_layout: one microbatch per encoder pass
         samples = self.batch_size(call)
         rows = np.full(samples, self.img_seq_len)
         item_dp = assign_items(rows, self.vision_hidden, self.run.layout.module(name).dp)
-        return BoundaryBatch(rows, np.tile(np.arange(self.img_seq_len), samples), self.img_seq_len, rows, item_dp)
+        return [BoundaryBatch(rows, np.tile(np.arange(self.img_seq_len), samples), self.img_seq_len, rows, item_dp)]
 
-    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
+    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], hidden):
+        ((call, items),) = share
         embeddings, _ = module.part(**self._arguments(call, items))  # [img_seq, n, h]
         return embeddings.transpose(0, 1).reshape(-1, embeddings.shape[-1])
 

@@ -112,14 +112,19 @@ class VLMAdapter:
         tokens = np.full(items, kind.stage_tokens(self.sizes)) if grids is None else grids.prod(1).cpu().numpy()
         return rows, tokens
 
-    def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
-        """Each item's rows; items go to the encoder's DP ranks by the cost of their tokens (all
-        alike for fixed-size items: round robin)."""
+    def boundary_batches(self, name: str, calls: list[ModelCall]) -> list[BoundaryBatch]:
+        """Each item's rows; the calls' items go to the encoder's DP ranks by the cost of their
+        tokens (all alike for fixed-size items: round robin)."""
         module = self.run.layout.module(name)
         kind = encoder_kind(module)
-        counts = call.kwargs[counts_key(kind.name)].cpu().numpy()
-        rows, tokens = self._item_shapes(kind, call)
+        shapes = [self._item_shapes(kind, call) for call in calls]
+        tokens = np.concatenate([tokens for _, tokens in shapes])
         item_dp = assign_items(tokens, kind.hidden_size(self.sizes), module.dp)
+        per_call = np.split(item_dp, np.cumsum([len(rows) for rows, _ in shapes])[:-1])
+        return [self._boundary_batch(kind, call, rows, dp) for call, (rows, _), dp in zip(calls, shapes, per_call)]
+
+    def _boundary_batch(self, kind, call: ModelCall, rows: np.ndarray, item_dp: np.ndarray) -> BoundaryBatch:
+        counts = call.kwargs[counts_key(kind.name)].cpu().numpy()
         per_sample = np.bincount(np.repeat(np.arange(len(counts)), counts), rows, len(counts)).astype(np.int64)
         return BoundaryBatch(per_sample, call.kwargs[positions_key(kind.name)].cpu().numpy(),
                              call.kwargs["input_ids"].shape[1], rows, item_dp)
@@ -142,9 +147,14 @@ class VLMAdapter:
         patches = torch.cat([torch.arange(ends[i] - grids[i].prod(), ends[i]) for i in items.tolist()])
         return self._selected(inputs, patches), grids[items]
 
-    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
+    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], hidden):
         kind = encoder_kind(module.layout)
-        out = module.part(*(self._encoder_inputs(kind, call, items) if hidden is None else (hidden,)))
+        if hidden is None:
+            inputs = [self._encoder_inputs(kind, call, items) for call, items in share]
+            # Items are encoded independently (images side by side, patches with their grids):
+            # the microbatches' items run as one batch.
+            inputs = inputs[0] if len(inputs) == 1 else tuple(torch.cat(parts) for parts in zip(*inputs))
+        out = module.part(*(inputs if hidden is None else (hidden,)))
         if module.last_stage and self.ablate_vision and kind.name == "vision":
             return out * 0  # the control run: no image information crosses the boundary
         return out

@@ -19,7 +19,9 @@ The model, per training step:
   microbatch; colocated LLM pp>1 adds the LLM's 1F1B bubble and one recomputed encoder forward;
   non-colocated is one 1F1B pipeline of encoder stages then LLM stages, whose slowest stage sets the
   pace; the homogeneous baseline puts the encoders, with the LLM's TP (replicated over its CP), on
-  the LLM's first pipeline stage;
+  the LLM's first pipeline stage; a colocated encoder may run one pass over k microbatches (layout
+  `microbatches`: its items of k microbatches balanced over its DP ranks, k times its busiest
+  rank's items and activations per pass), k chosen per layout up to the k that fills every rank;
 - memory per GPU: under Megatron's --bf16, bf16 weights, fp32 gradients, fp32 main params and Adam
   moments (18 bytes per trainable parameter; the distributed optimizer shards the 12 optimizer
   bytes over DP x CP; a frozen module keeps its 2-byte weights only), plus activations (times a

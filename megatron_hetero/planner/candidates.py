@@ -4,6 +4,7 @@ size, and a layout file read as candidates."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from itertools import product
 
@@ -75,7 +76,8 @@ class Candidate:
         parts = []
         for layout in self.layouts:
             sizes = " ".join(f"{axis}{getattr(layout, axis)}" for axis in (*AXES, "ep") if getattr(layout, axis) > 1)
-            flags = "".join([" sp" if layout.sp else "", " frozen" if layout.freeze else ""])
+            flags = "".join([" sp" if layout.sp else "", " frozen" if layout.freeze else "",
+                             f" {layout.microbatches} microbatches a pass" if layout.microbatches > 1 else ""])
             where = f" @{layout.ranks.start}-{layout.ranks.stop - 1}" if self.placement == "non_colocated" else ""
             parts.append(f"{layout.name} {sizes or 'x1'}{flags}{where}")
         return " | ".join(parts) + (f" ({self.recompute.describe()})" if self.recompute else "")
@@ -161,12 +163,30 @@ def micro_batches(workload: Workload, layouts: tuple[ModuleLayout, ...]) -> list
     return [b for b in sizes if rules.batch_problem(batch, b, llm) is None]
 
 
-def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, ...]) -> list[Candidate]:
-    """The layouts with every valid micro batch size, without and (where allowed) with full
+def encoder_batchings(workload: Workload, layouts: tuple[ModuleLayout, ...], micro_batch: int,
+                      choose: bool) -> list[tuple[ModuleLayout, ...]]:
+    """The layouts with their encoders' microbatches a pass (layout `microbatches`): as given where
+    it divides the step's microbatches; with `choose` (colocated candidates), every encoder at each
+    k dividing them up to the fewest microbatches whose items split evenly over each encoder's DP
+    ranks (a pass of more finds no idle rank to fill: it only holds more activations)."""
+    encoders, llm = layouts[:-1], layouts[-1]
+    m = workload.global_batch // (micro_batch * llm.dp)
+    if not choose:
+        return [layouts] if all(rules.encoder_microbatches_problem(e, m) is None for e in encoders) else []
+    items = {shape.name: micro_batch * llm.dp * shape.items_per_sample for shape in workload.encoders}
+    top = max((e.dp // math.gcd(e.dp, items[e.name]) for e in encoders), default=1)
+    return [(*(replace(e, microbatches=k) for e in encoders), llm) for k in _divisors(m) if k <= top]
+
+
+def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, ...],
+              choose_batching: bool = False) -> list[Candidate]:
+    """The layouts with every valid micro batch size (and with `choose_batching`, every batching of
+    the encoders over microbatches: encoder_batchings), without and (where allowed) with full
     recomputation (search.least_recompute lowers it to the fewest layers that fit)."""
     stage_layers = workload.llm.layers // layouts[-1].pp
     recompute = (None, Recompute(stage_layers, stage_layers)) if workload.allow_recompute else (None,)
-    return [Candidate(placement, layouts, b, r) for b in micro_batches(workload, layouts) for r in recompute]
+    return [Candidate(placement, batched, b, r) for b in micro_batches(workload, layouts)
+            for batched in encoder_batchings(workload, layouts, b, choose_batching) for r in recompute]
 
 
 def is_homogeneous(encoders: tuple[ModuleLayout, ...], llm: ModuleLayout) -> bool:
@@ -190,7 +210,7 @@ def enumerate_candidates(workload: Workload, cluster: Cluster):
             if is_homogeneous(encoder_choice, llm):
                 continue  # listed above
             layouts = (*encoder_choice, llm)
-            yield _variants(workload, "colocated", layouts)
+            yield _variants(workload, "colocated", layouts, choose_batching=True)
     for split in product(range(1, gpus), repeat=len(encoders)):
         llm_gpus = gpus - sum(split)
         if llm_gpus < 1:
@@ -229,5 +249,5 @@ def candidate_from_layout(layout: HeteroLayout, workload: Workload, cluster: Clu
     candidates = _variants(workload, placement, layouts)
     if not candidates:
         raise ValueError(f"no micro batch size splits global batch {workload.global_batch} over llm dp "
-                         f"{layouts[-1].dp}")
+                         f"{layouts[-1].dp} in whole passes of the encoders' microbatches")
     return candidates

@@ -320,14 +320,16 @@ class CostModel:
         return self.workload.global_batch // (candidate.micro_batch * candidate.llm.dp)
 
     def encoder_samples(self, candidate: Candidate, layout: ModuleLayout) -> float:
-        """Samples' worth of items the busiest encoder DP replica runs per microbatch: the items of
-        every LLM DP rank's microbatch (micro batch x llm dp samples) balanced over the encoder's DP
-        ranks, whole items each (boundary/balance.py); in the homogeneous baseline, the micro batch
-        of its own LLM DP replica."""
+        """Samples' worth of items the busiest encoder DP replica runs per pass: the items of every
+        LLM DP rank's microbatch (micro batch x llm dp samples), of each microbatch of the pass
+        (layout `microbatches`), balanced over the encoder's DP ranks, whole items each
+        (boundary/balance.py): a pass of more microbatches leaves fewer ranks idle and pays each
+        collective's latency once; in the homogeneous baseline, the micro batch of its own LLM DP
+        replica."""
         if candidate.placement == "homogeneous":
             return candidate.micro_batch
         per_sample = self.shapes[layout.name].items_per_sample
-        items = candidate.micro_batch * candidate.llm.dp * per_sample
+        items = candidate.micro_batch * candidate.llm.dp * per_sample * layout.microbatches
         return math.ceil(items / layout.dp) / per_sample
 
     def predict(self, candidate: Candidate) -> Prediction:
@@ -359,9 +361,10 @@ class CostModel:
 
     def _encoder_step(self, candidate: Candidate) -> tuple[dict, float, float]:
         """Encoders on every GPU of theirs over a step: (busy by module, static bytes, activation
-        bytes of one microbatch). A trainable encoder runs forward and backward per microbatch, and
-        its forward once more when the colocated LLM is pipelined (the schedule reruns it with its
-        graph after the LLM pipeline)."""
+        bytes of one pass). A trainable encoder runs forward and backward per pass (a microbatch,
+        or `microbatches` of them), and its forward once more when the colocated LLM is pipelined
+        (the schedule reruns it with its graph after the LLM pipeline); its rows cross the boundary
+        per microbatch."""
         m = self.microbatches(candidate)
         rerun_forward = encoder_forward_reruns(candidate.placement, candidate.llm)
         busy, static, activations = {}, 0.0, 0.0
@@ -370,10 +373,10 @@ class CostModel:
             samples = self.encoder_samples(candidate, layout)
             recomputed = recomputed_layers(shape, layout, candidate)
             forward, backward = self.microbatch_pass(shape, layout, samples, recomputed)
-            per_microbatch = forward if shape.frozen else forward * (2 if rerun_forward else 1) + backward
+            per_pass = forward if shape.frozen else forward * (2 if rerun_forward else 1) + backward
+            busy[layout.name] = m // layout.microbatches * per_pass + Seconds(dp_sync=self.dp_sync_s(shape, layout))
             if candidate.placement == "colocated":
-                per_microbatch += Seconds(boundary=self.colocated_boundary_s(shape, candidate))
-            busy[layout.name] = m * per_microbatch + Seconds(dp_sync=self.dp_sync_s(shape, layout))
+                busy[layout.name] += m * Seconds(boundary=self.colocated_boundary_s(shape, candidate))
             static += self.static_bytes(shape, layout)
             activations += self.activation_bytes(shape, layout, samples, recomputed)
         return busy, static, activations

@@ -120,6 +120,8 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
         if module.freeze:
             lines.append("    freeze: true")
         lines += [f"    {flag}: true" for flag in ("cp_replicated", "on_first_stage") if getattr(module, flag)]
+        if module.microbatches > 1:
+            lines.append(f"    microbatches: {module.microbatches}")
         if layout.placement == "non_colocated":
             lines.append(f"    ranks: {module.ranks.start}-{module.ranks.stop - 1}")
     lines.append("edges:")

@@ -55,14 +55,16 @@ class Adapter(Protocol):
         samples (a slice), an encoder's items (an index tensor, possibly empty); what stage `stage`
         of the module takes in (None: this rank's stage; the LLM's may differ per stage)."""
 
-    def boundary_batch(self, name: str, call: ModelCall) -> BoundaryBatch:
-        """Metadata of encoder `name`'s rows for the microbatch of `call` (identical on every rank),
-        with its items assigned to the encoder's DP ranks (boundary.assign_items)."""
+    def boundary_batches(self, name: str, calls: list[ModelCall]) -> list[BoundaryBatch]:
+        """Metadata of encoder `name`'s rows for the microbatch of each call (identical on every
+        rank), the items of all of them assigned together to the encoder's DP ranks
+        (boundary.assign_items): the microbatches one pass of the encoder takes."""
 
-    def encoder_forward(self, module: ModuleRuntime, call: ModelCall, items: torch.Tensor, hidden):
-        """This rank's stage of an encoder on `items` of the microbatch (indices into its items, at
-        least one; `hidden`: the input from the previous stage, None on the first); the last stage
-        returns its rows [n, h], items in order."""
+    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], hidden):
+        """This rank's stage of an encoder on the items of one or more microbatches: `share` holds
+        (call, items: indices into its items) per microbatch, at least one item in all; several
+        only for an unpipelined encoder. `hidden`: the input from the previous stage, None on the
+        first. The last stage returns its rows [n, h], microbatches and their items in order."""
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         """This rank's LLM stage on samples `share`; `media`: encoder name -> Media (first stage),

@@ -80,14 +80,15 @@ class GradSync:
     """Megatron's no_sync convention, per module: every backward of a step through a module runs
     under its DDP's no_sync but the last, whose gradient hooks then issue the buckets' reductions
     (with --overlap-grad-reduce, overlapping that backward). Every schedule runs one backward per
-    microbatch through each trainable module a rank holds, so a module's last backward is its
-    `num_microbatches`-th: `before` counts them."""
+    microbatch through each trainable module a rank holds (one per group of k for an encoder
+    batched over k microbatches, layout `microbatches`, the last group possibly shorter), so a
+    module's last backward is its ceil(num_microbatches / k)-th: `before` counts them."""
 
     def __init__(self, run: HeteroRun, num_microbatches: int):
         self.held = {name: m.ddp.no_sync() for name, m in run.modules.items() if m.ddp is not None}
         for context in self.held.values():
             context.__enter__()
-        self.remaining = dict.fromkeys(self.held, num_microbatches)
+        self.remaining = {name: -(-num_microbatches // run.modules[name].layout.microbatches) for name in self.held}
 
     def before(self, modules: list[ModuleRuntime]) -> None:
         """A backward through `modules` is about to run."""
@@ -149,8 +150,12 @@ class StepContext:
         self.script.capture()
         self.batch_size = self.adapter.batch_size(self.calls[0])
         layout = self.run.layout
-        self.batches = batches = {(e.name, i): self.adapter.boundary_batch(e.name, call)
-                                  for e in layout.encoders for i, call in enumerate(self.calls)}
+        M = self.num_microbatches
+        # An encoder's items are balanced over its DP ranks per pass: over k microbatches for one
+        # batched over k (a step of fewer, e.g. caption evaluation's one, ends with a shorter pass).
+        self.batches = batches = {
+            (e.name, i + j): batch for e in layout.encoders for i in range(0, M, e.microbatches)
+            for j, batch in enumerate(self.adapter.boundary_batches(e.name, self.calls[i:i + e.microbatches]))}
         device = self.adapter.boundary_like().device
         self.num_tokens = self.num_tokens.to(device)
         # Plans from metadata that differs between ranks would not pair up: check it first.
@@ -170,20 +175,21 @@ class StepContext:
             self.grad_sync.release()
 
     # ---- the parts of a step ---------------------------------------------------------------------
-    def encoder_forward(self, module: ModuleRuntime, i: int, hidden=None) -> torch.Tensor:
-        """This rank's stage of encoder `module` on microbatch i (its rows on the last stage), on the
-        captured call. A DP rank without items runs nothing: its output is empty, on a trainable
-        last stage a leaf that needs grad, so that the colocated boundary's backward still runs its
-        exchange."""
-        call, items = self.calls[i], self.encoder_items(module, i)
+    def encoder_forward(self, module: ModuleRuntime, i: int, hidden=None, k: int = 1) -> torch.Tensor:
+        """This rank's stage of encoder `module` on microbatches i..i+k-1 (k > 1: an unpipelined
+        encoder batched over them), on the captured calls: its rows on the last stage, microbatch
+        after microbatch. A DP rank without items runs nothing: its output is empty, on a
+        trainable last stage a leaf that needs grad, so that the colocated boundary's backward
+        still runs its exchange."""
+        share = [(self.calls[j], self.encoder_items(module, j)) for j in range(i, i + k)]
         trainable = module.ddp is not None and torch.is_grad_enabled()
         with self.timers("encoder-forward", module.name):
-            if len(items) == 0:
+            if not any(len(items) for _, items in share):
                 if module.last_stage:
                     return self.adapter.boundary_like().requires_grad_(trainable)
-                return self.adapter.stage_hidden_like(module, call, items)
+                return self.adapter.stage_hidden_like(module, *share[0])
             with torch.set_grad_enabled(trainable):
-                return self.adapter.encoder_forward(module, call, items, hidden)
+                return self.adapter.encoder_forward(module, [(c, items) for c, items in share if len(items)], hidden)
 
     def llm_forward_step(self, i: int, view: "LLMView") -> list:
         """Megatron's forward_step on microbatch i, the script's forward step replayed with `view` as

@@ -404,6 +404,8 @@ def check_args(args, layout) -> None:
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be at least 1")
     rules.check(ArgsError, rules.batch_problem(args.global_batch_size, args.micro_batch_size, layout.llm))
+    microbatches = args.global_batch_size // (args.micro_batch_size * layout.llm.dp)
+    rules.check(ArgsError, *(rules.encoder_microbatches_problem(e, microbatches) for e in layout.encoders))
     if args.pack_samples < 1 or args.micro_batch_size % args.pack_samples:
         raise ArgsError(f"--micro-batch-size {args.micro_batch_size} is not a multiple of --pack-samples "
                         f"{args.pack_samples} (each LLM sequence holds that many samples); use a multiple of "

@@ -301,8 +301,8 @@ class _BackwardPhases:
         if self.timers.enabled and tensor.requires_grad:
             tensor.register_hook(lambda grad: self.timers.switch(phase))
 
-    def encoder_forward(self, module, call, items, hidden):
-        rows = self.adapter.encoder_forward(module, call, items, hidden)
+    def encoder_forward(self, module, share, hidden):
+        rows = self.adapter.encoder_forward(module, share, hidden)
         if module.last_stage:
             self._switch_at_grad(rows, "encoder-backward")
         return rows

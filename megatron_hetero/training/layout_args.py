@@ -75,7 +75,8 @@ def _apply_layout(args, layout: HeteroLayout) -> None:
     args.sequence_parallel = llm.sp
     # Megatron's own checks of these are asserts (a traceback): every script gets our line first.
     rules.check(ArgsError, rules.experts_problem(llm, args.num_experts, args.moe_router_topk),
-                rules.colocated_schedule_problem(layout.placement, llm, args.hetero_colocated_schedule))
+                rules.colocated_schedule_problem(layout.placement, llm, args.hetero_colocated_schedule,
+                                                 layout.encoders))
     if args.ddp_average_in_collective:
         # An encoder's gradients are scaled by 1 / the LLM's dp before a summing reduction.
         raise ArgsError("--ddp-average-in-collective is not supported with --hetero-layout yet; drop it")
