@@ -210,10 +210,6 @@ def llm_forward(
     decoder_input, additions, width = None, [], llm.config.hidden_size
     if llm.pre_process:
         decoder_input = llm.embedding(input_ids=input_ids, position_ids=position_ids)
-        if decoder_input._base is not None:
-            # Micro batch 1: the embedding's sequence-first transpose is a view (contiguous already),
-            # which autograd does not let write_rows change in place.
-            decoder_input = decoder_input.clone()
         for rows, at in media:
             rows, blocks = split_rows(rows, width)
             # In place (the embedding's backward does not read its output; autograd's version
