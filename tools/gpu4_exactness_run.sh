@@ -19,6 +19,12 @@ VLM="--encoder-num-layers 4 --decoder-num-layers 8 --hidden-size 1024 --num-atte
   --eval-iters 0 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
   --transformer-impl local --num-workers 2 --log-interval 1 --ckpt-format torch
   --hidden-dropout 0 --attention-dropout 0 --seed 1234"
+# Layout-independent weights and fp32 without TF32: on GPUs Megatron initializes each TP shard from
+# its own RNG stream (a TP2 model starts from other weights than the 1-GPU one) unless the full
+# weights are made on the CPU and split, and cuDNN's convolutions (the ViT's patch embedding) take
+# TF32 by default, whose rounding depends on the batch a GPU convolves.
+MLM_EXACT="--use-cpu-initialization"
+export NVIDIA_TF32_OVERRIDE=0
 mlm() {  # name, nproc, flags...
   local name=$1 n=$2; shift 2
   echo "=== $name" >> "$out/mlm.log"
@@ -26,7 +32,7 @@ mlm() {  # name, nproc, flags...
   # From /tmp: `-m` puts the working directory first on the path, where the checkout's megatron_hetero
   # (without the installed copy's patches) would shadow the installed one.
   (cd /tmp && timeout -s KILL 150 torchrun --nproc-per-node "$n" -m megatron_hetero.launch "$OLDPWD/$MLM/pretrain_vlm.py" \
-    $VLM "$@" --metrics-file "/tmp/mlm_$name.jsonl" > "/tmp/mlm_$name.log" 2>&1); echo "mlm $name: exit $?"
+    $VLM $MLM_EXACT "$@" --metrics-file "/tmp/mlm_$name.jsonl" > "/tmp/mlm_$name.log" 2>&1); echo "mlm $name: exit $?"
   cat "/tmp/mlm_$name.log" >> "$out/mlm.log"
 }
 mlm stock_1gpu 1
