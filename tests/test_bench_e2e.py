@@ -286,3 +286,24 @@ def test_matmul_calls_give_each_shape_its_spread_and_kernels():
     row = SimpleNamespace(key="aten::mm", input_shapes=shape, count=3, flops=6 * 10**9, device_time_total=6000.0)
     assert matmul_lines([row], calls)[-1].endswith("| 1.00 / 2.00 / 3.00 | copy, gemm_a, gemm_b |")
     assert matmul_lines([row])[-1].endswith("| 1 |")
+
+
+def test_sequence_and_images_overrides_resize_the_workload():
+    """--seq-length and --items-per-sample: a family's preset images cycled to the count (the ViT's
+    tokens scale with them), the reference model's count as given; --image-size only where the
+    model's images are square ones of the trainer's, in whole patches (one line otherwise)."""
+    layout = load_layout(str(LAYOUTS / "gpu2_colocated.yaml"), 2)
+    family = FAMILY_BENCH_WORKLOADS["qwen2_5_vl_7b"]
+    w = sized_workload(family, layout, seq_length=32768, items_per_sample=20)
+    assert (w.seq_length, w.images_per_sample) == (32768, 20)
+    assert w.image_sizes == family.image_sizes * 2 + family.image_sizes[:4]
+    preset = trainer_workload(family, 1, False).encoders[0]
+    grown = trainer_workload(replace(w, image_sizes=family.image_sizes * 3), 1, False).encoders[0]
+    assert grown.items_per_sample * grown.tokens_per_item == 3 * preset.items_per_sample * preset.tokens_per_item
+    assert trainer_workload(w, 1, False).llm.seq_length == 32768
+    w1 = sized_workload(BENCH_WORKLOADS["W1"], layout, items_per_sample=4, image_size=224)
+    assert (w1.images_per_sample, w1.tokens_per_image) == (4, 16 * 16)
+    with pytest.raises(ArgsError, match="--image-size: qwen2_5_vl_7b trains its preset's native-resolution"):
+        sized_workload(family, layout, image_size=448)
+    with pytest.raises(ArgsError, match="--image-size 230: not a multiple of W1's 14-px patches"):
+        sized_workload(BENCH_WORKLOADS["W1"], layout, image_size=230)

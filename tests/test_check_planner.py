@@ -36,7 +36,7 @@ from megatron_hetero.planner.fit import (
     predict_run,
     record_run,
 )
-from megatron_hetero.planner.presets import trainer_vocab_size
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, trainer_vocab_size
 from megatron_hetero.planner.shapes import H100_MEMORY_GB
 from tests.tool_cli import run_tool
 
@@ -241,3 +241,18 @@ def test_a_fused_mlp_keeps_no_activation_output():
     vision = runs[0].layout.module("vision")
     vit_bytes = [[model.activation_bytes(vit, vision, samples, 0) for samples in (1, 2)] for model in models]
     assert vit_bytes[1][0] == vit_bytes[0][0] and vit_bytes[1][1] < vit_bytes[0][1]
+
+
+def test_runs_of_other_sequences_or_images_form_groups_of_their_own():
+    """A record's sequence length and images per sample (bench_e2e's overrides) are part of its
+    workload: the same preset at 32K with 32 images is another group than at 8K with 8, planned with
+    that workload (a family's own vocabulary), and records from before the fields are the preset's."""
+    records = read_records(ROOT / "docs" / "runs" / "gpu4" / "qwen2_5_vl_7b_32k" / "bench_e2e.jsonl")
+    short = [{k: v for k, v in r.items() if k not in ("seq_length", "items_per_sample")} for r in records]
+    groups = measured_groups(records + short, LAYOUTS, trainer_vocab_size())
+    assert sorted((key.seq_length, key.items_per_sample) for key in groups) == [(8192, 8), (32768, 32)]
+    long = next(g for key, g in groups.items() if key.seq_length == 32768)
+    assert long.workload.llm.seq_length == 32768 and long.workload.encoders[0].items_per_sample == 32
+    assert long.workload.llm.vocab == trainer_vocab_size(FAMILY_BENCH_WORKLOADS["qwen2_5_vl_7b"])
+    key = next(k for k in groups if k.seq_length == 32768)
+    assert key.describe().endswith("global batch 2, 32768 tokens, 32 images per sample")

@@ -172,7 +172,10 @@ def llm_shape(text: dict, layers: int, seq_length: int) -> ModuleShape:
 def _native_vision(v: dict, grids: list[tuple[int, int]], gated: bool, keys: float, deepstack: int) -> ModuleShape:
     """A native-resolution Qwen tower: each image's h*w patches (C x T x P x P values each) through
     the layers, h*w / merge^2 rows through the merger's MLP (width merge^2 x hidden)."""
-    tokens, merge = sum(h * w for h, w in grids) // len(grids), v["spatial_merge_size"]
+    # Whole rows per image on average (so that a count of images other than the preset's averages to
+    # whole merged rows), each of merge^2 patches.
+    merge = v["spatial_merge_size"]
+    tokens = sum(h * w for h, w in grids) // merge**2 // len(grids) * merge**2
     return ModuleShape("vision", "encoder", hidden=v["hidden_size"], layers=v["depth"], heads=v["num_heads"],
                        ffn=v["intermediate_size"], gated_mlp=gated, tokens_per_item=tokens,
                        items_per_sample=len(grids), output_tokens_per_item=tokens // merge**2,
