@@ -2,12 +2,14 @@
 `arguments.add_megatron_arguments`, `arguments.validate_args`).
 
 - Our flags (training/layout_args.py) join Megatron's parser, so every script that parses Megatron's
-  arguments takes them.
+  arguments takes them; a bare % in an upstream help text is escaped, so that --help prints.
 - Before upstream validation: fused kernels that need apex/TE default off without them; on CPUs the
   distributed backend defaults to gloo; with `--hetero-layout`, the layout decides the parallel
   sizes (layout_args.load) and upstream validation runs over the LLM's ranks: data-parallel size =
   the LLM's dp. Without `--hetero-layout` validation is upstream's.
 """
+
+import re
 
 import torch
 
@@ -15,10 +17,18 @@ from megatron_hetero.patches import startup
 from megatron_hetero.patches._patch import replace
 from megatron_hetero.training.layout_args import add_hetero_flags, load
 
+# A % that starts no argparse field (%(default)s, a literal %%): megatron-core 0.19 documents
+# --moe-paged-stash-buffer-size-factor-cuda with one.
+_BARE_PERCENT = re.compile(r"(?<!%)%(?![(%])")
+
 
 def _add_megatron_arguments(original):
     def add_megatron_arguments(parser):
-        return add_hetero_flags(original(parser))
+        parser = add_hetero_flags(original(parser))
+        for action in parser._actions:
+            if action.help:  # argparse formats help with %: a bare one upstream breaks --help
+                action.help = _BARE_PERCENT.sub("%%", action.help)
+        return parser
     return add_megatron_arguments
 
 

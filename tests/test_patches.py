@@ -409,3 +409,23 @@ def test_process_groups_destroyed_at_a_clean_exit(ending, destroyed):
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert result.returncode == (0 if destroyed else 1), result.stderr[-2000:]
     assert f"initialized at exit: {not destroyed}" in result.stdout, result.stdout[-2000:]
+
+
+def test_help_prints_megatrons_flags_and_ours():
+    """--help formats every flag's help: megatron-core 0.19 documents one flag with a bare %, which
+    argparse's formatting refuses; the patched parser escapes it and keeps %(default)s fields."""
+    import argparse
+
+    from megatron.training import arguments
+
+    apply()
+    parser = argparse.ArgumentParser(prog="pretrain_vlm.py")
+    arguments.add_megatron_arguments(parser)
+    parser.add_argument("--with-default", default=7, help="default %(default)s, 100%% of it")
+    text = parser.format_help()
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in text and "--hetero-layout" in text
+    assert "default 7, 100% of it" in text
+    upstream = argparse.ArgumentParser()
+    arguments.add_megatron_arguments.__wrapped__(upstream)
+    with pytest.raises(ValueError, match="unsupported format character"):
+        upstream.format_help()
