@@ -1,13 +1,19 @@
 """megatron-hetero: per-module parallel layouts for multimodal training on Megatron."""
 
+import re
+
 from setuptools import find_packages, setup
+
+# The version's one home is megatron_hetero/__init__.py (read as text: setup runs before any install).
+VERSION = re.search(r'__version__ = "([^"]+)"', open("megatron_hetero/__init__.py", encoding="utf-8").read())[1]
 
 setup(
     name="megatron-hetero",
-    version="0.1.0",
+    version=VERSION,
     description="Heterogeneous per-module parallelism (encoders + LLM) as a Megatron-LM extension",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.12",
     # The repository's top-level patches/ installs as megatron_hetero.patches.
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]) + ["megatron_hetero.patches"],
