@@ -11,12 +11,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 MLM=${MEGATRON_LM:-.mlm} LAYOUTS=examples/layouts ITERS=${ITERS:-200}
-VLM="--encoder-num-layers 4 --decoder-num-layers 8 --hidden-size 1024 --num-attention-heads 16
-  --seq-length 576 --decoder-seq-length 1024 --max-position-embeddings 2048 --img-h 336 --img-w 336
-  --patch-dim 14 --micro-batch-size 4 --global-batch-size 16 --train-iters $ITERS --eval-interval 100000
-  --eval-iters 0 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
-  --transformer-impl local --num-workers 2 --log-interval 1 --ckpt-format torch --bf16
-  --hidden-dropout 0 --attention-dropout 0 --seed 1234"
+VLM="$(mlm_vlm_flags "$ITERS" 16) --bf16 --hidden-dropout 0 --attention-dropout 0 --seed 1234"
 mlm() {  # name, flags...
   local name=$1; shift
   timeout 200 torchrun --nproc-per-node 2 -m megatron_hetero.launch "$MLM/pretrain_vlm.py" $VLM "$@" \

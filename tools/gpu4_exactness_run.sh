@@ -13,12 +13,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 MLM=${MEGATRON_LM:-.mlm} L=examples/layouts ITERS=${ITERS:-20}
-VLM="--encoder-num-layers 4 --decoder-num-layers 8 --hidden-size 1024 --num-attention-heads 16
-  --seq-length 576 --decoder-seq-length 1024 --max-position-embeddings 2048 --img-h 336 --img-w 336
-  --patch-dim 14 --micro-batch-size 4 --global-batch-size 24 --train-iters $ITERS --eval-interval 100000
-  --eval-iters 0 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
-  --transformer-impl local --num-workers 2 --log-interval 1 --ckpt-format torch
-  --hidden-dropout 0 --attention-dropout 0 --seed 1234"
+VLM="$(mlm_vlm_flags "$ITERS" 24) --hidden-dropout 0 --attention-dropout 0 --seed 1234"
 # Layout-independent weights and fp32 without TF32: on GPUs Megatron initializes each TP shard from
 # its own RNG stream (a TP2 model starts from other weights than the 1-GPU one) unless the full
 # weights are made on the CPU and split, and cuDNN's convolutions (the ViT's patch embedding) take

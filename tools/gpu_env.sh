@@ -50,3 +50,12 @@ use_fa4() {
   fa4_checked "$1"
 }
 if [ -n "${FA4_SITE:-}" ]; then use_fa4 "$FA4_SITE"; fi
+# mlm_vlm_flags ITERS GLOBAL_BATCH: Megatron-LM's pretrain_vlm.py at a small size (4-layer CLIP ViT,
+# 8-layer LLM of width 1024, mock data), every iteration logged (gpu2_megatron_run.sh, gpu4_exactness_run.sh).
+mlm_vlm_flags() {
+  echo "--encoder-num-layers 4 --decoder-num-layers 8 --hidden-size 1024 --num-attention-heads 16
+  --seq-length 576 --decoder-seq-length 1024 --max-position-embeddings 2048 --img-h 336 --img-w 336
+  --patch-dim 14 --micro-batch-size 4 --global-batch-size $2 --train-iters $1 --eval-interval 100000
+  --eval-iters 0 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+  --transformer-impl local --num-workers 2 --log-interval 1 --ckpt-format torch"
+}
