@@ -9,9 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
-    # The repository's top-level patches/ installs as megatron_hetero.patches.
-    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]) + ["megatron_hetero.patches"],
-    package_dir={"megatron_hetero.patches": "patches"},
+    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
     package_data={"megatron_hetero.data": ["*.model"]},
     install_requires=[
         "torch",

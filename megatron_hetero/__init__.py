@@ -1,5 +1,1 @@
-"""megatron-hetero: per-module parallel layouts for multimodal training on Megatron.
-
-The repository's top-level `patches/` is the subpackage `megatron_hetero.patches`: setup.py maps it
-there (`package_dir`), for the wheel and for an editable install alike.
-"""
+"""megatron-hetero: per-module parallel layouts for multimodal training on Megatron."""

@@ -12,11 +12,11 @@ import torch
 
 import megatron_hetero.patches
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.planner.families import FAMILY_BENCHES
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.runtime.timers import PhaseTimers
+from megatron_hetero.spec.layout import load_layout
 from megatron_hetero.training.args import ArgsError, check_args
 from megatron_hetero.training.bench import global_microbatches, sized_workload, synthetic_batch, workload_args
 from tests.distributed import _free_port, run_python
@@ -152,8 +152,8 @@ def test_the_family_gpu_presets_pass_the_script_and_batch(name):
     preset at --llm-layers 4 on the one-GPU layout pass the script's checks (the model's sizes from
     the family's Hugging Face config), and a sample's synthetic batch holds the planned items, patches
     and rows, every row at an image placeholder of the family's config."""
-    from megatron_hetero.models.sizes import padded_vocab_size
     from megatron_hetero.planner.presets import trainer_vocab_size
+    from megatron_hetero.spec.sizes import padded_vocab_size
     from megatron_hetero.training.bench import family_batch, family_sizes
 
     file = str(LAYOUTS / "single.yaml")

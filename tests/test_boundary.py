@@ -25,8 +25,8 @@ from megatron_hetero.boundary import (
 from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, complete, forward_recvs, forward_sends
 from megatron_hetero.boundary.plan import disagreement, metadata_summary
 from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
-from megatron_hetero.groups import build_module_groups
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.parallel.groups import build_module_groups
+from megatron_hetero.spec.layout import ModuleLayout
 from tests.distributed import run_distributed
 from tests.row_plan import row_routes
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import (
     BENCH_WORKLOADS,
     H200_MEMORY_GB,
@@ -38,6 +37,7 @@ from megatron_hetero.planner.fit import (
 )
 from megatron_hetero.planner.presets import trainer_vocab_size
 from megatron_hetero.planner.shapes import H100_MEMORY_GB
+from megatron_hetero.spec.layout import load_layout
 from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,8 +214,8 @@ def test_a_fused_mlp_keeps_no_activation_output():
     (fc1 biases: not fused), expert MLPs and calls below MLP_MIN_MACS (auto leaves them to torch: W1's
     ViT at micro batch 1, 11,664 x 1152 x 4304 = 2^35.8) as before. A record whose MLPs ran so (`mlp`)
     is predicted with it."""
-    from megatron_hetero.models.sizes import MLP_MIN_MACS
     from megatron_hetero.planner.counts import activation_bytes_per_token_layer, mlp_runs_fused
+    from megatron_hetero.spec.sizes import MLP_MIN_MACS
 
     llm, vit = PRESETS["W1"].workload.llm, PRESETS["W1"].workload.encoders[0]
     for tp, sp in ((1, False), (2, True)):

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_hetero.fuzz import dry_run, one_error_line, random_case
-from megatron_hetero.layout import load_layout
+from megatron_hetero.spec.layout import load_layout
 from megatron_hetero.training.args import ArgsError, check_args, check_trainable, parse_script_args
 from tests.distributed import run_python
 from tests.test_parity import FLAGS, LAYOUTS, TWO_ENCODERS, _assert_reproduces, _run, references  # noqa: F401

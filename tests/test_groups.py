@@ -1,4 +1,4 @@
-"""Which process groups share a communicator (megatron_hetero/groups.py): within a module, groups of
+"""Which process groups share a communicator (megatron_hetero/parallel/groups.py): within a module, groups of
 the same ranks that only run collectives; one-rank groups across modules; never cp or pp of more
 than one rank, never two modules' groups of more than one rank. Rank 0 of a 2-rank world on torch's
 fake process group, which makes groups without talking to other processes."""
@@ -10,8 +10,8 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_hetero.groups import build_groups
-from megatron_hetero.layout import load_layout
+from megatron_hetero.parallel.groups import build_groups
+from megatron_hetero.spec.layout import load_layout
 from tests.test_layout import EXAMPLES
 
 FIELDS = [field.name for field in dataclasses.fields(ProcessGroupCollection)]

@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from megatron_hetero import layout as layout_cli
-from megatron_hetero.layout import AXES, ModuleLayout, load_layout, parse_layout
 from megatron_hetero.planner import (
     PRESETS,
     Calibration,
@@ -32,6 +31,7 @@ from megatron_hetero.planner import (
 from megatron_hetero.planner.calibration import LayerKey
 from megatron_hetero.planner.candidates import Recompute, encoder_batchings
 from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
+from megatron_hetero.spec.layout import AXES, ModuleLayout, load_layout, parse_layout
 from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]

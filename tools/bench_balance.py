@@ -23,8 +23,8 @@ import torch
 
 def build_encoders(opts, pgs, dtype, device) -> dict:
     """A vision encoder (whole, TP 1) per image size."""
-    from megatron_hetero.models.sizes import ModelSizes
     from megatron_hetero.models.vlm import build_vision_encoder
+    from megatron_hetero.spec.sizes import ModelSizes
 
     encoders = {}
     for size in opts.sizes:
@@ -97,10 +97,10 @@ def main() -> int:
         rank_loads,
         skewed_batch,
     )
-    from megatron_hetero.groups import build_module_groups, init_distributed
-    from megatron_hetero.layout import ModuleLayout
+    from megatron_hetero.parallel.groups import build_module_groups, init_distributed
+    from megatron_hetero.parallel.parallel_state import init_outside_training
     from megatron_hetero.patches import cpu
-    from megatron_hetero.runtime.parallel_state import init_outside_training
+    from megatron_hetero.spec.layout import ModuleLayout
 
     cpu.apply()  # nothing with a GPU
     device = init_distributed()

@@ -48,9 +48,9 @@ from megatron_hetero.boundary.exchange import (
     forward_sends,
     post,
 )
-from megatron_hetero.groups import init_distributed
-from megatron_hetero.layout import AXES, ModuleLayout
+from megatron_hetero.parallel.groups import init_distributed
 from megatron_hetero.patches import cpu
+from megatron_hetero.spec.layout import AXES, ModuleLayout
 
 WORLD_SIZE = 2
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_hetero.boundary import BoundaryBatch, boundary_exchange, filled_slots, input_rows, plan_edge, write_rows
-from megatron_hetero.groups import init_distributed
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.parallel.groups import init_distributed
+from megatron_hetero.spec.layout import ModuleLayout
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

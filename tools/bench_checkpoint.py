@@ -26,7 +26,7 @@ from megatron_hetero.training.bench import (
 def run(opts) -> dict:
     import os
 
-    from megatron_hetero.layout import load_layout
+    from megatron_hetero.spec.layout import load_layout
 
     layout = load_layout(opts.hetero_layout, int(os.environ.get("WORLD_SIZE", 1)))
     w = sized_workload(BENCH_WORKLOADS[opts.workload], layout, opts.llm_layers)

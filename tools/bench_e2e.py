@@ -51,9 +51,9 @@ from pathlib import Path
 import torch
 
 import megatron_hetero.patches
-from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule
 from megatron_hetero.planner import BENCH_WORKLOADS
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
+from megatron_hetero.spec.layout import SCHEDULE_FLAG, ColocatedSchedule
 from megatron_hetero.training.bench import (
     PHASES,
     measure,
@@ -68,8 +68,8 @@ WORKLOADS = {**BENCH_WORKLOADS, **FAMILY_BENCH_WORKLOADS}
 
 
 def run(opts) -> dict:
-    from megatron_hetero import rules
-    from megatron_hetero.layout import load_layout
+    from megatron_hetero.spec import rules
+    from megatron_hetero.spec.layout import load_layout
     from megatron_hetero.training.args import ArgsError, check_args, check_trainable
 
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -27,8 +27,8 @@ SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "effici
 def build(opts, pgs, dtype):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_hetero.models.sizes import ModelSizes
     from megatron_hetero.models.vlm import build_llm
+    from megatron_hetero.spec.sizes import ModelSizes
 
     sizes = ModelSizes(hidden_size=opts.hidden, num_layers=opts.layers, num_attention_heads=opts.heads,
                        seq_length=opts.seq)
@@ -52,11 +52,11 @@ def llm_flops(opts) -> float:
 def run(opts) -> dict:
     import torch.distributed as dist
 
-    from megatron_hetero.groups import build_module_groups, init_distributed
-    from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.models.context_parallel import cp_positions
     from megatron_hetero.models.vlm import llm_forward
-    from megatron_hetero.runtime.parallel_state import init_outside_training
+    from megatron_hetero.parallel.groups import build_module_groups, init_distributed
+    from megatron_hetero.parallel.parallel_state import init_outside_training
+    from megatron_hetero.spec.layout import ModuleLayout
 
     device = init_distributed()
     pgs = build_module_groups(ModuleLayout("llm", "llm", tp=opts.tp, cp=opts.cp, sp=opts.sp)).pgs

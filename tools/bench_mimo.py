@@ -82,7 +82,7 @@ def _timed_forward(timers, name: str, first: torch.nn.Module, last: torch.nn.Mod
 
 class TimedMimo(MimoModel):
     """MimoModel called as the script's model (the reference model's arguments: one global
-    microbatch, models/vlm_parts.py), its colocated bridge timed ("boundary"; when the bridged rows'
+    microbatch, families/parts.py), its colocated bridge timed ("boundary"; when the bridged rows'
     gradient is ready, the running backward becomes encoder-backward). `run`: the HeteroRun, whose
     modules say which shares this rank takes (and which finalize_hetero_grads reduces)."""
 

@@ -4,7 +4,7 @@
         [--repeats 5]
 
 A sample's images follow one text token, `gap` text tokens apart (so each image's tokens are a run).
-As the runtime plans (models/vlm_parts.py), each image is an item whose encoder DP rank comes from
+As the runtime plans (families/parts.py), each image is an item whose encoder DP rank comes from
 boundary.assign_items, computed inside each timed call (a step pays it, cached plan or not);
 --by-sample plans without items (each encoder DP rank a slice of the samples).
 
@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from megatron_hetero.boundary import BoundaryBatch, PlanCache, assign_items, plan_edge
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.spec.layout import ModuleLayout
 
 PAIRS = [  # (encoder, llm) on 8 ranks
     (dict(dp=8), dict(tp=2, cp=4, sp=True)),

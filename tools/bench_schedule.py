@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule
 from megatron_hetero.schedules.colocated_order import predicted_step
+from megatron_hetero.spec.layout import SCHEDULE_FLAG, ColocatedSchedule
 from megatron_hetero.training.long_run import read_records, rss_mib, worker_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

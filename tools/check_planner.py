@@ -33,7 +33,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_hetero.layout import LayoutError, load_layout
 from megatron_hetero.planner import Calibration
 from megatron_hetero.planner.fit import (
     GIB,
@@ -46,6 +45,7 @@ from megatron_hetero.planner.fit import (
     observations,
 )
 from megatron_hetero.planner.presets import trainer_vocab_size
+from megatron_hetero.spec.layout import LayoutError, load_layout
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "examples" / "layouts"
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"

@@ -5,8 +5,8 @@
 # TP/CP on pre-Blackwell GPUs, the plugin sets itself where unset: patches/startup.py.)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 
-# install_checkout DIR TARGET: the checkout at DIR built and installed into TARGET, offline (setup.py
-# maps patches/ to megatron_hetero.patches); put TARGET on PYTHONPATH to use it.
+# install_checkout DIR TARGET: the checkout at DIR built and installed into TARGET, offline; put TARGET
+# on PYTHONPATH to use it.
 install_checkout() {
   rm -rf "$2" && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$2" "$1"
 }

@@ -24,10 +24,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.groups import init_distributed
-from megatron_hetero.layout import load_layout
-from megatron_hetero.runtime.context import build_run
+from megatron_hetero.parallel.context import build_run
+from megatron_hetero.parallel.groups import init_distributed
 from megatron_hetero.runtime.failures import GIB
+from megatron_hetero.spec.layout import load_layout
 
 
 def outside_allocator_gib() -> float:

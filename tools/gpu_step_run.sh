@@ -12,10 +12,10 @@ LLM_LAYERS=${LLM_LAYERS:-8}
   > "$out/ops.log" 2>&1; echo "bench_ops: exit $?"
 before=/tmp/before_fusion
 rm -rf $before && cp -r . $before
-sed -i '/grad_accum_fusion.apply()\|fused_adam.apply()/d' $before/patches/__init__.py
-sed -i 's/"masked_softmax_fusion")/"masked_softmax_fusion", "gradient_accumulation_fusion")/' $before/patches/startup.py
-grep -q '"gradient_accumulation_fusion")' $before/patches/startup.py && ! grep -q "fused_adam.apply()" \
-  $before/patches/__init__.py || { echo "the copy without the patches could not be made: see the sed lines"; exit 1; }
+sed -i '/grad_accum_fusion.apply()\|fused_adam.apply()/d' $before/megatron_hetero/patches/__init__.py
+sed -i 's/"masked_softmax_fusion")/"masked_softmax_fusion", "gradient_accumulation_fusion")/' $before/megatron_hetero/patches/startup.py
+grep -q '"gradient_accumulation_fusion")' $before/megatron_hetero/patches/startup.py && ! grep -q "fused_adam.apply()" \
+  $before/megatron_hetero/patches/__init__.py || { echo "the copy without the patches could not be made: see the sed lines"; exit 1; }
 install_checkout $before /tmp/before_fusion_site || { echo "the copy without the patches did not install"; exit 1; }
 e2e() {  # checkout, workload, layout, record tag, extra flags
   site=/tmp/megatron_hetero_site; [ "$1" = "$before" ] && site=/tmp/before_fusion_site

@@ -29,7 +29,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import (
     BENCH_WORKLOADS,
     H200_MEMORY_GB,
@@ -47,6 +46,7 @@ from megatron_hetero.planner import (
     trainer_workload,
 )
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, resized_workload, trainer_vocab_size
+from megatron_hetero.spec.layout import load_layout
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"
 # "Heterogeneous Parallelism for Multimodal Large Language Model Training" (arXiv 2605.27678).
@@ -83,7 +83,7 @@ def parse_args(argv):
     overrides.add_argument("--fused-mlp", action=argparse.BooleanOptionalAction, default=None,
                            help="dense MLPs (GELU; the LLM's SwiGLU) keep no activation output (quack's GEMM "
                                 "epilogues: Hopper/Blackwell with the fa4 extra), the calls auto runs so "
-                                "(MLP_MIN_MACS, models/sizes.py)")
+                                "(MLP_MIN_MACS, spec/sizes.py)")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
     parser.add_argument("--write-yaml", metavar="FILE", help="write the best layout here")

@@ -29,8 +29,8 @@ from megatron_hetero.boundary.exchange import (
     forward_sends,
 )
 from megatron_hetero.boundary.reference import encoder_share, llm_share, row_samples
-from megatron_hetero.groups import init_distributed
-from megatron_hetero.layout import HeteroLayout, LayoutError, load_layout
+from megatron_hetero.parallel.groups import init_distributed
+from megatron_hetero.spec.layout import HeteroLayout, LayoutError, load_layout
 
 
 def parse_args(argv=None):

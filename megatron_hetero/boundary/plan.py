@@ -43,8 +43,8 @@ from itertools import zip_longest
 
 import numpy as np
 
-from megatron_hetero import rules
-from megatron_hetero.layout import ModuleLayout, dp_rank_of
+from megatron_hetero.spec import rules
+from megatron_hetero.spec.layout import ModuleLayout, dp_rank_of
 
 
 class BoundaryError(ValueError):

@@ -21,10 +21,10 @@ from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.deepstack import InterleavedMRoPE, added_after_layers, dense_additions, split_rows
-from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch, padded_vocab_size
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 from megatron_hetero.models.vocab import first_rows_init, pad_vocab
+from megatron_hetero.spec.sizes import ModelSizes, MoEArch, TransformerArch, padded_vocab_size
 
 # TransformerArch.activation -> megatron-core's activation_func, under Hugging Face's hidden_act names.
 ACTIVATIONS = {

@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, ModuleLayout, load_layout
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
 from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
@@ -45,6 +44,7 @@ from megatron_hetero.planner.presets import (
     trainer_workload,
 )
 from megatron_hetero.planner.shapes import H100_MEMORY_GB, H200_MEMORY_GB, Cluster, ModuleShape, Workload
+from megatron_hetero.spec.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, ModuleLayout, load_layout
 
 GIB = 2**30 / 1e9  # bench_e2e records peak memory in GiB
 # bench_e2e's run name: the layout file's stem, " (schedule)" unless the default, " [flags]" if any.

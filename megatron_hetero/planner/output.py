@@ -3,9 +3,9 @@ prediction."""
 
 from __future__ import annotations
 
-from megatron_hetero.layout import AXES, ModuleLayout
 from megatron_hetero.planner.cost import Prediction
 from megatron_hetero.planner.shapes import Cluster, Workload
+from megatron_hetero.spec.layout import AXES, ModuleLayout
 
 
 def _components(prediction: Prediction, workload: Workload) -> dict[str, float]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
 from megatron_hetero.planner.counts import module_forward_flops_per_sample
 from megatron_hetero.planner.families import FAMILY_BENCHES, FamilyBench
 from megatron_hetero.planner.shapes import ModuleShape, Workload
+from megatron_hetero.spec.sizes import ModelSizes, padded_vocab_size
 
 
 @dataclass(frozen=True)

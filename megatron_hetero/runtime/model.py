@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, RankPlan
-from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
-from megatron_hetero.runtime.parallel_state import pointed_at
+from megatron_hetero.parallel.context import HeteroRun, ModuleRuntime
+from megatron_hetero.parallel.parallel_state import pointed_at
 from megatron_hetero.runtime.timers import Clock, PhaseTimers
 
 

@@ -14,11 +14,11 @@ import time
 import torch.distributed as dist
 
 from megatron_hetero.boundary import BoundaryMismatch
-from megatron_hetero.layout import Placement
 from megatron_hetero.runtime.model import HeteroModel
 from megatron_hetero.runtime.step import ScriptCalls, StepContext
 from megatron_hetero.schedules.colocated import colocated_step
 from megatron_hetero.schedules.non_colocated import non_colocated_step
+from megatron_hetero.spec.layout import Placement
 
 SCHEDULES = {Placement.COLOCATED: colocated_step, Placement.NON_COLOCATED: non_colocated_step}
 

@@ -1,6 +1,6 @@
 """examples/pretrain_vlm.py's own flags (beside Megatron's) and defaults, argument files, its parsing
 of Megatron's arguments, and the checks of what that script can train (the rules of
-megatron_hetero.rules applied to its flags): every mistake one line naming the flag or field and the fix."""
+megatron_hetero.spec.rules applied to its flags): every mistake one line naming the flag or field and the fix."""
 
 import argparse
 import functools
@@ -9,7 +9,6 @@ import os
 import sys
 from dataclasses import fields, replace
 
-from megatron_hetero import rules
 from megatron_hetero.data.chat import TokenizerError, chat_tokenizer
 from megatron_hetero.data.energon import META as ENERGON_META
 from megatron_hetero.data.energon import is_energon_dataset
@@ -17,9 +16,10 @@ from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.families import UnknownFamilyError, family_named
-from megatron_hetero.layout import deepstack_problem
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
-from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
+from megatron_hetero.spec import rules
+from megatron_hetero.spec.layout import deepstack_problem
+from megatron_hetero.spec.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
 from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, fail, load
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.

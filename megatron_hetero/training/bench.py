@@ -28,8 +28,6 @@ import torch.distributed as dist
 from megatron_hetero.boundary.exchange import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.layout import LayoutError
-from megatron_hetero.models.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.planner import model_flops
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import (
@@ -39,6 +37,8 @@ from megatron_hetero.planner.presets import (
     trainer_vocab_size,
     trainer_workload,
 )
+from megatron_hetero.spec.layout import LayoutError
+from megatron_hetero.spec.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.training.args import ArgsError, parse_script_args
 
 # Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
@@ -74,8 +74,8 @@ def family_sizes(w: BenchWorkload) -> ModelSizes:
     depth the model cannot have (Qwen3-VL's DeepStack rows need an LLM layer each) is one line."""
     from transformers import AutoConfig
 
+    from megatron_hetero.convert.rules import HFMappingError
     from megatron_hetero.families import family_named
-    from megatron_hetero.hf.rules import HFMappingError
 
     bench = FAMILY_BENCHES[w.name]
     config = {**bench.config, "text_config": {**bench.config["text_config"], "num_hidden_layers": w.layers}}
@@ -247,7 +247,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
     from megatron.training.initialize import set_jit_fusion_options
     from megatron.training.training import initialize_megatron, setup_model_and_optimizer
 
-    from megatron_hetero.groups import init_distributed
+    from megatron_hetero.parallel.groups import init_distributed
     from megatron_hetero.training.providers import model_provider
 
     owns_process_group = not dist.is_initialized()

@@ -9,7 +9,6 @@ from megatron_hetero.boundary.exchange import forward_recvs, post
 from megatron_hetero.data.megatron_data import samples_dict
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.layout import Placement
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.kinds import encoder_kind
 from megatron_hetero.runtime.model import HeteroModel
@@ -18,6 +17,7 @@ from megatron_hetero.schedules.colocated import encoders_to_llm
 from megatron_hetero.schedules.forward_backward import step_context
 from megatron_hetero.schedules.pipeline import run_stage
 from megatron_hetero.schedules.stages import EncoderStage, GivenRows, LLMStage
+from megatron_hetero.spec.layout import Placement
 
 
 def logits_step(data_iterator, model):

@@ -41,9 +41,9 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 
 from megatron_hetero.models.encoder import StageEncoder
 from megatron_hetero.models.norm import SequenceParallelNorm
-from megatron_hetero.models.sizes import ModelSizes, TransformerArch
 from megatron_hetero.models.specs import block_spec, with_our_layers
 from megatron_hetero.models.vision import PatchEmbedding
+from megatron_hetero.spec.sizes import ModelSizes, TransformerArch
 
 # transformers' InternVLVisionRMSNorm for q_norm/k_norm is built without the config's eps.
 QK_NORM_EPS = 1e-6

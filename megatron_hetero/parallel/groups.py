@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_hetero.layout import HeteroLayout, ModuleLayout
+from megatron_hetero.spec.layout import HeteroLayout, ModuleLayout
 
 # tp fastest: Megatron's tp-cp-dp-pp order. "ep" has size 1 here: expert parallelism has a grid of
 # its own over the same ranks (Megatron's expert rank order, expert tp fastest, then ep, dp, pp).

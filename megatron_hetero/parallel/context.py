@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
-from megatron_hetero.groups import ModuleGroups, build_groups
-from megatron_hetero.layout import ColocatedSchedule, HeteroLayout, ModuleLayout, Placement
+from megatron_hetero.parallel.groups import ModuleGroups, build_groups
+from megatron_hetero.spec.layout import ColocatedSchedule, HeteroLayout, ModuleLayout, Placement
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from megatron_hetero.layout import ColocatedSchedule, ModuleLayout, Placement
-from megatron_hetero.models.sizes import AUDIO_FRAMES_PER_TOKEN
+from megatron_hetero.spec.layout import ColocatedSchedule, ModuleLayout, Placement
+from megatron_hetero.spec.sizes import AUDIO_FRAMES_PER_TOKEN
 
 __all__ = [
     "audio_frames_problem",

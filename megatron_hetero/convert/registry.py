@@ -1,9 +1,9 @@
 """The families we map, found from a Hugging Face config."""
 
-from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.llm import LLAMA, QWEN2, QWEN3
-from megatron_hetero.hf.rules import HFMappingError
-from megatron_hetero.hf.vision import CLIP, SIGLIP
+from megatron_hetero.convert.family import Family
+from megatron_hetero.convert.llm import LLAMA, QWEN2, QWEN3
+from megatron_hetero.convert.rules import HFMappingError
+from megatron_hetero.convert.vision import CLIP, SIGLIP
 
 FAMILIES = {family.model_type: family for family in (LLAMA, QWEN2, QWEN3, SIGLIP, CLIP)}
 # Text + vision checkpoints, whose vision tower is the part VLMs use.

@@ -8,11 +8,11 @@ any tensor of the file our encoder does not hold) is carried unchanged from impo
 output alone (pooler_output), normalizes every token. Pixels arrive normalized as the directory's
 image processor says (recorded at import: VisionArch.pixel_normalization)."""
 
+from megatron_hetero.convert.family import Family, Field
+from megatron_hetero.convert.rules import Flattened, Same, qkv_rules, same_params
 from megatron_hetero.data.images import NORMALIZATION
-from megatron_hetero.hf.family import Family, Field
-from megatron_hetero.hf.rules import Flattened, Same, qkv_rules, same_params
-from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.vlm import ACTIVATIONS
+from megatron_hetero.spec.sizes import ModelSizes
 
 FIELDS = (
     Field("hidden_size", "enc_hidden_size"),

@@ -31,11 +31,11 @@ from megatron_hetero.models.kinds import (
     positions_key,
     rows_key,
 )
-from megatron_hetero.models.sizes import ModelSizes
 from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.vlm import build_llm, llm_forward
-from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
+from megatron_hetero.parallel.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import ModelCall, ModelParts
+from megatron_hetero.spec.sizes import ModelSizes
 
 
 def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision: bool = False,

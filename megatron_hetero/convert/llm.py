@@ -3,10 +3,10 @@ grouped-query attention; Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each que
 before RoPE (q_norm, k_norm: megatron-core's q_layernorm, k_layernorm) and a head size of its own.
 All three have the same weight layout otherwise."""
 
-from megatron_hetero.hf.family import Family, Field
-from megatron_hetero.hf.rules import PaddedRows, Same, Stacked, qkv_rules
-from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
+from megatron_hetero.convert.family import Family, Field
+from megatron_hetero.convert.rules import PaddedRows, Same, Stacked, qkv_rules
 from megatron_hetero.models.vlm import ACTIVATIONS
+from megatron_hetero.spec.sizes import ModelSizes, padded_vocab_size
 
 
 def llm_fields(prefix: str = "") -> tuple[Field, ...]:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.registry import family_of
-from megatron_hetero.hf.rules import HFMappingError
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.convert.family import Family
+from megatron_hetero.convert.registry import family_of
+from megatron_hetero.convert.rules import HFMappingError
+from megatron_hetero.spec.sizes import ModelSizes
 
 PROCESSOR_FILE = "preprocessor_config.json"
 

@@ -4,15 +4,15 @@
 With `--hetero-layout`, torch.distributed starts as upstream starts it, upstream's model-parallel
 initialization is skipped, every module's groups are built from the layout (megatron-core
 HyperCommGrid), and megatron-core's parallel_state is pointed at this rank's primary module
-(runtime/parallel_state.py). The run's state (`args.hetero_run`) is built here, once.
+(parallel/parallel_state.py). The run's state (`args.hetero_run`) is built here, once.
 """
 
 from megatron.training import get_args
 
+from megatron_hetero.parallel import parallel_state
+from megatron_hetero.parallel.context import build_run
 from megatron_hetero.patches import faults
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.runtime import parallel_state
-from megatron_hetero.runtime.context import build_run
 
 
 def _initialize_distributed(original):

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from megatron_hetero.hf.rules import HFMappingError, apply_rules
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.convert.rules import HFMappingError, apply_rules
+from megatron_hetero.spec.sizes import ModelSizes
 
 _UNSET = object()
 
