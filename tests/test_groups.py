@@ -38,7 +38,7 @@ def shared_groups(name: str) -> list[tuple[list[int], set[str]]]:
 
 
 def test_a_colocated_layout_has_three_communicators(rank0_of_two):
-    """What tools/gpu_nccl_memory.py measured on 2 H100s (3 groups, 2.8 GiB outside the allocator,
+    """What benchmarks/gpu_nccl_memory.py measured on 2 H100s (3 groups, 2.8 GiB outside the allocator,
     against 24 groups and 11.4 GiB when every group had its own): one group of rank 0 alone for both
     modules, one for each module's pair."""
     (alone, alone_holders), (_, llm), (_, vision) = shared_groups("gpu2_colocated_sp")  # "llm." < "vision."

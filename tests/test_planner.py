@@ -28,7 +28,7 @@ from megatron_hetero.planner import (
     module_forward_flops_per_sample,
     plan,
 )
-from megatron_hetero.planner.calibration import LayerKey
+from megatron_hetero.planner.calibration import CALIBRATIONS, LayerKey
 from megatron_hetero.planner.candidates import Recompute, encoder_batchings
 from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
 from megatron_hetero.spec.layout import AXES, ModuleLayout, load_layout, parse_layout
@@ -249,7 +249,7 @@ def test_the_fewest_recomputed_layers_that_fit_are_chosen():
 def test_default_calibration_reproduces_its_measured_anchor():
     """megatron-core GPTModel TP2 (local spec), 8 layers, hidden 4096, seq 4096, batch 1, on
     2x H200: 113 ms per forward + backward (ANCHORS.md). The shipped max_efficiency is fitted to it."""
-    calibration = Calibration.load(str(ROOT / "tools" / "calibration_h200.json"))
+    calibration = Calibration.load(str(CALIBRATIONS / "calibration_h200.json"))
     llm = ModuleShape("llm", "llm", hidden=4096, layers=8, heads=32, ffn=16384, seq_length=4096, vocab=32000)
     model = CostModel(Workload((), llm, global_batch=1), Cluster(2, 150), calibration)
     prediction = model.predict(Candidate("colocated", (ModuleLayout("llm", "llm", tp=2),), 1))
@@ -309,7 +309,7 @@ def test_calibration_refuses_times_faster_than_the_ceiling_and_module_keyed_time
 
 
 def test_layer_times_keyed_by_shape_round_trip():
-    calibration = Calibration.load(str(ROOT / "tools" / "calibration_h200_measured.json"))
+    calibration = Calibration.load(str(CALIBRATIONS / "calibration_h200_measured.json"))
     assert calibration.layer_forward_us_per_token
     assert Calibration.from_dict(calibration.to_dict()) == calibration
     assert replace(calibration, max_efficiency=0.5).layer_forward_us_per_token == calibration.layer_forward_us_per_token

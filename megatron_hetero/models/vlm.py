@@ -16,7 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.boundary.exchange import write_rows
+from megatron_hetero.boundary.rows import write_rows
 from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder

@@ -6,7 +6,7 @@ layout's module order, also for modules it does not hold (it then gets None grou
 
 Groups share communicators where that cannot change the order of any rank's communication: each
 NCCL communicator holds GPU memory once used, about 1.1 GiB for two H100s and 0.25 GiB for one
-rank alone (tools/gpu_nccl_memory.py, a colocated layout: 11.4 GiB outside PyTorch's allocator with
+rank alone (benchmarks/gpu_nccl_memory.py, a colocated layout: 11.4 GiB outside PyTorch's allocator with
 24 groups, 9 of them of the same two ranks). Within a module, groups of the same ranks that only run
 collectives share one (a module's tp, mp, tp_cp, tp_dp_cp and distributed-optimizer groups are
 often the same ranks); cp and pp keep their own (point-to-point rings and pipeline sends beside the
@@ -100,7 +100,7 @@ class SharedGroups:
 
     def get(self, grid: HyperCommGrid, dims: str | list[str], p2p: bool = False) -> dist.ProcessGroup | None:
         """`grid.create_pg(dims)`, shared; `grid.get_pg(dims)` returns it too (upstream MIMO asks
-        the grids for groups: tools/bench_mimo.py)."""
+        the grids for groups: benchmarks/bench_mimo.py)."""
         group = self.enumerated(grid.get_rank_enum(dims), p2p)
         names = [dims] if isinstance(dims, str) else dims
         # The key create_pg's docstring gives: the dims in the grid's reversed order, joined by "-".

@@ -1,4 +1,4 @@
-"""The calibration fitted to measured runs of tools/bench_e2e.py (tools/check_planner.py is its
+"""The calibration fitted to measured runs of benchmarks/bench_e2e.py (tools/check_planner.py is its
 command line).
 
 Runs come in groups: one workload as the trainer built it, on one GPU count and global batch; each
@@ -122,7 +122,7 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     name = RUN_NAME.fullmatch(record["layout"])
     file = layouts / f"{name['stem']}.yaml"
     flags = tuple((name["flags"] or "").split())
-    # The schedule comes in the name or, from tools/gpu2_layouts_run.sh, as the training script's flag.
+    # The schedule comes in the name or, from benchmarks/gpu2_layouts_run.sh, as the training script's flag.
     schedule = dict(zip(flags, flags[1:])).get(SCHEDULE_FLAG)  # read as megatron_recompute reads its flags
     scheduled = name["schedule"] or schedule not in (None, ColocatedSchedule.RECOMPUTE)
     if scheduled or not file.exists():

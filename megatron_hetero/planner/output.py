@@ -106,7 +106,7 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
         f"# Train with --global-batch-size {workload.global_batch} --micro-batch-size {candidate.micro_batch}"
         + (f" {extra}" if extra else ""),
         *([f"# ({candidate.recompute.describe()} of each stage, every trainable module: the fewest that fit)",
-           f'# tools/bench_e2e.py --flags="{extra}"'] if candidate.recompute else []),
+           f'# benchmarks/bench_e2e.py --flags="{extra}"'] if candidate.recompute else []),
         f"placement: {layout.placement}",
         "modules:",
     ]

@@ -1,4 +1,4 @@
-"""The workload presets: one table that tools/plan_layout.py plans and tools/bench_e2e.py,
+"""The workload presets: one table that tools/plan_layout.py plans and benchmarks/bench_e2e.py,
 bench_mimo.py and check_planner.py train or check.
 
 A preset's shapes are the model as planned (e.g. SigLIP's MLP width); `BenchWorkload` is the same

@@ -96,7 +96,7 @@ class HeteroModel(torch.nn.Module):
         self.force_all_reduce = False
         device = next(next(iter(self.parts.values())).parameters()).device
         self.clock = Clock(device)  # time spent waiting on other ranks' data
-        self.timers = PhaseTimers(device)  # step-time breakdowns (tools/bench_e2e.py turns them on)
+        self.timers = PhaseTimers(device)  # step-time breakdowns (benchmarks/bench_e2e.py turns them on)
         self.plan_caches = {}  # encoder name -> PlanCache
         # Megatron's --check-for-nan-in-loss-and-grad for gradients, per module (finalize_hetero_grads)
         self.check_for_nan_in_grad = False

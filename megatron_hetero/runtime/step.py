@@ -25,7 +25,7 @@ import torch
 from megatron.core.pipeline_parallel.schedules import forward_step
 
 from megatron_hetero.boundary import PlanCache, check_agreement
-from megatron_hetero.boundary.exchange import annotate
+from megatron_hetero.boundary.transfer import annotate
 from megatron_hetero.parallel.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import Adapter, ModelCall
 from megatron_hetero.runtime.timers import Clock, PhaseTimers

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_hetero.boundary import boundary_exchange
-from megatron_hetero.boundary.exchange import exchange_gradients, split_recvs, split_sends
+from megatron_hetero.boundary.colocated import exchange_gradients, split_recvs, split_sends
 from megatron_hetero.parallel.context import ModuleRuntime
 from megatron_hetero.runtime.model import Media
 from megatron_hetero.runtime.step import LLMView, StepContext

@@ -320,7 +320,7 @@ def _check_family(args, layout) -> None:
     if deepstack and args.recompute_granularity == "full":
         raise ArgsError(f"--recompute-granularity full: the {family} DeepStack rows are added between LLM layers, "
                         f"which full recomputation reruns without them; use --recompute-granularity selective")
-    if args.mock_data:  # the benchmarks' own batches (training/bench.py)
+    if args.mock_data:  # the benchmarks' own batches (benchmarks/bench.py)
         return
     if not args.data_path:
         raise ArgsError(f"--model-sizes {args.model_sizes} describes a {family} model: train it on conversation "

@@ -5,7 +5,8 @@ per generated position; the last stage's greedy tokens go back to every stage)."
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary.exchange import forward_recvs, post
+from megatron_hetero.boundary.non_colocated import forward_recvs
+from megatron_hetero.boundary.transfer import post
 from megatron_hetero.data.megatron_data import samples_dict
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
 from megatron_hetero.data.tokenizer import CaptionTokenizer

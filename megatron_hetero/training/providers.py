@@ -1,7 +1,7 @@
 """The reference model's providers for megatron.training: the model provider (this rank's parts of
 families/parts.py, with its adapter), the conversation dataset of --data-path, the forward step and
 the loss function. examples/pretrain_vlm.py
-hands them to `pretrain()`; the benchmarks (training/bench.py) to `setup_model_and_optimizer()` and
+hands them to `pretrain()`; the benchmarks (benchmarks/bench.py) to `setup_model_and_optimizer()` and
 `train_step()`."""
 
 import os
