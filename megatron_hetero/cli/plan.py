@@ -64,8 +64,7 @@ def parse_args(argv):
                         help=f"memory per GPU in GB of 1e9 bytes (default: H200, {H200_MEMORY_GB})")
     parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N")
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION), metavar="FILE",
-                        help="calibration JSON (default: the package's planner/calibrations/calibration_h200.json, "
-                             "assumed figures)")
+                        help="calibration JSON (default: planner/calibrations/calibration_h200.json, assumed figures)")
     parser.add_argument("--as-trained", action="store_true",
                         help="the preset as benchmarks/bench_e2e.py trains it (the trainer's MLPs 4 x hidden, its "
                              "padded vocabulary: a family's own, else the demo tokenizer's; its micro batch): "

@@ -3,7 +3,7 @@ every module it spans, each wrapped in megatron-core DDP over the module's own g
 
 Megatron's loop calls `forward_step_func(data_iterator, model)`, and the script's forward step calls
 `model(...)` with the microbatch. The schedules never call this model: the step captures the
-script's calls and replays them with a *view* of it as `model` (runtime/step.py: ScriptCalls,
+script's calls and replays them with a *view* of it as `model` (schedules/step.py: ScriptCalls,
 LLMView), and runs each module's stage through the model family's `Adapter`. What the arguments
 mean (which are per sample, what an encoder returns, how rows enter the LLM) is the model family's
 `Adapter` (models/llava.py for Megatron-LM's LLaVAModel, models/vlm.py for ours).

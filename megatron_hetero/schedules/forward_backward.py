@@ -4,7 +4,7 @@ hands it out under `--hetero-layout`).
 `forward_backward` takes what megatron-core's schedules take (train_step and evaluate call it with
 keywords) and returns Megatron's forward_data_store: the loss reports of the microbatches on ranks
 that hold the LLM's last stage, empty elsewhere. It reads the step's microbatches, builds the
-step's context (runtime/step.py: the script's calls captured, the boundary plans), runs the
+step's context (schedules/step.py: the script's calls captured, the boundary plans), runs the
 placement's schedule and finalizes the gradients.
 """
 
@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from megatron_hetero.boundary import BoundaryMismatch
 from megatron_hetero.runtime.model import HeteroModel
-from megatron_hetero.runtime.step import ScriptCalls, StepContext
 from megatron_hetero.schedules.colocated import colocated_step
 from megatron_hetero.schedules.non_colocated import non_colocated_step
+from megatron_hetero.schedules.step import ScriptCalls, StepContext
 from megatron_hetero.spec.layout import Placement
 
 SCHEDULES = {Placement.COLOCATED: colocated_step, Placement.NON_COLOCATED: non_colocated_step}

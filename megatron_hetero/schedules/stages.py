@@ -17,8 +17,8 @@ from megatron_hetero.boundary.non_colocated import backward_recvs, backward_send
 from megatron_hetero.boundary.transfer import Transfer
 from megatron_hetero.parallel.context import ModuleRuntime
 from megatron_hetero.runtime.model import Media
-from megatron_hetero.runtime.step import LLMView, StepContext
 from megatron_hetero.schedules.pipeline import stage_recv, stage_send
+from megatron_hetero.schedules.step import LLMView, StepContext
 
 
 def _stage_neighbours(module):

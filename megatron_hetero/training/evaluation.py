@@ -13,11 +13,11 @@ from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.kinds import encoder_kind
 from megatron_hetero.runtime.model import HeteroModel
-from megatron_hetero.runtime.step import StepContext
 from megatron_hetero.schedules.colocated import encoders_to_llm
 from megatron_hetero.schedules.forward_backward import step_context
 from megatron_hetero.schedules.pipeline import run_stage
 from megatron_hetero.schedules.stages import EncoderStage, GivenRows, LLMStage
+from megatron_hetero.schedules.step import StepContext
 from megatron_hetero.spec.layout import Placement
 
 
