@@ -386,9 +386,9 @@ def test_module_on_the_fa4_path(monkeypatch):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_hetero.models.vlm import _config
+    from megatron_hetero.models.vlm import transformer_config
 
-    config = _config(32, 1, 4, 1, torch.float64, num_query_groups=2)
+    config = transformer_config(32, 1, 4, 1, torch.float64, num_query_groups=2)
     no_cp = SimpleNamespace(cp=None)  # the module reads only its CP group
     ours = attention.SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=no_cp)
     assert attention.attention_summary(torch.nn.ModuleDict({"core_attention": ours})) == "sdpa (head dim 8: no GPU)"

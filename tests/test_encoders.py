@@ -117,9 +117,9 @@ def test_stages_equal_the_whole_module():
 
 def test_stage_size_errors():
     from megatron_hetero.models.audio import AudioEncoder
-    from megatron_hetero.models.vlm import _config
+    from megatron_hetero.models.vlm import transformer_config
 
     with pytest.raises(ValueError, match="pp=2"):
-        _config(64, 3, 4, 1, torch.float32, pp=2)
+        transformer_config(64, 3, 4, 1, torch.float32, pp=2)
     with pytest.raises(ValueError, match="multiple of 4"):
         AudioEncoder(None, None, mel_bins=16, frames=30, pg_collection=None)

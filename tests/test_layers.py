@@ -164,14 +164,14 @@ def _megatron_local_pairs(ref_pgs):
 
     from megatron_hetero.models.attention import SDPAttention
     from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
-    from megatron_hetero.models.vlm import _config, causal_mask
+    from megatron_hetero.models.vlm import causal_mask, transformer_config
     from megatron_hetero.parallel.parallel_state import init_outside_training
 
     init_outside_training(SEED, tp_rank=0)
     torch.manual_seed(SEED)
     results = {}
 
-    config = _config(32, 2, 4, 1, torch.float32)
+    config = transformer_config(32, 2, 4, 1, torch.float32)
     x = torch.randn(SEQ, BATCH, 32)
     blocks = [
         TransformerBlock(config, spec, pre_process=True, post_process=True, pg_collection=ref_pgs)
@@ -185,7 +185,7 @@ def _megatron_local_pairs(ref_pgs):
     results["llm_block"] = _module_pairs(*blocks, x, attention_mask=causal_mask(SEQ, "cpu"))
 
     # Core attention alone: GQA (4 heads, 2 groups), and an explicit padding mask honoured.
-    gqa = _config(32, 1, 4, 1, torch.float32, num_query_groups=2)
+    gqa = transformer_config(32, 1, 4, 1, torch.float32, num_query_groups=2)
     q, kv = torch.randn(SEQ, BATCH, 4, 8), torch.randn(SEQ, BATCH, 2, 8)
     padding = torch.rand(BATCH, 1, SEQ, SEQ) < 0.3
     padding[..., 0] = False  # every query keeps a key

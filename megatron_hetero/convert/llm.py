@@ -5,8 +5,7 @@ All three have the same weight layout otherwise."""
 
 from megatron_hetero.convert.family import Family, Field
 from megatron_hetero.convert.rules import PaddedRows, Same, Stacked, qkv_rules
-from megatron_hetero.models.vlm import ACTIVATIONS
-from megatron_hetero.spec.sizes import ModelSizes, padded_vocab_size
+from megatron_hetero.spec.sizes import ACTIVATIONS, ModelSizes, padded_vocab_size
 
 
 def llm_fields(prefix: str = "") -> tuple[Field, ...]:

@@ -11,8 +11,7 @@ image processor says (recorded at import: VisionArch.pixel_normalization)."""
 from megatron_hetero.convert.family import Family, Field
 from megatron_hetero.convert.rules import Flattened, Same, qkv_rules, same_params
 from megatron_hetero.data.images import NORMALIZATION
-from megatron_hetero.models.vlm import ACTIVATIONS
-from megatron_hetero.spec.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ACTIVATIONS, ModelSizes
 
 FIELDS = (
     Field("hidden_size", "enc_hidden_size"),

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field, fields
 # The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
 AUDIO_FRAMES_PER_TOKEN = 4
 
+# The activations a transformer may use, by Hugging Face's hidden_act names (models/vlm.py builds each).
+ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu")
+
 # Under MEGATRON_HETERO_MLP_KERNEL=auto an MLP call runs on quack's GEMM epilogues (models/mlp.py) when
 # fc1's GEMM on its rank is at least this many multiply-adds: tokens in the GEMM (gathered under
 # sequence parallelism) x hidden x fc1's output width on the rank (quack_kernels.py: why). W1's ViT
@@ -23,7 +26,7 @@ class TransformerArch:
     ffn_hidden_size: int | None = None  # None: 4 * hidden size
     normalization: str = "LayerNorm"  # or "RMSNorm"
     norm_eps: float = 1e-5
-    activation: str = "gelu"  # a name in models/vlm.py ACTIVATIONS (Hugging Face's hidden_act names)
+    activation: str = "gelu"  # one of ACTIVATIONS
     linear_bias: bool = False  # biases in linear_qkv, linear_proj, fc1, fc2
     gated_linear_unit: bool = False  # fc1 = [gate; up], activation(gate) * up (SwiGLU with silu)
 

@@ -26,8 +26,7 @@ from megatron_hetero.convert.rules import (
     with_hf_names,
 )
 from megatron_hetero.families.base import KeyScheme
-from megatron_hetero.models.vlm import ACTIVATIONS
-from megatron_hetero.spec.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ACTIVATIONS, ModelSizes
 
 VISION, PROJECTOR, TEXT = "model.vision_tower.", "model.multi_modal_projector.", "model.language_model."
 # The LLM families an InternVL's text_config may be (its model_type).

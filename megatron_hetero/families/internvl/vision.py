@@ -214,12 +214,12 @@ def build_vision_encoder(sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection
                          whole: bool = False, **config_overrides) -> InternViTEncoder:
     """This rank's stage of InternVL's vision module (models/vlm.py's encoder builders): InternViT
     from sizes.vision_arch and family_arch, its projector of the LLM's width with biases."""
-    from megatron_hetero.models.vlm import _build_encoder
+    from megatron_hetero.models.vlm import build_encoder
 
     arch = InternVLVisionArch.of(sizes)
     dims = (sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads)
     projector = TransformerArch(ffn_hidden_size=sizes.hidden_size, linear_bias=True,
                                 activation=arch.projector_activation)
-    return _build_encoder(InternViTEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype,
-                          whole, sizes.vision_arch, config_overrides=config_overrides, projector_arch=projector,
-                          arch=arch)
+    return build_encoder(InternViTEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype,
+                         whole, sizes.vision_arch, config_overrides=config_overrides, projector_arch=projector,
+                         arch=arch)
