@@ -3,6 +3,7 @@ each module it holds (built once, after torch.distributed is up; passed as an ar
 """
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,16 @@ from megatron.core.distributed import DistributedDataParallel
 
 from megatron_hetero.parallel.groups import ModuleGroups, build_groups
 from megatron_hetero.spec.layout import ColocatedSchedule, HeteroLayout, ModuleLayout, Placement
+
+
+class Phase(StrEnum):
+    """What a rank is doing outside the schedules' named phases, as failure reports and heartbeats
+    say it (HeteroRun.phase)."""
+
+    SETUP = "setup"
+    TRANSFERS = "the pipeline's transfers"
+    GRADIENT_REDUCTION = "the gradient reduction"
+    OPTIMIZER_STEP = "the optimizer step"  # and Megatron's logging, up to the next step
 
 
 @dataclass
@@ -58,7 +69,7 @@ class HeteroRun:
     modules: dict[str, ModuleRuntime] = field(default_factory=dict)
     model: torch.nn.Module | None = None  # the HeteroModel megatron.training trains, once built
     optimizer: object = None  # its per-module optimizers (megatron-core MimoOptimizer), once built
-    phase: str = "setup"  # what this rank is doing, outside the schedules' named phases (failure reports)
+    phase: Phase = Phase.SETUP
     watchdog: object = None  # this rank's heartbeats (runtime/watchdog.py), once started
     colocated_schedule: ColocatedSchedule = ColocatedSchedule.RECOMPUTE  # colocated, LLM pp > 1
     # An ordered colocated schedule (not recompute): world groups of their own for the boundary's
