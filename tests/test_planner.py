@@ -280,7 +280,7 @@ def test_measured_layer_time_replaces_the_curve_for_its_shape_and_layout_only():
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-@pytest.mark.parametrize("calibration_file", sorted((ROOT / "tools").glob("calibration*.json")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("calibration_file", sorted(CALIBRATIONS.glob("calibration*.json")), ids=lambda p: p.stem)
 def test_no_prediction_above_the_matmul_ceiling(name, calibration_file):
     """Every layout of every preset, with every shipped calibration: no GPU is predicted faster than
     the measured bf16 matmul ceiling (790 TFLOPS on an H200), which per-module layer times once broke
