@@ -15,10 +15,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.12",
-    # The repository's top-level patches/ installs as megatron_hetero.patches.
-    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]) + ["megatron_hetero.patches"],
-    package_dir={"megatron_hetero.patches": "patches"},
-    package_data={"megatron_hetero.data": ["*.model"]},
+    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
+    package_data={"megatron_hetero.data": ["*.model"], "megatron_hetero.planner": ["calibrations/*.json"]},
     install_requires=[
         "torch",
         "megatron-core>=0.19,<0.20",
@@ -33,7 +31,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         # flash-attn-4 (CuTe DSL, compiled at run time: no build step) as the GPU attention where its
         # gradients were checked (models/attention_kernels.py), at the versions checked, with the DSL's
-        # CUDA 13 libraries (torch cu130); a new version needs tools/gpu_fa4_check.sh first. quack-kernels
+        # CUDA 13 libraries (torch cu130); a new version needs benchmarks/gpu_fa4_check.sh first. quack-kernels
         # also runs our norms and the MLP's GELU GEMMs (models/norm_kernels.py, models/mlp_kernels.py; a new
         # version needs tools/gpu_norm_check.py and tools/gpu_mlp_check.py first).
         "fa4": ["flash-attn-4[cu13]==4.0.0b36", "quack-kernels==0.6.5", "nvidia-cutlass-dsl[cu13]==4.8.1"],

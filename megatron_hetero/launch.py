@@ -10,7 +10,7 @@ import os
 import runpy
 import sys
 
-from megatron_hetero.training.args import expand_arg_files
+from megatron_hetero.spec.arg_files import expand_arg_files
 
 
 def main(argv: list[str] | None = None) -> int:

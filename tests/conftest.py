@@ -6,11 +6,17 @@ test starts): megatron-core wraps its fused elementwise functions (bias-dropout-
 in torch.compile, and on a CPU each new process traced and compiled them again at start-up, about
 5 CPU seconds per rank, most of a small multi-process test. What the tests compare (a layout against
 its one-process reference, our run against the stock one) runs the same eager functions on both sides;
-GPU runs compile as before."""
+GPU runs compile as before.
+
+benchmarks/ is on the path: its scripts import their harness (bench.py, fuzz.py, run_samples.py) as
+siblings, as they do when run, and so do the tests of that harness."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def pytest_configure(config):

@@ -1,6 +1,6 @@
 """A model of NCCL's point-to-point semantics for checking the order in which ranks post transfers:
 each rank's host runs its program (post a batch, wait for a batch, join a collective); a post is one
-batch per process group, in order of first appearance (exchange.post); each rank runs the batches
+batch per process group, in order of first appearance (transfer.post); each rank runs the batches
 posted to it one after another, whatever their groups (CUDA does not promise that two streams
 progress independently: NCCL's advice is to assume they do not); inside the running batch every send
 completes once the peer's matching receive (same group, same direction, the n-th of each) is in the

@@ -5,7 +5,7 @@ which makes it simple to read and slow on large batches."""
 import numpy as np
 
 from megatron_hetero.boundary.plan import BoundaryBatch
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.spec.layout import ModuleLayout
 
 
 class _Rows:

@@ -1,4 +1,4 @@
-"""tools/ab_summary.py, the table speed changes are judged by: runs of one workload, layout, flags
+"""benchmarks/ab_summary.py, the table speed changes are judged by: runs of one workload, layout, flags
 and batch are one variant, its median against the workload's first variant of the same layout."""
 
 import json
@@ -33,7 +33,7 @@ def test_batch_and_flags_are_variants_against_the_first(tmp_path):
 
 
 def test_named_files_are_variants_the_first_the_baseline(tmp_path):
-    """Two checkouts' runs with the same flags (tools/gpu_batch_run.sh with BASE_REV): A=FILE B=FILE."""
+    """Two checkouts' runs with the same flags (benchmarks/gpu_batch_run.sh with BASE_REV): A=FILE B=FILE."""
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps(record("single", 16, t)) + "\n" for t in (500.0, 510.0)))
     b.write_text("".join(json.dumps(record("single", 16, t)) + "\n" for t in (530.0, 520.0)))

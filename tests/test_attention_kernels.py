@@ -6,7 +6,7 @@
 - the index math of the FA4 path (CP's query chunks, packed documents' cu_seqlens cut to them, the
   varlen entry) against torch SDPA with the block mask, through a small pure-torch stand-in with
   flash-attn-4's call signatures (the plumbing is verified here, the kernel's numbers by
-  tools/gpu_fa4_check.sh on a GPU).
+  benchmarks/gpu_fa4_check.sh on a GPU).
 """
 
 import collections
@@ -97,7 +97,7 @@ def test_sdpa_backends_never_take_fa4():
 @pytest.mark.parametrize("device, kwargs, reason", [
     (Device("cpu"), {}, "no GPU"),
     (Device("NVIDIA A100-SXM4-80GB", (8, 0)), {}, "targets sm90/sm100"),
-    (Device("NVIDIA B200", (10, 0)), {}, "not checked on NVIDIA B200: run tools/gpu_fa4_check.sh"),
+    (Device("NVIDIA B200", (10, 0)), {}, "not checked on NVIDIA B200: run benchmarks/gpu_fa4_check.sh"),
     (H100, {"import_problem": "flash-attn-4 does not import (ImportError: x)"}, "does not import"),
     (H100, {"dtype": torch.float32}, "runs bf16/fp16, not float32"),
     (H100, {"dropout": 0.1}, "attention dropout 0.1"),
@@ -386,9 +386,9 @@ def test_module_on_the_fa4_path(monkeypatch):
 
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_hetero.models.vlm import _config
+    from megatron_hetero.models.vlm import transformer_config
 
-    config = _config(32, 1, 4, 1, torch.float64, num_query_groups=2)
+    config = transformer_config(32, 1, 4, 1, torch.float64, num_query_groups=2)
     no_cp = SimpleNamespace(cp=None)  # the module reads only its CP group
     ours = attention.SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=no_cp)
     assert attention.attention_summary(torch.nn.ModuleDict({"core_attention": ours})) == "sdpa (head dim 8: no GPU)"

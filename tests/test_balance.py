@@ -1,6 +1,6 @@
 """Encoder load balancing (boundary/balance.py): the assignment against brute force and its bound,
 and the imbalance on skewed batches within 5% of the mean in the cost model (measured times:
-tools/bench_balance.py)."""
+benchmarks/bench_balance.py)."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""tools/bench_boundary.py on 2 gloo processes: every method runs, upstream and ours deliver the
+"""benchmarks/bench_boundary.py on 2 gloo processes: every method runs, upstream and ours deliver the
 same rows, upstream refuses LLM CP, and main writes one row per method."""
 
 import importlib.util
@@ -10,7 +10,7 @@ import torch
 
 from tests.distributed import run_distributed
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_boundary.py"
+TOOL = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_boundary.py"
 
 
 def _load_tool():

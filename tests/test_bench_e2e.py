@@ -1,4 +1,4 @@
-"""bench_e2e's workload sizing (megatron_hetero.training.bench, pure): overrides, the smallest micro
+"""bench_e2e's workload sizing (benchmarks/bench.py, pure): overrides, the smallest micro
 batch a layout accepts (the rule check_args enforces on the script's flags), the synthetic batch;
 and the phase timers' accounting of nested phases."""
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench import global_microbatches, sized_workload, synthetic_batch, workload_args
 
 import megatron_hetero.patches
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.planner.families import FAMILY_BENCHES
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.runtime.timers import PhaseTimers
+from megatron_hetero.spec.layout import load_layout
 from megatron_hetero.training.args import ArgsError, check_args
-from megatron_hetero.training.bench import global_microbatches, sized_workload, synthetic_batch, workload_args
 from tests.distributed import _free_port, run_python
 from tests.tool_cli import run_tool
 
@@ -107,7 +107,7 @@ def test_nested_phases_count_once_and_switch_relabels():
 
 
 def _parameters_as_built(rank, world_size):
-    from megatron_hetero.training.bench import megatron_session
+    from bench import megatron_session
 
     megatron_hetero.patches.apply()
     with megatron_session(BENCH_WORKLOADS["tiny"], str(LAYOUTS / "single.yaml"), bf16=False) as session:
@@ -148,13 +148,14 @@ def test_family_workload_counts_the_vit_as_it_runs():
 
 @pytest.mark.parametrize("name", sorted(n for n in FAMILY_BENCH_WORKLOADS if not n.endswith("_tiny")))
 def test_the_family_gpu_presets_pass_the_script_and_batch(name):
-    """What tools/gpu_families_run.sh trains, short of building the model: bench_e2e's flags for the
+    """What benchmarks/gpu_families_run.sh trains, short of building the model: bench_e2e's flags for the
     preset at --llm-layers 4 on the one-GPU layout pass the script's checks (the model's sizes from
     the family's Hugging Face config), and a sample's synthetic batch holds the planned items, patches
     and rows, every row at an image placeholder of the family's config."""
-    from megatron_hetero.models.sizes import padded_vocab_size
+    from bench import family_batch, family_sizes
+
     from megatron_hetero.planner.presets import trainer_vocab_size
-    from megatron_hetero.training.bench import family_batch, family_sizes
+    from megatron_hetero.spec.sizes import padded_vocab_size
 
     file = str(LAYOUTS / "single.yaml")
     layout = load_layout(file, 1)
@@ -193,7 +194,7 @@ def test_family_workload_trains_on_cpu(tmp_path, name):
     out = tmp_path / "bench.jsonl"
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    result = run_python([ROOT / "tools" / "bench_e2e.py", "--workload", name, "--hetero-layout", layout,
+    result = run_python([ROOT / "benchmarks" / "bench_e2e.py", "--workload", name, "--hetero-layout", layout,
                          "--out", out, "--warmup", "1", "--steps", "1"], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -213,7 +214,7 @@ def test_host_syncs_counts_each_wait_where_it_was_called(monkeypatch):
     import inspect
     import warnings
 
-    from megatron_hetero.training import bench
+    import bench
 
     modes, lines = [], []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -243,9 +244,8 @@ def test_matmul_lines_rate_each_shape_by_its_kernels_time():
     row's rate is its FLOPs over its kernels' GPU time; other ops, and ops without GPU time, are left out."""
     from types import SimpleNamespace
 
+    from bench import matmul_lines
     from torch.profiler import ProfilerActivity, profile
-
-    from megatron_hetero.training.bench import matmul_lines
 
     a, b = torch.randn(64, 32), torch.randn(32, 48)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
@@ -270,7 +270,7 @@ def test_matmul_calls_give_each_shape_its_spread_and_kernels():
     the kernels' names; shapes and ops apart, other ops and calls without kernels left out."""
     from types import SimpleNamespace
 
-    from megatron_hetero.training.bench import matmul_calls, matmul_lines
+    from bench import matmul_calls, matmul_lines
 
     def call(name, shapes, *kernels):
         return SimpleNamespace(name=name, input_shapes=shapes,

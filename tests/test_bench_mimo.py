@@ -1,4 +1,4 @@
-"""tools/bench_mimo.py on 2 gloo processes, workload tiny in fp32: upstream MIMO's forward-backward
+"""benchmarks/bench_mimo.py on 2 gloo processes, workload tiny in fp32: upstream MIMO's forward-backward
 (colocated and non-colocated, encoder trained and frozen) gives ours (the megatron.training path of
 bench_e2e) loss and every DDP main_grad on the same weights and batch, and its JSON line has
 bench_e2e's keys, FLOPs and tokens."""
@@ -18,7 +18,7 @@ from megatron_hetero.planner.presets import trainer_vocab_size
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "bench_mimo.py"
+TOOL = ROOT / "benchmarks" / "bench_mimo.py"
 CASES = [("colocated", False), ("colocated", True), ("non_colocated", False), ("non_colocated", True)]
 
 
@@ -50,9 +50,10 @@ def _first_step(session, forward_backward):
 
 
 def _parity_and_record(rank, world_size, out):
+    from bench import megatron_session
+
     import megatron_hetero.patches
     from megatron_hetero.schedules.forward_backward import forward_backward
-    from megatron_hetero.training.bench import megatron_session
 
     megatron_hetero.patches.apply()
     tool = _load_tool()
@@ -80,7 +81,7 @@ def test_upstream_mimo_matches_ours_and_bench_e2e(tmp_path):
     # bench_e2e's own line for the same workload and layout, into the same file.
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    str(ROOT / "tools" / "bench_e2e.py"), "--workload", "tiny", "--hetero-layout",
+                    str(ROOT / "benchmarks" / "bench_e2e.py"), "--workload", "tiny", "--hetero-layout",
                     str(ROOT / "examples" / "layouts" / "gpu2_colocated.yaml"), "--fp32", "--warmup", "0",
                     "--steps", "1", "--out", out], check=True, cwd=ROOT, env=env, capture_output=True)
     mimo, ours = (json.loads(line) for line in Path(out).read_text().splitlines())
@@ -100,7 +101,7 @@ def test_upstream_mimo_matches_ours_and_bench_e2e(tmp_path):
         gpu_seconds = record["step_s"] * record["gpus"]
         assert record["tflops_per_gpu"] * 1e12 * gpu_seconds == pytest.approx(sum(flops.values()))
         assert record["encoder_flops_share"] == pytest.approx(flops["encoder"] / sum(flops.values()))
-    table = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_e2e.py"), "--report", out], check=True,
+    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--report", out], check=True,
                            cwd=ROOT, env=env, capture_output=True, text=True).stdout
     assert "| tiny | 2 | upstream_mimo_colocated | 2 |" in table and "| tiny | 2 | gpu2_colocated | 2 |" in table
     assert "| vision sdpa, llm sdpa |" in table

@@ -22,11 +22,12 @@ from megatron_hetero.boundary import (
     plan_edge,
     write_rows,
 )
-from megatron_hetero.boundary.exchange import backward_recvs, backward_sends, complete, forward_recvs, forward_sends
+from megatron_hetero.boundary.non_colocated import backward_recvs, backward_sends, forward_recvs, forward_sends
 from megatron_hetero.boundary.plan import disagreement, metadata_summary
 from megatron_hetero.boundary.reference import at_addresses, encoder_share, llm_share, reference_input
-from megatron_hetero.groups import build_module_groups
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.boundary.transfer import complete
+from megatron_hetero.parallel.groups import build_module_groups
+from megatron_hetero.spec.layout import ModuleLayout
 from tests.distributed import run_distributed
 from tests.row_plan import row_routes
 
@@ -394,7 +395,7 @@ def _items(item_dp):
     (enc(dp=2), llm(dp=2), 2, [4, 4], None),                          # own rows only: no collective
 ])
 def test_plan_recognizes_all_gathers(encoder, llm_layout, world, batch, want):
-    """RankPlan.gather (exchange.py's all-gather) exactly where every LLM TP rank takes all rows of
+    """RankPlan.gather (colocated.py's all-gather) exactly where every LLM TP rank takes all rows of
     its group, equal blocks in rank order: its ranks, and each member's rows are its own."""
     if not isinstance(batch, BoundaryBatch):
         (batch,) = edge_batches([batch], SEQ, 0)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import (
     BENCH_WORKLOADS,
     H200_MEMORY_GB,
@@ -22,7 +21,7 @@ from megatron_hetero.planner import (
     plan,
     trainer_workload,
 )
-from megatron_hetero.planner.calibration import LayerKey
+from megatron_hetero.planner.calibration import CALIBRATIONS, LayerKey
 from megatron_hetero.planner.counts import layer_forward_flops_per_token
 from megatron_hetero.planner.fit import (
     GIB,
@@ -38,6 +37,7 @@ from megatron_hetero.planner.fit import (
 )
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, trainer_vocab_size
 from megatron_hetero.planner.shapes import H100_MEMORY_GB
+from megatron_hetero.spec.layout import load_layout
 from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_the_curve_predicts_each_measured_shape_left_out_of_its_fit():
     records = read_records(RESULTS)
     groups = measured_groups(records, LAYOUTS, trainer_vocab_size()).values()
     seen = [o for group in groups for o in observations(group)]
-    errors = left_out_errors(seen, Calibration.load(str(ROOT / "tools" / "calibration_h200.json")))
+    errors = left_out_errors(seen, Calibration.load(str(CALIBRATIONS / "calibration_h200.json")))
     without_cp = {key: error for key, error in errors.items() if key.cp == 1}
     assert len(without_cp) == 5 and {key.role for key in without_cp} == {"encoder", "llm"}
     assert all(abs(error) <= 0.10 for error in without_cp.values()), errors
@@ -134,7 +134,7 @@ def test_w5_ranking_and_gain_against_the_measured_runs():
     ranked as measured but for runs within 2% of each other (TP2+SP at 6 and DP2 at 9 are 1.4% apart,
     measured on two H200 pairs, and predicted 0.1% apart the other way), the OOM run predicted over
     memory, and the gain within 10 points."""
-    result = check(w5_group(), Calibration.load(str(ROOT / "tools" / "calibration_h200.json")))
+    result = check(w5_group(), Calibration.load(str(CALIBRATIONS / "calibration_h200.json")))
     assert result.largest_misranked_gap() <= 0.02, (result.measured, result.predicted)
     over = sorted(r.label for r, p in result.rows if not p.fits)
     assert over == sorted(r.label for r, _ in result.rows if r.tokens_per_s is None), over
@@ -146,10 +146,10 @@ def test_the_planner_predicts_the_w5_gain_within_10_points():
     """plan_layout's W5 (12 LLM layers, an H200's 150.1 GB, the shipped measured calibration): its best
     homogeneous layout recomputes some layers but not all, and its gain lands within 10 points of the
     measured gain of the best heterogeneous run over the best homogeneous one."""
-    measured = check(w5_group(), Calibration.load(str(ROOT / "tools" / "calibration_h200.json"))).measured_gain
+    measured = check(w5_group(), Calibration.load(str(CALIBRATIONS / "calibration_h200.json"))).measured_gain
     workload = PRESETS["W5"].workload
     workload = replace(workload, llm=replace(workload.llm, layers=12))
-    result = plan(workload, Cluster(2, 150.1), Calibration.load(str(ROOT / "tools" / "calibration_h200_measured.json")))
+    result = plan(workload, Cluster(2, 150.1), Calibration.load(str(CALIBRATIONS / "calibration_h200_measured.json")))
     homogeneous = result.best("homogeneous")
     best = next(p for p in result.ranked if p.candidate.placement != "homogeneous")
     assert homogeneous.candidate.recompute and not homogeneous.candidate.recompute.full
@@ -184,7 +184,7 @@ def test_runs_are_judged_against_their_own_gpus_memory():
     flags = BLOCK_1[:-1] + ("9",)
     oom = Run("gpu2_colocated_sp [" + " ".join(flags) + "]", load_layout(str(LAYOUTS / "gpu2_colocated_sp.yaml"), 2),
               1, None, None, {}, flags)
-    fitted = fit([group], Calibration.load(str(ROOT / "tools" / "calibration_h100_measured.json")))
+    fitted = fit([group], Calibration.load(str(CALIBRATIONS / "calibration_h100_measured.json")))
     assert not predict_run(oom, group, fitted).fits
     assert predict_run(oom, replace(group, memory_gb=H200_MEMORY_GB), fitted).fits
 
@@ -195,7 +195,7 @@ def test_the_usable_memory_share_is_fitted_where_runs_ran_out():
     runs that ran, and without a failed run the calibration's own share stays."""
     records = read_records(GPU2 / "call19_w6_h100_pair" / "bench_e2e.jsonl")
     (group,) = measured_groups(records, LAYOUTS, trainer_vocab_size()).values()
-    base = Calibration.load(str(ROOT / "tools" / "calibration_h200.json"))
+    base = Calibration.load(str(CALIBRATIONS / "calibration_h200.json"))
     assert fit([group], base).usable_memory_fraction == base.usable_memory_fraction == 0.9
     flags = BLOCK_1[:-1] + ("10",)
     oom = Run("gpu2_colocated_sp [" + " ".join(flags) + "]", load_layout(str(LAYOUTS / "gpu2_colocated_sp.yaml"), 2),
@@ -214,8 +214,8 @@ def test_a_fused_mlp_keeps_no_activation_output():
     (fc1 biases: not fused), expert MLPs and calls below MLP_MIN_MACS (auto leaves them to torch: W1's
     ViT at micro batch 1, 11,664 x 1152 x 4304 = 2^35.8) as before. A record whose MLPs ran so (`mlp`)
     is predicted with it."""
-    from megatron_hetero.models.sizes import MLP_MIN_MACS
     from megatron_hetero.planner.counts import activation_bytes_per_token_layer, mlp_runs_fused
+    from megatron_hetero.spec.sizes import MLP_MIN_MACS
 
     llm, vit = PRESETS["W1"].workload.llm, PRESETS["W1"].workload.encoders[0]
     for tp, sp in ((1, False), (2, True)):

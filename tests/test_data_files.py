@@ -27,7 +27,7 @@ from megatron_hetero.data.megatron_data import samples_dict
 from megatron_hetero.data.shapes import ShapesDataset, all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ModelSizes
 from tests.distributed import _free_port, run_python
 
 ROOT = Path(__file__).parent.parent

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from megatron_hetero.data.batches import caption_batch
 from megatron_hetero.data.shapes import ShapesDataset
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.layout import ModuleLayout
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.layout import ModuleLayout
+from megatron_hetero.spec.sizes import ModelSizes
 from tests.distributed import run_distributed
 
 # 4 vision and LLM layers: the second stage's layers 0, 1 are the whole module's 2, 3.
@@ -62,11 +62,11 @@ def _check_pipeline(stage, whole, pgs, first, later, hidden_shape):
 
 
 def _check_stages(rank, world_size):
-    from megatron_hetero.groups import build_module_groups
     from megatron_hetero.models.init import build_stage
     from megatron_hetero.models.vlm import build_audio_encoder, build_llm, build_vision_encoder, causal_mask
+    from megatron_hetero.parallel import parallel_state
+    from megatron_hetero.parallel.groups import build_module_groups
     from megatron_hetero.patches import cpu
-    from megatron_hetero.runtime import parallel_state
 
     cpu.apply()
     pgs = build_module_groups(ModuleLayout("module", "encoder", tp=TP, pp=PP)).pgs
@@ -117,9 +117,9 @@ def test_stages_equal_the_whole_module():
 
 def test_stage_size_errors():
     from megatron_hetero.models.audio import AudioEncoder
-    from megatron_hetero.models.vlm import _config
+    from megatron_hetero.models.vlm import transformer_config
 
     with pytest.raises(ValueError, match="pp=2"):
-        _config(64, 3, 4, 1, torch.float32, pp=2)
+        transformer_config(64, 3, 4, 1, torch.float32, pp=2)
     with pytest.raises(ValueError, match="multiple of 4"):
         AudioEncoder(None, None, mel_bins=16, frames=30, pg_collection=None)

@@ -56,11 +56,12 @@ class MatmulFlops(TorchDispatchMode):
 def _measured_flops(w) -> dict[str, int]:
     """Matmul FLOPs of one forward of the workload's model on one sample: the vision module's alone,
     and the whole model's (vision, boundary, LLM with its logits)."""
+    from bench import family_batch, family_sizes, global_microbatches
+
     from megatron_hetero.hf.checkpoint import model_under
     from megatron_hetero.schedules.forward_backward import step_context
     from megatron_hetero.schedules.pipeline import run_stage
     from megatron_hetero.schedules.stages import GivenRows, LLMStage
-    from megatron_hetero.training.bench import family_batch, family_sizes, global_microbatches
     from megatron_hetero.training.evaluation import logits_step, route_media
 
     megatron_hetero.patches.apply()  # megatron-core on CPUs

@@ -204,7 +204,7 @@ def test_report_line_is_one_write(monkeypatch):
 
 
 def test_nccl_memory_tool_refuses_the_cpu_in_one_line():
-    """tools/gpu_nccl_memory.py measures GPU memory: without a GPU it says so in one line, exit 2."""
+    """benchmarks/gpu_nccl_memory.py measures GPU memory: without a GPU it says so in one line, exit 2."""
     from tests.tool_cli import run_tool
 
     result = run_tool("gpu_nccl_memory", "--hetero-layout", "examples/layouts/gpu2_colocated_sp.yaml")

@@ -1,5 +1,5 @@
-"""The layout fuzzer, hypothesis drawing the random cases, derandomized (megatron_hetero/fuzz.py;
-tools/fuzz_layouts.py runs it for longer): random placements, 1-3 encoders, sizes, rank ranges,
+"""The layout fuzzer, hypothesis drawing the random cases, derandomized (benchmarks/fuzz.py;
+benchmarks/fuzz_layouts.py runs it for longer): random placements, 1-3 encoders, sizes, rank ranges,
 frozen flags, world sizes 1-12, images per sample (0 included), tokens per image and batch sizes.
 Every case is valid, or one `error:` line and exit 2 from tools/verify_layout.py, never a traceback;
 valid ones are bit-exact on gloo through the real CLI; one that the example script trains reproduces
@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from fuzz import dry_run, one_error_line, random_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_hetero.fuzz import dry_run, one_error_line, random_case
-from megatron_hetero.layout import load_layout
+from megatron_hetero.spec.layout import load_layout
 from megatron_hetero.training.args import ArgsError, check_args, check_trainable, parse_script_args
 from tests.distributed import run_python
 from tests.test_parity import FLAGS, LAYOUTS, TWO_ENCODERS, _assert_reproduces, _run, references  # noqa: F401

@@ -1,4 +1,4 @@
-"""Which process groups share a communicator (megatron_hetero/groups.py): within a module, groups of
+"""Which process groups share a communicator (megatron_hetero/parallel/groups.py): within a module, groups of
 the same ranks that only run collectives; one-rank groups across modules; never cp or pp of more
 than one rank, never two modules' groups of more than one rank. Rank 0 of a 2-rank world on torch's
 fake process group, which makes groups without talking to other processes."""
@@ -10,8 +10,8 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_hetero.groups import build_groups
-from megatron_hetero.layout import load_layout
+from megatron_hetero.parallel.groups import build_groups
+from megatron_hetero.spec.layout import load_layout
 from tests.test_layout import EXAMPLES
 
 FIELDS = [field.name for field in dataclasses.fields(ProcessGroupCollection)]
@@ -38,7 +38,7 @@ def shared_groups(name: str) -> list[tuple[list[int], set[str]]]:
 
 
 def test_a_colocated_layout_has_three_communicators(rank0_of_two):
-    """What tools/gpu_nccl_memory.py measured on 2 H100s (3 groups, 2.8 GiB outside the allocator,
+    """What benchmarks/gpu_nccl_memory.py measured on 2 H100s (3 groups, 2.8 GiB outside the allocator,
     against 24 groups and 11.4 GiB when every group had its own): one group of rank 0 alone for both
     modules, one for each module's pair."""
     (alone, alone_holders), (_, llm), (_, vision) = shared_groups("gpu2_colocated_sp")  # "llm." < "vision."

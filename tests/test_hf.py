@@ -28,11 +28,11 @@ from transformers import (
     SiglipVisionModel,
 )
 
+from megatron_hetero.convert.rules import FusedQKV
 from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.hf import FAMILIES, HFMappingError, export_hf, family_of, import_hf, load_full_tensors
-from megatron_hetero.hf.rules import FusedQKV
 from megatron_hetero.models.full_state import FullStateError, tp_part, tp_whole
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ModelSizes
 from tests.distributed import collect_distributed
 
 SEQ, BATCH, VOCAB, IMAGE = 16, 2, 100, 32
@@ -165,10 +165,10 @@ def _case_pairs(name: str, layout: str, pgs) -> dict:
 
 
 def _worker(rank, world_size):
-    from megatron_hetero.groups import build_module_groups
-    from megatron_hetero.layout import ModuleLayout
+    from megatron_hetero.parallel.groups import build_module_groups
+    from megatron_hetero.parallel.parallel_state import init_outside_training
     from megatron_hetero.patches import cpu
-    from megatron_hetero.runtime.parallel_state import init_outside_training
+    from megatron_hetero.spec.layout import ModuleLayout
 
     cpu.apply()
     init_outside_training(0, tp_rank=0)

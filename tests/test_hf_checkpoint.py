@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import SiglipImageProcessor
 
 from megatron_hetero.data.images import NORMALIZATION
-from megatron_hetero.models.sizes import sizes_from_dict
+from megatron_hetero.spec.sizes import sizes_from_dict
 from megatron_hetero.training.args import image_normalization
 from tests.distributed import run_python
 from tests.test_checkpoint import _one_process, run

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megatron_hetero.families import family_named
 from megatron_hetero.hf import HFMappingError
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ModelSizes
 from tests.distributed import collect_distributed
 from tests.internvl_models import (
     CONFIGS,
@@ -81,12 +81,12 @@ _HF = {}
 
 
 def _worker(rank, world_size):
-    from megatron_hetero.groups import build_module_groups
-    from megatron_hetero.layout import ModuleLayout
     from megatron_hetero.models.full_state import load_full_tensors
     from megatron_hetero.models.vlm import build_llm
+    from megatron_hetero.parallel.groups import build_module_groups
+    from megatron_hetero.parallel.parallel_state import init_outside_training
     from megatron_hetero.patches import cpu
-    from megatron_hetero.runtime.parallel_state import init_outside_training
+    from megatron_hetero.spec.layout import ModuleLayout
 
     cpu.apply()
     init_outside_training(0, tp_rank=0)

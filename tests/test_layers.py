@@ -64,7 +64,7 @@ def test_packed_llm_keeps_our_attention_where_te_imports(monkeypatch):
 
 # ---- distributed: one launch computes (got, want) pairs for every test below ----------------------
 def _sizes(qk_norm: bool):
-    from megatron_hetero.models.sizes import LLMArch, ModelSizes
+    from megatron_hetero.spec.sizes import LLMArch, ModelSizes
 
     arch = LLMArch(normalization="RMSNorm", qk_norm=True) if qk_norm else LLMArch()
     return ModelSizes(hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=SEQ, llm_arch=arch)
@@ -95,7 +95,7 @@ def _run_llm(pgs, tp, cp, sp, num_query_groups, qk_norm):
 
     from megatron_hetero.models.full_state import full_tensors
     from megatron_hetero.models.vlm import build_llm, llm_forward
-    from megatron_hetero.runtime.parallel_state import init_outside_training
+    from megatron_hetero.parallel.parallel_state import init_outside_training
 
     sizes = _sizes(qk_norm)
     init_outside_training(SEED, tp_rank=pgs.tp.rank())
@@ -122,8 +122,8 @@ def _run_llm(pgs, tp, cp, sp, num_query_groups, qk_norm):
 
 
 def _parallel_llm_pairs(case, ref_pgs):
-    from megatron_hetero.groups import build_module_groups
-    from megatron_hetero.layout import ModuleLayout
+    from megatron_hetero.parallel.groups import build_module_groups
+    from megatron_hetero.spec.layout import ModuleLayout
 
     tp, cp, dp, sp, groups, qk_norm = CASES[case]
     pgs = build_module_groups(ModuleLayout(case, "llm", tp=tp, cp=cp, dp=dp, sp=sp)).pgs
@@ -164,14 +164,14 @@ def _megatron_local_pairs(ref_pgs):
 
     from megatron_hetero.models.attention import SDPAttention
     from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
-    from megatron_hetero.models.vlm import _config, causal_mask
-    from megatron_hetero.runtime.parallel_state import init_outside_training
+    from megatron_hetero.models.vlm import causal_mask, transformer_config
+    from megatron_hetero.parallel.parallel_state import init_outside_training
 
     init_outside_training(SEED, tp_rank=0)
     torch.manual_seed(SEED)
     results = {}
 
-    config = _config(32, 2, 4, 1, torch.float32)
+    config = transformer_config(32, 2, 4, 1, torch.float32)
     x = torch.randn(SEQ, BATCH, 32)
     blocks = [
         TransformerBlock(config, spec, pre_process=True, post_process=True, pg_collection=ref_pgs)
@@ -185,7 +185,7 @@ def _megatron_local_pairs(ref_pgs):
     results["llm_block"] = _module_pairs(*blocks, x, attention_mask=causal_mask(SEQ, "cpu"))
 
     # Core attention alone: GQA (4 heads, 2 groups), and an explicit padding mask honoured.
-    gqa = _config(32, 1, 4, 1, torch.float32, num_query_groups=2)
+    gqa = transformer_config(32, 1, 4, 1, torch.float32, num_query_groups=2)
     q, kv = torch.randn(SEQ, BATCH, 4, 8), torch.randn(SEQ, BATCH, 2, 8)
     padding = torch.rand(BATCH, 1, SEQ, SEQ) < 0.3
     padding[..., 0] = False  # every query keeps a key
@@ -199,9 +199,9 @@ def _megatron_local_pairs(ref_pgs):
 
 
 def _worker(rank, world_size):
-    from megatron_hetero.groups import build_module_groups
-    from megatron_hetero.layout import ModuleLayout
+    from megatron_hetero.parallel.groups import build_module_groups
     from megatron_hetero.patches import cpu
+    from megatron_hetero.spec.layout import ModuleLayout
     from tests.quack_stand_in import use_stand_in
 
     cpu.apply()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero import rules
-from megatron_hetero.layout import (
+from megatron_hetero.spec import rules
+from megatron_hetero.spec.layout import (
     AXES,
     Edge,
     HeteroLayout,
@@ -119,7 +119,7 @@ def test_edge_forms_and_accepted_keys():
 def test_deepstack_edges():
     """DeepStack edges (encoder layer k -> llm layer j) beside the encoder's output edge, in both
     forms; layout.deepstack_problem holds them against a model's (none listed: implied)."""
-    from megatron_hetero.layout import deepstack_problem
+    from megatron_hetero.spec.layout import deepstack_problem
 
     data = colocated()
     data["edges"] = ["vision -> llm", "vision[8] -> llm[0]", {"src": "vision", "dst": "llm", "src_layer": 16,

@@ -33,7 +33,7 @@ from megatron_hetero.models.mlp_kernels import (
     quack_activation,
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice, choose_quack
-from megatron_hetero.models.sizes import MLP_MIN_MACS
+from megatron_hetero.spec.sizes import MLP_MIN_MACS
 from tests.quack_stand_in import STAND_IN
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.layout import load_layout
 from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.spec.layout import load_layout
 from tests.test_parity import LAYOUTS, MICRO_BATCH_1, _assert_reproduces, _run, _train_and_capture
 
 MOE = ["--num-experts", "6", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff",

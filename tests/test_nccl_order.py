@@ -6,7 +6,7 @@ is checked on an order known to hang on NCCL: 1F1B without the pairing."""
 
 import pytest
 
-from megatron_hetero.boundary.exchange import Transfer
+from megatron_hetero.boundary.transfer import Transfer
 from megatron_hetero.schedules import pipeline
 from megatron_hetero.schedules.colocated_order import keyed_order, producer_keys
 from megatron_hetero.schedules.pipeline import Op, OpKind, execute, execute_keyed, one_f_one_b, steady_pairs

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.layout import load_layout
 from megatron_hetero.models.full_state import full_tensors, gather_grad_shards
+from megatron_hetero.spec.layout import load_layout
 from tests.distributed import run_distributed
 
 STEPS = 10
@@ -376,7 +376,7 @@ def test_ordered_colocated_schedules_reproduce_one_process(references, tmp_path,
 def _train_and_count_passes(rank, world_size, layout_file, out_dir, flags):
     """_train_and_capture, recording the items of each of this rank's encoder passes (the
     adapter's forwards)."""
-    from megatron_hetero.models.vlm_parts import VLMAdapter
+    from megatron_hetero.families.parts import VLMAdapter
 
     forward, passes = VLMAdapter.encoder_forward, []
 

@@ -10,7 +10,6 @@ import pytest
 import yaml
 
 from megatron_hetero import layout as layout_cli
-from megatron_hetero.layout import AXES, ModuleLayout, load_layout, parse_layout
 from megatron_hetero.planner import (
     PRESETS,
     Calibration,
@@ -29,9 +28,10 @@ from megatron_hetero.planner import (
     module_forward_flops_per_sample,
     plan,
 )
-from megatron_hetero.planner.calibration import LayerKey
+from megatron_hetero.planner.calibration import CALIBRATIONS, LayerKey
 from megatron_hetero.planner.candidates import Recompute, encoder_batchings
 from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
+from megatron_hetero.spec.layout import AXES, ModuleLayout, load_layout, parse_layout
 from tests.tool_cli import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_the_fewest_recomputed_layers_that_fit_are_chosen():
 def test_default_calibration_reproduces_its_measured_anchor():
     """megatron-core GPTModel TP2 (local spec), 8 layers, hidden 4096, seq 4096, batch 1, on
     2x H200: 113 ms per forward + backward (ANCHORS.md). The shipped max_efficiency is fitted to it."""
-    calibration = Calibration.load(str(ROOT / "tools" / "calibration_h200.json"))
+    calibration = Calibration.load(str(CALIBRATIONS / "calibration_h200.json"))
     llm = ModuleShape("llm", "llm", hidden=4096, layers=8, heads=32, ffn=16384, seq_length=4096, vocab=32000)
     model = CostModel(Workload((), llm, global_batch=1), Cluster(2, 150), calibration)
     prediction = model.predict(Candidate("colocated", (ModuleLayout("llm", "llm", tp=2),), 1))
@@ -280,7 +280,7 @@ def test_measured_layer_time_replaces_the_curve_for_its_shape_and_layout_only():
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-@pytest.mark.parametrize("calibration_file", sorted((ROOT / "tools").glob("calibration*.json")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("calibration_file", sorted(CALIBRATIONS.glob("calibration*.json")), ids=lambda p: p.stem)
 def test_no_prediction_above_the_matmul_ceiling(name, calibration_file):
     """Every layout of every preset, with every shipped calibration: no GPU is predicted faster than
     the measured bf16 matmul ceiling (790 TFLOPS on an H200), which per-module layer times once broke
@@ -309,7 +309,7 @@ def test_calibration_refuses_times_faster_than_the_ceiling_and_module_keyed_time
 
 
 def test_layer_times_keyed_by_shape_round_trip():
-    calibration = Calibration.load(str(ROOT / "tools" / "calibration_h200_measured.json"))
+    calibration = Calibration.load(str(CALIBRATIONS / "calibration_h200_measured.json"))
     assert calibration.layer_forward_us_per_token
     assert Calibration.from_dict(calibration.to_dict()) == calibration
     assert replace(calibration, max_efficiency=0.5).layer_forward_us_per_token == calibration.layer_forward_us_per_token

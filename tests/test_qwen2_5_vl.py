@@ -122,7 +122,7 @@ def test_data_is_the_processors(qwen):
     from megatron_hetero.data.chat import HFChatTokenizer
     from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
     from megatron_hetero.families import family_named
-    from megatron_hetero.models.sizes import sizes_from_dict
+    from megatron_hetero.spec.sizes import sizes_from_dict
 
     tmp, data = qwen
     description = json.loads((tmp / "ckpt" / "model.json").read_text())

@@ -1,4 +1,4 @@
-"""Run a tool of tools/ as its users do: its own Python process, in the repository root."""
+"""Run a script of tools/ or benchmarks/ as its users do: its own Python process, in the repository root."""
 
 import os
 import subprocess
@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_tool(name: str, *args) -> subprocess.CompletedProcess:
-    """tools/<name>.py with `args`; stdout and stderr captured as text."""
+    """tools/<name>.py (else benchmarks/<name>.py) with `args`; stdout and stderr captured as text."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return run_python([ROOT / "tools" / f"{name}.py", *args], env=env, cwd=ROOT, timeout=600)
+    script = next(p for p in (ROOT / folder / f"{name}.py" for folder in ("tools", "benchmarks")) if p.exists())
+    return run_python([script, *args], env=env, cwd=ROOT, timeout=600)

@@ -3,7 +3,8 @@ every measured layout, and print the predicted ranking and the predicted gain of
 heterogeneous layout over the best homogeneous one beside the measured ones.
 
     python tools/check_planner.py docs/runs/bench_e2e/results.jsonl \\
-        [--oom W2:8:gpu2_homogeneous_dp2 ...] [--calibration tools/calibration_h200.json] \\
+        [--oom W2:8:gpu2_homogeneous_dp2 ...] \\
+        [--calibration megatron_hetero/planner/calibrations/calibration_h200.json] \\
         [--leave-one-out] [--write-calibration measured.json]
     python tools/check_planner.py docs/runs/gpu2/*/bench_e2e*.jsonl \\
         docs/runs/gpu2/call5_baselines/w1_colocated.jsonl --oom W5:12:gpu2_homogeneous_dp2:FLAGS
@@ -24,7 +25,7 @@ every group (curve, every measured shape's layer time, the least-squares memory 
 With --leave-one-out each run is predicted from a calibration fitted to its group's other runs only
 (its own layer times then come from the curve when no other run has its layout).
 --oom names runs that ran out of GPU memory (workload:LLM layers:layout[:flags], the flags comma
-separated as tools/gpu2_layouts_run.sh's RUNS): the planner should predict them over memory.
+separated as benchmarks/gpu2_layouts_run.sh's RUNS): the planner should predict them over memory.
 """
 
 import argparse
@@ -33,8 +34,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megatron_hetero.layout import LayoutError, load_layout
 from megatron_hetero.planner import Calibration
+from megatron_hetero.planner.calibration import DEFAULT_CALIBRATION
 from megatron_hetero.planner.fit import (
     GIB,
     Group,
@@ -46,9 +47,9 @@ from megatron_hetero.planner.fit import (
     observations,
 )
 from megatron_hetero.planner.presets import trainer_vocab_size
+from megatron_hetero.spec.layout import LayoutError, load_layout
 
 LAYOUTS = Path(__file__).resolve().parents[1] / "examples" / "layouts"
-DEFAULT_CALIBRATION = Path(__file__).resolve().parent / "calibration_h200.json"
 
 
 def _curve(calibration: Calibration) -> str:

@@ -24,7 +24,7 @@ Each fused result's max |diff| / max |ref| against the unfused bf16 one. One JSO
 DIR/fusion_probe.jsonl (DIR: $OUT or out/).
 
 quack's epilogue GEMMs compile only where nvidia-cutlass-dsl is imported from a site-packages directory
-(models/mlp_kernels.py; tools/gpu_env.sh links FA4_SITE so): from a `pip --target` directory every
+(models/mlp_kernels.py; benchmarks/gpu_env.sh links FA4_SITE so): from a `pip --target` directory every
 epilogue row failed (2026-11-27).
 """
 

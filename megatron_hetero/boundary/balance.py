@@ -12,7 +12,7 @@ import heapq
 
 import numpy as np
 
-from megatron_hetero.layout import dp_rank_of
+from megatron_hetero.spec.layout import dp_rank_of
 
 
 def item_cost(tokens, hidden: int) -> np.ndarray:

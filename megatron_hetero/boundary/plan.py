@@ -43,8 +43,8 @@ from itertools import zip_longest
 
 import numpy as np
 
-from megatron_hetero import rules
-from megatron_hetero.layout import ModuleLayout, dp_rank_of
+from megatron_hetero.spec import rules
+from megatron_hetero.spec.layout import ModuleLayout, dp_rank_of
 
 
 class BoundaryError(ValueError):
@@ -182,7 +182,7 @@ class Routes:
 
 @dataclass(frozen=True)
 class Gather:
-    """An edge whose forward is one all-gather per LLM TP group (exchange.py's fast path): each
+    """An edge whose forward is one all-gather per LLM TP group (colocated.py's fast path): each
     rank of the group (`ranks`, the LLM's TP ranks of one (dp, cp) on its first stage) is the
     only holder of `rows` encoder rows, and its LLM side's rows are the members' rows concatenated
     in rank order. The backward routes of such an edge stay on each rank (every member consumes
@@ -208,12 +208,12 @@ class RankPlan:
     # The forward as an all-gather over this rank's LLM TP group, where the edge is one (_gather);
     # None: the routes only.
     gather: Gather | None = None
-    # Execution state derived from the routes (index tensors per device), filled by exchange.py.
+    # Execution state derived from the routes (index tensors per device), filled by transfer.py.
     cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_dest_rows(self) -> int:
-        """Rows of this rank's LLM side: the slots the boundary fills, one row each (exchange.py)."""
+        """Rows of this rank's LLM side: the slots the boundary fills, one row each (rows.py)."""
         return int(self.forward.recv_counts.sum())
 
 
@@ -503,7 +503,7 @@ class PlanCache:
         return self._plans[key]
 
 
-# ---- agreement of the metadata across ranks (exchange.check_agreement gathers these) -------------
+# ---- agreement of the metadata across ranks (agreement.check_agreement gathers these) -------------
 
 
 def metadata_digest(batches: dict[str, BoundaryBatch]) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from megatron_hetero.boundary.plan import BoundaryBatch
-from megatron_hetero.layout import ModuleLayout
+from megatron_hetero.spec.layout import ModuleLayout
 
 
 def row_samples(batch: BoundaryBatch) -> torch.Tensor:

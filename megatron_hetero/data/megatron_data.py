@@ -18,7 +18,7 @@ from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch, pack
 from megatron_hetero.data.shapes import ShapesDataset
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import EncoderKind
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ModelSizes
 
 
 def images_per_sample(indices, image_counts: tuple[int, int]) -> list[int]:

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.rules import HFMappingError, apply_rules
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.convert.family import Family
+from megatron_hetero.convert.rules import HFMappingError, apply_rules
+from megatron_hetero.spec.sizes import ModelSizes
 
 
 @dataclass(frozen=True)

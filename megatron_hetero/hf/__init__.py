@@ -9,10 +9,10 @@ part into any layout's stage.
     export_hf("out-dir", imported.family, imported.sizes, full, imported.config)
 """
 
-from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.files import Imported, export_hf, import_hf
-from megatron_hetero.hf.registry import FAMILIES, family_of
-from megatron_hetero.hf.rules import HFMappingError
+from megatron_hetero.convert.family import Family
+from megatron_hetero.convert.files import Imported, export_hf, import_hf
+from megatron_hetero.convert.registry import FAMILIES, family_of
+from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.models.full_state import load_full_tensors
 
 __all__ = ["FAMILIES", "Family", "HFMappingError", "Imported", "export_hf", "family_of", "import_hf",

@@ -13,7 +13,7 @@ Train from an import with examples/pretrain_vlm.py ... --load CKPT --model-sizes
 import argparse
 import sys
 
-from megatron_hetero.hf.rules import HFMappingError
+from megatron_hetero.convert.rules import HFMappingError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.hf.files import export_hf, import_hf
-from megatron_hetero.hf.registry import FAMILIES
-from megatron_hetero.hf.rules import HFMappingError
-from megatron_hetero.models.sizes import ModelSizes, sizes_from_dict, sizes_to_dict
+from megatron_hetero.convert.files import export_hf, import_hf
+from megatron_hetero.convert.registry import FAMILIES
+from megatron_hetero.convert.rules import HFMappingError
+from megatron_hetero.spec.sizes import ModelSizes, sizes_from_dict, sizes_to_dict
 
 MODEL_FILE = "model.json"
 
@@ -44,7 +44,7 @@ def describe(sizes: ModelSizes, imported: dict) -> dict:
 def _start_world(layout) -> bool:
     """The default process group, where none is: torchrun's world for a layout, else one process on
     a store of its own, at a port the system picks (no other job's). True if started here."""
-    from megatron_hetero.groups import init_distributed
+    from megatron_hetero.parallel.groups import init_distributed
 
     if dist.is_initialized():
         return False
@@ -61,11 +61,11 @@ def model_under(sizes: ModelSizes, layout=None):
     """This rank's HeteroModel (its stage of every module it holds, weights from seed 0) under
     `layout`; None: a one-process world holding every module whole (tp = pp = 1). On CPUs
     megatron-core runs with megatron_hetero.patches applied (the command line applies them)."""
-    from megatron_hetero.layout import parse_layout
-    from megatron_hetero.models.vlm_parts import build_vlm_parts
-    from megatron_hetero.runtime.context import build_run
+    from megatron_hetero.families.parts import build_vlm_parts
+    from megatron_hetero.parallel.context import build_run
+    from megatron_hetero.parallel.parallel_state import init_outside_training, point_at
     from megatron_hetero.runtime.model import HeteroModel
-    from megatron_hetero.runtime.parallel_state import init_outside_training, point_at
+    from megatron_hetero.spec.layout import parse_layout
 
     started = _start_world(layout)
     try:

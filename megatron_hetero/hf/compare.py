@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_hetero.hf.rules import HFMappingError
+from megatron_hetero.convert.rules import HFMappingError
 
 VISION = "vision"
 
@@ -121,7 +121,7 @@ def _sample_report(hf_model, images, sample, ours: torch.Tensor, vocab: int) -> 
 def _layout(args):
     """--hetero-layout (checked) on this world, or None: one process holding every module whole."""
     from megatron_hetero.boundary import check_edge_layouts
-    from megatron_hetero.layout import load_layout
+    from megatron_hetero.spec.layout import load_layout
 
     if args.hetero_layout is None:
         return None
@@ -139,10 +139,10 @@ def _hf_model(args, architecture: str):
 
 def compare(args) -> int:
     """Run the comparison (see the module docstring); 0 within --tolerance, 1 above, 2 on bad input."""
-    from megatron_hetero import rules
     from megatron_hetero.families import family_named
     from megatron_hetero.hf.checkpoint import loaded_model, read_description
-    from megatron_hetero.models.sizes import sizes_from_dict
+    from megatron_hetero.spec import rules
+    from megatron_hetero.spec.sizes import sizes_from_dict
 
     description, _ = read_description(args.load, args.model_sizes)
     if "family" not in description:

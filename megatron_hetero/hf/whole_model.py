@@ -21,10 +21,10 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.families import UnknownFamilyError, family_named, family_of_config
 from megatron_hetero.hf.checkpoint import MODEL_FILE, full_states, loaded_model, read_description, write_release
-from megatron_hetero.hf.rules import HFMappingError
-from megatron_hetero.models.sizes import sizes_from_dict, sizes_to_dict
+from megatron_hetero.spec.sizes import sizes_from_dict, sizes_to_dict
 
 FILES_DIR = "hf_files"  # beside the import's checkpoint: the model directory's other files
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")

@@ -42,7 +42,7 @@ SDPA = "sdpa"
 # Head dims whose flash-attn-4 gradients (dq, dk, dv against fp32 math attention, max |diff| / max |ref|
 # as small as cuDNN's: 0.003-0.005) were checked, by GPU model as torch.cuda.get_device_name() names it.
 # Source: ../shared/attention_grad_check.py, one H100, 2026-11-25, flash-attn-4 4.0.0b36 (hd 72 and 80
-# failed there: 0.98 and 1.29). tools/gpu_fa4_check.sh re-checks every listed dim and prints the entry
+# failed there: 0.98 and 1.29). benchmarks/gpu_fa4_check.sh re-checks every listed dim and prints the entry
 # for the GPU it runs on: add a GPU (or a wheel version) only from its output.
 CHECKED_HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "NVIDIA H100 80GB HBM3": (64, 96, 128),
@@ -124,7 +124,7 @@ def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, 
     if dropout > 0:
         return f"attention dropout {dropout}: flash-attn-4 has none"
     if not checked:
-        return (f"flash-attn-4's gradients are not checked on {device.name}: run tools/gpu_fa4_check.sh there "
+        return (f"flash-attn-4's gradients are not checked on {device.name}: run benchmarks/gpu_fa4_check.sh there "
                 f"and add its line to CHECKED_HEAD_DIMS")
     return None
 

@@ -8,7 +8,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.encoder import StageEncoder
-from megatron_hetero.models.sizes import AUDIO_FRAMES_PER_TOKEN
+from megatron_hetero.spec.sizes import AUDIO_FRAMES_PER_TOKEN
 
 
 class ConvFrontEnd(torch.nn.Sequential):

@@ -12,7 +12,7 @@ whole softmax's (the split of FlashAttention's backward over key blocks that rin
 and sums the queries' gradients.
 
 Kernels: cuDNN's aten ops on CUDA; on CPUs the CPU flash kernel's, the same arithmetic, so that CI
-runs this path. On a GPU it runs only where tools/gpu_cp_chunk_check.py found its outputs and
+runs this path. On a GPU it runs only where benchmarks/gpu_cp_chunk_check.py found its outputs and
 gradients as close to fp32 attention as SDPA's own (CUDNN_MERGE_CHECKED), else attention.py keeps
 SDPA's bottom-right mask; the module's kernel choice says which (attention_kernels.KernelChoice's
 merged_chunks, printed at start-up and recorded by the benchmarks).
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-# GPU models (torch.cuda.get_device_name()) on which tools/gpu_cp_chunk_check.py passed, from its
+# GPU models (torch.cuda.get_device_name()) on which benchmarks/gpu_cp_chunk_check.py passed, from its
 # output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x faster than SDPA's mask at 16K-64K):
 # docs/runs/gpu2/call13_w6_dp2_cap80/ and call16_h100_chunk_check/cp_chunk_check.log.
 # CUDNN_MERGE_ENV=1 counts as listed: a GPU whose check just passed, before its entry is added.

@@ -18,7 +18,7 @@ import torch
 from megatron.core.models.common.embeddings import rotary_pos_embedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-from megatron_hetero.boundary.exchange import write_rows
+from megatron_hetero.boundary.rows import write_rows
 from megatron_hetero.models.mrope import interleaved_axes
 
 

@@ -3,12 +3,12 @@ kind reads from a sample, its size flags, how many tokens an item puts into the 
 its builder; and the model call's arguments per kind (`input_key`, counts_key, positions_key, and
 for native-resolution items grids_key and rows_key; with packing DOCUMENTS_KEY, with M-RoPE
 POSITION_IDS_KEY), which the data (data/sample_batch.py) produces and the model
-(models/vlm_parts.py) reads. Importable without megatron-core (flags are parsed first)."""
+(families/parts.py) reads. Importable without megatron-core (flags are parsed first)."""
 
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ModelSizes
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.boundary import BoundaryBatch, assign_items
-from megatron_hetero.layout import ModuleLayout
-from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
+from megatron_hetero.parallel.context import HeteroRun, ModuleRuntime
 from megatron_hetero.runtime.model import ModelCall, ModelParts
+from megatron_hetero.spec.layout import ModuleLayout
 
 
 class LLaVALayoutError(ValueError):

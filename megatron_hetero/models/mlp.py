@@ -78,7 +78,7 @@ class EpilogueMLP(MLP):
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        # fc1's multiply-adds (models/sizes.py MLP_MIN_MACS): its GEMM takes the gathered sequence under SP.
+        # fc1's multiply-adds (spec/sizes.py MLP_MIN_MACS): its GEMM takes the gathered sequence under SP.
         gathered = fc1.tp_group.size() if fc1.sequence_parallel else 1
         if (not self.epilogue.runs_quack(hidden_states.numel() * gathered * fc1.weight.shape[0])
                 or per_token_scale is not None or not epilogue_input(hidden_states)):

@@ -14,7 +14,7 @@ Where: dense MLPs whose activation quack computes exactly as megatron-core would
 F.gelu, erf; with --bias-gelu-fusion megatron's bias_gelu_impl, the tanh approximation; SwiGLU, the
 gated unit of the Qwen and InternVL families' LLMs, at 1.06-1.20x forward and 1.53-1.65x for the
 input gradient's GEMM with the gate's derivative by tools/gpu_fusion_probe.py --swiglu), in bf16 /
-fp16, on GPUs quack targets, for calls of MLP_MIN_MACS (models/sizes.py) or more (quack_kernels.py's rule;
+fp16, on GPUs quack targets, for calls of MLP_MIN_MACS (spec/sizes.py) or more (quack_kernels.py's rule;
 MEGATRON_HETERO_MLP_KERNEL=torch pins it off, =quack on for every call); each activation's outputs
 and gradients passed tools/gpu_mlp_check.py on an H200 before auto ran it. The other GEMMs (fc2
 forward, fc1's input gradient, both weight gradients) stay torch's (cuBLAS, at the same speed as
@@ -33,7 +33,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 
 from megatron_hetero.models.attention_kernels import import_failure
 from megatron_hetero.models.quack_kernels import QuackChoice, kernel_mode, quack_kernel_for
-from megatron_hetero.models.sizes import MLP_MIN_MACS
+from megatron_hetero.spec.sizes import MLP_MIN_MACS
 
 MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
 

@@ -7,7 +7,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.encoder import StageEncoder
-from megatron_hetero.models.sizes import VisionArch
+from megatron_hetero.spec.sizes import VisionArch
 
 
 class PatchEmbedding(torch.nn.Linear):

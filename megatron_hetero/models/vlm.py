@@ -16,38 +16,34 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.boundary.exchange import write_rows
+from megatron_hetero.boundary.rows import write_rows
 from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.deepstack import InterleavedMRoPE, added_after_layers, dense_additions, split_rows
-from megatron_hetero.models.sizes import ModelSizes, MoEArch, TransformerArch, padded_vocab_size
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 from megatron_hetero.models.vocab import first_rows_init, pad_vocab
+from megatron_hetero.spec.sizes import ACTIVATIONS, ModelSizes, MoEArch, TransformerArch, padded_vocab_size
 
-# TransformerArch.activation -> megatron-core's activation_func, under Hugging Face's hidden_act names.
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "quick_gelu": quick_gelu,
-    "silu": F.silu,
-}
+# TransformerArch.activation -> megatron-core's activation_func, in ACTIVATIONS' order.
+ACTIVATION_FUNCS = dict(zip(ACTIVATIONS, (F.gelu, partial(F.gelu, approximate="tanh"), quick_gelu, F.silu),
+                            strict=True))
 
 
-def _config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp: int = 1,
-            sp: bool = False, arch: TransformerArch = TransformerArch(), **overrides) -> TransformerConfig:
+def transformer_config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: int = 1, cp: int = 1,
+                       sp: bool = False, arch: TransformerArch = TransformerArch(), **overrides) -> TransformerConfig:
     """overrides: further TransformerConfig fields (e.g. num_query_groups), or replacements of these."""
     if layers % pp:
         raise ValueError(f"{layers} layers do not split into pp={pp} equal stages; use a multiple of {pp}")
-    if arch.activation not in ACTIVATIONS:
+    if arch.activation not in ACTIVATION_FUNCS:
         raise ValueError(f"activation {arch.activation!r} is not one of {', '.join(ACTIVATIONS)}")
     fields = dict(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         ffn_hidden_size=arch.ffn_hidden_size or 4 * hidden,
-        activation_func=ACTIVATIONS[arch.activation],
+        activation_func=ACTIVATION_FUNCS[arch.activation],
         normalization=arch.normalization,
         layernorm_epsilon=arch.norm_eps,
         tensor_model_parallel_size=tp,
@@ -87,17 +83,18 @@ def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
     return pp, rank == 0, rank == pp - 1
 
 
-def _build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=TransformerArch(),
-                   config_overrides=None, projector_arch=TransformerArch(), **kwargs):
+def build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=TransformerArch(),
+                  config_overrides=None, projector_arch=TransformerArch(), **kwargs):
     """cls(encoder config, projector config, *inputs, pgs, **kwargs) as this rank's stage (the whole
     module with `whole`); dims: the encoder's (hidden size, layers, attention heads); config_arch:
     the encoder config's architecture choices, projector_arch the projector's; config_overrides:
     further fields of both configs."""
     pp, first, last = _stage(pgs, whole)
     overrides = config_overrides or {}
-    enc = _config(*dims, tp, dtype, pp, arch=config_arch, **overrides)
+    enc = transformer_config(*dims, tp, dtype, pp, arch=config_arch, **overrides)
     # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
-    proj = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, arch=projector_arch, **overrides)
+    proj = transformer_config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, arch=projector_arch,
+                              **overrides)
     return cls(enc, proj, *inputs, pgs, pre_process=first, post_process=last, **kwargs)
 
 
@@ -106,8 +103,8 @@ def build_vision_encoder(
     whole: bool = False, **config_overrides,
 ) -> VisionEncoder:
     dims = (sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads)
-    return _build_encoder(VisionEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype, whole,
-                          sizes.vision_arch, config_overrides=config_overrides, arch=sizes.vision_arch)
+    return build_encoder(VisionEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype, whole,
+                         sizes.vision_arch, config_overrides=config_overrides, arch=sizes.vision_arch)
 
 
 def build_audio_encoder(
@@ -115,8 +112,8 @@ def build_audio_encoder(
     whole: bool = False, **config_overrides,
 ) -> AudioEncoder:
     dims = (sizes.audio_hidden_size, sizes.audio_num_layers, sizes.audio_num_attention_heads)
-    return _build_encoder(AudioEncoder, dims, (sizes.audio_mel_bins, sizes.audio_frames), sizes, tp, pgs, dtype,
-                          whole, config_overrides=config_overrides)
+    return build_encoder(AudioEncoder, dims, (sizes.audio_mel_bins, sizes.audio_frames), sizes, tp, pgs, dtype,
+                         whole, config_overrides=config_overrides)
 
 
 def build_llm(
@@ -134,8 +131,8 @@ def build_llm(
     fields = dict(num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim, add_qkv_bias=arch.qkv_bias,
                   mrope_section=None if arch.mrope_section is None else list(arch.mrope_section),
                   qk_layernorm=arch.qk_norm, **_moe_fields(arch.moe, pgs))
-    config = _config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
-                     cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
+    config = transformer_config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
+                                cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
     te = specs.llm_uses_te(packed)
     whole_rows = padded_vocab_size(sizes)  # the padding's own initial weights do not depend on tp

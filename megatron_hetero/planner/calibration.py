@@ -36,9 +36,15 @@ missing one takes the default of `Calibration`, an assumption):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from megatron_hetero.planner.counts import layer_forward_flops_per_token
 from megatron_hetero.planner.shapes import ModuleShape, load_json, positive_int
+
+# The calibrations the package ships: the H200 figures the planner assumes by default (its notes say
+# where each comes from), and those fitted to measured H100 and H200 runs.
+CALIBRATIONS = Path(__file__).with_name("calibrations")
+DEFAULT_CALIBRATION = CALIBRATIONS / "calibration_h200.json"
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,7 @@ def _measured_times(value, matmul_tflops: float) -> dict:
 @dataclass(frozen=True)
 class Calibration:
     """Hardware figures; the defaults are assumptions for one H200 node (see
-    tools/calibration_h200.json for where each comes from)."""
+    megatron_hetero/planner/calibrations/calibration_h200.json for where each comes from)."""
 
     matmul_tflops: float = 790.0
     max_efficiency: float = 0.30

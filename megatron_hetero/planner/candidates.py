@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, replace
 from itertools import product
 
-from megatron_hetero import rules
-from megatron_hetero.layout import AXES, Edge, HeteroLayout, ModuleLayout
 from megatron_hetero.planner.shapes import Cluster, ModuleShape, Workload
+from megatron_hetero.spec import rules
+from megatron_hetero.spec.layout import AXES, Edge, HeteroLayout, ModuleLayout
 
 PLACEMENTS = ("colocated", "non_colocated", "homogeneous")
 
@@ -100,7 +100,7 @@ def _divisors(n: int) -> list[int]:
 
 def layout_problem(shape: ModuleShape, layout: ModuleLayout, placement: str, cluster: Cluster) -> str | None:
     """Why megatron-core or the trainer would refuse this module layout, or None: the trainer's
-    rules (megatron_hetero.rules) for the workload's sizes, with TP within a node, and the
+    rules (megatron_hetero.spec.rules) for the workload's sizes, with TP within a node, and the
     homogeneous baseline's encoder CP a replication."""
     problems = [rules.node_problem(layout, cluster.gpus_per_node),
                 rules.heads_problem(layout, shape.heads, "heads"),

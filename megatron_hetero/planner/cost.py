@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from megatron_hetero.layout import ModuleLayout
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Candidate
 from megatron_hetero.planner.counts import (
@@ -23,6 +22,7 @@ from megatron_hetero.planner.counts import (
     optimizer_bytes,
 )
 from megatron_hetero.planner.shapes import Cluster, ModuleShape, Workload
+from megatron_hetero.spec.layout import ModuleLayout
 
 GB = 1e9
 

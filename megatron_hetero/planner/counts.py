@@ -3,8 +3,8 @@ LLM's layers hold every expert and compute with the `topk` each token goes to)."
 
 from __future__ import annotations
 
-from megatron_hetero.models.sizes import MLP_MIN_MACS
 from megatron_hetero.planner.shapes import ModuleShape, Workload
+from megatron_hetero.spec.sizes import MLP_MIN_MACS
 
 # Bytes per parameter kept on a GPU under Megatron's --bf16 (the trainer on GPUs since 2026-11-24):
 # bf16 weights in the model, fp32 gradients reduced in fp32, fp32 main params and AdamW moments in the
@@ -135,7 +135,7 @@ def mlp_runs_fused(shape: ModuleShape, tokens: float, tp: int, fused_mlp: bool) 
     parallelism splits them) runs on quack's GEMM epilogues (models/mlp.py) where the workload's
     MLPs do (`fused_mlp`): a dense MLP, or a gated one in the LLM (the gated encoder here, Qwen2.5-VL's
     tower, has fc1 biases, which the fused gated path does not take), not experts, and under auto
-    only where fc1's GEMM is at least MLP_MIN_MACS multiply-adds (models/sizes.py)."""
+    only where fc1's GEMM is at least MLP_MIN_MACS multiply-adds (spec/sizes.py)."""
     if not fused_mlp or shape.experts or (shape.gated_mlp and shape.role != "llm"):
         return False
     fc1_width = shape.ffn * (2 if shape.gated_mlp else 1) / tp

@@ -1,4 +1,4 @@
-"""The calibration fitted to measured runs of tools/bench_e2e.py (tools/check_planner.py is its
+"""The calibration fitted to measured runs of benchmarks/bench_e2e.py (tools/check_planner.py is its
 command line).
 
 Runs come in groups: one workload as the trainer built it, on one GPU count and global batch; each
@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, ModuleLayout, load_layout
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
 from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
@@ -45,6 +44,7 @@ from megatron_hetero.planner.presets import (
     trainer_workload,
 )
 from megatron_hetero.planner.shapes import H100_MEMORY_GB, H200_MEMORY_GB, Cluster, ModuleShape, Workload
+from megatron_hetero.spec.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, ModuleLayout, load_layout
 
 GIB = 2**30 / 1e9  # bench_e2e records peak memory in GiB
 # bench_e2e's run name: the layout file's stem, " (schedule)" unless the default, " [flags]" if any.
@@ -122,7 +122,7 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     name = RUN_NAME.fullmatch(record["layout"])
     file = layouts / f"{name['stem']}.yaml"
     flags = tuple((name["flags"] or "").split())
-    # The schedule comes in the name or, from tools/gpu2_layouts_run.sh, as the training script's flag.
+    # The schedule comes in the name or, from benchmarks/gpu2_layouts_run.sh, as the training script's flag.
     schedule = dict(zip(flags, flags[1:])).get(SCHEDULE_FLAG)  # read as megatron_recompute reads its flags
     scheduled = name["schedule"] or schedule not in (None, ColocatedSchedule.RECOMPUTE)
     if scheduled or not file.exists():

@@ -3,9 +3,9 @@ prediction."""
 
 from __future__ import annotations
 
-from megatron_hetero.layout import AXES, ModuleLayout
 from megatron_hetero.planner.cost import Prediction
 from megatron_hetero.planner.shapes import Cluster, Workload
+from megatron_hetero.spec.layout import AXES, ModuleLayout
 
 
 def _components(prediction: Prediction, workload: Workload) -> dict[str, float]:
@@ -106,7 +106,7 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
         f"# Train with --global-batch-size {workload.global_batch} --micro-batch-size {candidate.micro_batch}"
         + (f" {extra}" if extra else ""),
         *([f"# ({candidate.recompute.describe()} of each stage, every trainable module: the fewest that fit)",
-           f'# tools/bench_e2e.py --flags="{extra}"'] if candidate.recompute else []),
+           f'# benchmarks/bench_e2e.py --flags="{extra}"'] if candidate.recompute else []),
         f"placement: {layout.placement}",
         "modules:",
     ]

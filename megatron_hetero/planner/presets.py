@@ -1,4 +1,4 @@
-"""The workload presets: one table that tools/plan_layout.py plans and tools/bench_e2e.py,
+"""The workload presets: one table that tools/plan_layout.py plans and benchmarks/bench_e2e.py,
 bench_mimo.py and check_planner.py train or check.
 
 A preset's shapes are the model as planned (e.g. SigLIP's MLP width); `BenchWorkload` is the same
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_hetero.models.sizes import ModelSizes, padded_vocab_size
 from megatron_hetero.planner.counts import module_forward_flops_per_sample
 from megatron_hetero.planner.families import FAMILY_BENCHES, FamilyBench
 from megatron_hetero.planner.shapes import ModuleShape, Workload
+from megatron_hetero.spec.sizes import ModelSizes, padded_vocab_size
 
 
 @dataclass(frozen=True)

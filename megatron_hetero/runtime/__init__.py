@@ -1,3 +1,3 @@
-"""This process's share of a heterogeneous run inside megatron.training: its modules and groups
-(context.py), the model and optimizer Megatron trains (model.py, optimizer.py), one step's context
-(step.py) and forward-backward function (forward_backward.py), checkpoint checks and the watchdog."""
+"""This process's share of a heterogeneous run inside megatron.training: the model Megatron trains
+(model.py) and its parts wrapped under each module's groups (wrap.py), gradient finalize (grads.py),
+the optimizer, checkpoint checks, phase timers, the watchdog and failure reports."""

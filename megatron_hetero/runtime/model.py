@@ -3,7 +3,7 @@ every module it spans, each wrapped in megatron-core DDP over the module's own g
 
 Megatron's loop calls `forward_step_func(data_iterator, model)`, and the script's forward step calls
 `model(...)` with the microbatch. The schedules never call this model: the step captures the
-script's calls and replays them with a *view* of it as `model` (runtime/step.py: ScriptCalls,
+script's calls and replays them with a *view* of it as `model` (schedules/step.py: ScriptCalls,
 LLMView), and runs each module's stage through the model family's `Adapter`. What the arguments
 mean (which are per sample, what an encoder returns, how rows enter the LLM) is the model family's
 `Adapter` (models/llava.py for Megatron-LM's LLaVAModel, models/vlm.py for ours).
@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 
 from megatron_hetero.boundary import BoundaryBatch, RankPlan
-from megatron_hetero.runtime.context import HeteroRun, ModuleRuntime
-from megatron_hetero.runtime.parallel_state import pointed_at
+from megatron_hetero.parallel.context import HeteroRun, ModuleRuntime
+from megatron_hetero.parallel.parallel_state import pointed_at
 from megatron_hetero.runtime.timers import Clock, PhaseTimers
 
 
@@ -96,7 +96,7 @@ class HeteroModel(torch.nn.Module):
         self.force_all_reduce = False
         device = next(next(iter(self.parts.values())).parameters()).device
         self.clock = Clock(device)  # time spent waiting on other ranks' data
-        self.timers = PhaseTimers(device)  # step-time breakdowns (tools/bench_e2e.py turns them on)
+        self.timers = PhaseTimers(device)  # step-time breakdowns (benchmarks/bench_e2e.py turns them on)
         self.plan_caches = {}  # encoder name -> PlanCache
         # Megatron's --check-for-nan-in-loss-and-grad for gradients, per module (finalize_hetero_grads)
         self.check_for_nan_in_grad = False

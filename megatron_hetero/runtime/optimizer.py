@@ -18,7 +18,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from megatron.core.models.mimo.optimizer import MimoOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_hetero.runtime.parallel_state import pointed_at
+from megatron_hetero.parallel.parallel_state import pointed_at
 
 COMMON = "common"  # a module's common optimizer state, one sharded object
 

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_hetero.boundary import boundary_exchange
-from megatron_hetero.boundary.exchange import exchange_gradients, split_recvs, split_sends
-from megatron_hetero.layout import ColocatedSchedule
-from megatron_hetero.runtime.context import ModuleRuntime
+from megatron_hetero.boundary.colocated import exchange_gradients, split_recvs, split_sends
+from megatron_hetero.parallel.context import ModuleRuntime
 from megatron_hetero.runtime.model import Media
-from megatron_hetero.runtime.step import LLMView, StepContext
 from megatron_hetero.schedules.colocated_order import keyed_order, producer_keys
 from megatron_hetero.schedules.pipeline import Op, OpKind, execute_keyed, run_stage
 from megatron_hetero.schedules.stages import GivenRows, LLMStage
+from megatron_hetero.schedules.step import LLMView, StepContext
+from megatron_hetero.spec.layout import ColocatedSchedule
 
 
 def colocated_step(ctx: StepContext) -> None:

@@ -23,8 +23,8 @@ of the whole step; `producer_keys` places each transfer at its producer's key, w
 ends exchange it (pipeline.execute_keyed). Pure functions, the same on every rank.
 """
 
-from megatron_hetero.layout import ColocatedSchedule
 from megatron_hetero.schedules.pipeline import Op, OpKind, one_f_one_b
+from megatron_hetero.spec.layout import ColocatedSchedule
 
 EF, EB, F, B = OpKind.EF, OpKind.EB, OpKind.F, OpKind.B
 FORWARD, BACKWARD = 1.0, 2.0  # the ideal timeline's relative op lengths (backward ~ 2x forward)

@@ -4,7 +4,7 @@ hands it out under `--hetero-layout`).
 `forward_backward` takes what megatron-core's schedules take (train_step and evaluate call it with
 keywords) and returns Megatron's forward_data_store: the loss reports of the microbatches on ranks
 that hold the LLM's last stage, empty elsewhere. It reads the step's microbatches, builds the
-step's context (runtime/step.py: the script's calls captured, the boundary plans), runs the
+step's context (schedules/step.py: the script's calls captured, the boundary plans), runs the
 placement's schedule and finalizes the gradients.
 """
 
@@ -14,11 +14,12 @@ import time
 import torch.distributed as dist
 
 from megatron_hetero.boundary import BoundaryMismatch
-from megatron_hetero.layout import Placement
+from megatron_hetero.parallel.context import Phase
 from megatron_hetero.runtime.model import HeteroModel
-from megatron_hetero.runtime.step import ScriptCalls, StepContext
 from megatron_hetero.schedules.colocated import colocated_step
 from megatron_hetero.schedules.non_colocated import non_colocated_step
+from megatron_hetero.schedules.step import ScriptCalls, StepContext
+from megatron_hetero.spec.layout import Placement
 
 SCHEDULES = {Placement.COLOCATED: colocated_step, Placement.NON_COLOCATED: non_colocated_step}
 
@@ -44,7 +45,7 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         raise NotImplementedError("collect_non_loss_data is not supported with --hetero-layout")
     (hetero,) = model
     assert isinstance(hetero, HeteroModel), type(hetero)
-    hetero.run.phase = "the pipeline's transfers"
+    hetero.run.phase = Phase.TRANSFERS
     start = time.perf_counter()
     items = [next(data_iterator) if data_iterator is not None else None for _ in range(num_microbatches)]
     ctx = step_context(hetero, forward_step_func, items, forward_only)
@@ -53,10 +54,10 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
     finally:
         ctx.finish()
     if not forward_only:
-        hetero.run.phase = "the gradient reduction"
+        hetero.run.phase = Phase.GRADIENT_REDUCTION
         per_token = hetero.config.calculate_per_token_loss
         hetero.config.finalize_model_grads_func(
             [hetero], ctx.num_tokens if per_token else None, force_all_reduce=force_all_reduce)
         hetero.clock.step_s += time.perf_counter() - start
-    hetero.run.phase = "the optimizer step"  # and Megatron's logging, up to the next step
+    hetero.run.phase = Phase.OPTIMIZER_STEP
     return ctx.losses

@@ -3,9 +3,9 @@ precede the LLM's. Every rank runs its one stage in 1F1B order (pipeline.py); th
 encoder's last stage and the LLM's first is the boundary, per microbatch (stages.ExchangedRows). A
 frozen encoder runs all its forwards ahead and gets nothing back."""
 
-from megatron_hetero.runtime.step import StepContext
 from megatron_hetero.schedules.pipeline import run_stage
 from megatron_hetero.schedules.stages import EncoderStage, ExchangedRows, LLMStage
+from megatron_hetero.schedules.step import StepContext
 
 
 def non_colocated_step(ctx: StepContext) -> None:

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary.exchange import Transfer, post
+from megatron_hetero.boundary.transfer import Transfer, post
 from megatron_hetero.runtime.timers import Clock
 
 

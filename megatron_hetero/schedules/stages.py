@@ -13,11 +13,12 @@ from typing import Protocol
 
 import torch
 
-from megatron_hetero.boundary.exchange import Transfer, backward_recvs, backward_sends, forward_recvs, forward_sends
-from megatron_hetero.runtime.context import ModuleRuntime
+from megatron_hetero.boundary.non_colocated import backward_recvs, backward_sends, forward_recvs, forward_sends
+from megatron_hetero.boundary.transfer import Transfer
+from megatron_hetero.parallel.context import ModuleRuntime
 from megatron_hetero.runtime.model import Media
-from megatron_hetero.runtime.step import LLMView, StepContext
 from megatron_hetero.schedules.pipeline import stage_recv, stage_send
+from megatron_hetero.schedules.step import LLMView, StepContext
 
 
 def _stage_neighbours(module):

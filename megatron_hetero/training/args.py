@@ -1,6 +1,6 @@
 """examples/pretrain_vlm.py's own flags (beside Megatron's) and defaults, argument files, its parsing
 of Megatron's arguments, and the checks of what that script can train (the rules of
-megatron_hetero.rules applied to its flags): every mistake one line naming the flag or field and the fix."""
+megatron_hetero.spec.rules applied to its flags): every mistake one line naming the flag or field and the fix."""
 
 import argparse
 import functools
@@ -9,7 +9,6 @@ import os
 import sys
 from dataclasses import fields, replace
 
-from megatron_hetero import rules
 from megatron_hetero.data.chat import TokenizerError, chat_tokenizer
 from megatron_hetero.data.energon import META as ENERGON_META
 from megatron_hetero.data.energon import is_energon_dataset
@@ -17,9 +16,11 @@ from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.families import UnknownFamilyError, family_named
-from megatron_hetero.layout import deepstack_problem
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
-from megatron_hetero.models.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
+from megatron_hetero.spec import rules
+from megatron_hetero.spec.arg_files import expand_arg_files
+from megatron_hetero.spec.layout import deepstack_problem
+from megatron_hetero.spec.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
 from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, fail, load
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
@@ -34,23 +35,6 @@ DEFAULT_FLAGS = [
     "--hidden-size", "64", "--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "32",
     "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0", "--log-interval", "1",
 ]
-
-
-def arg_file_line(line: str) -> list[str]:
-    """Several flags per line, '#' comments: argument files read like shell scripts."""
-    return line.split("#", 1)[0].split()
-
-
-def expand_arg_files(argv: list[str]) -> list[str]:
-    """`@file` arguments replaced by the flags in the file (recursively)."""
-    out = []
-    for arg in argv:
-        if arg.startswith("@"):
-            with open(arg[1:], encoding="utf-8") as f:
-                out += expand_arg_files([a for line in f for a in arg_file_line(line)])
-        else:
-            out.append(arg)
-    return out
 
 
 def _own_size_fields():
@@ -320,7 +304,7 @@ def _check_family(args, layout) -> None:
     if deepstack and args.recompute_granularity == "full":
         raise ArgsError(f"--recompute-granularity full: the {family} DeepStack rows are added between LLM layers, "
                         f"which full recomputation reruns without them; use --recompute-granularity selective")
-    if args.mock_data:  # the benchmarks' own batches (training/bench.py)
+    if args.mock_data:  # the benchmarks' own batches (benchmarks/bench.py)
         return
     if not args.data_path:
         raise ArgsError(f"--model-sizes {args.model_sizes} describes a {family} model: train it on conversation "
@@ -436,4 +420,4 @@ def check_script_args(args) -> None:
 
 
 __all__ = ["DEFAULT_FLAGS", "ENCODER_KINDS", "ArgsError", "add_model_args", "check_args", "check_script_args",
-           "check_trainable", "expand_arg_files", "image_counts", "model_sizes", "parse_script_args"]
+           "check_trainable", "image_counts", "model_sizes", "parse_script_args"]

@@ -5,19 +5,20 @@ per generated position; the last stage's greedy tokens go back to every stage)."
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.boundary.exchange import forward_recvs, post
+from megatron_hetero.boundary.non_colocated import forward_recvs
+from megatron_hetero.boundary.transfer import post
 from megatron_hetero.data.megatron_data import samples_dict
 from megatron_hetero.data.shapes import ShapesDataset, caption_accuracy
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.layout import Placement
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.kinds import encoder_kind
 from megatron_hetero.runtime.model import HeteroModel
-from megatron_hetero.runtime.step import StepContext
 from megatron_hetero.schedules.colocated import encoders_to_llm
 from megatron_hetero.schedules.forward_backward import step_context
 from megatron_hetero.schedules.pipeline import run_stage
 from megatron_hetero.schedules.stages import EncoderStage, GivenRows, LLMStage
+from megatron_hetero.schedules.step import StepContext
+from megatron_hetero.spec.layout import Placement
 
 
 def logits_step(data_iterator, model):

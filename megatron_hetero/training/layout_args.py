@@ -12,9 +12,9 @@ code 2, before any process group exists (`fail`).
 import os
 import sys
 
-from megatron_hetero import rules
 from megatron_hetero.boundary import BoundaryError, check_edge_layouts
-from megatron_hetero.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, LayoutError, load_layout
+from megatron_hetero.spec import rules
+from megatron_hetero.spec.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, LayoutError, load_layout
 
 
 class ArgsError(ValueError):

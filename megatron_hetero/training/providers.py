@@ -1,7 +1,7 @@
 """The reference model's providers for megatron.training: the model provider (this rank's parts of
-models/vlm_parts.py, with its adapter), the conversation dataset of --data-path, the forward step and
+families/parts.py, with its adapter), the conversation dataset of --data-path, the forward step and
 the loss function. examples/pretrain_vlm.py
-hands them to `pretrain()`; the benchmarks (training/bench.py) to `setup_model_and_optimizer()` and
+hands them to `pretrain()`; the benchmarks (benchmarks/bench.py) to `setup_model_and_optimizer()` and
 `train_step()`."""
 
 import os
@@ -14,9 +14,9 @@ from megatron_hetero.data.conversations import ConversationSamples, Conversation
 from megatron_hetero.data.images import ImageSpec
 from megatron_hetero.data.media import TileImages
 from megatron_hetero.families import family_named
+from megatron_hetero.families.parts import build_vlm_parts
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.models.specs import kernel_summaries
-from megatron_hetero.models.vlm_parts import build_vlm_parts
 from megatron_hetero.training.args import image_normalization, model_description, model_sizes, tokenizer
 
 

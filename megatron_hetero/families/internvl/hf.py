@@ -1,6 +1,6 @@
 """InternVL's Hugging Face config and weights onto our modules: InternViT with pixel shuffle and the
 MLP projector (vision.py) and the LLM (our GPTModel) of its text config: Qwen2, Qwen3 or Llama, mapped
-by that LLM's own family (hf/llm.py).
+by that LLM's own family (convert/llm.py).
 
 Three spellings of the weights: transformers 5's in memory (`model.vision_tower.*`,
 `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.*`); its files (save_pretrained,
@@ -13,10 +13,9 @@ per spelling (NAMES); import detects the spelling, export writes it back.
 
 from dataclasses import replace
 
-from megatron_hetero.families.base import KeyScheme
-from megatron_hetero.hf.family import Family, Field
-from megatron_hetero.hf.llm import LLAMA, QWEN2, QWEN3, llm_rules
-from megatron_hetero.hf.rules import (
+from megatron_hetero.convert.family import Family, Field
+from megatron_hetero.convert.llm import LLAMA, QWEN2, QWEN3, llm_rules
+from megatron_hetero.convert.rules import (
     ConcatQKV,
     Flattened,
     HFMappingError,
@@ -26,8 +25,8 @@ from megatron_hetero.hf.rules import (
     same_params,
     with_hf_names,
 )
-from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.models.vlm import ACTIVATIONS
+from megatron_hetero.families.base import KeyScheme
+from megatron_hetero.spec.sizes import ACTIVATIONS, ModelSizes
 
 VISION, PROJECTOR, TEXT = "model.vision_tower.", "model.multi_modal_projector.", "model.language_model."
 # The LLM families an InternVL's text_config may be (its model_type).

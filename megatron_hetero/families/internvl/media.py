@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.data.chat import TokenizerError
 from megatron_hetero.data.images import ImageSpec, open_rgb
 from megatron_hetero.data.media import ImageItems, ImageTokens, TileImages
 from megatron_hetero.data.sample_batch import Media
-from megatron_hetero.hf.rules import HFMappingError
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ModelSizes
 
 # preprocessor_config.json fields the tiles depend on (the rest are the processor's defaults).
 SETTINGS = ("size", "min_patches", "max_patches", "image_mean", "image_std", "resample", "do_rescale",

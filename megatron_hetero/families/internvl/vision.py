@@ -41,9 +41,9 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 
 from megatron_hetero.models.encoder import StageEncoder
 from megatron_hetero.models.norm import SequenceParallelNorm
-from megatron_hetero.models.sizes import ModelSizes, TransformerArch
 from megatron_hetero.models.specs import block_spec, with_our_layers
 from megatron_hetero.models.vision import PatchEmbedding
+from megatron_hetero.spec.sizes import ModelSizes, TransformerArch
 
 # transformers' InternVLVisionRMSNorm for q_norm/k_norm is built without the config's eps.
 QK_NORM_EPS = 1e-6
@@ -214,12 +214,12 @@ def build_vision_encoder(sizes: ModelSizes, tp: int, pgs: ProcessGroupCollection
                          whole: bool = False, **config_overrides) -> InternViTEncoder:
     """This rank's stage of InternVL's vision module (models/vlm.py's encoder builders): InternViT
     from sizes.vision_arch and family_arch, its projector of the LLM's width with biases."""
-    from megatron_hetero.models.vlm import _build_encoder
+    from megatron_hetero.models.vlm import build_encoder
 
     arch = InternVLVisionArch.of(sizes)
     dims = (sizes.enc_hidden_size, sizes.enc_num_layers, sizes.enc_num_attention_heads)
     projector = TransformerArch(ffn_hidden_size=sizes.hidden_size, linear_bias=True,
                                 activation=arch.projector_activation)
-    return _build_encoder(InternViTEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype,
-                          whole, sizes.vision_arch, config_overrides=config_overrides, projector_arch=projector,
-                          arch=arch)
+    return build_encoder(InternViTEncoder, dims, (sizes.image_size, sizes.patch_size), sizes, tp, pgs, dtype,
+                         whole, sizes.vision_arch, config_overrides=config_overrides, projector_arch=projector,
+                         arch=arch)

@@ -3,12 +3,11 @@ a Qwen2 LLM with M-RoPE (our GPTModel). Weight rules are in transformers 5's in-
 (`model.visual.*`, `model.language_model.*`, `lm_head.*`); the Hub's files spell them `visual.*`,
 `model.*` (HUB below)."""
 
+from megatron_hetero.convert.family import Family, Field
+from megatron_hetero.convert.llm import ROPE, llm_fields, llm_rules
+from megatron_hetero.convert.rules import ConcatQKV, Flattened, HFMappingError, Same, Stacked, same_params
 from megatron_hetero.families.base import KeyScheme
-from megatron_hetero.hf.family import Family, Field
-from megatron_hetero.hf.llm import ROPE, llm_fields, llm_rules
-from megatron_hetero.hf.rules import ConcatQKV, Flattened, HFMappingError, Same, Stacked, same_params
-from megatron_hetero.models.sizes import ModelSizes
-from megatron_hetero.models.vlm import ACTIVATIONS
+from megatron_hetero.spec.sizes import ACTIVATIONS, ModelSizes
 
 VISION, TEXT = "model.visual.", "model.language_model."
 HUB = KeyScheme("hub", ((VISION, "visual."), (TEXT, "model.")))

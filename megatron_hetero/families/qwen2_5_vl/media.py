@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.data.images import ImageError, open_rgb
 from megatron_hetero.data.media import ImageItems, ImageTokens
 from megatron_hetero.data.sample_batch import Media
 from megatron_hetero.families.qwen2_5_vl.vision import QwenVisionArch
-from megatron_hetero.hf.rules import HFMappingError
 from megatron_hetero.models.mrope import mrope_positions
 
 PROCESSOR_FILE = "preprocessor_config.json"

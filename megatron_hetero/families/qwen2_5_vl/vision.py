@@ -151,16 +151,16 @@ def tower_configs(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtyp
                   **config_overrides) -> tuple[TransformerConfig, TransformerConfig]:
     """The layers' config and the merger's of a Qwen ViT on this rank (Qwen2.5-VL's and Qwen3-VL's):
     one pipeline stage, the tower is not split over stages."""
-    from megatron_hetero.models.vlm import _config
+    from megatron_hetero.models.vlm import transformer_config
 
     if not whole and pgs.pp.size() > 1:
         raise ValueError(f"the {sizes.family} vision tower runs as one pipeline stage; set the vision module's pp: 1")
     hidden = sizes.enc_hidden_size
-    config = _config(hidden, sizes.enc_num_layers, sizes.enc_num_attention_heads, tp, dtype,
-                     arch=sizes.vision_arch, **config_overrides)
+    config = transformer_config(hidden, sizes.enc_num_layers, sizes.enc_num_attention_heads, tp, dtype,
+                                arch=sizes.vision_arch, **config_overrides)
     merged = hidden * merge_unit  # the merger's MLP: merged -> merged -> LLM hidden, GELU, biases
-    projector = _config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, ffn_hidden_size=merged,
-                        add_bias_linear=True, **config_overrides)
+    projector = transformer_config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, ffn_hidden_size=merged,
+                                   add_bias_linear=True, **config_overrides)
     return config, projector
 
 

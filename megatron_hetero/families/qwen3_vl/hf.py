@@ -3,11 +3,11 @@ mergers (vision.py) and a Qwen3 LLM (QK-norm) with interleaved M-RoPE (our GPTMo
 are in transformers 5's in-memory names (`model.visual.*`, `model.language_model.*`, `lm_head.*`),
 which the Hub's Qwen3-VL files use too. Qwen3-VL-MoE's LLM is in moe.py."""
 
+from megatron_hetero.convert.family import Family, Field
+from megatron_hetero.convert.llm import ROPE, llm_rules
+from megatron_hetero.convert.rules import ConcatQKV, Flattened, HFMappingError, Same, same_params
 from megatron_hetero.families.qwen2_5_vl.hf import QWEN_VISION_FIELDS, TEXT_FIELDS
-from megatron_hetero.hf.family import Family, Field
-from megatron_hetero.hf.llm import ROPE, llm_rules
-from megatron_hetero.hf.rules import ConcatQKV, Flattened, HFMappingError, Same, same_params
-from megatron_hetero.models.sizes import ModelSizes
+from megatron_hetero.spec.sizes import ModelSizes
 
 VISION, TEXT = "model.visual.", "model.language_model."
 

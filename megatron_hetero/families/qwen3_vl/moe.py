@@ -11,6 +11,8 @@ where 2 * ffn = hidden they cannot, and transformers' layout is taken)."""
 
 from dataclasses import replace
 
+from megatron_hetero.convert.family import Family
+from megatron_hetero.convert.rules import Same, SplitExperts
 from megatron_hetero.families.base import KeyScheme
 from megatron_hetero.families.qwen3_vl.hf import (
     TEXT,
@@ -22,9 +24,7 @@ from megatron_hetero.families.qwen3_vl.hf import (
     vision_rules,
 )
 from megatron_hetero.families.qwen3_vl.hf import finish as qwen3_vl_finish
-from megatron_hetero.hf.family import Family
-from megatron_hetero.hf.rules import Same, SplitExperts
-from megatron_hetero.models.sizes import ModelSizes, MoEArch
+from megatron_hetero.spec.sizes import ModelSizes, MoEArch
 
 MOE_FIXED = {**TEXT_FIXED, "text_config.decoder_sparse_step": 1, "text_config.mlp_only_layers": []}
 

@@ -1,0 +1,603 @@
+"""What the benchmarks (benchmarks/bench_e2e.py, bench_mimo.py) and the planner's check
+(tools/check_planner.py) share about training a workload preset: its sizes and flags, its synthetic
+batch, megatron.training set up for it as `pretrain()` sets itself up (the reference model of
+training/providers.py under our patches), and the timed measurement that makes one JSON line.
+
+A measured step is megatron.training's `train_step` (zero the gradient buffers, the forward-backward
+function, the optimizer step, the learning-rate step) on the workload's fixed synthetic global batch;
+the forward-backward function is ours (schedules/forward_backward.py) unless a benchmark passes another
+with Megatron's signature (bench_mimo: upstream MIMO's schedules).
+"""
+
+import collections
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_hetero.boundary.transfer import ANNOTATION
+from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
+from megatron_hetero.data.tokenizer import CaptionTokenizer
+from megatron_hetero.planner import model_flops
+from megatron_hetero.planner.candidates import micro_batches
+from megatron_hetero.planner.presets import (
+    FAMILY_BENCHES,
+    BenchWorkload,
+    resized_workload,
+    trainer_vocab_size,
+    trainer_workload,
+)
+from megatron_hetero.spec.layout import LayoutError
+from megatron_hetero.spec.sizes import ModelSizes, sizes_to_dict
+from megatron_hetero.training.args import ArgsError, parse_script_args
+
+# Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
+PHASE_STEPS = 3
+PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
+# Megatron's --bf16: bf16 weights, fp32 main params and Adam in megatron-core's optimizer (the
+# records before the move to megatron.training kept fp32 weights under bf16 autocast).
+PRECISION = {True: "bf16 weights, fp32 main params (megatron-core optimizer)", False: "fp32"}
+
+
+def sized_workload(w: BenchWorkload, layout, llm_layers: int = 0, global_batch: int = 0,
+                   micro_batch: int | None = None, **sizes) -> BenchWorkload:
+    """The workload with the LLM depth and global batch overridden (0: the workload's), micro
+    batch `micro_batch` (None: the workload's; 0: the smallest the layout accepts: micro batch x
+    LLM DP divides the global batch) and `sizes` (presets.resized_workload's: sequence length,
+    images per sample, image size; a bad one is one line)."""
+    try:
+        w = resized_workload(w, **sizes)
+    except ValueError as error:
+        raise ArgsError(str(error)) from None
+    w = replace(w, layers=llm_layers or w.layers, global_batch=global_batch or w.global_batch)
+    if micro_batch == 0:
+        sizes = micro_batches(replace(trainer_workload(w, 1, False), micro_batch=0), (*layout.encoders, layout.llm))
+        if not sizes:
+            raise ArgsError(f"--global-batch {w.global_batch}: no micro batch size splits it over the LLM's DP "
+                            f"{layout.llm.dp}; use a multiple of {layout.llm.dp}")
+        micro_batch = sizes[0]
+    return replace(w, micro_batch=micro_batch or w.micro_batch)
+
+
+def family_sizes(w: BenchWorkload) -> ModelSizes:
+    """A VLM family workload's model sizes (its Hugging Face config, the LLM at depth w.layers); a
+    depth the model cannot have (Qwen3-VL's DeepStack rows need an LLM layer each) is one line."""
+    from transformers import AutoConfig
+
+    from megatron_hetero.convert.rules import HFMappingError
+    from megatron_hetero.families import family_named
+
+    bench = FAMILY_BENCHES[w.name]
+    config = {**bench.config, "text_config": {**bench.config["text_config"], "num_hidden_layers": w.layers}}
+    try:
+        sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+    except HFMappingError as error:
+        raise ArgsError(f"--llm-layers {w.layers}: {error}") from None
+    return replace(sizes, seq_length=w.seq_length)
+
+
+def _family_model_file(w: BenchWorkload) -> str:
+    """A model.json (sizes only: the bench trains on synthetic batches) of a family workload."""
+    handle, path = tempfile.mkstemp(prefix=f"{w.name}_", suffix=".json")
+    with os.fdopen(handle, "w") as f:
+        json.dump({"sizes": sizes_to_dict(family_sizes(w))}, f)
+    return path
+
+
+def workload_flags(w: BenchWorkload, layout_file: str, bf16: bool) -> list[str]:
+    """examples/pretrain_vlm.py's flags (Megatron's and its own) that train the workload under the
+    layout file; `bf16`: Megatron's --bf16. A family's model comes from a model.json (--model-sizes),
+    its batches are the benchmark's own (--mock-data)."""
+    if w.family:
+        return ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch), "--micro-batch-size",
+                str(w.micro_batch), "--model-sizes", _family_model_file(w), "--seq-length", str(w.seq_length),
+                "--mock-data", *(["--bf16"] if bf16 else [])]
+    flags = ["--hetero-layout", layout_file, "--global-batch-size", str(w.global_batch),
+             "--micro-batch-size", str(w.micro_batch), "--image-size", str(w.image_size),
+             "--patch-size", str(w.patch_size), "--enc-hidden-size", str(w.enc_hidden),
+             "--enc-num-layers", str(w.enc_layers), "--enc-num-attention-heads", str(w.enc_heads),
+             "--hidden-size", str(w.hidden), "--num-layers", str(w.layers),
+             "--num-attention-heads", str(w.heads), "--seq-length", str(w.seq_length),
+             "--images-per-sample", str(w.images_per_sample)]
+    return flags + (["--bf16"] if bf16 else [])
+
+
+def workload_args(w: BenchWorkload, layout_file: str, bf16: bool):
+    """The script's flags for the workload, parsed but not validated (what check_args checks)."""
+    return parse_script_args(workload_flags(w, layout_file, bf16), validate=False)
+
+
+class _BenchTokenizer:
+    """The special tokens a family's image tags need (FamilyBench.tokens), as a tokenizer answers
+    them: the benchmark's batches have no tokenizer of their own."""
+
+    def __init__(self, ids: dict, name: str):
+        self.ids, self.directory = ids, f"the {name} preset"
+
+    def token_id(self, token: str) -> int | None:
+        return self.ids.get(token)
+
+
+def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
+    """A family workload's global batch: every sample with the workload's images (random patches),
+    each `<image>` expanded as the family's data does, then random text carrying the loss."""
+    from transformers import AutoConfig
+
+    from megatron_hetero.families import family_named
+
+    bench, sizes = FAMILY_BENCHES[w.name], family_sizes(w)
+    images = family_named(w.family).media(sizes, bench.processor,
+                                          AutoConfig.for_model(bench.model_type, **bench.config).to_dict())
+    tokens = images.tokens(_BenchTokenizer(bench.tokens, w.name))
+    items = [images.items(width, height) for width, height in w.image_sizes]
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(w.global_batch):
+        # text below the image tokens' ids (special tokens, at the vocabulary's end in these models)
+        ids = torch.randint(0, min(*tokens.prefix, tokens.placeholder, *tokens.suffix), (w.seq_length,), generator=g)
+        at, starts = 1, []
+        for item in items:
+            expanded = [*tokens.prefix, *[tokens.placeholder] * sum(item.rows), *tokens.suffix]
+            starts.append(at + len(tokens.prefix))
+            ids[at : at + len(expanded)] = torch.tensor(expanded)
+            at += len(expanded)
+        if at >= w.seq_length:
+            raise ValueError(f"{w.name}: {at} image tokens do not fit a {w.seq_length}-token sequence")
+        media = images.media(items, torch.nonzero(ids == tokens.placeholder).flatten())
+        media.items = torch.rand(media.items.shape, generator=g)
+        loss_mask = torch.zeros(w.seq_length)
+        loss_mask[at : w.seq_length - 1] = 1.0
+        grids = [grid for item in items for grid in item.grids or ()]
+        samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, {"vision": media},
+                              position_ids=images.position_ids(w.seq_length, starts, grids)))
+    return samples
+
+
+def synthetic_batch(w: BenchWorkload, tokenizer, seed: int = 0) -> list[Sample]:
+    """A global batch of the workload's shapes (data/sample_batch.py): in each sequence its k images'
+    tokens first, then random text, the text positions carrying the loss."""
+    g = torch.Generator().manual_seed(seed)
+    b, s, k, rows = w.global_batch, w.seq_length, w.images_per_sample, w.images_per_sample * w.tokens_per_image
+    if 1 + rows >= s:
+        raise ValueError(f"{w.name}: {rows} image tokens do not fit a {s}-token sequence")
+    ids = torch.randint(tokenizer.image_id + 1, tokenizer.vocab_size, (b, s), generator=g)
+    ids[:, 0], ids[:, 1 : 1 + rows] = tokenizer.bos_id, tokenizer.image_id
+    loss_mask = torch.zeros(b, s)
+    loss_mask[:, rows : s - 1] = 1.0
+    images = torch.rand(b, k, 3, w.image_size, w.image_size, generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    return [Sample(ids[i], labels[i], loss_mask[i],
+                   {"vision": Media(images[i], torch.tensor([k]), torch.arange(1, 1 + rows))}) for i in range(b)]
+
+
+def global_microbatches(samples: list[Sample], size: int) -> list[dict]:
+    """The model call's arguments of the global microbatches of `samples` in order, `size` samples
+    each (micro batch x LLM DP), as every rank's loader yields them under --hetero-layout
+    (patches/hetero_data.py)."""
+    return [SampleBatch.collate(samples[i : i + size]).model_kwargs({"vision": "images"})
+            for i in range(0, len(samples), size)]
+
+
+@dataclass
+class Session:
+    """megatron.training set up for one workload: the model (one HeteroModel chunk), its optimizer
+    (megatron-core's MimoOptimizer, whose step counts as phase "optimizer"), the learning-rate
+    scheduler, and the workload's global microbatches, over and over."""
+
+    args: object
+    model: list
+    optimizer: object
+    scheduler: object
+    batches: object
+
+    @property
+    def hetero(self):
+        return self.model[0]
+
+    def train_step(self, forward_backward_func=None) -> dict:
+        """megatron.training's train_step on the next global batch; its loss report (empty off the
+        LLM's last stage)."""
+        from megatron.training.training import train_step
+
+        from megatron_hetero.schedules.forward_backward import forward_backward
+        from megatron_hetero.training.providers import forward_step
+
+        loss, *_ = train_step(forward_step, self.batches, self.model, self.optimizer, self.scheduler,
+                              self.hetero.config, forward_backward_func or forward_backward)
+        return loss
+
+
+class _TimedStep:
+    """An optimizer whose step counts as phase "optimizer" (train_step calls it inside)."""
+
+    def __init__(self, optimizer, timers):
+        self.optimizer, self.timers = optimizer, timers
+
+    def step(self):
+        with self.timers("optimizer"):
+            return self.optimizer.step()
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+
+@contextmanager
+def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
+    """megatron.training initialized for the workload as pretrain() initializes itself (the caller has
+    applied megatron_hetero.patches, as a script does; the script's validated arguments,
+    initialize_megatron, JIT options, setup_model_and_optimizer with the reference model's provider,
+    then what train() sets before its first step), yielding a Session; megatron.training's globals
+    are unset afterwards, so that a process can hold several sessions in turn. The process group is
+    started here unless it is already (then it is left running). The learning rate is 1e-5,
+    constant: the steps are timed, not trained. `extra_flags`: further flags of the script."""
+    from megatron.core.enums import ModelType
+    from megatron.core.parallel_state import destroy_model_parallel
+    from megatron.core.rerun_state_machine import RerunDataIterator, destroy_rerun_state_machine
+    from megatron.training.global_vars import get_timers, unset_global_variables
+    from megatron.training.initialize import set_jit_fusion_options
+    from megatron.training.training import initialize_megatron, setup_model_and_optimizer
+
+    from megatron_hetero.parallel.groups import init_distributed
+    from megatron_hetero.training.providers import model_provider
+
+    owns_process_group = not dist.is_initialized()
+    if owns_process_group:  # megatron.training then takes the process group as it is
+        init_distributed()
+    timed = ["--train-iters", "1000000", "--lr", "1e-5", "--lr-decay-style", "constant"]
+    args = parse_script_args(workload_flags(w, layout_file, bf16) + timed + list(extra_flags))
+    args.hetero_preset = w  # out of memory, the planner's answer for it (runtime/failures.py)
+    try:
+        initialize_megatron()
+        set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
+        model, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder,
+                                                                model_provider_func=model_provider)
+        hetero = model[0]
+        hetero.train()
+        hetero.config.grad_scale_func = optimizer.scale_loss
+        hetero.config.timers = get_timers()
+        batch = family_batch(w) if w.family else synthetic_batch(w, CaptionTokenizer())
+        micro = global_microbatches(batch, w.micro_batch * hetero.run.layout.llm.dp)
+        if torch.cuda.is_available():  # as megatron.training's loader (pin_memory=True) yields them
+            micro = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro]
+        yield Session(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
+                      RerunDataIterator(itertools.cycle(micro)))
+    finally:
+        destroy_rerun_state_machine()
+        destroy_model_parallel()
+        unset_global_variables()
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def _stage_name(run) -> str:
+    """What this rank runs, for the per-rank records: e.g. 'llm pp1' or 'vision+llm pp0'."""
+    held = [m for m in run.modules.values() if m.held]
+    return "+".join(m.name for m in held) + f" pp{held[-1].coords()['pp']}"
+
+
+class _BackwardPhases:
+    """The model's adapter, marking where one backward moves between modules (colocated, LLM
+    pp=1: one autograd graph through the LLM, the boundary and the encoder): when the gradient of
+    the boundary's slots is ready the LLM's backward is done, when the encoder rows' is ready the
+    boundary's is."""
+
+    def __init__(self, adapter, timers):
+        self.adapter, self.timers = adapter, timers
+
+    def __getattr__(self, name):
+        return getattr(self.adapter, name)
+
+    def _switch_at_grad(self, tensor, phase: str) -> None:
+        if self.timers.enabled and tensor.requires_grad:
+            tensor.register_hook(lambda grad: self.timers.switch(phase))
+
+    def encoder_forward(self, module, share, hidden):
+        rows = self.adapter.encoder_forward(module, share, hidden)
+        if module.last_stage:
+            self._switch_at_grad(rows, "encoder-backward")
+        return rows
+
+    def llm_forward(self, module, call, share, media, hidden):
+        for m in media.values():
+            if m.rows.grad_fn is not None:  # exchanged in this graph, not received as a leaf
+                self._switch_at_grad(m.rows, "boundary")
+        return self.adapter.llm_forward(module, call, share, media, hidden)
+
+
+def _steps(session: Session, n: int, forward_backward_func, losses: list | None = None) -> list[float]:
+    """Seconds of each of n training steps (the GPU synchronized at each step's end: the host runs
+    ahead by at most one step's launches, which the next synchronization absorbs); each step's
+    loss appended to `losses` on the LLM's last stage (read after the synchronization)."""
+    from megatron_hetero.training.providers import LOSS_KEY
+
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        loss = session.train_step(forward_backward_func)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        if losses is not None and loss:
+            losses.append(float(loss[LOSS_KEY]))
+    return times
+
+
+def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
+            forward_backward_func=None, memory_cap_gib: float | None = None) -> dict:
+    """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
+    record), then PHASE_STEPS with the phase timers on; returns the record (rank 0 also appends it
+    to `out` and prints it). memory_cap_gib: the allocator's cap the caller set, recorded."""
+    hetero, world = session.hetero, dist.get_world_size()
+    run, cuda = hetero.run, torch.cuda.is_available()
+    losses: list[float] = []  # every step's, from the first: a change that keeps the values keeps these
+    _steps(session, warmup, forward_backward_func, losses)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    waited = hetero.clock.waiting_s
+    step_times = _steps(session, steps, forward_backward_func, losses)
+    step_s = sum(step_times) / len(step_times)
+    waiting_s = (hetero.clock.waiting_s - waited) / steps
+    hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
+    hetero.timers.enabled = True  # the breakdown pass: phases synchronized
+    phase_steps = min(steps, PHASE_STEPS)
+    _steps(session, phase_steps, forward_backward_func)
+    phases = {k: v / phase_steps for k, v in hetero.timers.seconds.items()}
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    frozen = any(m.freeze for m in run.layout.encoders)
+    flops = model_flops(w, trainer_vocab_size(w), frozen)
+    from megatron_hetero.models.specs import KERNEL_KINDS, kernel_summaries  # imports megatron-core
+
+    kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
+    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, outside_allocator_gib=_outside_allocator_gib(),
+                waiting_s=waiting_s, phases=phases,
+                **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
+                losses=losses)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    bf16 = session.args.bf16
+    record = dict(
+        workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
+        micro_batch=w.micro_batch, seq_length=w.seq_length, items_per_sample=w.images_per_sample,
+        **({} if w.family else {"image_size": w.image_size}),
+        step_s=step_s, step_s_min=min(step_times), step_s_max=max(step_times), steps=len(step_times),
+        tokens_per_s=w.global_batch * w.seq_length / step_s,
+        tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
+        encoder_flops_share=flops["encoder"] / sum(flops.values()),
+        peak_gb_max=max(r["peak_gb"] for r in gathered),
+        outside_allocator_gib_max=max(r["outside_allocator_gib"] for r in gathered),
+        waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
+        phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
+        **{kind: {name: kernel for r in gathered for name, kernel in r[kind].items()} for kind in KERNEL_KINDS},
+        losses=next((r["losses"] for r in gathered if r["losses"]), []),
+        date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
+        torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
+    )
+    if cuda:  # what the planner's check judges this run's memory against (planner.fit.record_memory_gb)
+        record["device_memory_gib"] = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    if memory_cap_gib:
+        record["memory_cap_gib"] = memory_cap_gib
+    if run.rank == 0:
+        with open(out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
+    return record
+
+
+def _outside_allocator_gib() -> float:
+    """What this process holds on its GPU outside PyTorch's allocator (NCCL's buffers, the CUDA
+    context, workspaces), in GiB: what an allocator cap (--gpu-memory-gib) does not see; 0 on CPUs."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**30
+
+
+# Kernel families of a profile, by name (the first that matches): where a step's GPU time goes.
+# Attention and normalization before matmul: flash-attn-4's and quack's kernels, compiled by
+# CUTLASS's CuTe DSL, carry "cutlass" too.
+KERNEL_FAMILIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("normalization", ("norm",)),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")),
+    ("communication", ("nccl",)),
+    ("softmax / cross entropy", ("softmax", "cross_entropy", "log_softmax", "nll")),
+    ("elementwise / copies", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cat", "index", "where",
+                              "reduce", "gelu", "silu", "mul", "add")),
+)
+
+
+def kernel_family(name: str) -> str:
+    lower = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
+
+
+def profile_step(session: Session, path: str, forward_backward_func=None, trace: str | None = None) -> dict:
+    """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
+    family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
+    ranks), and the 25 costliest kernels, written to `path` (rank 0) with, from one step more, the
+    matmuls by shape (matmul_lines) and the host's waits (host_syncs); with `trace`, rank 0's whole
+    timeline as a Chrome trace there too (where the idle gaps are). Returns the summary."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        session.train_step(forward_backward_func)
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    families: dict[str, float] = {}
+    for e in kernels:
+        family = kernel_family(e.key)
+        families[family] = families.get(family, 0.0) + e.self_device_time_total / 1e6
+    busy_s = sum(families.values())
+    summary = dict(wall_s=wall_s, kernel_s=busy_s, idle_s=max(wall_s - busy_s, 0.0),
+                   families={k: families[k] for k in sorted(families, key=families.get, reverse=True)})
+    # One step more for what costs host time, which would skew the idle time above: the host's waits
+    # and the input shapes and FLOPs of the matmuls (their kernels' times stay as they are).
+    with profile(activities=activities, record_shapes=True, with_flops=True) as shapes:
+        syncs = host_syncs(session, forward_backward_func)
+    if dist.get_rank() == 0:
+        matmuls = matmul_lines(shapes.key_averages(group_by_input_shape=True), matmul_calls(shapes.events()))
+        lines = _profile_lines(prof, kernels, summary) + matmuls
+        Path(path).write_text("\n".join(lines + _sync_lines(syncs)) + "\n")
+        if trace:
+            prof.export_chrome_trace(trace)
+        print(json.dumps(dict(profile=path, **summary)))
+    return summary
+
+
+def _profile_lines(prof, kernels: list, summary: dict) -> list[str]:
+    """The profile's tables: kernel families, the costliest kernels, our annotated ranges."""
+    wall_s, busy_s = summary["wall_s"], summary["kernel_s"]
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:25]
+    lines = [f"step {wall_s * 1e3:.1f} ms wall, {busy_s * 1e3:.1f} ms of GPU kernels "
+             f"({100 * busy_s / wall_s:.1f}%), the GPU idle {summary['idle_s'] * 1e3:.1f} ms", "",
+             "| kernel family | ms | share of the step |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v * 1e3:.1f} | {100 * v / wall_s:.1f}% |" for k, v in summary["families"].items()]
+    lines += ["", "| kernel | family | calls | ms |", "| --- | --- | --- | --- |"]
+    lines += [f"| {e.key[:90]} | {kernel_family(e.key)} | {e.count} | {e.self_device_time_total / 1e3:.1f} |"
+              for e in top]
+    lines += ["", "Our annotated ranges (host time from entry to exit; GPU time of the kernels they launch):", "",
+              "| range | calls | host ms | GPU ms |", "| --- | --- | --- | --- |"]
+    lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
+              for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
+    return lines
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def matmul_calls(events) -> dict[tuple[str, str], tuple[list[float], set[str]]]:
+    """Per (op, input shapes) of the profiled matmuls: each call's GPU ms (the kernels it launched) and
+    those kernels' names. A shape's rate can fall short because cuBLAS picked a slow kernel (every call
+    slow, one name) or because the clock dropped around it (calls spread, same kernel)."""
+    calls: dict[tuple[str, str], tuple[list[float], set[str]]] = {}
+    for e in events:
+        if e.name in MATMUL_OPS and e.kernels:
+            times, names = calls.setdefault((e.name, str(e.input_shapes)), ([], set()))
+            times.append(sum(k.duration for k in e.kernels) / 1e3)
+            names.update(k.name[:48] for k in e.kernels)
+    return calls
+
+
+def _spread(calls: dict, key: tuple[str, str]) -> str:
+    times, names = calls.get(key, ([], set()))
+    if not times:
+        return " | |"
+    times = sorted(times)
+    return (f" {times[0]:.2f} / {times[len(times) // 2]:.2f} / {times[-1]:.2f} |"
+            f" {', '.join(sorted(names))} |")
+
+
+def matmul_lines(events, calls: dict | None = None, top: int = 20) -> list[str]:
+    """The `top` matmuls by GPU time, per op and input shapes (torch.profiler's events grouped by
+    input shape, with its FLOP counts): calls, the GPU time of the kernels they launched, and the rate
+    that reached: which GEMMs fall short of the card's, and by how much; with `calls` (matmul_calls),
+    each call's time (min / median / max) and the kernels that ran."""
+    rows = sorted((e for e in events if e.key in MATMUL_OPS and e.flops and e.device_time_total > 0),
+                  key=lambda e: e.device_time_total, reverse=True)
+    lines = ["", "The costliest matmuls by shape (FLOPs as torch.profiler counts them; time: their kernels'):", "",
+             "| op | input shapes | calls | GPU ms | TFLOPS |" + (" ms per call (min / median / max) | kernels |"
+                                                                  if calls is not None else ""),
+             "| --- | --- | --- | --- | --- |" + (" --- | --- |" if calls is not None else "")]
+    return lines + [f"| {e.key} | {e.input_shapes} | {e.count} | {e.device_time_total / 1e3:.1f} | "
+                    f"{e.flops / e.device_time_total / 1e6:.0f} |"
+                    + (_spread(calls, (e.key, str(e.input_shapes))) if calls is not None else "")
+                    for e in rows[:top]]
+
+
+def host_syncs(session: Session, forward_backward_func=None) -> list[tuple[str, int]]:
+    """One more training step under torch's sync debug mode: each operation that made the host wait
+    for the GPU (a blocking copy, .item(), a shape read from device data), counted by where it was
+    called ("innermost frame of the package or this harness <- innermost frame"; autograd replays its threads'
+    warnings where backward was called), most first. While the host waits it queues no kernels, so
+    the GPU idles from the wait's end until the host catches up."""
+    sites: collections.Counter = collections.Counter()
+
+    def seen(message, *_):
+        if "synchronizing" in str(message):
+            stack = [f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__]
+            ours = [f for f in stack if f"{os.sep}megatron_hetero{os.sep}" in f.filename or f.filename == __file__]
+            where = [f"{Path(f.filename).name}:{f.lineno}" for f in (ours[-1:] + stack[-1:])]
+            sites[" <- ".join(dict.fromkeys(where))] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            session.train_step(forward_backward_func)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites.most_common()
+
+
+def _sync_lines(syncs: list[tuple[str, int]]) -> list[str]:
+    lines = ["", f"The host waited for the GPU {sum(n for _, n in syncs)} times in one more step (host_syncs):", "",
+             "| called at (ours <- innermost) | waits |", "| --- | --- |"]
+    return lines + [f"| {site} | {n} |" for site, n in syncs]
+
+
+def run_reporting_errors(run_fn, opts) -> int:
+    """run_fn(opts), a layout or argument mistake reported as one `error:` line (exit status 2)."""
+    try:
+        run_fn(opts)
+    except (LayoutError, ArgsError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def measure_checkpoint(session: Session, w: BenchWorkload, layout_name: str, directory: str, out: str,
+                       repeats: int = 2) -> dict:
+    """After one training step (so that the optimizer holds state), Megatron's save_checkpoint and
+    load_checkpoint of the session's model and optimizer into `directory`, `repeats` times each:
+    seconds per save and per load (the fastest), bytes on disk. Rank 0 appends the record to `out`."""
+    from megatron.training import training
+
+    session.train_step()
+    args, model, optimizer, scheduler = session.args, session.model, session.optimizer.optimizer, session.scheduler
+    args.save = args.load = directory
+    saves = [_timed(lambda: training.save_checkpoint(1, model, optimizer, scheduler, 0, {})) for _ in range(repeats)]
+    loads = [_timed(lambda: training.load_checkpoint(model, optimizer, scheduler)) for _ in range(repeats)]
+    files = [f for f in (Path(directory) / "iter_0000001").rglob("*") if f.is_file()]
+    params = sum(p.numel() for m in session.hetero.run.modules.values() if m.held for p in m.part.parameters())
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, params)
+    cuda = torch.cuda.is_available()
+    record = dict(workload=w.name, layout=layout_name, gpus=dist.get_world_size(), llm_layers=w.layers,
+                  parameters_held=counts, save_s=min(saves), load_s=min(loads), saves_s=saves, loads_s=loads,
+                  checkpoint_bytes=sum(f.stat().st_size for f in files), files=len(files),
+                  distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
+                  date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
+                  torch=torch.__version__)
+    if dist.get_rank() == 0:
+        with open(out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record))
+    return record

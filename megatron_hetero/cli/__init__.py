@@ -1,0 +1,1 @@
+"""The user commands behind tools/plan_layout.py (plan.py) and tools/verify_layout.py (verify.py)."""
