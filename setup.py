@@ -16,7 +16,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
-    package_data={"megatron_hetero.data": ["*.model"], "megatron_hetero.planner": ["calibrations/*.json"]},
+    package_data={"megatron_hetero.data": ["*.model"], "megatron_hetero.planner": ["calibrations/*.json"],
+                  "megatron_hetero.models": ["kernel_checks.json"]},
     install_requires=[
         "torch",
         "megatron-core>=0.19,<0.20",

@@ -5,7 +5,8 @@ against SDPA's bottom-right mask (what attention.py runs without it) and fp32 at
 
 1. Exactness, bf16, 4 heads x 128, chunks of 1024-2048 queries behind 1-3 chunks of keys: outputs and
    dq/dk/dv against fp32 attention (max |diff| / max |ref|). PASS where every merged error is at most
-   twice SDPA's own (bf16 rounding: 0.01 floor); then it prints the line for CUDNN_MERGE_CHECKED.
+   twice SDPA's own (bf16 rounding: 0.01 floor); then it prints the line for CUDNN_MERGE_CHECKED
+   (models/kernel_checks.json; --record writes it there).
 2. Speed, bf16, 32 heads x 128 (the 7B LLM), the chunks CP2 gives each rank at 16K / 32K / 64K (the
    later chunk of each rank: 1 to 3 chunks of keys before it): forward+backward ms, median of 10,
    merged vs the mask, and the square causal call (cuDNN) of the same queries for scale.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron_hetero.models.chunk_attention import CUDNN_KERNEL, prefix_causal_attention
+from megatron_hetero.models.kernel_policy import record_check
 
 
 def reference(q, k, v):
@@ -93,6 +95,7 @@ def speed(seq: int, iters: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16K and 32K only, 5 timing runs")
+    parser.add_argument("--record", action="store_true", help="on PASS, add this GPU to models/kernel_checks.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: no GPU visible: this checks the cuDNN path")
@@ -103,6 +106,8 @@ def main() -> int:
     for seq in (16384, 32768) if args.quick else (16384, 32768, 65536):
         speed(seq, 5 if args.quick else 10)
     print("PASS: add to CUDNN_MERGE_CHECKED:" if ok else "FAIL: leave CUDNN_MERGE_CHECKED as it is", repr(name))
+    if ok and args.record:
+        record_check(name, cudnn_merge=True)
     return 0 if ok else 1
 
 

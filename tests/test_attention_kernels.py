@@ -29,7 +29,6 @@ from megatron_hetero.models.attention import (
     query_chunks,
 )
 from megatron_hetero.models.attention_kernels import (
-    CHECKED_ENV,
     FA4,
     SDPA,
     AttentionKernelError,
@@ -42,6 +41,7 @@ from megatron_hetero.models.attention_kernels import (
     run_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.models.kernel_policy import CHECKED_ENV
 from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 

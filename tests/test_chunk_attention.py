@@ -12,10 +12,10 @@ from megatron_hetero.models.attention import causal_attention
 from megatron_hetero.models.attention_kernels import Device, choose_kernel
 from megatron_hetero.models.chunk_attention import (
     CPU_KERNEL,
-    CUDNN_MERGE_ENV,
     cudnn_merge_checked,
     prefix_causal_attention,
 )
+from megatron_hetero.models.kernel_policy import CUDNN_MERGE_ENV
 
 
 def reference(q, k, v, scale=None):

@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed import MEGATRON_LM_SCRIPT as SCRIPT
 from tests.distributed import _free_port
+from tests.test_pretrain_errors import DEMO as EXAMPLE_LAYOUT
+from tests.test_pretrain_errors import _run as run_example
 
 if not SCRIPT.is_file():
     pytest.skip(f"Megatron-LM's scripts not found ({SCRIPT}): put a Megatron-LM checkout (branch core_r0.19.0) "
@@ -137,9 +140,10 @@ def test_frozen_encoder_trains(stock, tmp_path):
     assert history["grad norm"][0] < stock["grad norm"][0] * (1 - 1e-4)
 
 
-def _launch(directory: Path, nproc: int, *flags: str) -> tuple[list[int], list[str]]:
-    """The launcher in `nproc` plain processes (RANK/WORLD_SIZE env, no torchrun): exit codes, stderrs."""
-    env = dict(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc))
+def _launch(directory: Path, nproc: int, *flags: str, overrides: dict | None = None) -> tuple[list[int], list[str]]:
+    """The launcher in `nproc` plain processes (RANK/WORLD_SIZE env, no torchrun), with `overrides` in
+    their environment: exit codes, stderrs."""
+    env = dict(ENV, **(overrides or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc))
     procs = []
     try:
         for rank in range(nproc):
@@ -179,3 +183,27 @@ def test_bad_input_is_one_line(tmp_path, nproc, layout, flags, expected):
     lines = [line for text in stderrs for line in text.splitlines() if line and not TORCH_LOG.match(line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), stderrs
     assert all(part in lines[0] for part in expected), lines[0]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line and not TORCH_LOG.match(line)]
+
+
+@pytest.mark.parametrize("flags, overrides, expected", [
+    (["--attention-backend", "flash"], {},
+     "module llm: --attention-backend flash: head dim 16: no GPU; or use --attention-backend auto"),
+    ([], {"MEGATRON_HETERO_NORM_KERNEL": "apex"}, "MEGATRON_HETERO_NORM_KERNEL=apex: use one of auto, torch, quack"),
+], ids=["flash_backend_cpu", "malformed_override"])
+def test_bad_kernel_choice_is_the_same_line_from_both_scripts(tmp_path, monkeypatch, flags, overrides, expected):
+    """Megatron-LM's pretrain_vlm.py (through the launcher) and the example stop at argument validation
+    with the same one line (the kernel policy's); both LLMs have head dim 64 / 4 heads = 16."""
+    if torch.cuda.is_available():
+        pytest.skip("the flash case's line is CPU's")
+    codes, stderrs = _launch(tmp_path, 1, "--hetero-layout", _layout(tmp_path, SINGLE_RANK), *flags,
+                             overrides=overrides)
+    for name, value in overrides.items():
+        monkeypatch.setenv(name, value)
+    example = run_example(["--hetero-layout", EXAMPLE_LAYOUT, *flags], tmp_path)
+    assert codes == [2] and example.returncode == 2, (stderrs, example.stderr)
+    assert _error_lines(stderrs[0]) == _error_lines(example.stderr) == [f"error: {expected}"], \
+        (stderrs, example.stderr)

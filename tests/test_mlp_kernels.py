@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.attention_kernels import Device
+from megatron_hetero.models.kernel_policy import KernelModeError
 from megatron_hetero.models.mlp_kernels import (
     ACTIVATIONS,
     GATED,
@@ -32,7 +33,7 @@ from megatron_hetero.models.mlp_kernels import (
     mlp_mode,
     quack_activation,
 )
-from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice, choose_quack
+from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choose_quack
 from megatron_hetero.spec.sizes import MLP_MIN_MACS
 from tests.quack_stand_in import STAND_IN
 

@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models import norm as norm_module
 from megatron_hetero.models.attention_kernels import Device
+from megatron_hetero.models.kernel_policy import KernelModeError
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 from megatron_hetero.models.norm_kernels import (
     NORM_KERNEL_ENV,
@@ -24,7 +25,7 @@ from megatron_hetero.models.norm_kernels import (
     norm_kernel_for,
     norm_mode,
 )
-from megatron_hetero.models.quack_kernels import QUACK, TORCH, KernelModeError, QuackChoice, choose_quack
+from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choose_quack
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
 A100 = Device("NVIDIA A100-SXM4-80GB", (8, 0))

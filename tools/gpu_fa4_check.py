@@ -5,8 +5,8 @@
 
 1. The kernel itself (no padding), per head dim (64, 72, 80, 96, 128; full, causal, GQA, varlen):
    dq/dk/dv against fp32 attention. The head dims where every case passes are this GPU's checked
-   list: printed as the CHECKED_HEAD_DIMS entry (models/attention_kernels.py) to commit for it, and
-   written to DIR/fa4_checked_head_dims.txt. A head dim the table lists that fails here: FAIL. Where
+   list: printed as the CHECKED_HEAD_DIMS entry (models/kernel_checks.json) to commit for it (written
+   there with --record), and to DIR/fa4_checked_head_dims.txt. A head dim the table lists that fails here: FAIL. Where
    the table has no entry for this GPU, part 2 uses the dims that passed here. --workload-only skips
    this part (minutes of compiles and timing) for a GPU the table lists.
 2. Our dispatched attention (models/attention.py `attend`, `varlen_attention`, the kernel that
@@ -49,6 +49,7 @@ from megatron_hetero.models.attention_kernels import (
     load_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
+from megatron_hetero.models.kernel_policy import record_check
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 
 TOLERANCE = 0.02  # cuDNN's bf16 gradients are 0.003-0.005 off fp32 attention, the broken ones ~1
@@ -312,6 +313,8 @@ def main() -> int:
     parser.add_argument("--workload-only", action="store_true",
                         help="skip part 1 (the raw kernel per head dim); needs a CHECKED_HEAD_DIMS entry for this GPU")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--record", action="store_true",
+                        help="write the head dims that pass here as this GPU's entry of models/kernel_checks.json")
     parser.add_argument("--compare-losses", nargs=2, metavar=("A", "B"))
     opts = parser.parse_args()
     if opts.compare_losses:
@@ -331,6 +334,8 @@ def main() -> int:
     if not opts.workload_only:
         passing, table_ok = raw_check(records)
         (Path(opts.out) / "fa4_checked_head_dims.txt").write_text(",".join(map(str, passing)) + "\n")
+        if opts.record:
+            record_check(device.name, fa4_head_dims=passing)
     checked = CHECKED_HEAD_DIMS.get(device.name) or passing
     ok = workload_check(records, checked, opts.quick, 3 if opts.quick else 10)
     negative_control(records, checked)

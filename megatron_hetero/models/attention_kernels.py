@@ -26,38 +26,35 @@ so that it is tested without a GPU; kernel_for(config) feeds it this process's f
 """
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.enums import AttnBackend
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.chunk_attention import cudnn_merge_checked
+from megatron_hetero.models.kernel_policy import (
+    CHECKED_HEAD_DIMS,
+    AttentionKernelError,
+    KernelPolicy,
+    backend_mode,
+    extra_head_dims,
+)
 
 FA4 = "fa4"
 SDPA = "sdpa"
 
-# Head dims whose flash-attn-4 gradients (dq, dk, dv against fp32 math attention, max |diff| / max |ref|
-# as small as cuDNN's: 0.003-0.005) were checked, by GPU model as torch.cuda.get_device_name() names it.
-# Source: ../shared/attention_grad_check.py, one H100, 2026-11-25, flash-attn-4 4.0.0b36 (hd 72 and 80
-# failed there: 0.98 and 1.29). benchmarks/gpu_fa4_check.sh re-checks every listed dim and prints the entry
-# for the GPU it runs on: add a GPU (or a wheel version) only from its output.
-CHECKED_HEAD_DIMS: dict[str, tuple[int, ...]] = {
-    "NVIDIA H100 80GB HBM3": (64, 96, 128),
-    "NVIDIA H200": (64, 96, 128),  # tools/gpu_fa4_check.py, 2026-11-26, flash-attn-4 4.0.0b36
-}
-# Head dims checked on this GPU minutes ago by tools/gpu_fa4_check.py, which sets this for its own
-# runs where CHECKED_HEAD_DIMS has no entry for the GPU yet; it adds to the table, never removes.
-CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
+# CHECKED_HEAD_DIMS (kernel_policy.py, from kernel_checks.json): head dims whose flash-attn-4 gradients
+# (dq, dk, dv against fp32 math attention, max |diff| / max |ref| as small as cuDNN's: 0.003-0.005) were
+# checked, by GPU model as torch.cuda.get_device_name() names it. Source: ../shared/attention_grad_check.py,
+# one H100, 2026-11-25, flash-attn-4 4.0.0b36 (hd 72 and 80 failed there: 0.98 and 1.29); the H200's from
+# tools/gpu_fa4_check.py, 2026-11-26. benchmarks/gpu_fa4_check.sh re-checks every listed dim and writes
+# the entry for the GPU it runs on: add a GPU (or a wheel version) only from its output. The policy's
+# fa4_head_dims (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS) add to it, never remove.
 FA4_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_INSTALL = "pip install 'megatron-hetero[fa4]'"
-
-
-class AttentionKernelError(ValueError):
-    """--attention-backend flash where flash-attn-4 cannot run exactly; one line saying why."""
 
 
 @dataclass(frozen=True)
@@ -94,17 +91,10 @@ class KernelChoice:
         return f"{self}, CP chunks {chunks}"
 
 
-def backend_mode(attention_backend) -> str:
-    """Megatron's --attention-backend (an AttnBackend or its name) as "auto", "flash" or "sdpa"."""
-    name = attention_backend.name if isinstance(attention_backend, AttnBackend) else str(attention_backend)
-    if name not in AttnBackend.__members__:
-        raise AttentionKernelError(f"--attention-backend {name}: use one of {', '.join(AttnBackend.__members__)}")
-    return {"auto": "auto", "flash": "flash"}.get(name, SDPA)
-
-
-def checked_head_dims(device_name: str, environ=os.environ) -> tuple[int, ...]:
-    """CHECKED_HEAD_DIMS's entry for the GPU, with those of CHECKED_ENV ("64,96,128") added."""
-    extra = [int(d) for d in environ.get(CHECKED_ENV, "").replace(",", " ").split()]
+def checked_head_dims(device_name: str, environ=None) -> tuple[int, ...]:
+    """CHECKED_HEAD_DIMS's entry for the GPU, with the policy's added (those of CHECKED_ENV in
+    `environ`, where given)."""
+    extra = kernel_policy.current().fa4_head_dims if environ is None else extra_head_dims(environ)
     return tuple(sorted({*CHECKED_HEAD_DIMS.get(device_name, ()), *extra}))
 
 
@@ -125,7 +115,7 @@ def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, 
         return f"attention dropout {dropout}: flash-attn-4 has none"
     if not checked:
         return (f"flash-attn-4's gradients are not checked on {device.name}: run benchmarks/gpu_fa4_check.sh there "
-                f"and add its line to CHECKED_HEAD_DIMS")
+                f"and add its entry to {kernel_policy.CHECKS_FILE.name}")
     return None
 
 
@@ -238,6 +228,19 @@ def kernel_for(attention_backend, head_dim: int, dtype: torch.dtype, dropout: fl
                          flash_attention_version=flash_attention_version,
                          checked=checked_head_dims(device.name) if gpu else (), packed=packed,
                          merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim))
+
+
+def check_policy(policy: KernelPolicy, head_dims: Callable[[], dict[str, int]], dtype: torch.dtype) -> None:
+    """--attention-backend flash: every module's attention (head_dims(): name -> head dim, asked only
+    here) on flash-attn-4 where our layers run it (not Transformer Engine's), or AttentionKernelError
+    naming the module and why not."""
+    if policy.attention != "flash" or policy.te:
+        return
+    for name, head_dim in head_dims().items():
+        try:
+            kernel_for(policy.attention, head_dim, dtype, 0.0, policy.flash_attention_version)
+        except AttentionKernelError as error:
+            raise AttentionKernelError(f"module {name}: {error}") from None
 
 
 def config_dtype(config) -> torch.dtype:

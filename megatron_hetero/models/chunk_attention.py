@@ -18,18 +18,19 @@ SDPA's bottom-right mask; the module's kernel choice says which (attention_kerne
 merged_chunks, printed at start-up and recorded by the benchmarks).
 """
 
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-# GPU models (torch.cuda.get_device_name()) on which benchmarks/gpu_cp_chunk_check.py passed, from its
-# output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x faster than SDPA's mask at 16K-64K):
-# docs/runs/gpu2/call13_w6_dp2_cap80/ and call16_h100_chunk_check/cp_chunk_check.log.
-# CUDNN_MERGE_ENV=1 counts as listed: a GPU whose check just passed, before its entry is added.
-CUDNN_MERGE_CHECKED: tuple[str, ...] = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
-CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
+from megatron_hetero.models import kernel_policy
+from megatron_hetero.models.kernel_policy import CUDNN_MERGE_CHECKED
+
+# CUDNN_MERGE_CHECKED (kernel_policy.py, from kernel_checks.json): GPU models on which
+# benchmarks/gpu_cp_chunk_check.py passed, from its output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x
+# faster than SDPA's mask at 16K-64K): docs/runs/gpu2/call13_w6_dp2_cap80/ and
+# call16_h100_chunk_check/cp_chunk_check.log. The policy's cudnn_merge (MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1)
+# counts as listed: a GPU whose check just passed, before its entry is added.
 CUDNN_DTYPES = (torch.bfloat16, torch.float16)
 CUDNN_MAX_HEAD_DIM = 128
 
@@ -68,9 +69,11 @@ CPU_KERNEL = _Kernel(_cpu_forward, _cpu_backward)
 CUDNN_KERNEL = _Kernel(_cudnn_forward, _cudnn_backward)
 
 
-def cudnn_merge_checked(device_name: str, dtype: torch.dtype, head_dim: int, environ=os.environ) -> bool:
-    """Whether the cuDNN path may run queries of this dtype and head dim on this GPU model."""
-    listed = device_name in CUDNN_MERGE_CHECKED or environ.get(CUDNN_MERGE_ENV) == "1"
+def cudnn_merge_checked(device_name: str, dtype: torch.dtype, head_dim: int, environ=None) -> bool:
+    """Whether the cuDNN path may run queries of this dtype and head dim on this GPU model (under the
+    policy of `environ`'s overrides, where given)."""
+    policy = kernel_policy.current() if environ is None else kernel_policy.build(environ=environ)
+    listed = device_name in CUDNN_MERGE_CHECKED or policy.cudnn_merge
     return listed and dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM
 
 

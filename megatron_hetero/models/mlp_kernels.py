@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import layers as tp_layers
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention_kernels import import_failure
-from megatron_hetero.models.quack_kernels import QuackChoice, kernel_mode, quack_kernel_for
+from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV, kernel_mode
+from megatron_hetero.models.quack_kernels import QuackChoice, quack_kernel_for
 from megatron_hetero.spec.sizes import MLP_MIN_MACS
-
-MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
 
 
 def _swiglu(preact: torch.Tensor) -> torch.Tensor:
@@ -63,9 +63,10 @@ def halves(interleaved: torch.Tensor) -> torch.Tensor:
     return interleaved.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
-def mlp_mode(environ=os.environ) -> str:
-    """MLP_KERNEL_ENV's value ("auto" where unset); KernelModeError for another."""
-    return kernel_mode(MLP_KERNEL_ENV, environ)
+def mlp_mode(environ=None) -> str:
+    """The kernel policy's mode (MLP_KERNEL_ENV's value in `environ`, where given; "auto" where unset);
+    KernelModeError for another."""
+    return kernel_policy.current().mlp if environ is None else kernel_mode(MLP_KERNEL_ENV, environ)
 
 
 def quack_activation(config) -> str | None:
@@ -121,7 +122,7 @@ def load_quack_gemm() -> tuple[QuackGemm | None, str | None]:
 
 def mlp_kernel_for() -> QuackChoice:
     """The kernel of this process's MLPs: MLP_KERNEL_ENV and its GPU."""
-    return quack_kernel_for(MLP_KERNEL_ENV, load_quack_gemm, MLP_MIN_MACS)
+    return quack_kernel_for(MLP_KERNEL_ENV, mlp_mode(), load_quack_gemm, MLP_MIN_MACS)
 
 
 def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor,

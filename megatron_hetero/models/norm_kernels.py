@@ -18,24 +18,25 @@ a GPU.
 """
 
 import functools
-import os
 from typing import Callable, NamedTuple
 
 import torch
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention_kernels import import_failure
-from megatron_hetero.models.quack_kernels import QuackChoice, kernel_mode, quack_kernel_for
+from megatron_hetero.models.kernel_policy import NORM_KERNEL_ENV, kernel_mode
+from megatron_hetero.models.quack_kernels import QuackChoice, quack_kernel_for
 
-NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
 # Under auto, quack for a norm call of >= 2^24 elements (quack_kernels.py: why): W1's and W3's ViT
 # norms (23,328 x 1152, 2^24.7) and every LLM's of the workloads run quack; the loss model's (8,192 x
 # 1024, 2^23) torch.
 NORM_MIN_ELEMENTS = (2**24, "elements")
 
 
-def norm_mode(environ=os.environ) -> str:
-    """NORM_KERNEL_ENV's value ("auto" where unset); KernelModeError for another."""
-    return kernel_mode(NORM_KERNEL_ENV, environ)
+def norm_mode(environ=None) -> str:
+    """The kernel policy's mode (NORM_KERNEL_ENV's value in `environ`, where given; "auto" where unset);
+    KernelModeError for another."""
+    return kernel_policy.current().norm if environ is None else kernel_mode(NORM_KERNEL_ENV, environ)
 
 
 class Quack(NamedTuple):
@@ -60,7 +61,7 @@ def load_quack() -> tuple[Quack | None, str | None]:
 
 def norm_kernel_for() -> QuackChoice:
     """The kernel of this process's norms: NORM_KERNEL_ENV and its GPU."""
-    return quack_kernel_for(NORM_KERNEL_ENV, load_quack, NORM_MIN_ELEMENTS)
+    return quack_kernel_for(NORM_KERNEL_ENV, norm_mode(), load_quack, NORM_MIN_ELEMENTS)
 
 
 class _QuackNorm(torch.autograd.Function):

@@ -3,9 +3,10 @@ flash-attn-4 itself depends on) or torch's: one rule for the norms (norm_kernels
 fused GEMMs (mlp_kernels.py).
 
 quack's kernels target Hopper (sm90) and Blackwell (sm100); elsewhere (CPU, CI, other GPUs, quack
-not importable) torch's. Each kind has its own environment variable, so that one can be pinned
-without the other: auto (the default), torch (torch's kernels on every device, for A/B runs or a
-suspected kernel) or quack (quack's on every call where it can run: its loss checks on small models).
+not importable) torch's. Each kind has its own mode in the kernel policy (kernel_policy.py: its own
+environment variable), so that one can be pinned without the other: auto (the default), torch
+(torch's kernels on every device, for A/B runs or a suspected kernel) or quack (quack's on every call
+where it can run: its loss checks on small models).
 
 Under auto a call whose work is below its kind's minimum (min_work) takes torch's kernels: a quack
 call costs the host more time than torch's, and a small model's step is bound by the host, not the
@@ -15,7 +16,6 @@ and W4 (widths 1152-4096, 23,328-32,768 tokens) ran 1-2% faster (docs/benchmarks
 minimum lies between the two. The choice is pure (choose_quack), so that it is tested without a GPU.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,12 +23,7 @@ from megatron_hetero.models.attention_kernels import Device, current_device
 
 QUACK = "quack"
 TORCH = "torch"
-KERNEL_MODES = ("auto", TORCH, QUACK)
 QUACK_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200): the archs quack's kernels target
-
-
-class KernelModeError(ValueError):
-    """A kernel environment variable whose value is not a mode; one line saying which are."""
 
 
 @dataclass(frozen=True)
@@ -52,17 +47,9 @@ class QuackChoice:
         return self.kernel + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def kernel_mode(env: str, environ=os.environ) -> str:
-    """The variable `env`'s value ("auto" where unset); KernelModeError for another."""
-    mode = environ.get(env, "auto") or "auto"
-    if mode not in KERNEL_MODES:
-        raise KernelModeError(f"{env}={mode}: use one of {', '.join(KERNEL_MODES)}")
-    return mode
-
-
 def choose_quack(env: str, mode: str, device: Device, import_problem: str | None = None,
                  min_work: tuple[int, str] = (0, "")) -> QuackChoice:
-    """The kernel of one kind of layer under `mode` (kernel_mode(env)) on `device`; import_problem:
+    """The kernel of one kind of layer under `mode` (the policy's, set by `env`) on `device`; import_problem:
     why quack's entries for this kind do not load, if they do not; min_work: the kind's minimum work
     per quack call under auto (a power of two) and its unit."""
     if mode == TORCH:
@@ -77,9 +64,10 @@ def choose_quack(env: str, mode: str, device: Device, import_problem: str | None
     return QuackChoice(QUACK, min_work=min_work[0] if mode == "auto" else 0, unit=min_work[1])
 
 
-def quack_kernel_for(env: str, load: Callable, min_work: tuple[int, str] = (0, "")) -> QuackChoice:
-    """choose_quack for this process: `env`'s mode and its GPU; load() gives (quack's entries for this
-    kind, None) or (None, why they do not load), asked only where quack could run."""
-    mode, device = kernel_mode(env), current_device()
+def quack_kernel_for(env: str, mode: str, load: Callable, min_work: tuple[int, str] = (0, "")) -> QuackChoice:
+    """choose_quack for this process: the policy's mode (set by `env`) and its GPU; load() gives
+    (quack's entries for this kind, None) or (None, why they do not load), asked only where quack
+    could run."""
+    device = current_device()
     import_problem = load()[1] if mode != TORCH and device.capability is not None else None
     return choose_quack(env, mode, device, import_problem, min_work)

@@ -24,15 +24,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from megatron_hetero.models.attention import SDPAttention, attention_summary
+from megatron_hetero.models.kernel_policy import HAVE_TE, current
 from megatron_hetero.models.mlp import EpilogueMLP, mlp_summary
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 
-try:
-    import transformer_engine  # noqa: F401  (only whether it imports matters)
 
-    HAVE_TE = True
-except ImportError:
-    HAVE_TE = False
+def uses_te() -> bool:
+    """Transformer Engine's layers: where TE imports and the kernel policy (--transformer-impl) asks."""
+    return HAVE_TE and current().transformer_impl != "local"
 
 
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
@@ -65,36 +64,36 @@ def llm_uses_te(packed: bool) -> bool:
     attention keeps each packed sample's tokens to themselves (PackedSeqParams.seq_idx); TE's would
     need the thd layout and cu_seqlens, which this runtime does not build, and would otherwise
     attend across samples."""
-    return HAVE_TE and not packed
+    return uses_te() and not packed
 
 
 def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_experts: int | None = None,
-                   te: bool = HAVE_TE, qk_norm: bool = False) -> ModuleSpec:
+                   te: bool | None = None, qk_norm: bool = False) -> ModuleSpec:
     """Causal decoder layer for the LLM. pg_collection: the LLM's groups, needed (for the norms'
     TP group) with sequence parallelism and without Transformer Engine; num_experts: megatron-core's
     MoE layer (SequentialMLP experts) for the MLP; te: Transformer Engine's layers (llm_uses_te);
     qk_norm: a norm over each query and key head before RoPE (Qwen3; config.qk_layernorm)."""
-    if te:
+    if uses_te() if te is None else te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
     return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm), pg_collection)
 
 
 def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
     """Bidirectional (no mask) layer for encoders."""
-    if HAVE_TE:
+    if uses_te():
         return get_vit_layer_with_transformer_engine_spec()
     return with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
 
 
 def block_spec(
-    layer: ModuleSpec, config: TransformerConfig, pg_collection: ProcessGroupCollection, te: bool = HAVE_TE
+    layer: ModuleSpec, config: TransformerConfig, pg_collection: ProcessGroupCollection, te: bool | None = None
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The `spec` for TransformerBlock (GPTModel's `transformer_layer_spec`) from a layer spec.
 
     With Transformer Engine's layers (`te`) the layer spec itself (the block's final norm is TE's).
     With ours, the block's final norm would be megatron's torch norm, which refuses sequence
     parallelism: the layers of this pipeline stage are listed with our norm as the final one."""
-    if te:
+    if uses_te() if te is None else te:
         return layer
     num_layers = get_num_layers_to_build(config, pp_rank=get_pg_rank(pg_collection.pp))
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm_spec(pg_collection))

@@ -7,15 +7,20 @@
   distributed backend defaults to gloo; with `--hetero-layout`, the layout decides the parallel
   sizes (layout_args.load) and upstream validation runs over the LLM's ranks: data-parallel size =
   the LLM's dp. Without `--hetero-layout` validation is upstream's.
+- With `--hetero-layout`, the kernel policy (models/kernel_policy.py) is built from Megatron's flags
+  and the overrides, checked (a bad value: the same one line from every script), installed for the
+  layers and printed once.
 """
 
+import os
 import re
 
 import torch
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.patches import startup
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.training.layout_args import add_hetero_flags, load
+from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, check_kernels, fail, load
 
 # A % that starts no argparse field (%(default)s, a literal %%): megatron-core 0.19 documents
 # --moe-paged-stash-buffer-size-factor-cuda with one.
@@ -44,6 +49,19 @@ def _validate_over_llm(original, args, defaults) -> None:
     assert args.data_parallel_size == layout.llm.dp, (args.data_parallel_size, layout.llm.dp)
 
 
+def _install_kernel_policy(args) -> None:
+    """The run's kernel policy, checked against the LLM's head dim from Megatron's flags (a script's
+    own checks may have built it with every module's), installed, and its line printed on rank 0."""
+    if getattr(args, "hetero_kernel_policy", None) is None:
+        head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
+        try:
+            args.hetero_kernel_policy = check_kernels(args, lambda: {args.hetero_layout_spec.llm.name: head_dim})
+        except ArgsError as error:
+            fail(str(error))
+    if kernel_policy.install(args.hetero_kernel_policy) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"kernel policy: {args.hetero_kernel_policy}", flush=True)
+
+
 def _validate_args(original):
     def validate_args(args, defaults={}):
         startup.disable_unavailable_fusions(args)
@@ -55,6 +73,7 @@ def _validate_args(original):
             return original(args, defaults)
         if getattr(args, "hetero_layout_spec", None) is None:  # a script's own checks may have loaded it
             args.hetero_layout_spec = load(args)
+        _install_kernel_policy(args)
         return _validate_over_llm(original, args, defaults)
     return validate_args
 

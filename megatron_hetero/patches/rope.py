@@ -7,13 +7,13 @@ frequencies, two multiplies and an add, a `torch.cat` in rotate-half and another
 elementwise kernels are several percent of the time (docs/benchmarks.md). Where the whole head
 rotates (not interleaved, no MLA layout) this patch computes the same halves directly, compiled
 into fused kernels (torch.compile) on GPUs: the same numbers up to bf16 rounding (the fused kernel
-rounds once). On CPUs, and with MEGATRON_HETERO_EAGER_ROPE=1 (to compare), upstream's runs.
+rounds once). On CPUs, and with MEGATRON_HETERO_EAGER_ROPE=1 (to compare; the kernel policy's eager_rope),
+upstream's runs.
 """
-
-import os
 
 import torch
 
+from megatron_hetero.models.kernel_policy import current
 from megatron_hetero.patches._patch import replace
 
 
@@ -40,7 +40,7 @@ def _rope(original):
         global _fused
         whole_head = freqs.shape[-1] == t.shape[-1]
         if (not t.is_cuda or rotary_interleaved or mla_rotary_interleaved or multi_latent_attention is not None
-                or not whole_head or os.environ.get("MEGATRON_HETERO_EAGER_ROPE") == "1"):
+                or not whole_head or current().eager_rope):
             return original(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, multi_latent_attention)
         if _fused is None:
             _fused = torch.compile(rotate)

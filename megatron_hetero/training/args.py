@@ -21,7 +21,7 @@ from megatron_hetero.spec import rules
 from megatron_hetero.spec.arg_files import expand_arg_files
 from megatron_hetero.spec.layout import deepstack_problem
 from megatron_hetero.spec.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
-from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, fail, load
+from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, check_kernels, fail, load
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
 MEGATRON_SIZE_FLAGS = ("hidden_size", "num_layers", "num_attention_heads", "seq_length")
@@ -334,42 +334,6 @@ def _module_head_dims(args, layout) -> dict[str, int]:
     return dims
 
 
-def _check_attention(args, layout) -> None:
-    """--attention-backend flash: every module's attention on flash-attn-4 (where our layers run,
-    models/attention_kernels.py), or the line saying why not; local is Megatron's --spec switch."""
-    import torch
-    from megatron.core.transformer.enums import AttnBackend
-
-    from megatron_hetero.models.attention_kernels import AttentionKernelError, backend_mode, kernel_for
-    from megatron_hetero.models.specs import HAVE_TE
-
-    if args.attention_backend == AttnBackend.local:
-        raise ArgsError("--attention-backend local is Megatron's switch to its --spec local models; for torch "
-                        "SDPA in these layers use --attention-backend unfused")
-    if backend_mode(args.attention_backend) != "flash" or HAVE_TE:
-        return
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    for name, head_dim in _module_head_dims(args, layout).items():
-        try:
-            kernel_for(args.attention_backend, head_dim, dtype, 0.0, args.flash_attention_version)
-        except AttentionKernelError as error:
-            raise ArgsError(f"module {name}: {error}") from None
-
-
-def _check_kernel_modes() -> None:
-    """MEGATRON_HETERO_NORM_KERNEL and MEGATRON_HETERO_MLP_KERNEL, read where the layers are built: a
-    value that is not a mode stops the run here in one line (models/quack_kernels.py)."""
-    from megatron_hetero.models.mlp_kernels import mlp_mode
-    from megatron_hetero.models.norm_kernels import norm_mode
-    from megatron_hetero.models.quack_kernels import KernelModeError
-
-    try:
-        norm_mode()
-        mlp_mode()
-    except KernelModeError as error:
-        raise ArgsError(str(error)) from None
-
-
 def check_args(args, layout) -> None:
     """Batch and size arithmetic the run needs; raises ArgsError with the flag to change."""
     import torch
@@ -380,8 +344,8 @@ def check_args(args, layout) -> None:
                         "drop --bf16 on CPU")
     _check_family(args, layout)
     _check_sizes(args, layout)
-    _check_attention(args, layout)
-    _check_kernel_modes()
+    # Every module's head dim (the arguments patch, run by any script, knows only the LLM's).
+    args.hetero_kernel_policy = check_kernels(args, lambda: _module_head_dims(args, layout))
     _check_data(args, layout)
     image_normalization(args, model_sizes(args))
     for name in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval"):

@@ -11,8 +11,11 @@ code 2, before any process group exists (`fail`).
 
 import os
 import sys
+from collections.abc import Callable
 
 from megatron_hetero.boundary import BoundaryError, check_edge_layouts
+from megatron_hetero.models import kernel_policy
+from megatron_hetero.models.attention_kernels import check_policy
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.layout import SCHEDULE_FLAG, ColocatedSchedule, HeteroLayout, LayoutError, load_layout
 
@@ -101,6 +104,21 @@ def _checkpoint_flags(args) -> None:
     # Megatron compares only the LLM's TP/PP sizes before loading the distributed optimizer's state;
     # an encoder's layout may change too: always the format that loads under any layout.
     args.dist_ckpt_optim_fully_reshardable = True
+
+
+def check_kernels(args, head_dims: Callable[[], dict[str, int]]) -> kernel_policy.KernelPolicy:
+    """The run's kernel policy from Megatron's --attention-backend, --flash-attention-version and
+    --transformer-impl and the overrides (models/kernel_policy.py), checked against each module's
+    attention head dim (head_dims(): module name -> head dim); ArgsError in one line for a bad value."""
+    import torch
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    try:
+        policy = kernel_policy.build(args.attention_backend, args.flash_attention_version, args.transformer_impl)
+        check_policy(policy, head_dims, dtype)
+    except kernel_policy.KernelPolicyError as error:
+        raise ArgsError(str(error)) from None
+    return policy
 
 
 def load(args) -> HeteroLayout:

@@ -1,0 +1,94 @@
+"""The kernel policy (models/kernel_policy.py): built from Megatron's flags and the overrides, each bad
+value one line naming it and the fix; the checked tables read from and written to their JSON file.
+The same line from both entry scripts: tests/test_megatron_lm.py (it runs Megatron-LM's)."""
+
+import json
+
+import pytest
+import torch
+from megatron.core.transformer.enums import AttnBackend
+
+from megatron_hetero.models import kernel_policy
+from megatron_hetero.models.attention_kernels import check_policy
+from megatron_hetero.models.kernel_policy import (
+    CHECKED_ENV,
+    CHECKED_HEAD_DIMS,
+    CUDNN_MERGE_CHECKED,
+    CUDNN_MERGE_ENV,
+    EAGER_ROPE_ENV,
+    MLP_KERNEL_ENV,
+    NORM_KERNEL_ENV,
+    KernelPolicy,
+    KernelPolicyError,
+    build,
+)
+
+
+def test_defaults_and_flags():
+    assert build(environ={}) == KernelPolicy()
+    assert str(KernelPolicy()).startswith("attention auto, norms auto, MLPs auto, RoPE fused, Transformer Engine ")
+    assert [build(b, environ={}).attention for b in AttnBackend if b.name != "local"] == \
+        ["flash", "sdpa", "sdpa", "auto"]
+    policy = build("flash", 4, "local", environ={})
+    assert (policy.attention, policy.flash_attention_version, policy.te) == ("flash", 4, False)
+
+
+def test_overrides():
+    policy = build(environ={NORM_KERNEL_ENV: "torch", MLP_KERNEL_ENV: "quack", CHECKED_ENV: "128, 80",
+                            CUDNN_MERGE_ENV: "1", EAGER_ROPE_ENV: "1"})
+    assert policy == KernelPolicy(norm="torch", mlp="quack", fa4_head_dims=(80, 128), cudnn_merge=True,
+                                  eager_rope=True)
+    assert build(environ={NORM_KERNEL_ENV: "", CUDNN_MERGE_ENV: "0"}) == KernelPolicy()
+
+
+@pytest.mark.parametrize("backend, environ, line", [
+    ("cudnn", {}, "--attention-backend cudnn: use one of flash, fused, unfused, local, auto"),
+    ("local", {}, "--attention-backend local is Megatron's switch to its --spec local models; for torch SDPA in "
+                  "these layers use --attention-backend unfused"),
+    ("auto", {NORM_KERNEL_ENV: "apex"}, f"{NORM_KERNEL_ENV}=apex: use one of auto, torch, quack"),
+    ("auto", {MLP_KERNEL_ENV: "fused"}, f"{MLP_KERNEL_ENV}=fused: use one of auto, torch, quack"),
+    ("auto", {CHECKED_ENV: "64;96"}, f"{CHECKED_ENV}=64;96: give head dims as positive integers, e.g. 64,96,128"),
+    ("auto", {CUDNN_MERGE_ENV: "yes"}, f"{CUDNN_MERGE_ENV}=yes: use 1 or 0"),
+    ("auto", {EAGER_ROPE_ENV: "true"}, f"{EAGER_ROPE_ENV}=true: use 1 or 0"),
+])
+def test_bad_value_is_one_line(backend, environ, line):
+    with pytest.raises(KernelPolicyError) as error:
+        build(backend, environ=environ)
+    assert str(error.value) == line
+
+
+def test_flash_is_checked_per_module_where_our_layers_run_it():
+    asked = []
+
+    def head_dims():
+        asked.append(True)
+        return {"vision": 16}
+
+    check_policy(build("auto", environ={}), head_dims, torch.float32)
+    check_policy(KernelPolicy("flash", transformer_impl="local"), lambda: {}, torch.float32)
+    assert not asked  # head dims only where flash-attn-4 must serve them
+    with pytest.raises(KernelPolicyError, match="^module vision: --attention-backend flash: head dim 16: no GPU; "
+                                                "or use --attention-backend auto$"):
+        check_policy(KernelPolicy("flash", transformer_impl="local"), head_dims, torch.float32)
+
+
+def test_current_is_the_installed_policy(monkeypatch):
+    monkeypatch.setattr(kernel_policy, "_installed", None)
+    monkeypatch.setenv(NORM_KERNEL_ENV, "torch")
+    assert kernel_policy.current().norm == "torch"  # before one is installed: the environment's
+    assert kernel_policy.install(KernelPolicy()) and not kernel_policy.install(KernelPolicy())
+    assert kernel_policy.current() == KernelPolicy()
+
+
+def test_tables_come_from_the_json_file_the_checks_write(tmp_path):
+    checks = json.loads(kernel_policy.CHECKS_FILE.read_text())
+    assert CHECKED_HEAD_DIMS == {gpu: tuple(dims) for gpu, dims in checks["fa4_checked_head_dims"].items()}
+    assert CUDNN_MERGE_CHECKED == tuple(checks["cudnn_merge_checked"])
+    path = tmp_path / "checks.json"
+    path.write_text(kernel_policy.CHECKS_FILE.read_text())
+    kernel_policy.record_check("NVIDIA B200", fa4_head_dims=(128, 64), path=path)
+    kernel_policy.record_check("NVIDIA B200", cudnn_merge=True, path=path)
+    kernel_policy.record_check("NVIDIA B200", cudnn_merge=True, path=path)
+    written = json.loads(path.read_text())
+    assert written["fa4_checked_head_dims"]["NVIDIA B200"] == [64, 128]
+    assert written["cudnn_merge_checked"] == [*CUDNN_MERGE_CHECKED, "NVIDIA B200"]
