@@ -1,4 +1,4 @@
-"""Colocated schedules with a pipelined LLM, compared on CPU (issue 16 item 5): step time, the
+"""Colocated schedules with a pipelined LLM, compared on CPU: step time, the
 waiting share and each rank's peak memory under --hetero-colocated-schedule recompute, three-phase
 and bubbles, plus what the ideal timeline predicts for the same pipeline.
 

@@ -1,4 +1,4 @@
-"""Memory and step time over a long CPU run of the demo (issue 18: nothing grows across steps).
+"""Memory and step time over a long CPU run of the demo (nothing should grow across steps).
 
     python benchmarks/long_run.py [--iters 2000] [--every 100] [--nproc 4] [--out docs/runs/long_run.jsonl]
         [-- extra flags for examples/pretrain_vlm.py]

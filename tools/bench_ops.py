@@ -1,4 +1,4 @@
-"""The kernels behind the one-GPU step's non-matmul time, on a workload's own shapes (issue 16):
+"""The kernels behind the one-GPU step's non-matmul time, on a workload's own shapes:
 
     python tools/bench_ops.py [--workload W1] [--llm-layers 8] [--ops attention wgrad gemm adam] [--json out.jsonl]
 

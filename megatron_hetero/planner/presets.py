@@ -75,7 +75,7 @@ PRESETS = {
         _llm_7b(16384), global_batch=16),
         "InternViT-6B-wide ViT at 15 layers (8 images x 1024 tokens per sample) into a 7B LLM at 16K, "
         "global batch 16", 2, Bench(image_size=448, patch_size=14)),
-    # Long context (issue 28's headline): W4's encoder with 16 images of 1024 tokens per sample
+    # Long context (the 2-GPU headline): W4's encoder with 16 images of 1024 tokens per sample
     # (multi-image or video-like input: half of the fused sequence) into the 7B LLM at 32K, global
     # batch 2 in microbatches of 1. The LLM needs model parallelism or recomputation for its memory
     # at this length, the encoder does not; its 25 heads rule out Megatron's TP for it, so the
