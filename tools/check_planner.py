@@ -134,13 +134,14 @@ def add_oom_runs(groups: dict, oom: list[str]) -> None:
         if len(parts) not in (3, 4) or not parts[1].isdigit():
             raise ValueError(f"--oom {item}: write workload:LLM layers:layout[:flags], e.g. W2:8:gpu2_homogeneous_dp2")
         workload, layers, layout, flags = (*parts, "")[:4]
-        key = min((k for k in groups if k[:2] == (workload, int(layers))), key=lambda k: k[4], default=None)
+        key = min((k for k in groups if (k.workload, k.layers) == (workload, int(layers))), key=lambda k: k.memory_gb,
+                  default=None)
         if key is None:
             raise ValueError(f"--oom {item}: no measured run of {workload} with {layers} LLM layers to compare with")
         group = groups[key]
         flags = tuple(flags.split(",")) if flags else ()
         name = layout + (f" [{' '.join(flags)}]" if flags else "")
-        run = Run(name, load_layout(str(LAYOUTS / f"{layout}.yaml"), key[2]), group.runs[0].micro_batch,
+        run = Run(name, load_layout(str(LAYOUTS / f"{layout}.yaml"), key.gpus), group.runs[0].micro_batch,
                   None, None, {}, flags, group.runs[0].weight_bytes)
         groups[key] = replace(group, runs=(*group.runs, run))
 
