@@ -8,7 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions, cp_slice
+from megatron_hetero.models.context_parallel import (
+    contiguous_part,
+    cp_gathered_to_sequence_order,
+    cp_positions,
+    cp_slice,
+)
 from tests.distributed import collect_distributed
 
 SEED = 11
@@ -21,6 +26,14 @@ CASES = {
     "cp4_gqa": (1, 4, 1, False, 2, False),
     "tp2_sp": (2, 1, 2, True, None, False),
     "tp2_cp2_sp_gqa_qknorm": (2, 2, 1, True, 2, True),  # Qwen3's RMSNorm over each query and key head
+}
+
+# Encoder CP, full attention over the CP group: name -> (tp, cp, dp, class token, pre-norm); an
+# item's tokens split into cp contiguous parts (with a class token 9 patches + 1: rows 4 and 5).
+ENCODER_CASES = {
+    "encoder_tp2_cp2": (2, 2, 1, False, False),
+    "encoder_cp4": (1, 4, 1, False, False),
+    "encoder_cp2_class_token": (1, 2, 2, True, True),
 }
 
 
@@ -42,6 +55,14 @@ def test_cp_slice_and_gather_order_invert_each_other():
     gathered = torch.cat([p.T for p in parts])  # rank order, sequence first
     assert torch.equal(cp_gathered_to_sequence_order(gathered, 3), full.T)
     assert cp_slice(full, 1, 1, 0) is full
+
+
+def test_contiguous_part_is_an_encoders_cp_layout():
+    full = torch.arange(12)
+    assert torch.cat([contiguous_part(full, 0, 3, r) for r in range(3)]).tolist() == full.tolist()
+    assert contiguous_part(full, 0, 4, 1).tolist() == [3, 4, 5]
+    with pytest.raises(ValueError, match="12 tokens do not split into cp=5"):
+        contiguous_part(full, 0, 5, 0)
 
 
 @pytest.mark.parametrize("seq_len, cp, cp_rank", [(10, 2, 0), (8, 2, 2), (8, 0, 0)])
@@ -137,6 +158,52 @@ def _parallel_llm_pairs(case, ref_pgs):
     return pairs
 
 
+def _run_encoder(pgs, tp, class_token, pre_norm):
+    """This rank's rows of a vision encoder on 3 images, the images' gradient and whole parameter
+    gradients (summed over CP: each CP rank's cover its part of the tokens), and the CP size its
+    core attention runs."""
+    from megatron_hetero.models.full_state import full_tensors
+    from megatron_hetero.models.vlm import build_vision_encoder
+    from megatron_hetero.parallel.parallel_state import init_outside_training
+    from megatron_hetero.spec.sizes import ModelSizes, VisionArch
+
+    arch = VisionArch(class_token=class_token, pre_norm=pre_norm)
+    sizes = ModelSizes(hidden_size=32, enc_hidden_size=32, enc_num_attention_heads=4, image_size=24 if class_token
+                       else 32, patch_size=8, vision_arch=arch)
+    init_outside_training(SEED, tp_rank=pgs.tp.rank())
+    torch.manual_seed(SEED)
+    encoder = build_vision_encoder(sizes, tp, pgs)
+    gen = torch.Generator().manual_seed(SEED)
+    images = torch.rand(3, 3, sizes.image_size, sizes.image_size, generator=gen).requires_grad_()
+    patches, cp, cp_rank = sizes.patches_per_image, pgs.cp.size(), pgs.cp.rank()
+    # The rows a CP rank emits: patches [c*n//cp, (c+1)*n//cp) of each image (boundary/plan.py)
+    mine = torch.cat([torch.arange(i * patches + cp_rank * patches // cp, i * patches + (cp_rank + 1) * patches // cp)
+                      for i in range(3)])
+    weights = torch.randn(3 * patches, sizes.hidden_size, generator=gen)[mine]
+    rows = encoder(images)
+    (rows * weights).sum().backward()
+    for tensor in [images.grad, *(p.grad for p in encoder.parameters())]:
+        dist.all_reduce(tensor, group=pgs.cp)
+    for param in encoder.parameters():
+        param.main_grad = param.grad
+    grads = full_tensors(encoder, pgs.tp, grads=True)
+    return rows.detach(), mine, images.grad, grads, encoder.decoder.layers[0].self_attention.core_attention.cp
+
+
+def _encoder_cp_pairs(case, ref_pgs):
+    from megatron_hetero.parallel.groups import build_module_groups
+    from megatron_hetero.spec.layout import ModuleLayout
+
+    tp, cp, dp, class_token, pre_norm = ENCODER_CASES[case]
+    pgs = build_module_groups(ModuleLayout(case, "encoder", tp=tp, cp=cp, dp=dp)).pgs
+    rows, mine, image_grad, grads, attention_cp = _run_encoder(pgs, tp, class_token, pre_norm)
+    ref_rows, _, ref_image_grad, ref_grads, _ = _run_encoder(ref_pgs, 1, class_token, pre_norm)
+    assert attention_cp == cp  # real CP attention, not replicas
+    pairs = {"rows": (rows, ref_rows[mine]), "image grad": (image_grad, ref_image_grad)}
+    pairs.update({f"grad {name}": (grads[name], want) for name, want in ref_grads.items()})
+    return pairs
+
+
 def _module_pairs(ours, theirs, *inputs, **kwargs):
     """Outputs, input gradients and parameter gradients of two modules with the same weights."""
     theirs.load_state_dict(ours.state_dict())  # strict: the parameter names match too
@@ -209,6 +276,7 @@ def _worker(rank, world_size):
     # Every rank its own 1-process reference (tp = cp = 1).
     ref_pgs = build_module_groups(ModuleLayout("reference", "llm", dp=world_size)).pgs
     results = {case: _parallel_llm_pairs(case, ref_pgs) for case in CASES}
+    results.update({case: _encoder_cp_pairs(case, ref_pgs) for case in ENCODER_CASES})
     if rank == 0:
         results.update(_megatron_local_pairs(ref_pgs))
     return results
@@ -232,6 +300,15 @@ def _assert_pairs(pairs, rtol, grad_rtol):
 def test_parallel_llm_reproduces_one_process(runs, case):
     """Per-token losses at the rank's positions, gradients of its boundary slots, and every
     parameter's whole gradient (TP-gathered, summed over CP) match the 1-process model."""
+    for rank_results in runs:
+        _assert_pairs(rank_results[case], rtol=1e-5, grad_rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ENCODER_CASES)
+def test_encoder_cp_reproduces_one_process(runs, case):
+    """An encoder under CP (TP, DP and a class token beside it): each rank's rows are its part of
+    every image's, its core attention over the CP group; the images' and every parameter's
+    gradients (summed over CP) match the 1-process encoder."""
     for rank_results in runs:
         _assert_pairs(rank_results[case], rtol=1e-5, grad_rtol=1e-5)
 

@@ -100,7 +100,8 @@ class VLMAdapter:
             shape = (self._llm_seq_local(), share.stop - share.start, self.sizes.hidden_size * blocks)
         else:
             kind = encoder_kind(module.layout)
-            shape = (kind.stage_tokens(self.sizes), len(share), kind.hidden_size(self.sizes))
+            tokens = kind.stage_tokens(self.sizes) // module.layout.sequence_cp  # its CP part of an item
+            shape = (tokens, len(share), kind.hidden_size(self.sizes))
         return torch.empty(shape, dtype=self.dtype, device=_device())
 
     def _item_shapes(self, kind, call: ModelCall) -> tuple[np.ndarray, np.ndarray]:

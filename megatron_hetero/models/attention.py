@@ -11,6 +11,10 @@ causal mask is bottom-right aligned too). No mask is materialized where the kern
 caller's attention_mask is ignored for causal attention; for padding / arbitrary / no_mask an
 explicit mask is honoured (True = masked out, megatron's convention) on SDPA, which needs CP = 1.
 
+Full (no_mask) attention with CP, an encoder's: each CP rank holds a contiguous part of every
+item's tokens (models/encoder.py); keys and values are all-gathered over the CP group the same way
+and every local query attends to all of them.
+
 Packed sequences (several samples back to back in one sequence): megatron-core's PackedSeqParams
 with qkv_format "sbhd", `seq_idx` [b, s], the sample (document) of every position of the whole
 sequence, and `cu_seqlens_q` its document boundaries over the flattened [b * s] (packed_seq_params()
@@ -213,14 +217,21 @@ class SDPAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.cp_group = pg_collection.cp
         self.cp = 1 if self.cp_group is None else self.cp_group.size()
-        if self.cp > 1 and attn_mask_type not in _CAUSAL:
-            raise ValueError(f"context parallelism needs causal attention, not {attn_mask_type.name}")
+        if self.cp > 1 and attn_mask_type not in _CAUSAL + (AttnMaskType.no_mask,):
+            raise ValueError(f"context parallelism needs causal attention or none, not {attn_mask_type.name}")
         # apply_query_key_layer_scaling divides the scale and multiplies the scores back in
         # megatron's softmax: no change to the result, so the plain scale is used.
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.kernel = kernel_for(config.attention_backend, config.kv_channels, config_dtype(config), self.dropout_p,
                                  config.flash_attention_version)
+
+    def _gather_cp(self, t: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Keys or values of the whole sequence from every CP rank's part: in sequence order from
+        the load-balanced chunks under a causal mask; in rank order without one (an encoder's
+        contiguous parts, and full attention does not depend on the keys' order)."""
+        gathered = gather_from_sequence_parallel_region(t, group=self.cp_group)
+        return cp_gathered_to_sequence_order(gathered, self.cp) if causal else gathered
 
     def forward(
         self,
@@ -242,16 +253,11 @@ class SDPAttention(MegatronModule):
                              "cu_seqlens_q (models.attention.packed_seq_params) and causal attention")
         if mask_type not in _CAUSAL + _MASK_OPTIONAL:
             raise ValueError(f"SDPAttention does not support attn_mask_type {mask_type.name}")
-        if self.cp > 1:
-            if mask_type not in _CAUSAL:
-                raise ValueError(f"context parallelism needs causal attention, not {mask_type.name}")
-            key, value = (
-                cp_gathered_to_sequence_order(
-                    gather_from_sequence_parallel_region(t, group=self.cp_group), self.cp
-                )
-                for t in (key, value)
-            )
         causal = mask_type in _CAUSAL
+        if self.cp > 1:
+            if not causal and (mask_type != AttnMaskType.no_mask or attention_mask is not None):
+                raise ValueError(f"context parallelism needs causal attention or none, not {mask_type.name}")
+            key, value = (self._gather_cp(t, causal) for t in (key, value))
         mask = None if causal or attention_mask is None else ~attention_mask
         dropout = self.dropout_p if self.training else 0.0
         # Dropout in a TP region draws from the TP-rank-specific stream, as megatron's attention does.

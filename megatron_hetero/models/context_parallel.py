@@ -2,7 +2,9 @@
 
 The sequence is cut into 2*cp equal chunks; CP rank r holds chunks r and 2*cp-1-r, concatenated in
 that order (megatron-core `get_batch_on_this_cp_rank`). Causal attention then costs every rank the
-same: an early chunk (few keys) is paired with a late one (many keys).
+same: an early chunk (few keys) is paired with a late one (many keys). An encoder's full attention
+costs every query the same: its CP rank r holds the r-th of cp contiguous parts of an item's tokens
+(`contiguous_part`), as the boundary expects its rows.
 """
 
 import torch
@@ -38,3 +40,11 @@ def cp_gathered_to_sequence_order(gathered: torch.Tensor, cp: int) -> torch.Tens
     order: first halves are chunks 0..cp-1, second halves chunks 2cp-1..cp."""
     halves = gathered.unflatten(0, (cp, 2, -1))
     return torch.cat([halves[:, 0], halves[:, 1].flip(0)]).flatten(0, 1)
+
+
+def contiguous_part(tensor: torch.Tensor, seq_dim: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The cp_rank-th of cp equal contiguous parts of `tensor` along seq_dim (a view)."""
+    n = tensor.shape[seq_dim]
+    if n % cp:
+        raise ValueError(f"{n} tokens do not split into cp={cp} equal parts")
+    return tensor.narrow(seq_dim, cp_rank * (n // cp), n // cp)

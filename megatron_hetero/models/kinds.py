@@ -19,6 +19,7 @@ class EncoderKind:
     tokens_per_item: Callable[[ModelSizes], int]  # rows an item sends into the LLM sequence
     stage_tokens: Callable[[ModelSizes], int]  # tokens an item has between its pipeline stages
     builder: str  # function in megatron_hetero.models.vlm: (sizes, tp, pgs, whole=...) -> a stage
+    item_flags: str  # the flags that set an item's tokens (named where the encoder's CP must divide them)
 
     def size_flags(self, args) -> list[tuple[str, int]]:
         """(flag, value) for the kind's layers, hidden size and attention heads."""
@@ -42,9 +43,10 @@ class EncoderKind:
 ENCODER_KINDS = {
     # An imported CLIP tower's class token travels between stages, but is not projected into the LLM.
     "vision": EncoderKind("vision", "images", "enc", lambda s: s.patches_per_image,
-                          lambda s: s.patches_per_image + int(s.vision_arch.class_token), "build_vision_encoder"),
+                          lambda s: s.patches_per_image + int(s.vision_arch.class_token), "build_vision_encoder",
+                          "--image-size / --patch-size"),
     "audio": EncoderKind("audio", "audio", "audio", lambda s: s.tokens_per_clip, lambda s: s.tokens_per_clip,
-                         "build_audio_encoder"),
+                         "build_audio_encoder", "--audio-frames / 4"),
 }
 
 

@@ -130,7 +130,9 @@ class ModuleLayout:
     # same ranks as the dense one: ep x etp divides tp x cp x dp.
     ep: int = 1
     etp: int = 0
-    # An encoder's cp ranks as Megatron's homogeneous layout has them under an LLM with CP: each of
+    # An encoder's cp ranks split each item's tokens into cp contiguous parts (full attention over
+    # the CP group: models/encoder.py). With cp_replicated they instead replicate it, as
+    # Megatron's homogeneous layout has them under an LLM with CP: each of
     # them encodes the same items whole (the encoder is replicated over the LLM's CP ranks), each
     # sends on the rows its own LLM CP rank takes and gets back their gradients only, and the
     # weight gradients are summed over cp with dp. A baseline to measure against, colocated only.
@@ -230,6 +232,12 @@ class ModuleLayout:
         for axis, extent in zip(EXPERT_AXES, self.expert_grid_shape()):
             offset, result[axis] = divmod(offset, extent)
         return result
+
+    @property
+    def sequence_cp(self) -> int:
+        """The CP ranks a sequence (an encoder's item) splits over: cp, but 1 for an encoder
+        replicated over cp."""
+        return 1 if self.cp_replicated else self.cp
 
     @property
     def size(self) -> int:

@@ -67,13 +67,22 @@ def node_problem(module: ModuleLayout, gpus_per_node: int) -> str | None:
     return None
 
 
-def encoder_cp_problem(encoder: ModuleLayout, replicated: bool = False) -> str | None:
-    """An encoder does not split its sequence (one image or clip) over CP; its cp ranks can only
-    replicate it, as Megatron's homogeneous layout does under an LLM with CP (`cp_replicated`, or
-    `replicated`: the planner's homogeneous candidates)."""
-    if encoder.cp != 1 and not (replicated or encoder.cp_replicated):
-        return (f"module {encoder.name}: encoders train with cp=1 (a sequence is one image or clip); "
-                f"set cp: 1 and use dp for its ranks, or cp_replicated: true for Megatron's replicated encoder")
+def encoder_cp_problem(encoder: ModuleLayout, tokens: int | None, sizes: str = "") -> str | None:
+    """An encoder's cp ranks split each item's tokens (an image's patches and class token, a clip's
+    frames) into cp equal contiguous parts, its attention over all of them (`cp_replicated`: they
+    replicate the item instead, Megatron's homogeneous layout under an LLM with CP). tokens: an
+    item's tokens in the encoder, None for an encoder that does not split its items (a VLM family's
+    vision tower); sizes: the flags that set the tokens."""
+    cp = encoder.sequence_cp
+    if cp == 1:
+        return None
+    if tokens is None:
+        return (f"module {encoder.name}: cp={cp} splits each item's tokens over cp ranks, which this model's "
+                f"{encoder.kind} encoder does not; set cp: 1 and use dp for its ranks, or cp_replicated: true")
+    if tokens % cp:
+        divisors = ", ".join(str(d) for d in range(1, tokens + 1) if tokens % d == 0)
+        return (f"module {encoder.name}: cp={cp} does not divide an item's {tokens} encoder tokens{sizes}; set cp: "
+                f"to a divisor ({divisors}) or change the item size")
     return None
 
 

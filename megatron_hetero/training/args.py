@@ -178,15 +178,14 @@ def parse_script_args(argv: list[str], validate: bool = True):
 
 def check_trainable(layout) -> None:
     """Layouts the schedules and models here run (everything else the layout allows is served by the
-    boundary, see verify_layout): encoders of registered kinds, without CP, colocated ones without PP,
-    a trainable LLM."""
+    boundary, see verify_layout): encoders of registered kinds, colocated ones without PP, a
+    trainable LLM (an encoder's CP against its item size: check_args)."""
     for module in layout.encoders:
         try:
             encoder_kind(module)
         except UnknownKindError as error:
             raise ArgsError(str(error)) from None
-        rules.check(ArgsError, rules.encoder_cp_problem(module),
-                    rules.encoder_pp_problem(module, layout.placement))
+        rules.check(ArgsError, rules.encoder_pp_problem(module, layout.placement))
     rules.check(ArgsError, rules.llm_freeze_problem(layout.llm))
 
 
@@ -205,13 +204,18 @@ def image_counts(args) -> tuple[int, int]:
 
 def _check_stages(args, layout) -> None:
     """Layers split evenly over pipeline stages; sequences fit a sample and split evenly over CP
-    chunks and SP parts."""
+    chunks and SP parts; an encoder's items over its CP ranks."""
     layers = {layout.llm.name: ("num-layers", args.num_layers)}
     layers.update({m.name: encoder_kind(m).size_flags(args)[0] for m in layout.encoders})
     for module in layout.modules:
         flag, n = layers[module.name]
         rules.check(ArgsError, rules.stages_problem(module, n, f"--{flag}"))
     rules.check(ArgsError, rules.sequence_problem(args.seq_length, layout.llm))
+    for module in layout.encoders:
+        kind = encoder_kind(module)
+        # A family's vision tower takes native-resolution images: items of any size
+        tokens = None if model_family(args) and kind.name == "vision" else kind.stage_tokens(model_sizes(args))
+        rules.check(ArgsError, rules.encoder_cp_problem(module, tokens, f" ({kind.item_flags})"))
     if args.data_path or model_family(args):  # a sample longer than --seq-length is skipped (data/conversations.py)
         return
     sizes = model_sizes(args)
