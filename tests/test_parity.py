@@ -242,6 +242,40 @@ def test_variable_images_reproduce_one_process(references, tmp_path, layout_name
     _assert_reproduces(run, references(reference_name, flags))
 
 
+# Encoder CP: each image's patches split over the encoder's CP ranks, full attention across them
+# (models/encoder.py), into LLM layouts of every kind: layout -> (world size, reference, flags, layout
+# text for a layout written here). Colocated LLM TP, colocated LLM CP/DP and non-colocated LLM DP in
+# `make test`; the rest under `families`.
+ENCODER_CP_CASES = {
+    "colocated_vcp2_ltp2": (2, "single", [], None),
+    "non_colocated_vcp2_ldp2": (4, "single", [], None),
+    "colocated_vcp2dp2_lcp2dp2": (4, "single", [], None),
+    # 0-2 images a sample over vision DP 2: CP ranks of a DP rank without items idle together
+    "colocated_vcp2dp2_ltp2sp_variable": (4, "single", VARIABLE, "vision: {role: encoder, cp: 2, dp: 2}\n"
+                                                              "  llm: {role: llm, tp: 2, dp: 2, sp: true}"),
+    # an encoder pipelined over CP parts: stage hidden states are each rank's part
+    "non_colocated_vcp2pp2_lpp2": (6, "single", [], None),
+    # the audio encoder's clips split too (CP with TP), beside a DP vision encoder
+    "colocated_two_encoders_atp2cp2": (4, "single_two_encoders", TWO_ENCODERS,
+                                       "vision: {role: encoder, dp: 4}\n  audio: {role: encoder, cp: 2, tp: 2}\n"
+                                    "  llm: {role: llm, tp: 2, dp: 2}\nedges: [vision -> llm, audio -> llm]"),
+}
+ENCODER_CP_IN_MAKE_TEST = ("colocated_vcp2_ltp2", "colocated_vcp2dp2_lcp2dp2", "non_colocated_vcp2_ldp2")
+
+
+@pytest.mark.parametrize("layout_name", [name if name in ENCODER_CP_IN_MAKE_TEST else
+                                         pytest.param(name, marks=pytest.mark.families)
+                                         for name in ENCODER_CP_CASES])
+def test_encoder_cp_reproduces_one_process(references, tmp_path, layout_name):
+    world_size, reference_name, flags, modules = ENCODER_CP_CASES[layout_name]
+    layout = LAYOUTS / f"{layout_name}.yaml"
+    if modules is not None:
+        layout = tmp_path / f"{layout_name}.yaml"
+        layout.write_text(f"placement: colocated\nmodules:\n  {modules}\n")
+    run = _run(tmp_path / layout_name, layout, world_size, flags)
+    _assert_reproduces(run, references(reference_name, flags))
+
+
 # Sequence packing: 2 samples back to back per LLM sequence of twice the length, attention kept
 # within each, against the unpacked 1-process run on the same samples (the same samples per LLM DP
 # rank: micro batch 2 packs into 1 sequence).
