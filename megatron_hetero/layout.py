@@ -1,12 +1,15 @@
 """`python -m megatron_hetero.layout check FILE --world-size N [--model-sizes MODEL_JSON]`: a layout
 file validated (spec/layout.py) and its rank map printed; with a model.json, the model's DeepStack
-edges checked against the layout's (the family's, so this command sits above families/)."""
+edges checked against the layout's (the family's, so this command sits above families/) and each
+encoder's CP against its items (spec/rules.py)."""
 
 import argparse
 import json
 import sys
 
 from megatron_hetero.families import family_named
+from megatron_hetero.models.kinds import ENCODER_KINDS, item_tokens
+from megatron_hetero.spec import rules
 from megatron_hetero.spec.layout import HeteroLayout, LayoutError, deepstack_problem, deepstack_stages, load_layout
 from megatron_hetero.spec.sizes import sizes_from_dict
 
@@ -22,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("file", metavar="FILE", help="layout YAML file")
     check.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
     check.add_argument("--model-sizes", metavar="MODEL_JSON", help="a model.json (hf import): check the layout's "
-                       "DeepStack edges against the model's and print the llm stage that adds each")
+                       "DeepStack edges and encoder CP against the model's and print the llm stage that adds each "
+                       "DeepStack block")
     args = parser.parse_args(argv)
     try:
         layout = load_layout(args.file, args.world_size)
@@ -46,7 +50,8 @@ def _model_edges(layout: HeteroLayout, model_file: str) -> list[str]:
     if sizes.num_layers % layout.llm.pp:
         raise LayoutError(f"model.json's num_layers {sizes.num_layers} is not divisible by module "
                           f"{layout.llm.name}'s pp={layout.llm.pp}; use a divisor")
-    problem = deepstack_problem(layout, vision, deepstack)
+    problem = rules.first_problem(deepstack_problem(layout, vision, deepstack), *(
+        rules.encoder_cp_problem(m, item_tokens(m, sizes)) for m in layout.encoders if m.kind in ENCODER_KINDS))
     if problem:
         raise LayoutError(problem)
     return deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)

@@ -80,10 +80,16 @@ def _run(args, tmp_path, layout_text=None):
      "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4, microbatches: 2}\n"
      "  llm: {role: llm, dp: 2, pp: 2}\n",
      "module vision: microbatches: 2 runs under the recompute schedule, not --hetero-colocated-schedule three-phase"),
+    # an encoder's CP splits an item's tokens: 16 patches do not split over cp 3
     (["--hetero-layout", "layout.yaml"],
-     "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 2, ranks: 0-1}\n"
-     "  llm: {role: llm, dp: 2, ranks: 2-3}\n",
-     "module vision: encoders train with cp=1"),
+     "placement: non_colocated\nmodules:\n  vision: {role: encoder, cp: 3, ranks: 0-2}\n"
+     "  llm: {role: llm, ranks: 3-3}\n",
+     "module vision: cp=3 does not divide an item's 16 encoder tokens (--image-size / --patch-size); set cp: to "
+     "a divisor (1, 2, 4, 8, 16)"),
+    (["--hetero-layout", "layout.yaml", "--audio-frames", "8"],
+     "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 4}\n  audio: {role: encoder, cp: 4}\n"
+     "  llm: {role: llm, tp: 4}\nedges: [vision -> llm, audio -> llm]\n",
+     "module audio: cp=4 does not divide an item's 2 encoder tokens (--audio-frames / 4)"),
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_1_3.yaml"),
       "--global-batch-size", "10", "--micro-batch-size", "1"], None, "use a multiple of 3"),
     (["--hetero-layout", str(ROOT / "examples" / "layouts" / "non_colocated_2_2.yaml"),

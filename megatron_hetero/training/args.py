@@ -16,7 +16,7 @@ from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.families import UnknownFamilyError, family_named
-from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
+from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind, item_tokens
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.arg_files import expand_arg_files
 from megatron_hetero.spec.layout import deepstack_problem
@@ -212,10 +212,8 @@ def _check_stages(args, layout) -> None:
         rules.check(ArgsError, rules.stages_problem(module, n, f"--{flag}"))
     rules.check(ArgsError, rules.sequence_problem(args.seq_length, layout.llm))
     for module in layout.encoders:
-        kind = encoder_kind(module)
-        # A family's vision tower takes native-resolution images: items of any size
-        tokens = None if model_family(args) and kind.name == "vision" else kind.stage_tokens(model_sizes(args))
-        rules.check(ArgsError, rules.encoder_cp_problem(module, tokens, f" ({kind.item_flags})"))
+        rules.check(ArgsError, rules.encoder_cp_problem(module, item_tokens(module, model_sizes(args)),
+                                                        f" ({encoder_kind(module).item_flags})"))
     if args.data_path or model_family(args):  # a sample longer than --seq-length is skipped (data/conversations.py)
         return
     sizes = model_sizes(args)
