@@ -29,7 +29,7 @@ from megatron_hetero.planner import (
     plan,
 )
 from megatron_hetero.planner.calibration import CALIBRATIONS, LayerKey
-from megatron_hetero.planner.candidates import Recompute, encoder_batchings
+from megatron_hetero.planner.candidates import Recompute, encoder_batchings, encoder_layouts
 from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
 from megatron_hetero.spec.layout import AXES, ModuleLayout, load_layout, parse_layout
 from tests.tool_cli import run_tool
@@ -43,6 +43,27 @@ def tiny_workload(frozen=False):
     vision = ModuleShape("vision", "encoder", hidden=4, layers=2, heads=1, ffn=8, tokens_per_item=4,
                          items_per_sample=1, output_tokens_per_item=2, projector_ffn=6, frozen=frozen)
     return Workload((vision,), llm, global_batch=3)
+
+
+def test_encoder_cp_splits_its_tokens_work_and_activations():
+    """An encoder's CP ranks each run 1/cp of every item's tokens (each query still over the whole
+    item: the attention's FLOPs split with them), gather its keys and values, and keep 1/cp of its
+    activations; replicas (cp_replicated) keep the whole item's. The planner lists encoder CP where it
+    divides the items' tokens."""
+    workload = tiny_workload()
+    vision = workload.encoders[0]
+    model = CostModel(workload, Cluster(4, 150), Calibration())
+    whole, split = ModuleLayout("vision", "encoder"), ModuleLayout("vision", "encoder", cp=2)
+    replicas = replace(split, cp_replicated=True)
+    assert model.activation_bytes(vision, split, 4, 0) == model.activation_bytes(vision, whole, 4, 0) / 2
+    assert model.activation_bytes(vision, replicas, 4, 0) == model.activation_bytes(vision, whole, 4, 0)
+    (forward, _), (forward_cp, _) = (model.microbatch_pass(vision, layout, 4, 0) for layout in (whole, split))
+    assert forward_cp.compute == pytest.approx(forward.compute / 2, rel=1e-12)  # the projector's rows split too
+    assert forward_cp.cp_comm > 0 == forward.cp_comm
+    cps = {layout.cp for layout in encoder_layouts(vision, 4, 0, Cluster(4, 150), "colocated")}
+    assert cps == {1, 2, 4}  # 4 tokens an item
+    assert {layout.cp for layout in encoder_layouts(replace(vision, tokens_per_item=3, output_tokens_per_item=0), 4,
+                                                    0, Cluster(4, 150), "colocated")} == {1}
 
 
 def test_flops_match_a_hand_count():
@@ -101,8 +122,14 @@ def test_layout_rules_refuse_what_the_trainer_refuses():
     assert "heads" in layout_problem(vision, ModuleLayout("vision", "encoder", tp=3), "colocated", cluster)
     assert "layers" in layout_problem(llm, ModuleLayout("llm", "llm", pp=3), "colocated", cluster)
     encoder_cp2, encoder_pp3 = ModuleLayout("vision", "encoder", cp=2), ModuleLayout("vision", "encoder", pp=3)
-    assert "encoders train with cp=1" in layout_problem(vision, encoder_cp2, "colocated", cluster)
-    assert layout_problem(vision, encoder_cp2, "homogeneous", cluster) is None  # replicated over the LLM's CP
+    # an encoder's CP splits an item's 729 tokens: by 3, not by 2; replicas (the baseline's) need not
+    assert "cp=2 does not divide an item's 729 encoder tokens" in layout_problem(vision, encoder_cp2, "colocated",
+                                                                                 cluster)
+    assert layout_problem(vision, replace(encoder_cp2, cp=3), "non_colocated", cluster) is None
+    replicated = replace(encoder_cp2, cp_replicated=True)
+    assert layout_problem(vision, replicated, "homogeneous", cluster) is None  # replicated over the LLM's CP
+    family = replace(vision, tokens_per_item=1024, cp_splits_items=False)  # a VLM family's tower: never split
+    assert "which this model's vision encoder does not" in layout_problem(family, encoder_cp2, "colocated", cluster)
     assert "encoder runs unpipelined" in layout_problem(vision, encoder_pp3, "colocated", cluster)
     assert layout_problem(vision, encoder_pp3, "non_colocated", cluster) is None
     assert "node" in layout_problem(llm, ModuleLayout("llm", "llm", tp=16), "colocated", cluster)
@@ -304,8 +331,8 @@ def test_calibration_refuses_times_faster_than_the_ceiling_and_module_keyed_time
         Calibration.from_dict({"layer_forward_us_per_token": {"llm": {"2": 0.6}}})
     with pytest.raises(ValueError, match="entry 1: us missing"):
         Calibration.from_dict({"layer_forward_us_per_token": [entry]})
-    with pytest.raises(ValueError, match="entry 1: cp must be 1 for an encoder"):
-        Calibration.from_dict({"layer_forward_us_per_token": [{**entry, "role": "encoder", "cp": 2, "us": 1.0}]})
+    with pytest.raises(ValueError, match="entry 1: cp must be a positive integer"):
+        Calibration.from_dict({"layer_forward_us_per_token": [{**entry, "role": "encoder", "cp": 0, "us": 1.0}]})
 
 
 def test_layer_times_keyed_by_shape_round_trip():

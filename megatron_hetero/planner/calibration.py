@@ -51,7 +51,8 @@ DEFAULT_CALIBRATION = CALIBRATIONS / "calibration_h200.json"
 class LayerKey:
     """What a measured layer time is for: the layer's shape (`role` encoder attends over one item,
     bidirectionally; llm causally over its sequence), the tokens of that item or sequence, and the
-    layout's TP and CP sizes (a GPU holds sequence / cp of those tokens)."""
+    layout's TP and CP sizes (a GPU holds sequence / cp of those tokens: an encoder's CP splits each
+    item)."""
 
     role: str
     hidden: int
@@ -73,8 +74,6 @@ class LayerKey:
         for key in ("hidden", "ffn", "heads", "kv_heads", "sequence", "tp", "cp"):
             if not positive_int(getattr(self, key)):
                 raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
-        if self.cp > 1 and self.role == "encoder":
-            raise ValueError("cp must be 1 for an encoder (an item is one sequence)")
         self.shape  # the shape's own checks (heads divide hidden, kv_heads divide heads)
 
     @classmethod

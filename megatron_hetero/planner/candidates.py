@@ -100,14 +100,15 @@ def _divisors(n: int) -> list[int]:
 
 def layout_problem(shape: ModuleShape, layout: ModuleLayout, placement: str, cluster: Cluster) -> str | None:
     """Why megatron-core or the trainer would refuse this module layout, or None: the trainer's
-    rules (megatron_hetero.spec.rules) for the workload's sizes, with TP within a node, and the
-    homogeneous baseline's encoder CP a replication."""
+    rules (megatron_hetero.spec.rules) for the workload's sizes, with TP within a node (an
+    encoder's CP splitting its items' tokens, or replicating them in the homogeneous baseline)."""
     problems = [rules.node_problem(layout, cluster.gpus_per_node),
                 rules.heads_problem(layout, shape.heads, "heads"),
                 rules.heads_problem(layout, shape.kv_groups, "kv_heads"),
                 rules.stages_problem(layout, shape.layers, "layers")]
     if shape.role == "encoder":
-        problems += [rules.encoder_cp_problem(layout, replicated=placement == "homogeneous"),
+        tokens = shape.layer_tokens_per_item if shape.cp_splits_items else None
+        problems += [rules.encoder_cp_problem(layout, tokens, " (tokens_per_item + class_tokens)"),
                      rules.encoder_pp_problem(layout, placement)]
     else:
         problems += [rules.sequence_problem(shape.seq_length, layout),
@@ -139,9 +140,10 @@ def llm_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Cluster
 
 
 def encoder_layouts(shape: ModuleShape, gpus: int, first_rank: int, cluster: Cluster, placement: str):
-    """Every encoder layout on `gpus` GPUs the trainer runs in this placement."""
-    for sizes in _factorizations(gpus, ("tp", "pp")):
-        dp = gpus // (sizes["tp"] * sizes["pp"])
+    """Every encoder layout on `gpus` GPUs the trainer runs in this placement (CP where it splits
+    the items' tokens evenly)."""
+    for sizes in _factorizations(gpus, ("tp", "cp", "pp")):
+        dp = gpus // (sizes["tp"] * sizes["cp"] * sizes["pp"])
         layout = ModuleLayout(shape.name, "encoder", dp=dp, freeze=shape.frozen, first_rank=first_rank, **sizes)
         if layout_problem(shape, layout, placement, cluster) is None:
             yield layout

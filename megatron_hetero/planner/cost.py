@@ -28,9 +28,9 @@ GB = 1e9
 
 
 def split_cp(shape: ModuleShape, layout: ModuleLayout) -> int:
-    """The CP size that splits the module's sequence: the LLM's cp; an encoder never splits an item
-    (its cp, in the homogeneous baseline, replicates it)."""
-    return layout.cp if shape.role == "llm" else 1
+    """The CP size that splits the module's sequence: the LLM's cp; an encoder's its items' tokens
+    (but for cp_replicated, the homogeneous baseline's, which replicates each item)."""
+    return layout.sequence_cp
 
 
 def layer_key(shape: ModuleShape, layout: ModuleLayout) -> LayerKey:
@@ -179,11 +179,12 @@ class CostModel:
                         recomputed: int) -> tuple[Seconds, Seconds]:
         """(forward, backward) of `samples` samples through the whole module (all its layers; a
         pipeline stage does 1/pp of it) on one GPU of one DP replica. The LLM splits each sequence
-        over CP; an encoder never does (its layout's cp, in the homogeneous baseline, replicates
-        it). A measured time for the layer's shape and layout replaces the curve and the TP and CP
-        communication. Backward: 2 x the forward FLOPs (input and weight gradients) and the same
-        collectives in reverse (TP: two per layer; CP: a reduce-scatter of dK and dV); with
-        `recomputed` layers of each stage recomputing, their forward once more."""
+        over CP, an encoder each item (split_cp), each query still attending to every key of the
+        sequence or item: the attention's FLOPs split with the tokens. A measured time for the
+        layer's shape and layout replaces the curve and the TP and CP communication. Backward: 2 x
+        the forward FLOPs (input and weight gradients) and the same collectives in reverse (TP: two
+        per layer; CP: a reduce-scatter of dK and dV); with `recomputed` layers of each stage
+        recomputing, their forward once more."""
         key = (shape.name, layout.tp, layout.cp, layout.ep, layout.pp, samples, recomputed)
         if key not in self._passes:
             cp = split_cp(shape, layout)
@@ -304,12 +305,12 @@ class CostModel:
 
     def non_colocated_boundary_s(self, shape: ModuleShape, layout: ModuleLayout, candidate: Candidate) -> float:
         """One microbatch's rows from an encoder's last stage to the LLM's first, point to point;
-        the busier end (the encoder GPUs sending, spread over its TP ranks, or the LLM GPUs
-        receiving) sets the time. Ranks of another module are taken as one node away unless the
-        whole cluster is one node."""
+        the busier end (the encoder GPUs sending, spread over its TP ranks, each CP rank its part
+        of the rows, or the LLM GPUs receiving) sets the time. Ranks of another module are taken as
+        one node away unless the whole cluster is one node."""
         llm = candidate.llm
         rows = self.rows_bytes(candidate.micro_batch * llm.dp, shape)
-        nbytes = max(rows / (layout.dp * layout.tp), rows / (llm.tp * llm.cp * llm.dp))
+        nbytes = max(rows / (layout.dp * layout.tp * split_cp(shape, layout)), rows / (llm.tp * llm.cp * llm.dp))
         one_node = self.cluster.gpus <= self.cluster.gpus_per_node
         gbps = self.calibration.p2p_gbps if one_node else self.calibration.network_gbps
         return self._boundary_s(nbytes, gbps, not shape.frozen)

@@ -11,8 +11,9 @@ tower differently, so each has its own shape here, counting what its model compu
   4h -> LLM hidden, GELU, Linear);
 - Qwen3-VL: native-resolution images attending within themselves (no windows), GELU MLPs, the
   merger and one DeepStack merger of the same shape per DeepStack layer on every row;
-and the LLM from text_config: grouped-query attention with its own head size (Qwen3's 128 need not
-be hidden / heads), SwiGLU, and for Qwen3-VL-MoE the top-k of its experts per token.
+none of them splits an item over CP (cp_splits_items); and the LLM from text_config: grouped-query
+attention with its own head size (Qwen3's 128 need not be hidden / heads), SwiGLU, and for
+Qwen3-VL-MoE the top-k of its experts per token.
 
 Plain data and arithmetic (no transformers import): tests/test_family_flops.py checks each family's
 count against the matmul FLOPs of its model's forward, and the image grids and tiles against the
@@ -180,7 +181,8 @@ def _native_vision(v: dict, grids: list[tuple[int, int]], gated: bool, keys: flo
                        ffn=v["intermediate_size"], gated_mlp=gated, tokens_per_item=tokens,
                        items_per_sample=len(grids), output_tokens_per_item=tokens // merge**2,
                        projector_ffn=v["hidden_size"] * merge**2, attention_keys=keys,
-                       patch_dim=3 * v["temporal_patch_size"] * v["patch_size"] ** 2, deepstack=deepstack)
+                       patch_dim=3 * v["temporal_patch_size"] * v["patch_size"] ** 2, deepstack=deepstack,
+                       cp_splits_items=False)
 
 
 def qwen2_5_vl_vision(config: dict, grids: list) -> ModuleShape:
@@ -209,7 +211,7 @@ def internvl_vision(config: dict, tiles: list) -> ModuleShape:
                        heads=v["num_attention_heads"], ffn=v["intermediate_size"], tokens_per_item=patches,
                        class_tokens=1, items_per_sample=sum(tiles),
                        output_tokens_per_item=patches // shuffle**2, projector_ffn=config["text_config"]["hidden_size"],
-                       patch_dim=3 * v["patch_size"] ** 2)
+                       patch_dim=3 * v["patch_size"] ** 2, cp_splits_items=False)
 
 
 VISION_SHAPES = {"qwen2_5_vl": qwen2_5_vl_vision, "qwen3_vl": qwen3_vl_vision, "qwen3_vl_moe": qwen3_vl_vision,

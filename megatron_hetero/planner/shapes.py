@@ -70,12 +70,15 @@ class ModuleShape:
     # Keys a query attends to, averaged over the tokens and layers (counts.window_attention_keys:
     # items of several sizes, windowed layers); 0: its whole item (encoders), half the sequence (the llm).
     attention_keys: float = 0.0
+    # Whether the encoder's CP ranks can split an item's tokens (this project's encoders, full
+    # attention over the CP group); false for the VLM families' vision towers, which train with cp 1.
+    cp_splits_items: bool = True
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"module name must be a non-empty string, got {self.name!r}")
         where = f"module {self.name}"
-        for key in ("gated_mlp", "frozen"):
+        for key in ("gated_mlp", "frozen", "cp_splits_items"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{where}: {key} must be true or false, got {getattr(self, key)!r}")
         if self.role not in ("encoder", "llm"):
