@@ -83,6 +83,21 @@ def test_packed_llm_keeps_our_attention_where_te_imports(monkeypatch):
     assert layer.submodules.self_attention.submodules.core_attention is SDPAttention
 
 
+def test_encoder_cp_keeps_our_attention_where_te_imports(monkeypatch):
+    """An encoder's CP parts run our attention (checked below against one process) even where
+    Transformer Engine imports; without CP it gets TE's layers."""
+    from types import SimpleNamespace
+
+    from megatron_hetero.models import specs
+    from megatron_hetero.models.attention import SDPAttention
+
+    monkeypatch.setattr(specs, "HAVE_TE", True)
+    groups = {cp: SimpleNamespace(cp=SimpleNamespace(size=lambda cp=cp: cp), tp=None) for cp in (1, 2)}
+    assert specs.encoder_uses_te(groups[1]) and not specs.encoder_uses_te(groups[2])
+    layer = specs.encoder_layer_spec(groups[2])
+    assert layer.submodules.self_attention.submodules.core_attention is SDPAttention
+
+
 # ---- distributed: one launch computes (got, want) pairs for every test below ----------------------
 def _sizes(qk_norm: bool):
     from megatron_hetero.spec.sizes import LLMArch, ModelSizes

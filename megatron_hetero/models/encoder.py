@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.context_parallel import contiguous_part
 from megatron_hetero.models.norm import SequenceParallelNorm
-from megatron_hetero.models.specs import block_spec, encoder_layer_spec
+from megatron_hetero.models.specs import block_spec, encoder_layer_spec, encoder_uses_te
 
 
 class StageEncoder(MegatronModule):
@@ -86,9 +86,10 @@ class StageEncoder(MegatronModule):
             self.position_embedding = torch.nn.Parameter(torch.empty(self.class_tokens + tokens_per_item, hidden))
             config.init_method(self.position_embedding)
             self.pre_norm = SequenceParallelNorm(config, hidden, config.layernorm_epsilon) if pre_norm else None
+        te = encoder_uses_te(pg_collection)
         self.decoder = TransformerBlock(
             config=config,
-            spec=block or block_spec(encoder_layer_spec(pg_collection), config, pg_collection),
+            spec=block or block_spec(encoder_layer_spec(pg_collection, te), config, pg_collection, te),
             # The block reads forward's argument only when pre_process is set: every stage's input
             # arrives as forward's argument here, so the block never needs set_input_tensor.
             pre_process=True,

@@ -78,9 +78,18 @@ def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_expe
     return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm), pg_collection)
 
 
-def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None) -> ModuleSpec:
-    """Bidirectional (no mask) layer for encoders."""
-    if uses_te():
+def encoder_uses_te(pg_collection: ProcessGroupCollection | None) -> bool:
+    """Transformer Engine's layers for an encoder where TE imports, but not under CP: an encoder's CP
+    parts are contiguous, attended to in full through our attention's gather (models/encoder.py),
+    the path its tests check against one process."""
+    cp = pg_collection.cp if pg_collection is not None else None
+    return uses_te() and (cp is None or cp.size() == 1)
+
+
+def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None, te: bool | None = None) -> ModuleSpec:
+    """Bidirectional (no mask) layer for encoders; te: Transformer Engine's layers (default:
+    encoder_uses_te)."""
+    if encoder_uses_te(pg_collection) if te is None else te:
         return get_vit_layer_with_transformer_engine_spec()
     return with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
 

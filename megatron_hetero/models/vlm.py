@@ -91,7 +91,7 @@ def build_encoder(cls, dims, inputs, sizes, tp, pgs, dtype, whole, config_arch=T
     further fields of both configs."""
     pp, first, last = _stage(pgs, whole)
     overrides = config_overrides or {}
-    # Its CP size, `pgs.cp`'s (1 for an encoder replicated over cp): Transformer Engine's attention reads it.
+    # Its CP size, `pgs.cp`'s (1 for an encoder replicated over cp), as the LLM's config has its own.
     enc = transformer_config(*dims, tp, dtype, pp, cp=pgs.cp.size(), arch=config_arch, **overrides)
     # The projector is an MLP into the LLM's hidden size, in the encoder's TP group.
     proj = transformer_config(sizes.hidden_size, 1, sizes.num_attention_heads, tp, dtype, arch=projector_arch,
