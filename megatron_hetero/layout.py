@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from megatron_hetero.families import family_named
-from megatron_hetero.models.kinds import ENCODER_KINDS, item_tokens
+from megatron_hetero.families import encoder_cp_tokens, family_named
+from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.layout import HeteroLayout, LayoutError, deepstack_problem, deepstack_stages, load_layout
 from megatron_hetero.spec.sizes import sizes_from_dict
@@ -51,7 +51,7 @@ def _model_edges(layout: HeteroLayout, model_file: str) -> list[str]:
         raise LayoutError(f"model.json's num_layers {sizes.num_layers} is not divisible by module "
                           f"{layout.llm.name}'s pp={layout.llm.pp}; use a divisor")
     problem = rules.first_problem(deepstack_problem(layout, vision, deepstack), *(
-        rules.encoder_cp_problem(m, item_tokens(m, sizes)) for m in layout.encoders if m.kind in ENCODER_KINDS))
+        rules.encoder_cp_problem(m, encoder_cp_tokens(m, sizes)) for m in layout.encoders if m.kind in ENCODER_KINDS))
     if problem:
         raise LayoutError(problem)
     return deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)

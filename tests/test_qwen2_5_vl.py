@@ -24,8 +24,9 @@ from tests.vlm_fixtures import IMAGE_SIZES, MAX_PIXELS, MERGE, PATCH, conversati
 SEQ = 256
 TOL = 1e-4
 # 2-rank layouts: vision TP2 (LLM DP2), vision DP2 -> LLM TP2 without and with SP, LLM CP2, LLM PP2,
-# non-colocated.
+# non-colocated, vision CP2 (each image's merge blocks split, windows cut between the ranks) -> LLM TP2.
 LAYOUTS = {
+    "vcp2_ltp2": "placement: colocated\nmodules:\n  vision: {role: encoder, cp: 2}\n  llm: {role: llm, tp: 2}\n",
     "vtp2": "placement: colocated\nmodules:\n  vision: {role: encoder, tp: 2}\n  llm: {role: llm, dp: 2}\n",
     "vdp2_ltp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n",
     "vdp2_ltp2sp": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n"

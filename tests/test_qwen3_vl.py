@@ -41,6 +41,8 @@ LAYOUTS = {
     "vdp2_ltp2sp": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2, sp: true}\n",
     "lpp2": _C + "  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n",
     "lcp2": _C + "  vision: {role: encoder, tp: 2}\n  llm: {role: llm, cp: 2}\n",
+    # each image's merge blocks split over vision CP2, DeepStack rows with them
+    "vcp2_lcp2": _C + "  vision: {role: encoder, cp: 2}\n  llm: {role: llm, cp: 2}\n",
     "noncolocated_lpp2": "placement: non_colocated\nmodules:\n  vision: {role: encoder, ranks: 0-0}\n"
                          "  llm: {role: llm, pp: 2, ranks: 1-2}\n",
 }
@@ -109,8 +111,9 @@ def _compare_under(fixture, names, world, tmp_path):
 
 def test_compare_under_layouts(dense, tmp_path):
     """`hf compare --hetero-layout` on 2 processes: vision DP2 -> LLM TP2 with SP, LLM PP2 (DeepStack
-    rows into layer 1 cross the stage boundary), vision TP2 -> LLM CP2: transformers' logits within 1e-4."""
-    _compare_under(dense, ["vdp2_ltp2sp", "lpp2", "lcp2"], 2, tmp_path)
+    rows into layer 1 cross the stage boundary), vision TP2 -> LLM CP2, vision CP2 -> LLM CP2:
+    transformers' logits within 1e-4."""
+    _compare_under(dense, ["vdp2_ltp2sp", "lpp2", "lcp2", "vcp2_lcp2"], 2, tmp_path)
 
 
 def test_compare_moe_under_expert_parallel(moe, tmp_path):

@@ -39,4 +39,17 @@ def family_of_config(config):
     return family_named(BY_MODEL_TYPE[model_type])
 
 
-__all__ = ["BY_MODEL_TYPE", "REGISTRY", "UnknownFamilyError", "family_named", "family_of_config"]
+def encoder_cp_tokens(module, sizes) -> int | None:
+    """What encoder `module`'s CP ranks split (spec.rules.encoder_cp_problem): an item's tokens,
+    evenly, for this project's encoders; 0 for a family's vision tower that splits images of any size
+    by whole merge blocks (`vision_cp`); None for one that does not split them."""
+    from megatron_hetero.models.kinds import encoder_kind
+
+    kind = encoder_kind(module)
+    if sizes.family and kind.name == "vision":
+        return 0 if family_named(sizes.family).vision_cp else None
+    return kind.stage_tokens(sizes)
+
+
+__all__ = ["BY_MODEL_TYPE", "REGISTRY", "UnknownFamilyError", "encoder_cp_tokens", "family_named",
+           "family_of_config"]

@@ -67,7 +67,7 @@ class VLMFamily:
     tensors; schemes: the key spellings files may use (the first, in-memory, is transformers');
     finish(sizes, config): the family's further sizes and checks across modules; vision_builder,
     media_builder, settings_reader: "module:function" paths (see build_vision, media,
-    processor_settings); vision_stages: whether the vision module may have pp > 1."""
+    processor_settings); vision_stages: whether the vision module may have pp > 1; vision_cp: cp > 1."""
 
     name: str
     architecture: str
@@ -83,6 +83,9 @@ class VLMFamily:
     copies: Callable[[ModelSizes], dict[str, str]] = lambda sizes: {}
     # the vision tower splits over pipeline stages (the vision module's pp; a StageEncoder's stages)
     vision_stages: bool = False
+    # the vision tower splits each image over the vision module's CP ranks (whole merge blocks:
+    # models/varlen.py, CPSplit)
+    vision_cp: bool = False
     # DeepStack (Qwen3-VL): the vision layers whose extra rows go to LLM layers 0, 1, ... (the tower
     # sends them as extra columns of its rows: models/deepstack.py); () for none
     deepstack: Callable[[ModelSizes], tuple[int, ...]] = lambda sizes: ()

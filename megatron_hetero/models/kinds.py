@@ -86,9 +86,3 @@ def encoder_kind(module) -> EncoderKind:
             f"kind: to one of {', '.join(ENCODER_KINDS)}")
     return ENCODER_KINDS[module.kind]
 
-
-def item_tokens(module, sizes: ModelSizes) -> int | None:
-    """An item's tokens in encoder `module` (what its CP ranks split: spec.rules.encoder_cp_problem),
-    None for an encoder that does not split its items: a VLM family's vision tower."""
-    kind = encoder_kind(module)
-    return None if sizes.family and kind.name == "vision" else kind.stage_tokens(sizes)

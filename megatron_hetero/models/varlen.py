@@ -16,6 +16,12 @@ shape lie together (one gather each way, forward and backward), one batched call
 `SegmentAttention` is a megatron-core core attention (DotProductAttention's constructor and forward)
 that runs `varlen_attention` over the segments its layer uses: whole items, or windows in a windowed
 layer (`SegmentParams`).
+
+With context parallelism (`CPSplit`) each CP rank holds whole merge blocks of every item, item i's
+blocks [c*B_i//cp, (c+1)*B_i//cp) (the rows the boundary takes from it: boundary/plan.py), in the
+layers' order (windows'); attention all-gathers keys and values over the CP group (each rank's part
+padded to the longest) and puts them in the layers' order, and each segment's local queries attend
+to all of its keys: the same scores as without CP, whatever a window's or item's split.
 """
 
 from dataclasses import dataclass, replace
@@ -23,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -154,24 +161,84 @@ def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_sc
     return _varlen_sdpa(q, k, v, plan, scale, causal, kernel.merged_chunks)
 
 
+@dataclass(frozen=True)
+class CPSplit:
+    """A CP rank's part of packed items, planned on the host (module docstring): `blocks` its merge
+    blocks (indices into the packed input's blocks) in the layers' order, `key_index` every token
+    of the layers' order in the CP-gathered keys [cp * padded], `local` [tokens] whether this rank
+    holds each token of the layers' order, `padded` the most tokens any rank holds."""
+
+    group: object  # the CP process group
+    blocks: torch.Tensor
+    key_index: torch.Tensor
+    local: torch.Tensor
+    padded: int
+
+    @staticmethod
+    def of(block_counts: torch.Tensor, order: torch.Tensor | None, unit: int, group) -> "CPSplit":
+        """block_counts [items]: each item's merge blocks of `unit` tokens, back to back; order
+        [blocks]: the layers' order of the blocks (None: the input's)."""
+        cp, rank = group.size(), group.rank()
+        counts = block_counts.long()
+        within = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        owner = ((within + 1) * cp - 1) // torch.repeat_interleave(counts, counts)  # boundary/plan.py's split
+        order = torch.arange(len(owner)) if order is None else order.long()
+        owner = owner[order]
+        held = torch.bincount(owner, minlength=cp)
+        slot = torch.empty_like(owner)  # a block's place in its rank's part
+        for r in range(cp):
+            slot[owner == r] = torch.arange(int(held[r]))
+        key_blocks = owner * int(held.max()) + slot
+        key_index = (key_blocks[:, None] * unit + torch.arange(unit)).flatten()
+        local = torch.repeat_interleave(owner == rank, unit)
+        return CPSplit(group, order[owner == rank], key_index, local, int(held.max()) * unit)
+
+    def tokens(self, unit: int) -> torch.Tensor:
+        """long [local tokens]: this rank's tokens (indices into the packed input) in the layers' order."""
+        return (self.blocks[:, None] * unit + torch.arange(unit)).flatten()
+
+    def local_cu(self, cu: torch.Tensor) -> torch.Tensor:
+        """Segments `cu` [segments + 1] of the layers' order cut to this rank's tokens."""
+        segment = torch.bucketize(torch.arange(len(self.local)), cu[1:].long(), right=True)
+        held = torch.bincount(segment[self.local], minlength=len(cu) - 1)
+        return F.pad(held.cumsum(0), (1, 0)).to(cu.dtype)
+
+
 @dataclass
 class SegmentParams(PackedSeqParams):
     """The segments of a packed encoder sequence [t, 1, h] (qkv_format "sbhd", batch 1): `items`
     the items' plan (its cu_seqlens also as `cu_seqlens_q` / `cu_seqlens_kv`), `windows` the
-    windowed layers' (None: every layer attends within whole items)."""
+    windowed layers' (None: every layer attends within whole items); with CP, `split` this rank's
+    part and `key_index` (CPSplit.key_index on the device)."""
 
     items: VarlenPlan | None = None
     windows: VarlenPlan | None = None
+    split: CPSplit | None = None
+    key_index: torch.Tensor | None = None
 
     @staticmethod
     def of(items: torch.Tensor, windows: torch.Tensor | None = None, device="cpu",
-           extra: list[torch.Tensor] = ()) -> tuple["SegmentParams", list[torch.Tensor]]:
-        """From the host cu_seqlens of the items and the windows, planned once for every layer, on
-        `device` with the caller's `extra` host tensors in one copy: (params, extra on the device)."""
-        plans, extra = plans_to(device, [VarlenPlan.of(cu) for cu in (items, windows) if cu is not None], extra)
-        params = SegmentParams(qkv_format="sbhd", cu_seqlens_q=plans[0].cu_q, cu_seqlens_kv=plans[0].cu_q,
-                               items=plans[0], windows=plans[1] if len(plans) > 1 else None)
-        return params, extra
+           extra: list[torch.Tensor] = (), split: CPSplit | None = None) -> tuple["SegmentParams", list[torch.Tensor]]:
+        """From the host cu_seqlens of the items and the windows (in the layers' order), planned once
+        for every layer, on `device` with the caller's `extra` host tensors in one copy: (params,
+        extra on the device). `split`: this CP rank's part, whose queries attend to every key."""
+        cus = [cu for cu in (items, windows) if cu is not None]
+        plans = [VarlenPlan.of(cu) if split is None else VarlenPlan.of(split.local_cu(cu), cu) for cu in cus]
+        keys = [] if split is None else [split.key_index]
+        plans, moved = plans_to(device, plans, [*keys, *extra])
+        params = SegmentParams(qkv_format="sbhd", cu_seqlens_q=plans[0].cu_q, cu_seqlens_kv=plans[0].cu_k,
+                               items=plans[0], windows=plans[1] if len(plans) > 1 else None, split=split,
+                               key_index=moved[0] if split is not None else None)
+        return params, moved[len(keys):]
+
+    def gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """Keys or values [local tokens, heads, d] -> every rank's [tokens, heads, d] in the layers'
+        order (with CP; else t itself). Backward: each rank's part of the summed gradients."""
+        if self.split is None:
+            return t
+        padded = F.pad(t, (0, 0, 0, 0, 0, self.split.padded - t.shape[0]))
+        every = gather_from_sequence_parallel_region(padded, group=self.split.group)
+        return every.index_select(0, self.key_index)
 
 
 class SegmentAttention(MegatronModule):
@@ -198,5 +265,6 @@ class SegmentAttention(MegatronModule):
         plan = packed_seq_params.items
         if self.windowed and packed_seq_params.windows is not None:
             plan = packed_seq_params.windows
-        out = varlen_attention(query[:, 0], key[:, 0], value[:, 0], plan, self.kernel, self.softmax_scale)
+        key, value = (packed_seq_params.gathered(t[:, 0]) for t in (key, value))
+        out = varlen_attention(query[:, 0], key, value, plan, self.kernel, self.softmax_scale)
         return out.flatten(1)[:, None]

@@ -71,10 +71,11 @@ def encoder_cp_problem(encoder: ModuleLayout, tokens: int | None, sizes: str = "
     """An encoder's cp ranks split each item's tokens (an image's patches and class token, a clip's
     frames) into cp equal contiguous parts, its attention over all of them (`cp_replicated`: they
     replicate the item instead, Megatron's homogeneous layout under an LLM with CP). tokens: an
-    item's tokens in the encoder, None for an encoder that does not split its items (a VLM family's
-    vision tower); sizes: the flags that set the tokens."""
+    item's tokens in the encoder; 0 for one that splits items of any size (a Qwen tower: by whole
+    merge blocks, unevenly); None for one that does not split its items (InternVL's tower); sizes:
+    the flags that set the tokens."""
     cp = encoder.sequence_cp
-    if cp == 1:
+    if cp == 1 or tokens == 0:
         return None
     if tokens is None:
         return (f"module {encoder.name}: cp={cp} splits each item's tokens over cp ranks, which this model's "

@@ -15,8 +15,8 @@ from megatron_hetero.data.energon import is_energon_dataset
 from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.families import UnknownFamilyError, family_named
-from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind, item_tokens
+from megatron_hetero.families import UnknownFamilyError, encoder_cp_tokens, family_named
+from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.arg_files import expand_arg_files
 from megatron_hetero.spec.layout import deepstack_problem
@@ -212,7 +212,7 @@ def _check_stages(args, layout) -> None:
         rules.check(ArgsError, rules.stages_problem(module, n, f"--{flag}"))
     rules.check(ArgsError, rules.sequence_problem(args.seq_length, layout.llm))
     for module in layout.encoders:
-        rules.check(ArgsError, rules.encoder_cp_problem(module, item_tokens(module, model_sizes(args)),
+        rules.check(ArgsError, rules.encoder_cp_problem(module, encoder_cp_tokens(module, model_sizes(args)),
                                                         f" ({encoder_kind(module).item_flags})"))
     if args.data_path or model_family(args):  # a sample longer than --seq-length is skipped (data/conversations.py)
         return

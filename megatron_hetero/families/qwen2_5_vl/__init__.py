@@ -17,4 +17,5 @@ QWEN2_5_VL = VLMFamily(
     finish=hf.finish,
     schemes=(TRANSFORMERS, hf.HUB),
     copies=hf.copies,
+    vision_cp=True,
 )

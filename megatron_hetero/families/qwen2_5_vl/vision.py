@@ -13,7 +13,9 @@ RMSNorm (transformers' `ln_q`) and an MLP projector over each merge block's 4 to
 hidden size (ColumnParallel -> GELU -> RowParallel).
 
 Output: rows [sum over images of t*h*w/merge^2, llm hidden], image by image, each image's rows in
-its merged grid's row-major order: the order of its placeholder tokens in the LLM sequence.
+its merged grid's row-major order: the order of its placeholder tokens in the LLM sequence. With
+context parallelism a rank runs whole merge blocks of each image, windows cut between ranks, and
+attends over the CP group (models/varlen.py): its rows are its blocks', in that order.
 """
 
 from dataclasses import dataclass, fields
@@ -31,7 +33,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.specs import block_spec, with_our_layers
-from megatron_hetero.models.varlen import SegmentAttention, SegmentParams, permute
+from megatron_hetero.models.varlen import CPSplit, SegmentAttention, SegmentParams, permute
 
 
 @dataclass(frozen=True)
@@ -81,27 +83,41 @@ def vision_layer_spec(pg_collection: ProcessGroupCollection, full_layers: frozen
 
 class GridLayout(NamedTuple):
     """A forward's packed images, planned once on the host from their grids and on the device in one
-    copy (models/varlen.py): `positions` each token's patch (h, w) [tokens, 2] in window order,
-    `blocks` / `unblocks` the merge blocks' permutation into window order and back (long [tokens /
-    merge unit]), `segments` the images' and the windows' attention plans."""
+    copy (models/varlen.py): `tokens` the patches the layers run (long [tokens]: this CP rank's, in
+    window order), `positions` each one's patch (h, w) [tokens, 2], `unblocks` / `blocks` the merged
+    rows' permutation out of window order into the input's and back (long [tokens / merge unit]),
+    `segments` the images' and the windows' attention plans."""
 
+    tokens: torch.Tensor
     positions: torch.Tensor
-    blocks: torch.Tensor
     unblocks: torch.Tensor
+    blocks: torch.Tensor
     segments: SegmentParams
 
 
-def grid_layout(grids: torch.Tensor, arch: QwenVisionArch, device="cpu") -> GridLayout:
+def inverse(order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
+
+
+def grid_layout(grids: torch.Tensor, arch: QwenVisionArch, device="cpu", cp_group=None) -> GridLayout:
     """The GridLayout of packed images with patch grids `grids` [n, 3] (host): transformers' own
-    functions, so that the layout is the one its model uses."""
+    functions, so that the layout is the one its model uses; with a CP group of more than one rank,
+    this rank's whole merge blocks of each image (CPSplit)."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
     grids = grids.cpu()
-    merge = arch.spatial_merge_size
-    blocks, windows = get_vision_window_index(grids, merge, arch.window_size, arch.patch_size)
-    positions = get_vision_position_ids(grids, merge).unflatten(0, (-1, arch.merge_unit))[blocks].flatten(0, 1)
-    unblocks = torch.empty_like(blocks).scatter_(0, blocks, torch.arange(len(blocks)))
-    segments, moved = SegmentParams.of(get_vision_cu_seqlens(grids), windows, device, [positions, blocks, unblocks])
+    unit = arch.merge_unit
+    blocks, windows = get_vision_window_index(grids, arch.spatial_merge_size, arch.window_size, arch.patch_size)
+    split = None
+    if cp_group is not None and cp_group.size() > 1:
+        split = CPSplit.of(grids.prod(1) // unit, blocks, unit, cp_group)
+        blocks = split.blocks
+    tokens = (blocks[:, None] * unit + torch.arange(unit)).flatten()
+    positions = get_vision_position_ids(grids, arch.spatial_merge_size)[tokens]
+    # The rows out of window order: the held blocks in the input's order
+    unblocks = inverse(blocks) if split is None else torch.argsort(blocks)
+    segments, moved = SegmentParams.of(get_vision_cu_seqlens(grids), windows, device,
+                                       [tokens, positions, unblocks, inverse(unblocks)], split)
     return GridLayout(*moved, segments)
 
 
@@ -114,6 +130,7 @@ class QwenVisionEncoder(MegatronModule):
                  pg_collection: ProcessGroupCollection):
         super().__init__(config=config)
         self.arch = arch
+        self.cp_group = pg_collection.cp  # its ranks split each image (models/varlen.py: CPSplit)
         hidden = config.hidden_size
         # Replicated over the encoder's TP group (small; its input is the raw patch): transformers'
         # Conv3d with stride = kernel as one linear map of the flattened patch.
@@ -130,21 +147,15 @@ class QwenVisionEncoder(MegatronModule):
         self.register_buffer("inv_freq", 1.0 / arch.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float)
                                                                     / spatial), persistent=False)
 
-    def _by_window(self, x: torch.Tensor, layout: GridLayout, back: bool = False) -> torch.Tensor:
-        """x [tokens or blocks, ...] permuted merge block by merge block into window order (back: out of it)."""
-        order, inverse = (layout.unblocks, layout.blocks) if back else (layout.blocks, layout.unblocks)
-        unit = 1 if back else self.arch.merge_unit
-        return permute(x.unflatten(0, (-1, unit)), order, inverse).flatten(0, 1)
-
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-        layout = grid_layout(grids, self.arch, patches.device)
-        x = self._by_window(self.input_embedding(patches), layout)
+        layout = grid_layout(grids, self.arch, patches.device, self.cp_group)
+        x = self.input_embedding(patches.index_select(0, layout.tokens))  # window order
         angles = layout.positions[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4], window order
         rotary = torch.cat([angles.flatten(1)] * 2, -1)[:, None, None]  # [tokens, 1, 1, head_dim]
         x = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=layout.segments)
         # A merge block's tokens are adjacent: [tokens, 1, h] -> [blocks, 1, merge unit * h]
         rows = self.projector(x.unflatten(0, (-1, self.arch.merge_unit)).transpose(1, 2).flatten(2))
-        return self._by_window(rows[:, 0], layout, back=True)
+        return permute(rows[:, 0], layout.unblocks, layout.blocks)
 
 
 def tower_configs(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype, whole: bool, merge_unit: int,

@@ -21,6 +21,7 @@ QWEN3_VL = VLMFamily(
     schemes=(TRANSFORMERS,),
     copies=hf.copies,
     deepstack=hf.deepstack,
+    vision_cp=True,
 )
 QWEN3_VL_MOE = replace(
     QWEN3_VL,

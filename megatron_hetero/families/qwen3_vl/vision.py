@@ -16,7 +16,8 @@ through the main merger (the block's final LayerNorm per token, then an MLP). tr
 DeepStack merger k's rows to the output of LLM layer k, at the image's positions.
 
 Output: rows [sum over images of t*h*w/merge^2, llm hidden * (1 + deepstack layers)], image by
-image, each image's rows in the order of its placeholder tokens; the columns [main rows | DeepStack
+image, each image's rows in the order of its placeholder tokens (with context parallelism a rank's
+whole merge blocks of each image, attending over the CP group: models/varlen.py); the columns [main rows | DeepStack
 rows of LLM layer 0 | of layer 1 | ...]. One row per placeholder carries every edge of the tower:
 the boundary plans and moves rows, so every edge is re-laid forward and its gradients routed back
 by one exchange (models/vlm.py: `deepstack` takes the extra columns apart on the LLM side).
@@ -35,7 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.families.qwen2_5_vl.vision import QwenPatchArch, tower_configs, vision_layer_spec
 from megatron_hetero.models.specs import block_spec
-from megatron_hetero.models.varlen import SegmentParams
+from megatron_hetero.models.varlen import CPSplit, SegmentParams
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,12 @@ class Qwen3VisionArch(QwenPatchArch):
         return int(self.num_position_embeddings**0.5)
 
 
-def grid_layout(grids: torch.Tensor, arch: Qwen3VisionArch, device="cpu"):
-    """(patch (h, w) positions [tokens, 2], position-embedding indices and weights [tokens, 4], the
-    images' SegmentParams) of packed images with patch grids `grids` [n, 3] (host), on `device` in
-    one copy: transformers' own functions, so the layout is the one its model uses."""
+def grid_layout(grids: torch.Tensor, arch: Qwen3VisionArch, device="cpu", cp_group=None):
+    """(the patches the layers run [tokens] (None: all), their (h, w) positions [tokens, 2],
+    position-embedding indices and weights [tokens, 4], the images' SegmentParams) of packed images
+    with patch grids `grids` [n, 3] (host), on `device` in one copy: transformers' own functions, so
+    the layout is the one its model uses; with a CP group of more than one rank, this rank's whole
+    merge blocks of each image (models/varlen.py: CPSplit)."""
     from transformers.vision_utils import (
         get_vision_cu_seqlens,
         get_vision_interpolation_indices_and_weights,
@@ -66,9 +69,14 @@ def grid_layout(grids: torch.Tensor, arch: Qwen3VisionArch, device="cpu"):
     grids, merge = grids.cpu(), arch.spatial_merge_size
     indices, weights = get_vision_interpolation_indices_and_weights(
         grids, num_grid_per_side=arch.grid_side, mode="bilinear", align_corners=True, spatial_merge_size=merge)
-    params, moved = SegmentParams.of(get_vision_cu_seqlens(grids), device=device,
-                                     extra=[get_vision_position_ids(grids, merge), indices, weights])
-    return (*moved, params)
+    per_token = [get_vision_position_ids(grids, merge), indices, weights]
+    split = None
+    if cp_group is not None and cp_group.size() > 1:
+        split = CPSplit.of(grids.prod(1) // arch.merge_unit, None, arch.merge_unit, cp_group)
+        tokens = split.tokens(arch.merge_unit)
+        per_token = [tokens, *(t[tokens] for t in per_token)]
+    params, moved = SegmentParams.of(get_vision_cu_seqlens(grids), device=device, extra=per_token, split=split)
+    return (*([None] if split is None else []), *moved, params)
 
 
 class DeepStackMerger(MegatronModule):
@@ -107,6 +115,7 @@ class Qwen3VisionEncoder(MegatronModule):
                  pg_collection: ProcessGroupCollection):
         super().__init__(config=config)
         self.arch = arch
+        self.cp_group = pg_collection.cp  # its ranks split each image (models/varlen.py: CPSplit)
         hidden, dtype = config.hidden_size, config.params_dtype
         # Replicated over the encoder's TP group (small; its input is the raw patch): transformers'
         # Conv3d with stride = kernel as one linear map of the flattened patch.
@@ -136,7 +145,8 @@ class Qwen3VisionEncoder(MegatronModule):
         return x + (table * weights.to(table.dtype)[..., None]).sum(1)
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-        positions, indices, weights, params = grid_layout(grids, self.arch, patches.device)
+        tokens, positions, indices, weights, params = grid_layout(grids, self.arch, patches.device, self.cp_group)
+        patches = patches if tokens is None else patches.index_select(0, tokens)
         x = self._embed(patches, indices, weights)[:, None]
         angles = positions[..., None].float() * self.inv_freq  # [tokens, 2, head_dim / 4]
         rotary = torch.cat([angles.flatten(1)] * 2, -1)[:, None, None]  # [tokens, 1, 1, head_dim]
