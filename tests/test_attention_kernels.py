@@ -464,3 +464,34 @@ def test_gpu_check_compares_two_loss_curves(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| 3 | 1.25000 | 1.50000 | +0.25000 |" in out
     assert "3 steps: max |difference| 0.25000 (step 3)" in out
+
+
+class _Group:
+    """A CP group's size and rank, as CPSplit reads them."""
+
+    def __init__(self, size, rank):
+        self.size, self.rank = (lambda: size), (lambda: rank)
+
+
+def test_cp_split_of_packed_items_attends_as_the_whole():
+    """Items of 3 and 5 merge blocks (2 tokens each) in a layers' order that interleaves them (as
+    windows do), over CP 2 (uneven parts): each rank holds item i's blocks [c*B//2, (c+1)*B//2), the
+    ranks' padded parts gathered and indexed are every token in the layers' order, and each rank's
+    queries attending within its segments (items, and windows that the split cuts) give the whole
+    sequence's outputs at its tokens."""
+    from megatron_hetero.models.varlen import CPSplit
+
+    counts, unit, cp = torch.tensor([3, 5]), 2, 2
+    order = torch.tensor([0, 3, 1, 4, 2, 5, 6, 7])  # blocks in the layers' order
+    q, k, v = _leaves((16, 2, 8), (16, 2, 8), (16, 2, 8))
+    for cu in (torch.tensor([0, 16]), torch.tensor([0, 4, 10, 16])):  # one segment; three cut by the split
+        whole = varlen_attention(q, k, v, VarlenPlan.of(cu), SD)
+        splits = [CPSplit.of(counts, order, unit, _Group(cp, r)) for r in range(cp)]
+        assert sorted(torch.cat([s.blocks for s in splits]).tolist()) == list(range(8))
+        assert sorted(splits[1].blocks.tolist()) == [1, 2, 5, 6, 7]  # item 0: blocks 1-2; item 1: 5-7
+        parts = [torch.arange(16)[s.local] for s in splits]  # each rank's tokens, in the layers' order
+        padded = torch.cat([F.pad(p, (0, splits[0].padded - len(p)), value=-1) for p in parts])
+        assert torch.equal(padded[splits[0].key_index], torch.arange(16))
+        for s, mine in zip(splits, parts):
+            out = varlen_attention(q[mine], k, v, VarlenPlan.of(s.local_cu(cu), cu), SD)
+            torch.testing.assert_close(out, whole[mine], rtol=1e-12, atol=1e-12)

@@ -265,9 +265,9 @@ def test_training_equals_one_process(qwen, reference, layout):
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2", "lpp2"])
+@pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2", "lpp2", "vcp2_ltp2"])
 def test_training_equals_one_process_matrix(qwen, reference, layout):
-    """The rest of the matrix: vision DP2 -> LLM TP2 with SP, LLM CP2, LLM PP2."""
+    """The rest of the matrix: vision DP2 -> LLM TP2 with SP, LLM CP2, LLM PP2, vision CP2 -> LLM TP2."""
     assert_same_steps(reference, train(*qwen, layout, layout, 2))
 
 

@@ -177,9 +177,10 @@ def test_training_equals_one_process(dense, reference):
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2", "noncolocated_lpp2"])
+@pytest.mark.parametrize("layout", ["vdp2_ltp2sp", "lcp2", "noncolocated_lpp2", "vcp2_lcp2"])
 def test_training_equals_one_process_matrix(dense, reference, layout):
-    """Vision DP2 -> LLM TP2 with SP, vision TP2 -> LLM CP2, non-colocated vision -> LLM PP2."""
+    """Vision DP2 -> LLM TP2 with SP, vision TP2 -> LLM CP2, non-colocated vision -> LLM PP2, vision
+    CP2 -> LLM CP2."""
     assert_same_steps(reference, train(*dense, layout, layout, 3 if layout.startswith("non") else 2))
 
 
