@@ -128,8 +128,10 @@ def test_layout_rules_refuse_what_the_trainer_refuses():
     assert layout_problem(vision, replace(encoder_cp2, cp=3), "non_colocated", cluster) is None
     replicated = replace(encoder_cp2, cp_replicated=True)
     assert layout_problem(vision, replicated, "homogeneous", cluster) is None  # replicated over the LLM's CP
-    family = replace(vision, tokens_per_item=1024, cp_splits_items=False)  # a VLM family's tower: never split
-    assert "which this model's vision encoder does not" in layout_problem(family, encoder_cp2, "colocated", cluster)
+    internvl = replace(vision, tokens_per_item=1024, cp_split="none")  # InternViT: never split
+    assert "which this model's vision encoder does not" in layout_problem(internvl, encoder_cp2, "colocated", cluster)
+    qwen = replace(vision, cp_split="blocks")  # a Qwen tower: whole merge blocks, any item size
+    assert layout_problem(qwen, encoder_cp2, "colocated", cluster) is None
     assert "encoder runs unpipelined" in layout_problem(vision, encoder_pp3, "colocated", cluster)
     assert layout_problem(vision, encoder_pp3, "non_colocated", cluster) is None
     assert "node" in layout_problem(llm, ModuleLayout("llm", "llm", tp=16), "colocated", cluster)

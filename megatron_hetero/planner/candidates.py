@@ -107,7 +107,7 @@ def layout_problem(shape: ModuleShape, layout: ModuleLayout, placement: str, clu
                 rules.heads_problem(layout, shape.kv_groups, "kv_heads"),
                 rules.stages_problem(layout, shape.layers, "layers")]
     if shape.role == "encoder":
-        tokens = shape.layer_tokens_per_item if shape.cp_splits_items else None
+        tokens = {"tokens": shape.layer_tokens_per_item, "blocks": 0, "none": None}[shape.cp_split]
         problems += [rules.encoder_cp_problem(layout, tokens, " (tokens_per_item + class_tokens)"),
                      rules.encoder_pp_problem(layout, placement)]
     else:

@@ -11,9 +11,9 @@ tower differently, so each has its own shape here, counting what its model compu
   4h -> LLM hidden, GELU, Linear);
 - Qwen3-VL: native-resolution images attending within themselves (no windows), GELU MLPs, the
   merger and one DeepStack merger of the same shape per DeepStack layer on every row;
-none of them splits an item over CP (cp_splits_items); and the LLM from text_config: grouped-query
-attention with its own head size (Qwen3's 128 need not be hidden / heads), SwiGLU, and for
-Qwen3-VL-MoE the top-k of its experts per token.
+the Qwen towers split an image over CP by whole merge blocks, InternViT does not (cp_split); and
+the LLM from text_config: grouped-query attention with its own head size (Qwen3's 128 need not be
+hidden / heads), SwiGLU, and for Qwen3-VL-MoE the top-k of its experts per token.
 
 Plain data and arithmetic (no transformers import): tests/test_family_flops.py checks each family's
 count against the matmul FLOPs of its model's forward, and the image grids and tiles against the
@@ -182,7 +182,7 @@ def _native_vision(v: dict, grids: list[tuple[int, int]], gated: bool, keys: flo
                        items_per_sample=len(grids), output_tokens_per_item=tokens // merge**2,
                        projector_ffn=v["hidden_size"] * merge**2, attention_keys=keys,
                        patch_dim=3 * v["temporal_patch_size"] * v["patch_size"] ** 2, deepstack=deepstack,
-                       cp_splits_items=False)
+                       cp_split="blocks")
 
 
 def qwen2_5_vl_vision(config: dict, grids: list) -> ModuleShape:
@@ -211,7 +211,7 @@ def internvl_vision(config: dict, tiles: list) -> ModuleShape:
                        heads=v["num_attention_heads"], ffn=v["intermediate_size"], tokens_per_item=patches,
                        class_tokens=1, items_per_sample=sum(tiles),
                        output_tokens_per_item=patches // shuffle**2, projector_ffn=config["text_config"]["hidden_size"],
-                       patch_dim=3 * v["patch_size"] ** 2, cp_splits_items=False)
+                       patch_dim=3 * v["patch_size"] ** 2, cp_split="none")
 
 
 VISION_SHAPES = {"qwen2_5_vl": qwen2_5_vl_vision, "qwen3_vl": qwen3_vl_vision, "qwen3_vl_moe": qwen3_vl_vision,

@@ -31,6 +31,9 @@ def positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+CP_SPLITS = ("tokens", "blocks", "none")  # ModuleShape.cp_split
+
+
 @dataclass(frozen=True)
 class ModuleShape:
     """A module's size and its work per sample.
@@ -70,15 +73,16 @@ class ModuleShape:
     # Keys a query attends to, averaged over the tokens and layers (counts.window_attention_keys:
     # items of several sizes, windowed layers); 0: its whole item (encoders), half the sequence (the llm).
     attention_keys: float = 0.0
-    # Whether the encoder's CP ranks can split an item's tokens (this project's encoders, full
-    # attention over the CP group); false for the VLM families' vision towers, which train with cp 1.
-    cp_splits_items: bool = True
+    # How the encoder's CP ranks split an item: "tokens" into equal parts, which cp must divide
+    # (this project's encoders); "blocks" by whole merge blocks, any item size (the Qwen towers);
+    # "none": they do not (InternVL's tower trains with cp 1).
+    cp_split: str = "tokens"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"module name must be a non-empty string, got {self.name!r}")
         where = f"module {self.name}"
-        for key in ("gated_mlp", "frozen", "cp_splits_items"):
+        for key in ("gated_mlp", "frozen"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{where}: {key} must be true or false, got {getattr(self, key)!r}")
         if self.role not in ("encoder", "llm"):
@@ -92,6 +96,8 @@ class ModuleShape:
             value = getattr(self, key)
             if not (positive_int(value) or value == 0):
                 raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+        if self.cp_split not in CP_SPLITS:
+            raise ValueError(f"{where}: cp_split {self.cp_split!r} is not one of {', '.join(CP_SPLITS)}")
         if not (isinstance(self.attention_keys, (int, float)) and self.attention_keys >= 0):
             raise ValueError(f"{where}: attention_keys must be a non-negative number, got {self.attention_keys!r}")
         if self.experts and not 1 <= self.topk <= self.experts:
