@@ -495,8 +495,8 @@ def test_cli_args_from_file(tmp_path):
 
 
 def test_cli_checks_encoder_cp_against_the_model(tmp_path):
-    """With a model.json an encoder's CP must divide its items' tokens (16 patches here); a family's
-    vision tower does not split its items."""
+    """With a model.json an encoder's CP must divide its items' tokens (16 patches here); a Qwen
+    tower splits images of any size by merge blocks; InternVL's does not split them."""
     import json
 
     from megatron_hetero.spec.sizes import ModelSizes, sizes_to_dict
@@ -505,14 +505,15 @@ def test_cli_checks_encoder_cp_against_the_model(tmp_path):
     layout = tmp_path / "layout.yaml"
     for cp, family, error in ((2, "", None), (3, "", "module vision: cp=3 does not divide an item's 16 encoder "
                                                      "tokens; set cp: to a divisor (1, 2, 4, 8, 16)"),
-                              (2, "qwen2_5_vl", "module vision: cp=2 splits each item's tokens over cp ranks, which "
-                                                "this model's vision encoder does not")):
+                              (3, "qwen2_5_vl", None),
+                              (2, "internvl", "module vision: cp=2 splits each item's tokens over cp ranks, which "
+                                              "this model's vision encoder does not")):
         model.write_text(json.dumps({"sizes": {**sizes_to_dict(ModelSizes()), "family": family}}))
         layout.write_text(f"placement: colocated\nmodules:\n  vision: {{role: encoder, cp: {cp}}}\n"
                           f"  llm: {{role: llm, dp: {cp}}}\n")
         result = run_cli("check", str(layout), "--world-size", str(cp), "--model-sizes", str(model))
         if error is None:
-            assert result.returncode == 0 and "vision (encoder): tp1 cp2 dp1 pp1" in result.stdout, result.stderr
+            assert result.returncode == 0 and f"vision (encoder): tp1 cp{cp} dp1 pp1" in result.stdout, result.stderr
         else:
             assert result.returncode == 2 and result.stderr.startswith(f"error: {error}"), result.stderr
             assert len(result.stderr.splitlines()) == 1
