@@ -165,10 +165,11 @@ def test_tied_bf16_round_trip_loads_in_transformers(tmp_path):
     assert not (tmp_path / "bad" / "release").exists()
 
 
-@pytest.mark.parametrize("case", ["heads", "tokenizer"])
+@pytest.mark.parametrize("case", ["heads", "tokenizer", "vision_cp"])
 def test_bad_input_is_one_line(internvl, tmp_path, case):
     """A vision tp that does not divide InternViT's heads (4 here; InternViT-6B has 25), a tokenizer
-    without InternVL's image tags: one line before any process group, exit 2."""
+    without InternVL's image tags, vision CP (InternViT does not split a tile): one line before any
+    process group, exit 2."""
     from tests.distributed import run_python
 
     tmp, data = internvl
@@ -182,6 +183,10 @@ def test_bad_input_is_one_line(internvl, tmp_path, case):
                        pad="<|endoftext|>")
         flags += ["--tokenizer-model", str(tmp_path / "tok")]
         expected = "tok has no <img> token; use the InternVL model's own tokenizer"
+    if case == "vision_cp":
+        layout = "placement: colocated\nmodules:\n  vision: {role: encoder, cp: 2}\n  llm: {role: llm, tp: 2}\n"
+        world, expected = 2, ("module vision: cp=2 splits each item's tokens over cp ranks, which this model's "
+                              "vision encoder does not; set cp: 1 and use dp for its ranks, or cp_replicated: true")
     (tmp_path / "layout.yaml").write_text(layout)
     env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", PYTHONWARNINGS="ignore")
     result = run_python([SCRIPT, "--hetero-layout", "layout.yaml", *flags], env=env, cwd=tmp_path, timeout=120)
