@@ -411,7 +411,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
     )
-    if cuda:  # what the planner's check judges this run's memory against (planner.fit.record_memory_gb)
+    if cuda:  # what the planner's check judges this run's memory against (tools/planner_fit.py: record_memory_gb)
         record["device_memory_gib"] = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     if memory_cap_gib:
         record["memory_cap_gib"] = memory_cap_gib
