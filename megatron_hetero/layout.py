@@ -1,7 +1,7 @@
 """`python -m megatron_hetero.layout check FILE --world-size N [--model-sizes MODEL_JSON]`: a layout
 file validated (spec/layout.py) and its rank map printed; with a model.json, the model's DeepStack
-edges checked against the layout's (the family's, so this command sits above families/) and each
-encoder's CP against its items (spec/rules.py)."""
+edges checked against the layout's and each encoder's CP against its items (spec/rules.py; the model's
+edges are its family's, so this command sits above families/)."""
 
 import argparse
 import json
@@ -10,7 +10,7 @@ import sys
 from megatron_hetero.families import encoder_cp_tokens, family_named
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.spec import rules
-from megatron_hetero.spec.layout import HeteroLayout, LayoutError, deepstack_problem, deepstack_stages, load_layout
+from megatron_hetero.spec.layout import HeteroLayout, LayoutError, load_layout
 from megatron_hetero.spec.sizes import sizes_from_dict
 
 
@@ -50,11 +50,11 @@ def _model_edges(layout: HeteroLayout, model_file: str) -> list[str]:
     if sizes.num_layers % layout.llm.pp:
         raise LayoutError(f"model.json's num_layers {sizes.num_layers} is not divisible by module "
                           f"{layout.llm.name}'s pp={layout.llm.pp}; use a divisor")
-    problem = rules.first_problem(deepstack_problem(layout, vision, deepstack), *(
+    problem = rules.first_problem(rules.deepstack_problem(layout, vision, deepstack), *(
         rules.encoder_cp_problem(m, encoder_cp_tokens(m, sizes)) for m in layout.encoders if m.kind in ENCODER_KINDS))
     if problem:
         raise LayoutError(problem)
-    return deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)
+    return rules.deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)
 
 
 if __name__ == "__main__":
