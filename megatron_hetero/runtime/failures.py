@@ -55,7 +55,7 @@ def _gib(size: re.Match | None) -> float | None:
 def fragmentation_hint(error: BaseException, environ=os.environ) -> str | None:
     """The allocator setting to try first where torch's message says more memory sat reserved but
     unallocated than the failed allocation asked for (the cache fragmented: at W6's 64K tokens on an
-    80 GB H100, 13 GiB idle beside a failed 1 GiB; docs/benchmarks.md); None otherwise or when set."""
+    80 GB H100, 13 GiB idle beside a failed 1 GiB; docs/runs/benchmarks.md); None otherwise or when set."""
     message = str(error)
     tried, idle = _gib(_TRIED.search(message)), _gib(_IDLE.search(message))
     if tried is None or idle is None or idle < tried or EXPANDABLE in environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
