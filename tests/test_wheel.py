@@ -126,7 +126,7 @@ def test_wheel_trains_from_outside_the_checkout(installed, script, placement):
     """Two iterations, every rank exiting 0, Megatron's iteration lines with a finite lm loss."""
     if script == "megatron_lm" and not MEGATRON_LM_SCRIPT.is_file():
         pytest.skip(f"Megatron-LM's scripts not found ({MEGATRON_LM_SCRIPT}): put a Megatron-LM checkout "
-                    f"(branch core_r0.19.0) at ../shared/megatron-lm or name one in MEGATRON_LM")
+                    f"(branch core_r0.19.0) beside the repository (shared/megatron-lm) or name one in MEGATRON_LM_DIR")
     _, _, runs = installed
     run, proc = runs[script, placement]
     try:
