@@ -54,7 +54,7 @@ def run(words: list[str], cwd: Path, env: dict) -> None:
         run_distributed(_as_main, int(args[1]), args[2:], str(cwd))
         return
     if program == "megatron-hetero":
-        program, args = "python", ["-m", "megatron_hetero", *args]
+        program, args = "python", ["-m", "megatron_hetero.cli", *args]
     assert program == "python", f"a runnable README line starts with python, megatron-hetero or torchrun: {words}"
     result = run_python(args, env=env, cwd=cwd)
     assert result.returncode == 0, f"{shlex.join(words)}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

@@ -1,4 +1,5 @@
-"""Hugging Face weights in and out of Megatron checkpoints of our modules:
+"""Hugging Face weights in and out of Megatron checkpoints of our modules (`megatron-hetero hf` or
+`python -m megatron_hetero.hf`):
 
     python -m megatron_hetero.hf import --model HF_DIR --save CKPT            # a whole VLM (Qwen2.5-VL, ...)
     python -m megatron_hetero.hf import --vision HF_DIR --llm HF_DIR --save CKPT [--projector FILE]
@@ -16,8 +17,8 @@ import sys
 from megatron_hetero.convert.rules import HFMappingError
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_hetero.hf", description=__doc__,
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="Hugging Face directories -> a Megatron checkpoint")
@@ -30,8 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     exp = commands.add_parser("export", help="a Megatron checkpoint -> Hugging Face directories")
     exp.add_argument("--load", required=True, help="a checkpoint directory (its tracker's iteration)")
     exp.add_argument("--out", help="the directory of a whole VLM (a --model import)")
-    exp.add_argument("--vision-out")
-    exp.add_argument("--llm-out")
+    exp.add_argument("--vision-out", help="the vision tower's directory (a --vision/--llm import)")
+    exp.add_argument("--llm-out", help="the LLM's directory (a --vision/--llm import)")
     exp.add_argument("--model-sizes", help="the model.json of the import (default: the one the checkpoint records)")
     from megatron_hetero.hf.compare import add_arguments
 
@@ -69,8 +70,8 @@ def _export(args) -> str:
     return "wrote " + ", ".join(outs.values())
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.hf") -> int:
+    args = _parser(prog).parse_args(argv)
     import megatron_hetero.patches
 
     megatron_hetero.patches.apply()  # megatron-core on CPUs; this command line is an entry point

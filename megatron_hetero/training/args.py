@@ -107,7 +107,7 @@ def _description_file(path: str) -> dict:
         sizes_from_dict(description["sizes"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ArgsError(f"--model-sizes {path}: {error}; give the model.json written by "
-                        f"`python -m megatron_hetero.hf import`") from None
+                        f"`megatron-hetero hf import`") from None
     return description
 
 
