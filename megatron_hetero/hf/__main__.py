@@ -7,6 +7,9 @@
     python -m megatron_hetero.hf export --load CKPT --vision-out DIR --llm-out DIR [--model-sizes FILE]
     python -m megatron_hetero.hf compare --model HF_DIR --load CKPT --data-path FILE [...]
 
+HF_DIR: a model directory, or a Hub id (ORG/NAME[@REVISION]) resolved through huggingface_hub's cache
+(downloaded where online; HF_HUB_OFFLINE=1 reads the cache only).
+
 Train from an import with examples/pretrain_vlm.py ... --load CKPT --model-sizes CKPT/model.json
 (any layout). Mistakes are one `error:` line and exit code 2.
 """
@@ -22,9 +25,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="Hugging Face directories -> a Megatron checkpoint")
-    imp.add_argument("--model", help="a whole VLM's model directory (config.json model_type: qwen2_5_vl, ...)")
-    imp.add_argument("--vision", help="a SigLIP or CLIP (vision) model directory")
-    imp.add_argument("--llm", help="a Llama or Qwen2 model directory")
+    imp.add_argument("--model", help="a whole VLM's model directory or Hub id (config.json model_type: "
+                                  "qwen2_5_vl, internvl, qwen3_vl, qwen3_vl_moe)")
+    imp.add_argument("--vision", help="a SigLIP or CLIP (vision) model directory or Hub id")
+    imp.add_argument("--llm", help="a Llama, Qwen2 or Qwen3 model directory or Hub id")
     imp.add_argument("--save", required=True, help="the checkpoint directory to write")
     imp.add_argument("--projector", help="a safetensors file of the projector's weights (our names, "
                                          "projector.*); without it the projector is newly initialized")
@@ -76,6 +80,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.h
 
     megatron_hetero.patches.apply()  # megatron-core on CPUs; this command line is an entry point
     try:
+        from megatron_hetero.hf.hub import resolve_model
+
+        for flag in ("model", "vision", "llm"):  # a directory, or a Hub id through the cache
+            if getattr(args, flag, None):
+                setattr(args, flag, resolve_model(getattr(args, flag), f"--{flag}"))
         if args.command == "compare":
             from megatron_hetero.hf.compare import compare
 
