@@ -42,7 +42,9 @@ setup(
         "hf": ["transformers>=5", "safetensors"],
         # megatron-energon datasets as --data-path (megatron_hetero/data/energon.py).
         "energon": ["megatron-energon>=7"],
+        # Pictures: `megatron-hetero layout show L.yaml --png F`.
+        "plot": ["matplotlib"],
         # The tests, and ruff (pyproject.toml's settings), which `make test` runs first.
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff"],
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff", "matplotlib"],
     },
 )

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from megatron_hetero.cli.picture import draw_layout
 from megatron_hetero.families import family_named
 from megatron_hetero.models.kinds import UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
@@ -38,10 +39,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.l
         command.add_argument("--model-sizes", metavar="MODEL_JSON", help="a model.json (hf import): check the "
                              "layout against the model as training does (encoder kinds, heads and layers per "
                              "tp and pp, DeepStack edges) and print the llm stage that adds each edge")
+        if name == "show":
+            command.add_argument("--png", metavar="FILE", help="also draw the layout into this PNG file "
+                                 "(ranks, each module's coordinates and TP groups, the edges; needs matplotlib)")
     args = parser.parse_args(argv)
     try:
         layout = load_layout(args.file, args.world_size)
         edges = _model_checks(layout, args.model_sizes) if args.model_sizes else []
+        if getattr(args, "png", None):
+            draw_layout(layout, args.png)
     except LayoutError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ groups, `layout check --model-sizes` refusing what training refuses, the planner
 names (old names as deprecated aliases) and its calibration by GPU model, printed."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,22 @@ def test_plan_takes_megatrons_flag_names_and_the_gpus_measured_calibration(capsy
     assert "85 GB each" in h100 and "calibration: calibration_h100_measured.json, measured on the H100 (named" in h100
     assert main([*args, "--calibration", "h200"]) == 0
     assert "calibration: calibration_h200.json, given by --calibration" in capsys.readouterr().out
+
+
+def test_layout_show_draws_a_png(tmp_path, capsys):
+    """--png draws every rank of every module in its data-parallel colour; without matplotlib, one line."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    png = tmp_path / "layout.png"
+    assert main(["layout", "show", DEMO, "--world-size", "4", "--png", str(png)]) == 0
+    image = Image.open(png).convert("RGB")
+    colours = {colour for count, colour in image.getcolors(1 << 20) if count > 2000}  # the cells' fills
+    assert image.width > 600 and len(colours) >= 5, colours  # white, and dp 0-3 of the encoder (llm dp 0-1 among them)
+
+
+def test_layout_show_png_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["layout", "show", DEMO, "--world-size", "4", "--png", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)\n"

@@ -1,0 +1,55 @@
+"""A layout as a picture (`megatron-hetero layout show L.yaml --world-size N --png F`): one column per
+rank (GPU), one row per module; each cell is the rank's coordinates in that module, coloured by its
+data-parallel index, each tensor-parallel group framed, each context-parallel group and pipeline stage
+named; arrows are the boundary edges. matplotlib is optional (`pip install megatron-hetero[plot]`)."""
+
+from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout
+
+
+def draw_layout(layout: HeteroLayout, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import FancyArrowPatch, Rectangle
+    except ImportError:
+        raise LayoutError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
+    rows = {m.name: len(layout.modules) - 1 - i for i, m in enumerate(layout.modules)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * layout.world_size + 3), 1.3 * len(rows) + 1.2))
+    colours = plt.get_cmap("tab20")
+    for module in layout.modules:
+        _draw_module(ax, module, rows[module.name], colours, Rectangle)
+    for n, edge in enumerate(layout.edges):  # at the left margin, one arrow per edge
+        x = -0.9 - 0.35 * n
+        ax.add_patch(FancyArrowPatch((x, rows[edge.src] + 0.4), (x, rows[edge.dst] + 0.4), arrowstyle="-|>",
+                                     mutation_scale=14, color="black", connectionstyle="arc3,rad=0.3"))
+    ax.set_xlim(-1.2 - 0.35 * len(layout.edges), layout.world_size)
+    ax.set_ylim(-0.2, len(rows))
+    ax.set_xticks([r + 0.45 for r in range(layout.world_size)], [f"rank {r}" for r in range(layout.world_size)])
+    ax.set_yticks([y + 0.4 for y in rows.values()],
+                  [f"{m.name} ({m.role})\ntp{m.tp} cp{m.cp} dp{m.dp} pp{m.pp}" + (" sp" if m.sp else "")
+                   + (" frozen" if m.freeze else "") for m in layout.modules])
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    edges = ", ".join(str(e) for e in layout.edges)
+    ax.set_title(f"{layout.placement} layout, world size {layout.world_size}; edges: {edges}\n"
+                 "colour: data-parallel index; frame: tensor-parallel group")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_module(ax, module: ModuleLayout, y: int, colours, rectangle) -> None:
+    """The module's cells on its row, its TP groups framed (a module's ranks run tp fastest, so a TP
+    group is consecutive ranks)."""
+    for rank in module.ranks:
+        c = module.coords(rank)
+        if c is None:  # an on_first_stage encoder: ranks of the LLM's later stages hold none of it
+            continue
+        ax.add_patch(rectangle((rank + 0.05, y + 0.05), 0.8, 0.7, facecolor=colours(c["dp"] % 20), alpha=0.6))
+        ax.text(rank + 0.45, y + 0.4, f"tp{c['tp']} cp{c['cp']}\ndp{c['dp']} pp{c['pp']}", ha="center",
+                va="center", fontsize=8)
+        if c["tp"] == 0 and module.tp > 1:
+            ax.add_patch(rectangle((rank, y), module.tp - 0.1, 0.8, fill=False, linewidth=2))
