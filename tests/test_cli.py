@@ -125,3 +125,13 @@ def test_layout_show_png_without_matplotlib(tmp_path, capsys, monkeypatch):
     assert main(["layout", "show", DEMO, "--world-size", "4", "--png", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert err == "error: --png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)\n"
+
+
+def test_every_flag_of_ours_has_help():
+    """`examples/pretrain_vlm.py --help`: every flag of megatron-hetero's groups (those every script
+    gets and the example's own) has a help text."""
+    result = run_python([ROOT / "examples" / "pretrain_vlm.py", "--help"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    ours = result.stdout.split("\nmegatron-hetero:")[1]
+    assert "megatron-hetero example:" in ours
+    assert not _without_help(f"options:{ours}"), _without_help(f"options:{ours}")

@@ -121,6 +121,14 @@ def test_installed_package_is_the_wheels(installed):
     assert specs == "None None"
 
 
+def test_wheel_installs_the_command(installed):
+    """The wheel puts `megatron-hetero` beside the environment's python, and it runs."""
+    python, env, _ = installed
+    out = subprocess.run([python.parent / "megatron-hetero", "--version"], cwd=python.parent, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0 and out.stdout.startswith("megatron-hetero "), out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("script, placement", CASES, ids=[f"{s}-{p}" for s, p in CASES])
 def test_wheel_trains_from_outside_the_checkout(installed, script, placement):
     """Two iterations, every rank exiting 0, Megatron's iteration lines with a finite lm loss."""
