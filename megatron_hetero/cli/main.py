@@ -15,14 +15,15 @@ import sys
 
 import megatron_hetero
 
-# command -> (what it does, "module:function" run with the remaining arguments and the command's name)
-COMMANDS = {
-    "layout": ("check a layout file and show its rank map and process groups", "megatron_hetero.layout:main"),
-    "plan": ("predict every layout's step time and memory; write the best", "megatron_hetero.cli.plan:main"),
-    "verify": ("check a layout's boundaries on your cluster (under torchrun)", "megatron_hetero.cli.verify:main"),
-    "hf": ("Hugging Face weights: import, compare, export", "megatron_hetero.hf.__main__:main"),
-    "launch": ("run a Megatron-LM pretrain script with the patches applied", "megatron_hetero.launch:main"),
-}
+# Each command: what it does, and the "module:function" run with the remaining arguments and its
+# name (hf and launch keep their `python -m megatron_hetero.hf|launch` forms: their modules' main).
+COMMANDS = dict(
+    layout=("check a layout file and show its rank map and process groups", "megatron_hetero.layout:main"),
+    plan=("predict every layout's step time and memory; write the best", "megatron_hetero.cli.plan:main"),
+    verify=("check a layout's boundaries on your cluster (under torchrun)", "megatron_hetero.cli.verify:main"),
+    hf=("Hugging Face weights: import, compare, export", "megatron_hetero.hf.__main__:main"),
+    launch=("run a Megatron-LM pretrain script with the patches applied", "megatron_hetero.launch:main"),
+)
 
 
 def _usage() -> str:
