@@ -44,7 +44,11 @@ setup(
         "energon": ["megatron-energon>=7"],
         # Pictures: `megatron-hetero layout show L.yaml --png F`.
         "plot": ["matplotlib"],
+        # Megatron's writers (--tensorboard-dir, --wandb-project), which get our per-module metrics too.
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
         # The tests, and ruff (pyproject.toml's settings), which `make test` runs first.
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff", "matplotlib"],
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff", "matplotlib",
+                 "tensorboard", "wandb"],
     },
 )
