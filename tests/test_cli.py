@@ -27,7 +27,7 @@ def test_usage_lists_every_command(capsys):
 
 
 @pytest.mark.parametrize("command", [["layout", "check"], ["layout", "show"], ["plan"], ["verify"], ["hf", "import"],
-                                     ["hf", "compare"], ["hf", "export"], ["launch"]])
+                                     ["hf", "compare"], ["hf", "export"], ["launch"], ["breakdown"]])
 def test_every_command_has_help(command):
     """`megatron-hetero ... --help` exits 0 and names itself; every option it lists has a help text."""
     result = run_python(["-m", "megatron_hetero.cli", *command, "--help"])
@@ -135,3 +135,20 @@ def test_every_flag_of_ours_has_help():
     ours = result.stdout.split("\nmegatron-hetero:")[1]
     assert "megatron-hetero example:" in ours
     assert not _without_help(f"options:{ours}"), _without_help(f"options:{ours}")
+
+
+def test_breakdown_draws_a_records_step(tmp_path, capsys):
+    """`breakdown` draws a committed bench_e2e record (one bar per rank); a record without per-rank
+    phases is one error line."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    records = ROOT / "docs" / "runs" / "bench_e2e" / "call1_bench_e2e.jsonl"
+    png = tmp_path / "step.png"
+    assert main(["breakdown", str(records), "--record", "5", "--png", str(png)]) == 0
+    assert Image.open(png).width > 600
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"workload": "W1"}\n')
+    assert main(["breakdown", str(bad), "--png", str(png)]) == 2
+    assert capsys.readouterr().err.endswith("the record has no per-rank phases (`ranks`): give a record of "
+                                            "benchmarks/bench_e2e.py\n")

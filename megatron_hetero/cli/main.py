@@ -6,6 +6,7 @@
     torchrun --nproc-per-node N --no-python megatron-hetero verify L.yaml
     megatron-hetero hf import|compare|export ...
     torchrun --nproc-per-node N --no-python megatron-hetero launch SCRIPT.py <its flags> --hetero-layout L.yaml
+    megatron-hetero breakdown RECORDS.jsonl --png F      # a benchmark record's step per rank
 
 `megatron-hetero COMMAND --help` describes each. The `python -m megatron_hetero.layout|hf|launch`
 forms and `python -m megatron_hetero.cli` run the same code.
@@ -23,6 +24,7 @@ COMMANDS = dict(
     verify=("check a layout's boundaries on your cluster (under torchrun)", "megatron_hetero.cli.verify:main"),
     hf=("Hugging Face weights: import, compare, export", "megatron_hetero.hf.__main__:main"),
     launch=("run a Megatron-LM pretrain script with the patches applied", "megatron_hetero.launch:main"),
+    breakdown=("draw a benchmark record's step per rank", "megatron_hetero.cli.picture:breakdown_main"),
 )
 
 

@@ -53,3 +53,65 @@ def _draw_module(ax, module: ModuleLayout, y: int, colours, rectangle) -> None:
                 va="center", fontsize=8)
         if c["tp"] == 0 and module.tp > 1:
             ax.add_patch(rectangle((rank, y), module.tp - 0.1, 0.8, fill=False, linewidth=2))
+
+
+# A step's phases in the order a rank runs them (benchmarks/bench_e2e.py records them per rank).
+PHASES = ("encoder-forward", "boundary", "llm-forward", "llm-backward", "encoder-backward", "optimizer")
+
+
+def draw_breakdown(record: dict, path: str) -> None:
+    """One bar per rank: the seconds of a timed step in each phase and waiting on other ranks (a
+    bench_e2e record's `ranks`), stacked in the order a step runs them."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
+    ranks = record.get("ranks")
+    if not ranks:
+        raise ValueError("the record has no per-rank phases (`ranks`): give a record of benchmarks/bench_e2e.py")
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * len(ranks)))
+    colours = plt.get_cmap("tab10")
+    left = [0.0] * len(ranks)
+    for n, phase in enumerate([*PHASES, "waiting"]):
+        widths = [r.get("waiting_s", 0.0) if phase == "waiting" else r["phases"].get(phase, 0.0) for r in ranks]
+        ax.barh(range(len(ranks)), widths, left=left, color="black" if phase == "waiting" else colours(n),
+                label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    # The rest of the step: the rank idle outside its timed phases (a pipeline's bubble, for one).
+    idle = [max(record.get("step_s", 0.0) - done, 0.0) for done in left]
+    ax.barh(range(len(ranks)), idle, left=left, color="lightgrey", label="idle, outside the phases")
+    ax.set_yticks(range(len(ranks)), [f"rank {r['rank']}: {r.get('stage', '')}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title(f"{record.get('workload', '')} under {record.get('layout', '')} on {record.get('gpus', '?')} "
+                 f"{record.get('device', 'GPUs')}: {record.get('tokens_per_s', 0):,.0f} tokens/s")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero breakdown") -> int:
+    """`megatron-hetero breakdown RECORDS.jsonl --png F [--record N]`: a bench_e2e record's step per rank."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog=prog, description="Draw a benchmarks/bench_e2e.py record's step per "
+                                     "rank: seconds in each phase and waiting on other ranks.")
+    parser.add_argument("records", metavar="RECORDS.jsonl", help="bench_e2e's JSON lines (one record a line)")
+    parser.add_argument("--record", type=int, default=-1, metavar="N", help="which line (default: the last)")
+    parser.add_argument("--png", required=True, metavar="FILE", help="the PNG file to write")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.records, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        draw_breakdown(records[args.record], args.png)
+    except (OSError, ValueError, IndexError, KeyError) as error:
+        print(f"error: {args.records}: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.png}")
+    return 0
