@@ -13,14 +13,7 @@ from megatron_hetero.cli.picture import draw_layout
 from megatron_hetero.families import family_named
 from megatron_hetero.models.kinds import UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
-from megatron_hetero.spec.layout import (
-    HeteroLayout,
-    LayoutError,
-    ModuleLayout,
-    deepstack_problem,
-    deepstack_stages,
-    load_layout,
-)
+from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout, load_layout
 from megatron_hetero.spec.sizes import ModelSizes, sizes_from_dict
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -93,8 +86,8 @@ def _model_checks(layout: HeteroLayout, model_file: str) -> list[str]:
                             f"set its pp: 1")
     deepstack = family.deepstack(sizes) if family else ()
     vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
-    rules.check(LayoutError, *problems, deepstack_problem(layout, vision, deepstack))
-    return deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)
+    rules.check(LayoutError, *problems, rules.deepstack_problem(layout, vision, deepstack))
+    return rules.deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)
 
 
 def _size_problems(module: ModuleLayout, sizes: ModelSizes, prefix: str, model_file: str) -> list[str | None]:

@@ -38,7 +38,9 @@ def _get_model(original):
                  f"split into modules; --hetero-layout supports Megatron-LM's pretrain_vlm.py (LLaVAModel), "
                  f"examples/pretrain_vlm.py, and a model provider that returns ModelParts "
                  f"(docs/guides/bring-your-own-model.md)")
-        return [wrap_parts(run, built, args)]
+        model = wrap_parts(run, built, args)
+        args.hetero_run = model.run  # the run's description with its parts (built once, here)
+        return [model]
     return get_model
 
 
