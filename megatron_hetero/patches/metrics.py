@@ -90,7 +90,7 @@ def _module_scalars(run_args) -> dict:
     global _reported
     run = run_args.hetero_run
     _reported = _reported or _Reported()
-    clock, layout = run.model.clock, run.layout
+    clock, layout = run.handles.model.clock, run.layout
     step_s = clock.step_s - _reported.step_s
     share = (clock.waiting_s - _reported.waiting_s) / step_s if step_s > 0 else 0.0
     _reported.waiting_s, _reported.step_s = clock.waiting_s, clock.step_s
@@ -101,7 +101,7 @@ def _module_scalars(run_args) -> dict:
     scalars = {f"hetero/waiting-share/{m.name}": sum(shares[r] for r in m.ranks) / len(m.ranks)
                for m in layout.modules}
     scalars["hetero/waiting-share/max"] = max(shares)
-    seconds = dict(run.model.timers.seconds)
+    seconds = dict(run.handles.model.timers.seconds)
     scalars.update({f"hetero/phase-s/{name}": s - _reported.phases.get(name, 0.0) for name, s in seconds.items()})
     _reported.phases = seconds
     return scalars
