@@ -18,6 +18,8 @@ setup(
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
     package_data={"megatron_hetero.data": ["*.model"], "megatron_hetero.planner": ["calibrations/*.json"],
                   "megatron_hetero.models": ["kernel_checks.json"], "megatron_hetero.families": ["*/presets.json"]},
+    # One command for users: megatron-hetero layout|plan|verify|hf|launch (megatron_hetero/cli/main.py).
+    entry_points={"console_scripts": ["megatron-hetero = megatron_hetero.cli.main:main"]},
     install_requires=[
         "torch",
         "megatron-core>=0.19,<0.20",
@@ -40,7 +42,13 @@ setup(
         "hf": ["transformers>=5", "safetensors"],
         # megatron-energon datasets as --data-path (megatron_hetero/data/energon.py).
         "energon": ["megatron-energon>=7"],
+        # Pictures: `megatron-hetero layout show L.yaml --png F`.
+        "plot": ["matplotlib"],
+        # Megatron's writers (--tensorboard-dir, --wandb-project), which get our per-module metrics too.
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
         # The tests, and ruff (pyproject.toml's settings), which `make test` runs first.
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff"],
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff", "matplotlib",
+                 "tensorboard", "wandb"],
     },
 )

@@ -241,9 +241,10 @@ def planner_answer(preset: BenchWorkload, world_size: int, gpu_memory_gb: float)
     best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
     # The workload the run built (--as-trained; bench_e2e's depth and batch sizes), so that the command
     # gives the same answer.
-    command = (f"python tools/plan_layout.py --workload {preset.name} --as-trained --llm-layers {preset.layers} "
-               f"--global-batch {preset.global_batch} --micro-batch {preset.micro_batch} --gpus {world_size} "
-               f"--gpu-memory-gb {round(gpu_memory_gb, 2):g} --distributed-optimizer --allow-recompute")
+    command = (f"megatron-hetero plan --workload {preset.name} --as-trained --llm-layers {preset.layers} "
+               f"--global-batch-size {preset.global_batch} --micro-batch-size {preset.micro_batch} "
+               f"--gpus {world_size} --gpu-memory-gb {round(gpu_memory_gb, 2):g} --distributed-optimizer "
+               f"--allow-recompute --calibration h200")
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     if best is None:
         return f"the planner finds no layout of {preset.name} that fits {gpus} of {gpu_memory_gb:.0f} GB ({command})"

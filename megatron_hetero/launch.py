@@ -1,9 +1,13 @@
 """Run a Megatron-LM pretrain script with megatron-hetero's patches applied.
 
     torchrun --nproc-per-node N -m megatron_hetero.launch pretrain_vlm.py <its flags> --hetero-layout L.yaml
+    torchrun --nproc-per-node N --no-python megatron-hetero launch pretrain_vlm.py <its flags> --hetero-layout L.yaml
 
 The script runs as `__main__` with its own flags (`@file` argument files expanded first), its
-directory first on `sys.path` as when Python runs it directly.
+directory first on `sys.path` as when Python runs it directly. `SCRIPT.py --help` prints the script's
+flags with megatron-hetero's among them. Under `--hetero-layout` the scripts accepted are Megatron-LM's
+pretrain_vlm.py and megatron-hetero's examples/pretrain_vlm.py; without it any script runs as it does
+without the plugin.
 """
 
 import os
@@ -13,11 +17,14 @@ import sys
 from megatron_hetero.spec.arg_files import expand_arg_files
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.launch") -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = f"usage: {prog} SCRIPT.py [script flags] [--hetero-layout FILE]"
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if not argv or not argv[0].endswith(".py"):
-        print("usage: python -m megatron_hetero.launch SCRIPT.py [script flags] [--hetero-layout FILE]",
-              file=sys.stderr)
+        print(f"{usage}\n({prog} --help describes it)", file=sys.stderr)
         return 2
     script, flags = argv[0], argv[1:]
     if not os.path.isfile(script):

@@ -1,60 +1,103 @@
-"""`python -m megatron_hetero.layout check FILE --world-size N [--model-sizes MODEL_JSON]`: a layout
-file validated (spec/layout.py) and its rank map printed; with a model.json, the model's DeepStack
-edges checked against the layout's and each encoder's CP against its items (spec/rules.py; the model's
-edges are its family's, so this command sits above families/)."""
+"""`megatron-hetero layout check|show FILE --world-size N [--model-sizes MODEL_JSON]` (also `python -m
+megatron_hetero.layout`): a layout file validated (spec/layout.py) and its rank map printed; `show`
+adds each module's process groups. With a model.json (hf import) the layout is checked as training
+checks it: encoder kinds the model builds, each encoder's CP against its items, heads and layers that divide over each
+module's tp and pp, and the family's vision stages and DeepStack edges (so this command sits above
+families/)."""
 
 import argparse
 import json
 import sys
 
+from megatron_hetero.cli.picture import draw_layout
 from megatron_hetero.families import encoder_cp_tokens, family_named
-from megatron_hetero.models.kinds import ENCODER_KINDS
+from megatron_hetero.models.kinds import UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
-from megatron_hetero.spec.layout import HeteroLayout, LayoutError, load_layout
-from megatron_hetero.spec.sizes import sizes_from_dict
+from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout, load_layout
+from megatron_hetero.spec.sizes import ModelSizes, sizes_from_dict
+
+AXES = ("tp", "cp", "dp", "pp")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.layout") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_hetero.layout",
-        description="Check a heterogeneous parallel layout file and print its rank map.",
-        fromfile_prefix_chars="@",
-    )
+        prog=prog, description="Check a heterogeneous parallel layout file and print its rank map.",
+        fromfile_prefix_chars="@")
     commands = parser.add_subparsers(dest="command", required=True)
-    check = commands.add_parser("check", help="validate FILE and print which module coordinates each rank holds")
-    check.add_argument("file", metavar="FILE", help="layout YAML file")
-    check.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
-    check.add_argument("--model-sizes", metavar="MODEL_JSON", help="a model.json (hf import): check the layout's "
-                       "DeepStack edges and encoder CP against the model's and print the llm stage that adds each "
-                       "DeepStack block")
+    for name, what in (("check", "validate FILE and print which module coordinates each rank holds"),
+                       ("show", "as check, and list every module's tp/cp/dp/pp process groups")):
+        command = commands.add_parser(name, help=what, description=what)
+        command.add_argument("file", metavar="FILE", help="layout YAML file")
+        command.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
+        command.add_argument("--model-sizes", metavar="MODEL_JSON", help="a model.json (hf import): check the "
+                             "layout against the model as training does (encoder kinds, encoder CP against the items, "
+                             "heads and layers per tp and pp, DeepStack edges) and print the llm stage that adds each edge")
+        if name == "show":
+            command.add_argument("--png", metavar="FILE", help="also draw the layout into this PNG file "
+                                 "(ranks, each module's coordinates and TP groups, the edges; needs matplotlib)")
     args = parser.parse_args(argv)
     try:
         layout = load_layout(args.file, args.world_size)
-        edges = _model_edges(layout, args.model_sizes) if args.model_sizes else []
+        edges = _model_checks(layout, args.model_sizes) if args.model_sizes else []
+        if getattr(args, "png", None):
+            draw_layout(layout, args.png)
     except LayoutError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("\n".join([layout.rank_map(), *edges]))
+    groups = [group_lines(m) for m in layout.modules] if args.command == "show" else []
+    print("\n".join([layout.rank_map(), *edges, *(line for lines in groups for line in lines)]))
     return 0
 
 
-def _model_edges(layout: HeteroLayout, model_file: str) -> list[str]:
-    """The model's DeepStack edges (a VLM family's, model.json) checked against the layout's; a line each."""
+def group_lines(module: ModuleLayout) -> list[str]:
+    """One line per axis of size > 1: the module's groups along it (ranks sharing every other coordinate)."""
+    coords = {rank: module.coords(rank) for rank in module.ranks}
+    lines = []
+    for axis in AXES:
+        if getattr(module, axis) == 1:
+            continue
+        groups: dict[tuple, list[int]] = {}
+        for rank, c in coords.items():
+            if c is not None:
+                groups.setdefault(tuple(c[a] for a in AXES if a != axis), []).append(rank)
+        lines.append(f"{module.name} {axis} groups: " + " ".join(f"[{','.join(map(str, g))}]" for g in groups.values()))
+    return lines
+
+
+def _model_checks(layout: HeteroLayout, model_file: str) -> list[str]:
+    """The layout against a model.json as training checks it (training/args.py: the same rules); the
+    model's DeepStack edges, a line each."""
     try:
         with open(model_file, encoding="utf-8") as f:
             sizes = sizes_from_dict(json.load(f)["sizes"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise LayoutError(f"--model-sizes {model_file}: {error}; give the model.json of hf import") from None
-    deepstack = family_named(sizes.family).deepstack(sizes) if sizes.family else ()
+    family = family_named(sizes.family) if sizes.family else None
+    problems = [rules.llm_freeze_problem(layout.llm), *_size_problems(layout.llm, sizes, "", model_file)]
+    for module in layout.encoders:
+        try:
+            kind = encoder_kind(module)
+        except UnknownKindError as error:
+            raise LayoutError(str(error)) from None
+        problems += [rules.encoder_cp_problem(module, encoder_cp_tokens(module, sizes)),
+                     rules.encoder_pp_problem(module, layout.placement),
+                     *_size_problems(module, sizes, f"{kind.flag_prefix}_", model_file)]
+        if family and module.pp > 1 and not family.vision_stages:
+            problems.append(f"module {module.name}: the {sizes.family} vision tower runs as one pipeline stage; "
+                            f"set its pp: 1")
+    deepstack = family.deepstack(sizes) if family else ()
     vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
-    if sizes.num_layers % layout.llm.pp:
-        raise LayoutError(f"model.json's num_layers {sizes.num_layers} is not divisible by module "
-                          f"{layout.llm.name}'s pp={layout.llm.pp}; use a divisor")
-    problem = rules.first_problem(rules.deepstack_problem(layout, vision, deepstack), *(
-        rules.encoder_cp_problem(m, encoder_cp_tokens(m, sizes)) for m in layout.encoders if m.kind in ENCODER_KINDS))
-    if problem:
-        raise LayoutError(problem)
+    rules.check(LayoutError, *problems, rules.deepstack_problem(layout, vision, deepstack))
     return rules.deepstack_stages(layout.llm, vision, deepstack, sizes.num_layers)
+
+
+def _size_problems(module: ModuleLayout, sizes: ModelSizes, prefix: str, model_file: str) -> list[str | None]:
+    """Heads over the module's tp and layers over its pp, named by the model.json's fields."""
+    def field(name: str) -> tuple[int, str]:
+        return getattr(sizes, prefix + name), f"{model_file}'s {prefix}{name}"
+
+    return [rules.heads_problem(module, *field("num_attention_heads")),
+            rules.stages_problem(module, *field("num_layers"))]
 
 
 if __name__ == "__main__":

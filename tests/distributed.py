@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Megatron-LM's own scripts (the client we serve): ../shared/megatron-lm, or a checkout named by MEGATRON_LM.
-MEGATRON_LM_SCRIPT = Path(os.environ.get("MEGATRON_LM") or Path(__file__).parents[2] / "shared" / "megatron-lm",
-                          "pretrain_vlm.py")
+# Megatron-LM's own scripts (the client we serve): the checkout MEGATRON_LM_DIR names (MEGATRON_LM, its older
+# name, too); by default shared/megatron-lm beside the repository's directory, where CI keeps it.
+MEGATRON_LM_DIR = (os.environ.get("MEGATRON_LM_DIR") or os.environ.get("MEGATRON_LM")
+                   or Path(__file__).resolve().parents[2] / "shared" / "megatron-lm")
+MEGATRON_LM_SCRIPT = Path(MEGATRON_LM_DIR, "pretrain_vlm.py")
 
 # Imported once by the fork server (set before it starts: the first launch starts it). Megatron's
 # tokenizer package imports transformers (about 3 CPU seconds) when a run builds its tokenizer.

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "runs" / "bench_e2e" / "results.jsonl"
 LAYOUTS = ROOT / "examples" / "layouts"
 GPU2 = ROOT / "docs" / "runs" / "gpu2"
-# Call 5b's DP2 with 1 of 12 layers recomputed ran out of memory (docs/benchmarks.md): no record.
+# Call 5b's DP2 with 1 of 12 layers recomputed ran out of memory (docs/runs/benchmarks.md): no record.
 BLOCK_1 = ("--use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method", "block",
            "--recompute-num-layers", "1")
 

@@ -21,7 +21,7 @@ from tests.test_pretrain_errors import _run as run_example
 
 if not SCRIPT.is_file():
     pytest.skip(f"Megatron-LM's scripts not found ({SCRIPT}): put a Megatron-LM checkout (branch core_r0.19.0) "
-                f"at ../shared/megatron-lm or name one in MEGATRON_LM", allow_module_level=True)
+                f"beside the repository (shared/megatron-lm) or name one in MEGATRON_LM_DIR", allow_module_level=True)
 
 ITERATIONS = 10
 FLAGS = f"""--encoder-num-layers 2 --decoder-num-layers 2 --hidden-size 64 --num-attention-heads 4

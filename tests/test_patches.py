@@ -19,7 +19,7 @@ from tests.distributed import run_distributed
 
 # Everything apply() changes, in the order it does (the CPU ones only where no GPU is present): the
 # upstream functions and classes it replaces, the values it sets, a module it provides, the context
-# it enters. A new patch must be added here, and to the README's table.
+# it enters. A new patch must be added here, and to the patch table of docs/developers/internals.md.
 TARGETS = [
     "megatron.core.datasets.utils.compile_helpers",
     "megatron.training.training.initialize_megatron",
@@ -132,7 +132,7 @@ def _check_apply(rank, world_size):
 
 
 def test_apply_replaces_each_target_once():
-    """apply() changes exactly the targets listed here (the README's table lists them too); each
+    """apply() changes exactly the targets listed here (docs/developers/internals.md's table lists them too); each
     replaced one is a new function whose __wrapped__ chain reaches upstream's; a second apply()
     changes nothing; undo() restores every upstream object and leaves the CPU mode, and apply()
     works again. In a spawned process: the patches stay for the life of the process they are
@@ -140,14 +140,16 @@ def test_apply_replaces_each_target_once():
     run_distributed(_check_apply, 1)
 
 
-def test_readme_table_lists_every_target():
-    """The README's patch table names every target apply() changes (without megatron's prefix)."""
-    table = (Path(__file__).parent.parent / "README.md").read_text().split("| patch | upstream")[1].split("\n\n")[0]
+def test_patch_table_lists_every_target():
+    """The patch table (docs/developers/internals.md) names every target apply() changes (without
+    megatron's prefix)."""
+    internals = (Path(__file__).parent.parent / "docs" / "developers" / "internals.md").read_text()
+    table = internals.split("| patch | upstream")[1].split("\n\n")[0]
     from megatron_hetero.patches import cpu
 
     missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS
                if t.removeprefix("megatron.") not in table and t != cpu.MODE]
-    assert not missing, f"the README's patch table lacks {missing}"
+    assert not missing, f"the patch table in docs/developers/internals.md lacks {missing}"
 
 
 def test_cuda_connections_set_where_unset(monkeypatch, capsys):

@@ -121,12 +121,20 @@ def test_installed_package_is_the_wheels(installed):
     assert specs == "None None"
 
 
+def test_wheel_installs_the_command(installed):
+    """The wheel puts `megatron-hetero` beside the environment's python, and it runs."""
+    python, env, _ = installed
+    out = subprocess.run([python.parent / "megatron-hetero", "--version"], cwd=python.parent, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0 and out.stdout.startswith("megatron-hetero "), out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("script, placement", CASES, ids=[f"{s}-{p}" for s, p in CASES])
 def test_wheel_trains_from_outside_the_checkout(installed, script, placement):
     """Two iterations, every rank exiting 0, Megatron's iteration lines with a finite lm loss."""
     if script == "megatron_lm" and not MEGATRON_LM_SCRIPT.is_file():
         pytest.skip(f"Megatron-LM's scripts not found ({MEGATRON_LM_SCRIPT}): put a Megatron-LM checkout "
-                    f"(branch core_r0.19.0) at ../shared/megatron-lm or name one in MEGATRON_LM")
+                    f"(branch core_r0.19.0) beside the repository (shared/megatron-lm) or name one in MEGATRON_LM_DIR")
     _, _, runs = installed
     run, proc = runs[script, placement]
     try:

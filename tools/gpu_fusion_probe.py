@@ -75,7 +75,7 @@ def _row(name: str, what: str, torch_fn, fused_fn, compare, candidate: str = "qu
                   device=torch.cuda.get_device_name(), torch=torch.__version__)
     try:
         record.update(candidate_ms=timed(fused_fn, ITERS), max_rel_diff=compare())
-    except Exception as error:  # e.g. quack's epilogues with the DSL outside site-packages (docs/benchmarks.md)
+    except Exception as error:  # e.g. quack's epilogues with the DSL outside site-packages (docs/runs/benchmarks.md)
         record["candidate_error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:150]}"
     cells = (f"{record['candidate_ms']:.3f} | {record['torch_ms'] / record['candidate_ms']:.3f} | "
              f"{record['max_rel_diff']:.4f}" if "candidate_ms" in record else f"{record['candidate_error']} | |")

@@ -2,7 +2,7 @@
 LLM side's rows, backward routes their gradients back to the encoder rows. Where every LLM TP rank
 takes all the rows its group holds, equal blocks in rank order (plan.Gather: encoder DP -> LLM TP
 without SP), the forward is one all-gather on the LLM's TP group instead: one collective call costs
-less than a batch of point-to-point ones (docs/benchmarks.md, the boundary against upstream). `split_sends` /
+less than a batch of point-to-point ones (docs/runs/benchmarks.md, the boundary against upstream). `split_sends` /
 `split_recvs`: the two sides of a rank apart in time, for the ordered schedules."""
 
 import torch

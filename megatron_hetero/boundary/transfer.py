@@ -30,7 +30,7 @@ ANNOTATION = "hetero::"
 
 def annotate(name: str):
     """The profiler range ANNOTATION + name while a profiler runs, else nothing: an idle range
-    still costs ~20 us of host time, a third of a small boundary exchange's (docs/benchmarks.md)."""
+    still costs ~20 us of host time, a third of a small boundary exchange's (docs/runs/benchmarks.md)."""
     return record_function(ANNOTATION + name) if torch.autograd._profiler_enabled() else nullcontext()
 
 

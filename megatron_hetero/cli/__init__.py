@@ -1,1 +1,2 @@
-"""The user commands behind tools/plan_layout.py (plan.py) and tools/verify_layout.py (verify.py)."""
+"""The `megatron-hetero` command (main.py) and the commands of its own: plan.py (`megatron-hetero plan`,
+tools/plan_layout.py) and verify.py (`megatron-hetero verify`, tools/verify_layout.py)."""

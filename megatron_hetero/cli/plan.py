@@ -2,9 +2,13 @@
 non-colocated and homogeneous (Megatron today) layout of a workload, print the best, the best
 homogeneous one and the predicted gain, and write a layout file for the best.
 
-    python tools/plan_layout.py --workload W1 [--gpus 2] [--gpu-memory-gb 150] \\
-        [--calibration megatron_hetero/planner/calibrations/calibration_h200.json] [--write-yaml best.yaml]
-    python tools/plan_layout.py --workload-file my_workload.json --gpus 16 --layouts a.yaml b.yaml
+    megatron-hetero plan --workload W1 [--gpus 2] [--gpu h100|h200] [--gpu-memory-gb 150] \\
+        [--calibration h200_measured|FILE] [--write-yaml best.yaml]
+    megatron-hetero plan --workload-file my_workload.json --gpus 16 --layouts a.yaml b.yaml
+
+(`python tools/plan_layout.py` runs the same.) The calibration, unless --calibration names one, is
+the one measured on the GPU model named by --gpu, else detected by nvidia-smi, else the H200's; the
+first lines printed say which.
 
 Every figure is a prediction of the cost model in megatron_hetero/planner/ (its docstring states
 the model, megatron_hetero.planner.calibration's the calibration JSON format), not a measurement.
@@ -25,6 +29,8 @@ micro_batch, dtype_bytes, distributed_optimizer, allow_recompute, fused_mlp).
 """
 
 import argparse
+import shutil
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -45,38 +51,94 @@ from megatron_hetero.planner import (
     plan,
     trainer_workload,
 )
-from megatron_hetero.planner.calibration import DEFAULT_CALIBRATION
+from megatron_hetero.planner.calibration import CALIBRATIONS
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, resized_workload, trainer_vocab_size
+from megatron_hetero.planner.shapes import H100_MEMORY_GB
 from megatron_hetero.spec.layout import load_layout
 
 # "Heterogeneous Parallelism for Multimodal Large Language Model Training" (arXiv 2605.27678).
 PUBLISHED = {"colocated": "+49.3% TFLOPS/GPU", "non_colocated": "+13.0% tokens/s"}
 
 
-def parse_args(argv):
+# GPU model -> (memory per GPU in GB, the calibration fitted to bench_e2e runs on it).
+GPUS = {"h100": (H100_MEMORY_GB, "h100_measured"), "h200": (H200_MEMORY_GB, "h200_measured")}
+
+
+class _Renamed(argparse.Action):
+    """A flag's old name, kept working as its new (Megatron's) name with one warning line."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _detected_gpu() -> str | None:
+    """This machine's GPU model among GPUS, as nvidia-smi names it (no torch import: planning is pure)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=20).stdout.upper()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((gpu for gpu in GPUS if gpu.upper() in names), None)
+
+
+def resolve_calibration(args) -> str:
+    """The calibration file (a shipped name such as h200_measured, or a path; by default the measured
+    one of the GPU named or detected), the memory per GPU it defaults, and one line saying which."""
+    detected = None if args.gpu else _detected_gpu()
+    gpu = args.gpu or detected or "h200"
+    how = "named by --gpu" if args.gpu else "detected by nvidia-smi" if detected else "default; --gpu h100: the H100's"
+    if args.gpu_memory_gb is None:
+        args.gpu_memory_gb = GPUS[gpu][0]
+    name = args.calibration or GPUS[gpu][1]
+    shipped = CALIBRATIONS / f"calibration_{name}.json"
+    args.calibration = str(shipped) if shipped.is_file() else name
+    origin = "given by --calibration" if args.calibration != str(CALIBRATIONS / f"calibration_{GPUS[gpu][1]}.json") \
+        else f"measured on the {gpu.upper()} ({how})"
+    return f"calibration: {Path(args.calibration).name}, {origin}"
+
+
+def parse_args(argv, prog=None):
     parser = argparse.ArgumentParser(
-        prog="plan_layout.py", description=__doc__.split("\n\n")[0], fromfile_prefix_chars="@")
+        prog=prog or "plan_layout.py", description=__doc__.split("\n\n")[0], fromfile_prefix_chars="@")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--workload", choices=sorted(PRESETS), help="a preset workload")
     source.add_argument("--workload-file", metavar="FILE", help="a workload JSON file (format above)")
     parser.add_argument("--gpus", type=int, help="GPU count (default: the preset's, else 8)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=H200_MEMORY_GB, metavar="G",
-                        help=f"memory per GPU in GB of 1e9 bytes (default: H200, {H200_MEMORY_GB})")
-    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N")
-    parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION), metavar="FILE",
-                        help="calibration JSON (default: planner/calibrations/calibration_h200.json, assumed figures)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), help="the GPU model: its measured calibration and memory "
+                        "(default: detected by nvidia-smi, else h200)")
+    parser.add_argument("--gpu-memory-gb", type=float, metavar="G",
+                        help=f"memory per GPU in GB of 1e9 bytes (default: the GPU's: H100 {H100_MEMORY_GB}, "
+                             f"H200 {H200_MEMORY_GB})")
+    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="N", help="GPUs per node (default 8)")
+    parser.add_argument("--calibration", metavar="NAME|FILE",
+                        help="a calibration JSON file, or one shipped in megatron_hetero/planner/calibrations by "
+                             "name (h100_measured, h200_measured, h200_x4_measured, h200: assumed figures); "
+                             "default: the one measured on the GPU (--gpu)")
     parser.add_argument("--as-trained", action="store_true",
                         help="the preset as benchmarks/bench_e2e.py trains it (the trainer's MLPs 4 x hidden, its "
                              "padded vocabulary: a family's own, else the demo tokenizer's; its micro batch): "
                              "what bench_e2e's out-of-memory line plans")
     overrides = parser.add_argument_group("workload overrides")
-    overrides.add_argument("--global-batch", type=int, metavar="N")
-    overrides.add_argument("--micro-batch", type=int, metavar="N", help="fix the micro batch size (default: search)")
+    overrides.add_argument("--global-batch-size", dest="global_batch", type=int, metavar="N",
+                           help="samples per step (default: the workload's)")
+    overrides.add_argument("--micro-batch-size", dest="micro_batch", type=int, metavar="N",
+                           help="fix the micro batch size (default: search)")
+    overrides.add_argument("--global-batch", dest="global_batch", type=int, action=_Renamed, new="--global-batch-size")
+    overrides.add_argument("--micro-batch", dest="micro_batch", type=int, action=_Renamed, new="--micro-batch-size")
     overrides.add_argument("--seq-length", type=int, metavar="N", help="the LLM's sequence length")
     overrides.add_argument("--llm-layers", type=int, metavar="N", help="the LLM's depth (bench_e2e's --llm-layers)")
     overrides.add_argument("--items-per-sample", type=int, metavar="N", help="images (clips) per sample, every encoder")
     overrides.add_argument("--freeze-encoders", action="store_true", help="encoders run forward only")
-    overrides.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None)
+    overrides.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                           help="optimizer state sharded over data parallelism (Megatron's "
+                                "--use-distributed-optimizer; default: the workload's)")
     overrides.add_argument("--allow-recompute", action=argparse.BooleanOptionalAction, default=None,
                            help="also try activation recomputation: the fewest layers of each stage that "
                                 "fit (Megatron's --recompute-method block)")
@@ -172,6 +234,7 @@ def report(args) -> int:
     if args.top < 1:
         raise ValueError(f"--top {args.top}: print at least 1 layout")
     workload, description, default_gpus = load_workload(args)
+    calibration_line = resolve_calibration(args)
     cluster = Cluster(default_gpus if args.gpus is None else args.gpus, args.gpu_memory_gb, args.gpus_per_node)
     calibration = Calibration.load(args.calibration)
     model = CostModel(workload, cluster, calibration)
@@ -186,7 +249,8 @@ def report(args) -> int:
         f"{m.tokens_per_sample:,} tokens per sample{' (frozen)' if m.frozen else ''}"
         for m in workload.modules))
     print(f"cluster: {cluster.gpus} GPUs, {cluster.gpu_memory_gb:g} GB each ({capacity:.0f} GB usable), "
-          f"{cluster.gpus_per_node} per node; calibration {args.calibration}: {calibration.source}")
+          f"{cluster.gpus_per_node} per node")
+    print(f"{calibration_line} ({calibration.source})")
     print(f"PREDICTIONS from the cost model, not measurements: {len(result.ranked)} of "
           f"{len(result.ranked) + len(result.over_memory)} layouts fit in memory\n")
     if result.ranked:
@@ -213,12 +277,12 @@ def report(args) -> int:
         except OSError as exc:
             raise ValueError(f"{args.write_yaml}: cannot write the layout: {exc.strerror or exc}") from None
         print(f"\nwrote {args.write_yaml}: #{result.ranked.index(best) + 1} {best.candidate.describe()}; "
-              f"check it with python -m megatron_hetero.layout check {args.write_yaml} --world-size {cluster.gpus}")
+              f"check it with megatron-hetero layout check {args.write_yaml} --world-size {cluster.gpus}")
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog=None) -> int:
+    args = parse_args(argv, prog)
     try:
         return report(args)
     except ValueError as error:  # LayoutError is a ValueError

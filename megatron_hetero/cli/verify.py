@@ -1,6 +1,6 @@
 """Verify a layout's boundaries on your own cluster before a long job.
 
-    torchrun --nproc-per-node N tools/verify_layout.py LAYOUT.yaml \
+    torchrun --nproc-per-node N --no-python megatron-hetero verify LAYOUT.yaml \
         [--images-per-sample 1 0 2] [--tokens-per-image 64] [--global-batch-size B] [--dtype bf16]
 
 Pushes patterned tensors through every edge forward and backward (colocated: all-to-all;
@@ -28,18 +28,18 @@ from megatron_hetero.parallel.groups import init_distributed
 from megatron_hetero.spec.layout import HeteroLayout, LayoutError, load_layout
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], fromfile_prefix_chars="@")
-    parser.add_argument("layout")
+def parse_args(argv=None, prog=None):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], fromfile_prefix_chars="@")
+    parser.add_argument("layout", help="the layout YAML file")
     parser.add_argument("--images-per-sample", type=int, nargs="+", default=[1, 0, 2, 1],
                         help="image counts, cycled over the samples of the batch (0 allowed)")
-    parser.add_argument("--tokens-per-image", type=int, default=16)
+    parser.add_argument("--tokens-per-image", type=int, default=16, help="rows an image sends to the LLM (default 16)")
     parser.add_argument("--global-batch-size", type=int, default=None,
                         help="default: the smallest multiple of the llm's dp that is >= 4")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="fused sequence length (default: what the images need, padded)")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--hidden-size", type=int, default=256, help="row width (default 256)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="row dtype (default fp32)")
     parser.add_argument("--iters", type=int, default=5, help="timed repetitions after the check")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the layout and plan every rank's boundaries for WORLD_SIZE ranks "
@@ -162,8 +162,8 @@ def _check_edge(layout, edge, batch, rank: int, world_size: int, args, dtype, de
     return edge, batch, encoder, stats[0].item(), total[0].item(), stats[1].item(), stats[2].item()
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog=None) -> int:
+    args = parse_args(argv, prog)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     try:

@@ -1,10 +1,14 @@
-"""Hugging Face weights in and out of Megatron checkpoints of our modules:
+"""Hugging Face weights in and out of Megatron checkpoints of our modules (`megatron-hetero hf` or
+`python -m megatron_hetero.hf`):
 
     python -m megatron_hetero.hf import --model HF_DIR --save CKPT            # a whole VLM (Qwen2.5-VL, ...)
     python -m megatron_hetero.hf import --vision HF_DIR --llm HF_DIR --save CKPT [--projector FILE]
     python -m megatron_hetero.hf export --load CKPT --out DIR [--model-sizes FILE]
     python -m megatron_hetero.hf export --load CKPT --vision-out DIR --llm-out DIR [--model-sizes FILE]
     python -m megatron_hetero.hf compare --model HF_DIR --load CKPT --data-path FILE [...]
+
+HF_DIR: a model directory, or a Hub id (ORG/NAME[@REVISION]) resolved through huggingface_hub's cache
+(downloaded where online; HF_HUB_OFFLINE=1 reads the cache only).
 
 Train from an import with examples/pretrain_vlm.py ... --load CKPT --model-sizes CKPT/model.json
 (any layout). Mistakes are one `error:` line and exit code 2.
@@ -16,22 +20,23 @@ import sys
 from megatron_hetero.convert.rules import HFMappingError
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megatron_hetero.hf", description=__doc__,
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="Hugging Face directories -> a Megatron checkpoint")
-    imp.add_argument("--model", help="a whole VLM's model directory (config.json model_type: qwen2_5_vl, ...)")
-    imp.add_argument("--vision", help="a SigLIP or CLIP (vision) model directory")
-    imp.add_argument("--llm", help="a Llama or Qwen2 model directory")
+    imp.add_argument("--model", help="a whole VLM's model directory or Hub id (config.json model_type: "
+                                  "qwen2_5_vl, internvl, qwen3_vl, qwen3_vl_moe)")
+    imp.add_argument("--vision", help="a SigLIP or CLIP (vision) model directory or Hub id")
+    imp.add_argument("--llm", help="a Llama, Qwen2 or Qwen3 model directory or Hub id")
     imp.add_argument("--save", required=True, help="the checkpoint directory to write")
     imp.add_argument("--projector", help="a safetensors file of the projector's weights (our names, "
                                          "projector.*); without it the projector is newly initialized")
     exp = commands.add_parser("export", help="a Megatron checkpoint -> Hugging Face directories")
     exp.add_argument("--load", required=True, help="a checkpoint directory (its tracker's iteration)")
     exp.add_argument("--out", help="the directory of a whole VLM (a --model import)")
-    exp.add_argument("--vision-out")
-    exp.add_argument("--llm-out")
+    exp.add_argument("--vision-out", help="the vision tower's directory (a --vision/--llm import)")
+    exp.add_argument("--llm-out", help="the LLM's directory (a --vision/--llm import)")
     exp.add_argument("--model-sizes", help="the model.json of the import (default: the one the checkpoint records)")
     from megatron_hetero.hf.compare import add_arguments
 
@@ -69,12 +74,17 @@ def _export(args) -> str:
     return "wrote " + ", ".join(outs.values())
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.hf") -> int:
+    args = _parser(prog).parse_args(argv)
     import megatron_hetero.patches
 
     megatron_hetero.patches.apply()  # megatron-core on CPUs; this command line is an entry point
     try:
+        from megatron_hetero.hf.hub import resolve_model
+
+        for flag in ("model", "vision", "llm"):  # a directory, or a Hub id through the cache
+            if getattr(args, flag, None):
+                setattr(args, flag, resolve_model(getattr(args, flag), f"--{flag}"))
         if args.command == "compare":
             from megatron_hetero.hf.compare import compare
 

@@ -146,7 +146,7 @@ def compare(args) -> int:
 
     description, _ = read_description(args.load, args.model_sizes)
     if "family" not in description:
-        raise HFMappingError(f"--load {args.load} holds no whole-model import (python -m megatron_hetero.hf import "
+        raise HFMappingError(f"--load {args.load} holds no whole-model import (megatron-hetero hf import "
                              f"--model DIR); compare needs the whole model")
     sizes = replace(sizes_from_dict(description["sizes"]), seq_length=args.seq_length)
     layout = _layout(args)

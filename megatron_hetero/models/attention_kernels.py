@@ -2,7 +2,7 @@
 extra) where it can be trusted.
 
 flash-attn-4 4.0.0b36's backward is silently wrong at some head dims (72 and 80 on the H100: dq/dk/dv
-~100% off against fp32 attention while every forward is right; ../shared/GPU-KERNELS.md). So FA4 is
+~100% off against fp32 attention while every forward is right; docs/attention.md). So FA4 is
 chosen per shape, never by import alone: it must import, the GPU's architecture must be one it
 targets (Hopper sm90, Blackwell sm100), and the head dim must be one whose gradients were checked on
 that GPU model (CHECKED_HEAD_DIMS). Elsewhere torch SDPA; CPUs always.
@@ -47,7 +47,7 @@ SDPA = "sdpa"
 
 # CHECKED_HEAD_DIMS (kernel_policy.py, from kernel_checks.json): head dims whose flash-attn-4 gradients
 # (dq, dk, dv against fp32 math attention, max |diff| / max |ref| as small as cuDNN's: 0.003-0.005) were
-# checked, by GPU model as torch.cuda.get_device_name() names it. Source: ../shared/attention_grad_check.py,
+# checked, by GPU model as torch.cuda.get_device_name() names it. Source: a gradient check against fp32,
 # one H100, 2026-11-25, flash-attn-4 4.0.0b36 (hd 72 and 80 failed there: 0.98 and 1.29); the H200's from
 # tools/gpu_fa4_check.py, 2026-11-26. benchmarks/gpu_fa4_check.sh re-checks every listed dim and writes
 # the entry for the GPU it runs on: add a GPU (or a wheel version) only from its output. The policy's
@@ -161,7 +161,7 @@ class _Dense(torch.autograd.Function):
     hold [s, b, h, d] and hand FA4 its transposed view. Flattened back to [s, b, h * d] that output is
     not a dense matrix, so the output projection copied it twice per layer and microbatch (torch.matmul
     in its forward, `prepare_input_tensors_for_wgrad_compute` in its weight gradient): by count 128 of
-    the 176 strided copies (63 ms together) in W1's profiled step on one H200 (docs/benchmarks.md). Written
+    the 176 strided copies (63 ms together) in W1's profiled step on one H200 (docs/runs/benchmarks.md). Written
     in q's memory order, the flattened output is contiguous. The two entries are
     flash_attn.cute.interface's, called as its own FlashAttnFunc calls them (the `fa4` extra pins
     the version).

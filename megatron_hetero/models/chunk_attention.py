@@ -4,7 +4,7 @@ Under context parallelism (attention.py) a rank's later query chunk, at global p
 [start, end), attends to the keys [0, end) with a bottom-right causal mask. torch's SDPA runs that
 mask only on its FlashAttention-2 or memory-efficient kernels; cuDNN's kernel, the fastest SDPA has
 on Hopper, takes the square causal case only. At 64K that cost our CP2 LLM 1.5x DP2's forward per
-token (docs/benchmarks.md, W6). The chunk's attention is the merge of two calls cuDNN takes: the
+token (docs/runs/benchmarks.md, W6). The chunk's attention is the merge of two calls cuDNN takes: the
 keys before the chunk, all visible, and the chunk's own keys, causal. Merged by their log-sum-exps
 (lse = logaddexp(lse1, lse2), out = sum of out_i * exp(lse_i - lse)); backward hands each call's
 kernel the merged output and log-sum-exp, which turns each kernel's backward into its share of the

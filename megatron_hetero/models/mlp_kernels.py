@@ -3,7 +3,7 @@ fc1's GEMM, the activation and fc2's GEMM as separate passes over [tokens, ffn].
 
 Why: without Transformer Engine, GELU is an elementwise kernel reading and writing the widest tensor
 of the layer, forward and backward: in W3's profiled step on one H200 (8 LLM layers, global batch 16;
-docs/benchmarks.md) 94.6 ms forward and 71.8 ms backward of 6,106. quack's GEMMs apply it in their
+docs/runs/benchmarks.md) 94.6 ms forward and 71.8 ms backward of 6,106. quack's GEMMs apply it in their
 epilogue, on the accumulator in registers: fc1's GEMM writes the pre-activation and the activation
 (1.07x fc1 + GELU at W1's LLM shape), and fc2's input-gradient GEMM multiplies by the activation's
 derivative and writes the activation again, recomputed from the pre-activation, which fc2's weight

@@ -4,7 +4,7 @@ imports.
 
 Why: torch's norm backward makes two passes over the activations, the input gradient and then
 GammaBetaBackward for the weight and bias gradients: in W1's profiled step on one H200 (8 LLM
-layers, global batch 16; docs/benchmarks.md) the forward took 63 ms, the input gradient 63 and the
+layers, global batch 16; docs/runs/benchmarks.md) the forward took 63 ms, the input gradient 63 and the
 weight and bias gradients 71 more. quack's backward computes the weight and bias gradients in the
 input gradient's pass, as fp32 partial sums per SM added up afterwards (what apex's and Transformer
 Engine's fused norms do, neither of which is here). The statistics are fp32 in both.

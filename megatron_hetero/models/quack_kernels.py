@@ -12,7 +12,7 @@ Under auto a call whose work is below its kind's minimum (min_work) takes torch'
 call costs the host more time than torch's, and a small model's step is bound by the host, not the
 GPU. On one H200 the 200-step loss model of benchmarks/gpu_fa4_check.sh (4 + 4 layers of width 1024 /
 1152, 8,192 tokens a microbatch) ran 13-20% slower per step on quack's norms and MLPs, while W1, W3
-and W4 (widths 1152-4096, 23,328-32,768 tokens) ran 1-2% faster (docs/benchmarks.md); each kind's
+and W4 (widths 1152-4096, 23,328-32,768 tokens) ran 1-2% faster (docs/runs/benchmarks.md); each kind's
 minimum lies between the two. The choice is pure (choose_quack), so that it is tested without a GPU.
 """
 

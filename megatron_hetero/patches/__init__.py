@@ -20,11 +20,11 @@ without a layout too, as defaults, each for its reason:
 - cpu: only where no GPU is present (CUDA-only calls on the host; nothing changes on GPUs);
 - quiet: one line instead of ~40 "TE/apex not installed" warnings per process;
 - layer_specs: without TE, Megatron-LM's local spec gets our core attention (torch SDPA) and norms,
-  2.27x the local spec's TFLOPS (LLM layers, TP2 on 2 H200s: 468 vs 207; docs/benchmarks.md);
+  2.27x the local spec's TFLOPS (LLM layers, TP2 on 2 H200s: 468 vs 207; docs/runs/benchmarks.md);
 - rope: on GPUs, RoPE's rotation as one compiled kernel each way, +1.5% TFLOPS on W1 (one H200;
   the same numbers up to bf16 rounding; MEGATRON_HETERO_EAGER_ROPE=1 for upstream's);
 - grad_accum_fusion: without apex, --gradient-accumulation-fusion (Megatron's default) on torch's
-  GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/benchmarks.md);
+  GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/runs/benchmarks.md);
 - fused_adam: on GPUs, torch's fused Adam kernel instead of foreach: one step over 2.1B parameters
   62 -> 22 ms on an H100;
 - torch_adam: the distributed optimizer's checkpoints with torch's Adam load at all, and resume

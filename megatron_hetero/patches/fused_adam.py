@@ -3,7 +3,7 @@
 builds torch.optim.Adam / AdamW with torch's default, the foreach implementation).
 
 The foreach implementation runs a dozen passes over the fp32 main params and Adam states per step;
-the fused one reads and writes each once, as apex's and TE's FusedAdam do (docs/benchmarks.md:
+the fused one reads and writes each once, as apex's and TE's FusedAdam do (docs/runs/benchmarks.md:
 `tools/bench_ops.py` on W1's parameters). Same update rule; the fused kernel rounds differently in
 the last bits. Only where every parameter is on a GPU (CPU runs keep the foreach path); a checkpoint
 loaded later keeps it fused (torch's load_state_dict takes the saved groups' flags).

@@ -7,7 +7,7 @@ DDP buffer, fp32 under --bf16) inside the weight-gradient GEMM. Without apex the
 each weight gradient was then written in bf16 and added to main_grad by DDP's hook, another pass
 over it in fp32. torch's GEMM takes an output dtype (bf16 inputs, an fp32 output accumulated with
 beta 1), the same operation as apex's kernel: this patch gives megatron-core that, as the module it
-imports, where apex is missing. W1 on one H200: docs/benchmarks.md.
+imports, where apex is missing. W1 on one H200: docs/runs/benchmarks.md.
 """
 
 import types

@@ -35,8 +35,9 @@ def _get_model(original):
             fail(str(error))
         if not isinstance(built, ModelParts):
             fail(f"the script's model provider built {type(built).__name__}, which megatron-hetero cannot "
-                 f"split into modules; --hetero-layout supports Megatron-LM's pretrain_vlm.py (LLaVAModel) "
-                 f"and examples/pretrain_vlm.py")
+                 f"split into modules; --hetero-layout supports Megatron-LM's pretrain_vlm.py (LLaVAModel), "
+                 f"examples/pretrain_vlm.py, and a model provider that returns ModelParts "
+                 f"(docs/guides/bring-your-own-model.md)")
         model = wrap_parts(run, built, args)
         args.hetero_run = model.run  # the run's description with its parts (built once, here)
         return [model]

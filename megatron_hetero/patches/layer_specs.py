@@ -1,7 +1,7 @@
 """Without Transformer Engine, Megatron-LM's LLaVA builds its layers from megatron-core's local
 spec; the plugin substitutes our core attention (torch SDPA) and norms there (megatron-core 0.19
 `llava_spec.decoder_model_with_local_default_spec`, `vit_layer_specs.get_vit_layer_with_local_spec`):
-the same layers as the local spec's but for those two submodules (docs/benchmarks.md: 2.7x the local
+the same layers as the local spec's but for those two submodules (docs/runs/benchmarks.md: 2.7x the local
 spec's TFLOPS on one H100). Dense layers only (a spec with experts stays upstream's). Where the kernel
 policy runs Transformer Engine's layers (TE imports, --transformer-impl not local), scripts choose
 TE's spec and nothing here applies.

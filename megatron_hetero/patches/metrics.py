@@ -7,14 +7,21 @@ writing rank's waiting_share (the share of the step it spent blocked on other ra
 --num-experts the step's MoE losses as Megatron logs them (megatron-core's MoE metrics tracker:
 load_balancing_loss, z_loss, ...; the mean over layers, microbatches and data-parallel ranks). Written by
 the rank that holds the loss: the LLM's last stage at tp = cp = dp = 0 (the last rank without a layout).
+
+With `--tensorboard-dir` or `--wandb-project` under --hetero-layout, Megatron's writers (on its last
+rank) also get, every `--tensorboard-log-interval` iterations, each module's waiting share since the
+last report (`hetero/waiting-share/<module>`: the mean over the ranks holding it; `.../max`: the
+largest of any rank), one all-gather of a float per rank; and where the phase timers run, that
+rank's seconds per phase (`hetero/phase-s/<phase>`).
 """
 
 import json
 import os
 import time
 
+import torch
 import torch.distributed as dist
-from megatron.training import get_args
+from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
 from megatron_hetero.patches._patch import replace
 
@@ -66,12 +73,62 @@ def _moe_losses() -> dict:
     return {name: value for name, value in scalars.items() if name.endswith("loss")}
 
 
+class _Reported:
+    """What the writers were last given on this rank: the clock's and the phase timers' totals."""
+
+    def __init__(self):
+        self.waiting_s = self.step_s = 0.0
+        self.phases: dict = {}
+
+
+_reported: _Reported | None = None  # this process's last report to Megatron's writers (one per run)
+
+
+def _module_scalars(run_args) -> dict:
+    """Every rank's waiting share since the last report, gathered (a collective: every rank calls
+    this at the same iterations), as each module's mean and the largest; this rank's phase seconds."""
+    global _reported
+    run = run_args.hetero_run
+    _reported = _reported or _Reported()
+    clock, layout = run.handles.model.clock, run.layout
+    step_s = clock.step_s - _reported.step_s
+    share = (clock.waiting_s - _reported.waiting_s) / step_s if step_s > 0 else 0.0
+    _reported.waiting_s, _reported.step_s = clock.waiting_s, clock.step_s
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shares = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(shares, torch.tensor([share], device=device))
+    shares = [float(s) for s in shares]
+    scalars = {f"hetero/waiting-share/{m.name}": sum(shares[r] for r in m.ranks) / len(m.ranks)
+               for m in layout.modules}
+    scalars["hetero/waiting-share/max"] = max(shares)
+    seconds = dict(run.handles.model.timers.seconds)
+    scalars.update({f"hetero/phase-s/{name}": s - _reported.phases.get(name, 0.0) for name, s in seconds.items()})
+    _reported.phases = seconds
+    return scalars
+
+
+def _to_writers(run_args, iteration: int) -> None:
+    """The module scalars into Megatron's TensorBoard and W&B writers (on the rank that holds them)."""
+    if not (run_args.tensorboard_dir or run_args.wandb_project) or run_args.hetero_run is None:
+        return
+    if iteration % run_args.tensorboard_log_interval:
+        return
+    scalars = _module_scalars(run_args)
+    tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
+    for tag, value in scalars.items():
+        if tensorboard:
+            tensorboard.add_scalar(tag, value, iteration)
+    if wandb:
+        wandb.log(scalars, iteration)
+
+
 def _training_log(original):
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs):
         global _writer
         run_args = get_args()
         # Megatron's MoE metrics are reduced (collectively) inside: the record comes after.
         result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs)
+        _to_writers(run_args, iteration)
         if run_args.metrics_file and _writes_metrics(run_args):
             if _writer is None:
                 _writer = MetricsWriter(run_args.metrics_file)

@@ -4,7 +4,7 @@ the path every RoPE model takes without Transformer Engine's fused RoPE).
 Upstream computes `t * cos + rotate_half(t) * sin` as separate kernels: cos and sin of the
 frequencies, two multiplies and an add, a `torch.cat` in rotate-half and another re-attaching the
 (usually empty) part of the head that does not rotate. In a W1 step on one H200 these copies and
-elementwise kernels are several percent of the time (docs/benchmarks.md). Where the whole head
+elementwise kernels are several percent of the time (docs/runs/benchmarks.md). Where the whole head
 rotates (not interleaved, no MLA layout) this patch computes the same halves directly, compiled
 into fused kernels (torch.compile) on GPUs: the same numbers up to bf16 rounding (the fused kernel
 rounds once). On CPUs, and with MEGATRON_HETERO_EAGER_ROPE=1 (to compare; the kernel policy's eager_rope),

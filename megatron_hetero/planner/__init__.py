@@ -1,7 +1,7 @@
 """Layout planner: an analytic cost model that predicts step time and memory per GPU for every valid
 layout of a multimodal workload, colocated, non-colocated and Megatron's homogeneous baseline.
 
-Pure Python (no torch): `tools/plan_layout.py` is its command line. Every figure is a prediction
+Pure Python (no torch): `megatron-hetero plan` (cli/plan.py) is its command line. Every figure is a prediction
 from formulas and a calibration; the assumptions are stated where they are used.
 
 The model, per training step:

@@ -99,7 +99,7 @@ def layout_yaml(prediction: Prediction, workload: Workload, cluster: Cluster) ->
     extra = " ".join((["--use-distributed-optimizer"] if workload.distributed_optimizer else [])
                      + ([candidate.recompute.flags()] if candidate.recompute else []))
     lines = [
-        f"# Written by tools/plan_layout.py for {cluster.gpus} GPUs, {candidate.placement}: {candidate.describe()}",
+        f"# Written by megatron-hetero plan for {cluster.gpus} GPUs, {candidate.placement}: {candidate.describe()}",
         f"# Predicted (from the calibration, not measured): {prediction.step_s:.2f} s/step, "
         f"{prediction.tokens_per_s:,.0f} tokens/s, {prediction.tflops_per_gpu:.0f} TFLOPS/GPU, "
         f"{prediction.memory_gb:.0f} GB/GPU",

@@ -43,6 +43,14 @@ def _own_size_fields():
             if f.type is int and f.name not in ("vocab_size", "vocab_multiple", *MEGATRON_SIZE_FLAGS)]
 
 
+# What each of the reference model's own size flags sets (the LLM's are Megatron's own flags).
+_SIZE_HELP = {"image_size": "image side in pixels", "patch_size": "ViT patch side in pixels",
+              "enc_hidden_size": "vision encoder width", "enc_num_layers": "vision encoder layers",
+              "enc_num_attention_heads": "vision encoder attention heads", "audio_mel_bins": "mel bins per audio frame",
+              "audio_frames": "frames per audio clip", "audio_hidden_size": "audio encoder width",
+              "audio_num_layers": "audio encoder layers", "audio_num_attention_heads": "audio encoder attention heads"}
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The example script's flags: its encoders' sizes, the data, the evaluation, the control run."""
     group = parser.add_argument_group("megatron-hetero example")
@@ -50,7 +58,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="zero the vision rows at the boundary (control run)")
     group.add_argument("--eval-samples", type=int, default=0,
                        help="caption accuracy on this many held-out images after training")
-    group.add_argument("--data-seed", type=int, default=1234)
+    group.add_argument("--data-seed", type=int, default=1234,
+                       help="seed of the synthetic shapes data and of the held-out evaluation images (default 1234)")
     group.add_argument("--image-root", default=None,
                        help="the directory image paths of --data-path are relative to (default: the file's own)")
     group.add_argument("--strict-data", action="store_true",
@@ -68,9 +77,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-tiles", type=int, default=1,
                        help="split a larger image into up to this many tiles plus a thumbnail (1: no tiling)")
     for f in _own_size_fields():
-        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
+        group.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
+                           help=f"the reference model's {_SIZE_HELP.get(f.name, f.name)} (default {f.default})")
     group.add_argument("--model-sizes", default=None,
-                       help="a model description (the model.json `python -m megatron_hetero.hf import` "
+                       help="a model description (the model.json `megatron-hetero hf import` "
                             "writes): sizes and architecture of every module, over the size flags")
     return parser
 
@@ -106,7 +116,7 @@ def _description_file(path: str) -> dict:
         sizes_from_dict(description["sizes"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ArgsError(f"--model-sizes {path}: {error}; give the model.json written by "
-                        f"`python -m megatron_hetero.hf import`") from None
+                        f"`megatron-hetero hf import`") from None
     return description
 
 

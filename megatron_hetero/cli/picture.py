@@ -1,0 +1,117 @@
+"""A layout as a picture (`megatron-hetero layout show L.yaml --world-size N --png F`): one column per
+rank (GPU), one row per module; each cell is the rank's coordinates in that module, coloured by its
+data-parallel index, each tensor-parallel group framed, each context-parallel group and pipeline stage
+named; arrows are the boundary edges. matplotlib is optional (`pip install megatron-hetero[plot]`)."""
+
+from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout
+
+
+def draw_layout(layout: HeteroLayout, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import FancyArrowPatch, Rectangle
+    except ImportError:
+        raise LayoutError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
+    rows = {m.name: len(layout.modules) - 1 - i for i, m in enumerate(layout.modules)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * layout.world_size + 3), 1.3 * len(rows) + 1.2))
+    colours = plt.get_cmap("tab20")
+    for module in layout.modules:
+        _draw_module(ax, module, rows[module.name], colours, Rectangle)
+    for n, edge in enumerate(layout.edges):  # at the left margin, one arrow per edge
+        x = -0.9 - 0.35 * n
+        ax.add_patch(FancyArrowPatch((x, rows[edge.src] + 0.4), (x, rows[edge.dst] + 0.4), arrowstyle="-|>",
+                                     mutation_scale=14, color="black", connectionstyle="arc3,rad=0.3"))
+    ax.set_xlim(-1.2 - 0.35 * len(layout.edges), layout.world_size)
+    ax.set_ylim(-0.2, len(rows))
+    ax.set_xticks([r + 0.45 for r in range(layout.world_size)], [f"rank {r}" for r in range(layout.world_size)])
+    ax.set_yticks([y + 0.4 for y in rows.values()],
+                  [f"{m.name} ({m.role})\ntp{m.tp} cp{m.cp} dp{m.dp} pp{m.pp}" + (" sp" if m.sp else "")
+                   + (" frozen" if m.freeze else "") for m in layout.modules])
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    edges = ", ".join(str(e) for e in layout.edges)
+    ax.set_title(f"{layout.placement} layout, world size {layout.world_size}; edges: {edges}\n"
+                 "colour: data-parallel index; frame: tensor-parallel group")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_module(ax, module: ModuleLayout, y: int, colours, rectangle) -> None:
+    """The module's cells on its row, its TP groups framed (a module's ranks run tp fastest, so a TP
+    group is consecutive ranks)."""
+    for rank in module.ranks:
+        c = module.coords(rank)
+        if c is None:  # an on_first_stage encoder: ranks of the LLM's later stages hold none of it
+            continue
+        ax.add_patch(rectangle((rank + 0.05, y + 0.05), 0.8, 0.7, facecolor=colours(c["dp"] % 20), alpha=0.6))
+        ax.text(rank + 0.45, y + 0.4, f"tp{c['tp']} cp{c['cp']}\ndp{c['dp']} pp{c['pp']}", ha="center",
+                va="center", fontsize=8)
+        if c["tp"] == 0 and module.tp > 1:
+            ax.add_patch(rectangle((rank, y), module.tp - 0.1, 0.8, fill=False, linewidth=2))
+
+
+# A step's phases in the order a rank runs them (benchmarks/bench_e2e.py records them per rank).
+PHASES = ("encoder-forward", "boundary", "llm-forward", "llm-backward", "encoder-backward", "optimizer")
+
+
+def draw_breakdown(record: dict, path: str) -> None:
+    """One bar per rank: the seconds of a timed step in each phase and waiting on other ranks (a
+    bench_e2e record's `ranks`), stacked in the order a step runs them."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
+    ranks = record.get("ranks")
+    if not ranks:
+        raise ValueError("the record has no per-rank phases (`ranks`): give a record of benchmarks/bench_e2e.py")
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * len(ranks)))
+    colours = plt.get_cmap("tab10")
+    left = [0.0] * len(ranks)
+    for n, phase in enumerate([*PHASES, "waiting"]):
+        widths = [r.get("waiting_s", 0.0) if phase == "waiting" else r["phases"].get(phase, 0.0) for r in ranks]
+        ax.barh(range(len(ranks)), widths, left=left, color="black" if phase == "waiting" else colours(n),
+                label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    # The rest of the step: the rank idle outside its timed phases (a pipeline's bubble, for one).
+    idle = [max(record.get("step_s", 0.0) - done, 0.0) for done in left]
+    ax.barh(range(len(ranks)), idle, left=left, color="lightgrey", label="idle, outside the phases")
+    ax.set_yticks(range(len(ranks)), [f"rank {r['rank']}: {r.get('stage', '')}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title(f"{record.get('workload', '')} under {record.get('layout', '')} on {record.get('gpus', '?')} "
+                 f"{record.get('device', 'GPUs')}: {record.get('tokens_per_s', 0):,.0f} tokens/s")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero breakdown") -> int:
+    """`megatron-hetero breakdown RECORDS.jsonl --png F [--record N]`: a bench_e2e record's step per rank."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog=prog, description="Draw a benchmarks/bench_e2e.py record's step per "
+                                     "rank: seconds in each phase and waiting on other ranks.")
+    parser.add_argument("records", metavar="RECORDS.jsonl", help="bench_e2e's JSON lines (one record a line)")
+    parser.add_argument("--record", type=int, default=-1, metavar="N", help="which line (default: the last)")
+    parser.add_argument("--png", required=True, metavar="FILE", help="the PNG file to write")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.records, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        draw_breakdown(records[args.record], args.png)
+    except (OSError, ValueError, IndexError, KeyError) as error:
+        print(f"error: {args.records}: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.png}")
+    return 0

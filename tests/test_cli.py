@@ -1,0 +1,154 @@
+"""`megatron-hetero`, the one command: its subcommands, their `--help`, `layout show`'s process
+groups, `layout check --model-sizes` refusing what training refuses, the planner's Megatron flag
+names (old names as deprecated aliases) and its calibration by GPU model, printed."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hetero.cli.main import COMMANDS, main
+from megatron_hetero.spec.sizes import ModelSizes, sizes_to_dict
+from tests.distributed import run_python
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "examples" / "layouts" / "demo_colocated.yaml")
+
+
+def test_usage_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"  {name}" in printed for name in COMMANDS)
+    assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("megatron-hetero 0.")
+    assert main(["trian"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown command 'trian'; commands: layout, plan")
+    assert main([]) == 2
+
+
+@pytest.mark.parametrize("command", [["layout", "check"], ["layout", "show"], ["plan"], ["verify"], ["hf", "import"],
+                                     ["hf", "compare"], ["hf", "export"], ["launch"], ["breakdown"]])
+def test_every_command_has_help(command):
+    """`megatron-hetero ... --help` exits 0 and names itself; every option it lists has a help text."""
+    result = run_python(["-m", "megatron_hetero.cli", *command, "--help"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"usage: megatron-hetero {' '.join(command)}" in result.stdout
+    assert not _without_help(result.stdout), f"options without a help text: {_without_help(result.stdout)}"
+
+
+def _without_help(text: str) -> list[str]:
+    """argparse's option lines with no help: neither text after the option on its line nor an
+    indented line under it."""
+    lines = text.split("options:", 1)[-1].splitlines() + [""]
+    return [line.strip() for line, after in zip(lines, lines[1:])
+            if line.startswith("  -") and "  " not in line.strip() and not after.startswith(" " * 8)]
+
+
+def test_launch_help_describes_itself(capsys):
+    from megatron_hetero.launch import main as launch
+
+    assert launch(["--help"], prog="megatron-hetero launch") == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("usage: megatron-hetero launch SCRIPT.py") and "--no-python" in printed
+    assert launch([], prog="megatron-hetero launch") == 2
+
+
+def test_layout_show_lists_the_groups(capsys):
+    assert main(["layout", "show", DEMO, "--world-size", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "rank 3: vision[tp0 cp0 dp3 pp0] llm[tp1 cp0 dp1 pp0]" in lines
+    assert lines[-3:] == ["vision dp groups: [0,1,2,3]", "llm tp groups: [0,1] [2,3]", "llm dp groups: [0,2] [1,3]"]
+
+
+def _model_json(tmp_path, **sizes) -> str:
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"sizes": sizes_to_dict(ModelSizes(**sizes))}))
+    return str(path)
+
+
+@pytest.mark.parametrize("modules, sizes, error", [
+    ("  video: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n", {},
+     "module video: kind 'video' is not an encoder this model builds; set kind: to one of vision, audio"),
+    ("  vision: {role: encoder, tp: 2}\n  llm: {role: llm, dp: 2}\n", {"enc_num_attention_heads": 3},
+     "model.json's enc_num_attention_heads 3 is not divisible by module vision's tp=2"),
+    ("  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n", {"num_attention_heads": 5, "hidden_size": 80},
+     "model.json's num_attention_heads 5 is not divisible by module llm's tp=2"),
+    ("  vision: {role: encoder, cp: 2}\n  llm: {role: llm, cp: 2}\n", {}, "module vision"),
+    ("  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n", {"num_layers": 3},
+     "model.json's num_layers 3 is not divisible by module llm's pp=2"),
+])
+def test_layout_check_with_model_sizes_refuses_what_training_refuses(tmp_path, capsys, modules, sizes, error):
+    """The same layout passes without --model-sizes (the boundary serves it) and is one error line with it."""
+    layout = tmp_path / "layout.yaml"
+    layout.write_text("placement: colocated\nmodules:\n" + modules)
+    assert main(["layout", "check", str(layout), "--world-size", "2"]) == 0
+    capsys.readouterr()
+    model = _model_json(tmp_path, **sizes)
+    assert main(["layout", "check", str(layout), "--world-size", "2", "--model-sizes", model]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and error in err and err.count("\n") == 1, err
+    layout.write_text("placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n")
+    assert main(["layout", "check", str(layout), "--world-size", "2", "--model-sizes", _model_json(tmp_path)]) == 0
+
+
+def test_plan_takes_megatrons_flag_names_and_the_gpus_measured_calibration(capsys):
+    args = ["plan", "--workload", "tiny", "--gpus", "2", "--top", "1"]
+    assert main([*args, "--global-batch-size", "8", "--micro-batch-size", "1"]) == 0
+    new = capsys.readouterr()
+    assert new.err == "" and "calibration: calibration_h200_measured.json, measured on the H200" in new.out
+    assert main([*args, "--global-batch", "8", "--micro-batch", "1"]) == 0
+    old = capsys.readouterr()
+    assert old.err.splitlines() == ["warning: --global-batch is deprecated; use --global-batch-size",
+                                    "warning: --micro-batch is deprecated; use --micro-batch-size"]
+    assert old.out == new.out
+    assert main([*args, "--gpu", "h100"]) == 0
+    h100 = capsys.readouterr().out
+    assert "85 GB each" in h100 and "calibration: calibration_h100_measured.json, measured on the H100 (named" in h100
+    assert main([*args, "--calibration", "h200"]) == 0
+    assert "calibration: calibration_h200.json, given by --calibration" in capsys.readouterr().out
+
+
+def test_layout_show_draws_a_png(tmp_path, capsys):
+    """--png draws every rank of every module in its data-parallel colour; without matplotlib, one line."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    png = tmp_path / "layout.png"
+    assert main(["layout", "show", DEMO, "--world-size", "4", "--png", str(png)]) == 0
+    image = Image.open(png).convert("RGB")
+    colours = {colour for count, colour in image.getcolors(1 << 20) if count > 2000}  # the cells' fills
+    assert image.width > 600 and len(colours) >= 5, colours  # white, and dp 0-3 of the encoder (llm dp 0-1 among them)
+
+
+def test_layout_show_png_without_matplotlib(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["layout", "show", DEMO, "--world-size", "4", "--png", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)\n"
+
+
+def test_every_flag_of_ours_has_help():
+    """`examples/pretrain_vlm.py --help`: every flag of megatron-hetero's groups (those every script
+    gets and the example's own) has a help text."""
+    result = run_python([ROOT / "examples" / "pretrain_vlm.py", "--help"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    ours = result.stdout.split("\nmegatron-hetero:")[1]
+    assert "megatron-hetero example:" in ours
+    assert not _without_help(f"options:{ours}"), _without_help(f"options:{ours}")
+
+
+def test_breakdown_draws_a_records_step(tmp_path, capsys):
+    """`breakdown` draws a committed bench_e2e record (one bar per rank); a record without per-rank
+    phases is one error line."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    records = ROOT / "docs" / "runs" / "bench_e2e" / "call1_bench_e2e.jsonl"
+    png = tmp_path / "step.png"
+    assert main(["breakdown", str(records), "--record", "5", "--png", str(png)]) == 0
+    assert Image.open(png).width > 600
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"workload": "W1"}\n')
+    assert main(["breakdown", str(bad), "--png", str(png)]) == 2
+    assert capsys.readouterr().err.endswith("the record has no per-rank phases (`ranks`): give a record of "
+                                            "benchmarks/bench_e2e.py\n")

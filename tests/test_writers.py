@@ -1,0 +1,88 @@
+"""Our per-module metrics reach Megatron's writers: with `--tensorboard-dir` the TensorBoard event
+file holds each module's waiting share per logged iteration beside Megatron's own scalars (read back
+with TensorBoard's reader); with `--wandb-project` in W&B's offline mode the run's history holds
+them too. One training run of examples/pretrain_vlm.py, vision on rank 0 and the LLM on rank 1
+(non-colocated: the LLM waits for the encoder's rows, the encoder for their gradients)."""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERS = 4
+
+
+def _train_with_writers(rank, world_size, out):
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
+    sys.argv = [str(ROOT / "examples" / "pretrain_vlm.py"),
+                "--hetero-layout", str(ROOT / "examples" / "layouts" / "gpu2_non_colocated.yaml"),
+                "--train-iters", str(ITERS), "--global-batch-size", "4", "--micro-batch-size", "2",
+                "--lr", "1e-3", "--seed", "7", "--log-interval", "1", "--tensorboard-dir", f"{out}/tb",
+                "--tensorboard-log-interval", "1", "--wandb-project", "hetero-test", "--wandb-exp-name", "writers",
+                "--wandb-save-dir", f"{out}/wandb"]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    out = tmp_path_factory.mktemp("writers")
+    run_distributed(_train_with_writers, 2, str(out))
+    return out
+
+
+def test_tensorboard_holds_the_module_scalars(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "lm loss" in tags, tags  # Megatron's own
+    for module in ("vision", "llm"):
+        shares = events.Scalars(f"hetero/waiting-share/{module}")
+        assert [s.step for s in shares] == list(range(1, ITERS + 1))
+        assert all(0 <= s.value <= 1 for s in shares), shares
+    # Rank 0 (vision) waits for the LLM's gradients, rank 1 (the LLM) for the rows: both wait some.
+    assert all(s.value > 0 for s in events.Scalars("hetero/waiting-share/max"))
+
+
+def _wandb_records(path: Path) -> list[bytes]:
+    """The records of a W&B run file (its transaction log: a 7-byte ':W&B' header, then LevelDB's log
+    format, 32 KiB blocks of records each with a 7-byte header: checksum, length, full/first/middle/last)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    records, partial, block = [], b"", 32768
+    position = 7
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
+        payload, position = data[position + 7:position + 7 + length], position + 7 + length
+        if kind == 0:
+            break
+        partial += payload
+        if kind in (1, 4):  # full, or the last part
+            records.append(partial)
+            partial = b""
+    return records
+
+
+def test_wandb_offline_run_holds_the_module_scalars(run):
+    from wandb.proto import wandb_internal_pb2
+
+    [record_file] = (run / "wandb").rglob("offline-run-*/run-*.wandb")
+    logged = []
+    for data in _wandb_records(record_file):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            logged.append({item.key or "/".join(item.nested_key): item.value_json for item in record.history.item})
+    steps = [h for h in logged if "hetero/waiting-share/llm" in h]
+    assert len(steps) == ITERS and all(0 <= float(h["hetero/waiting-share/vision"]) <= 1 for h in steps), logged
