@@ -40,7 +40,9 @@ setup(
         "hf": ["transformers>=5", "safetensors"],
         # megatron-energon datasets as --data-path (megatron_hetero/data/energon.py).
         "energon": ["megatron-energon>=7"],
+        # Video files in conversation data, decoded by PyAV (FFmpeg bundled; megatron_hetero/data/video.py).
+        "media": ["av"],
         # The tests, and ruff (pyproject.toml's settings), which `make test` runs first.
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff"],
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "av", "ruff"],
     },
 )

@@ -108,11 +108,12 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> flo
     return float((losses * mask).sum() / mask.sum()) if mask.sum() else float("nan")
 
 
-def _sample_report(hf_model, images, sample, ours: torch.Tensor, vocab: int) -> tuple[float, float, float]:
+def _sample_report(hf_model, images, sample, sources, ours: torch.Tensor, vocab: int) -> tuple[float, float, float]:
     """(transformers' loss, ours, max |logit diff|) of one sample over its whole sequence."""
     ids = sample.input_ids[None]
     with torch.no_grad():
-        theirs = hf_model(input_ids=ids, **images.hf_inputs(ids, sample.media[VISION])).logits[0].float()
+        theirs = hf_model(input_ids=ids, **images.hf_inputs(ids, sample.media[VISION], [s.items for s in sources])
+                          ).logits[0].float()
     ours = ours[:, :vocab]
     return (_loss(theirs, sample.labels, sample.loss_mask), _loss(ours, sample.labels, sample.loss_mask),
             float((ours - theirs).abs().max()))
@@ -164,10 +165,10 @@ def compare(args) -> int:
             kwargs = dataset.collate(group)
             kwargs.pop("skipped")
             ours = _our_logits(model, kwargs, sizes.seq_length)
-            for j, (sample, _) in enumerate(samples[first : first + dp]):
+            for j, (sample, sources) in enumerate(samples[first : first + dp]):
                 if hf_model is not None:
-                    theirs_loss, our_loss, diff = _sample_report(hf_model, dataset.spec.images, sample, ours[j],
-                                                           sizes.vocab_size)
+                    theirs_loss, our_loss, diff = _sample_report(hf_model, dataset.spec.images, sample, sources,
+                                                                 ours[j], sizes.vocab_size)
                     worst = max(worst, diff)
                     print(f"sample {first + j}: loss transformers {theirs_loss:.6f} ours {our_loss:.6f} "
                           f"max |logit diff| {diff:.3e}", flush=True)
