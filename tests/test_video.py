@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import collect_distributed, run_python
+from tests.distributed import collect_distributed
 from tests.qwen3_vl_models import model_class as qwen3_class
 from tests.qwen3_vl_models import qwen3_vl_dir
 from tests.vlm_fixtures import VIDEO_SETTINGS, qwen2_5_vl_dir, save_video_settings, video_conversations
@@ -25,6 +25,7 @@ pytest.importorskip("av")
 
 SEQ, TOL = 320, 1e-4
 GOOD = ("v0", "v6", "v7", "v8", "v9")  # the usable samples of video_conversations()
+MIXED = ("v8", "v7", "v6")  # an image, a video as frames, an image and a video: one microbatch
 SKIPPED = {"v1": "corrupt_video", "v2": "corrupt_video", "v3": "missing_video", "v4": "video_count_mismatch",
            "v5": "unsupported_media"}
 LAYOUTS = {
@@ -43,24 +44,44 @@ def _hf_class(family: str):
     return Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else qwen3_class(False)
 
 
-def _cli(*args):
-    return run_python(["-m", "megatron_hetero.hf", *map(str, args)])
+def _one_process(rank, world_size, tmp, data):
+    """In one process (one start-up): `hf import` of the model, `hf compare` on the video data (exit
+    code, stdout), and our logits of one global microbatch holding an image sample, a video sample
+    (a frame list), and an image and a video in one sample (the tower encodes every item in one call)."""
+    from megatron_hetero.hf.__main__ import main
+    from megatron_hetero.hf.checkpoint import loaded_model
+    from megatron_hetero.hf.compare import _our_logits
+    from megatron_hetero.spec.sizes import sizes_from_dict
+
+    tmp = Path(tmp)
+    assert main(["import", "--model", str(tmp / "hf"), "--save", str(tmp / "ckpt")]) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(map(str, _compare_args(tmp, Path(data)))))
+    dataset = _dataset(tmp, Path(data))
+    samples, _ = _samples(dataset)
+    kwargs = dataset.collate([samples[name] for name in MIXED])
+    kwargs.pop("skipped")
+    sizes = sizes_from_dict({**json.loads((tmp / "ckpt" / "model.json").read_text())["sizes"], "seq_length": SEQ})
+    with loaded_model(str(tmp / "ckpt"), sizes) as model:  # main() applied the patches
+        ours = _our_logits(model, kwargs, SEQ)
+    return code, out.getvalue(), [ours[j][:, : sizes.vocab_size] for j in range(len(MIXED))]
 
 
-def _build(tmp: Path, family: str) -> tuple[Path, Path]:
-    """The family's model directory (its video processor's settings saved), the video data, the import."""
+def _build(tmp: Path, family: str) -> tuple[Path, Path, tuple]:
+    """The family's model directory (its video processor's settings saved), the video data, the
+    layout files, and what _one_process returns."""
     (qwen2_5_vl_dir if family == "qwen2_5_vl" else qwen3_vl_dir)(tmp / "hf")
     save_video_settings(tmp / "hf", family)
     data = video_conversations(tmp / "data")
-    result = _cli("import", "--model", tmp / "hf", "--save", tmp / "ckpt")
-    assert result.returncode == 0, result.stderr[-3000:]
     for name, text in LAYOUTS.items():
         (tmp / f"{name}.yaml").write_text(text)
-    return tmp, data
+    return tmp, data, collect_distributed(_one_process, 1, tmp, str(tmp), str(data))[0]
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def built(request, tmp_path_factory):
+    """(family, its directory, the video data, _one_process's results)."""
     return request.param, *_build(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -95,7 +116,7 @@ def test_data_positions_and_skips(built):
     """Every usable sample's M-RoPE positions are transformers' get_rope_index's on its items (images
     and videos apart, Qwen2.5-VL's seconds per grid); the video over the frame limit keeps
     max_frames; each bad video is skipped with its reason (one line naming the sample)."""
-    family, tmp, data = built
+    family, tmp, data, _ = built
     dataset = _dataset(tmp, data)
     samples, skipped = _samples(dataset)
     assert sorted(samples) == sorted(GOOD) and {k: b.reason for k, b in skipped.items()} == SKIPPED
@@ -139,7 +160,7 @@ def test_data_is_the_processors(built):
     from PIL import Image
     from transformers.video_utils import load_video
 
-    family, tmp, data = built
+    family, tmp, data, _ = built
     dataset = _dataset(tmp, data)
     samples, _ = _samples(dataset)
     processor, records = _processor(family, tmp / "hf"), {r["id"]: r for r in json.loads(data.read_text())}
@@ -192,43 +213,19 @@ def _report(text: str) -> list[float]:
 def test_compare_one_process(built):
     """`hf compare` on one process: every usable video sample within 1e-4 of transformers' logits,
     the bad ones listed as skipped."""
-    _, tmp, data = built
-    result = _cli(*_compare_args(tmp, data))
-    assert result.returncode == 0, result.stderr[-3000:]
-    per_sample = _report(result.stdout)
-    assert len(per_sample) == len(GOOD) and max(per_sample) <= TOL, result.stdout
-    assert all(f"({reason})" in result.stdout for reason in SKIPPED.values())
+    code, stdout, _ = built[3]
+    per_sample = _report(stdout)
+    assert code == 0 and len(per_sample) == len(GOOD) and max(per_sample) <= TOL, stdout
+    assert all(f"({reason})" in stdout for reason in SKIPPED.values())
 
 
-def _batch_worker(rank, world_size, tmp, data):
-    """Our logits of one global microbatch holding an image sample, a video sample (a frame list),
-    and an image and a video in one sample (one process: the tower encodes every item in one call)."""
-    import megatron_hetero.patches
-    from megatron_hetero.hf.checkpoint import loaded_model
-    from megatron_hetero.hf.compare import _our_logits
-    from megatron_hetero.spec.sizes import sizes_from_dict
-
-    megatron_hetero.patches.apply()  # megatron-core on CPUs, as the hf command applies them
-    tmp = Path(tmp)
-    dataset = _dataset(tmp, Path(data))
-    samples, _ = _samples(dataset)
-    batch = [samples[name] for name in ("v8", "v7", "v6")]
-    kwargs = dataset.collate(batch)
-    kwargs.pop("skipped")
-    sizes = sizes_from_dict({**json.loads((tmp / "ckpt" / "model.json").read_text())["sizes"], "seq_length": SEQ})
-    with loaded_model(str(tmp / "ckpt"), sizes) as model:
-        ours = _our_logits(model, kwargs, SEQ)
-    return [ours[j][:, : sizes.vocab_size] for j in range(len(batch))]
-
-
-def test_mixed_batch_one_process(built, tmp_path):
+def test_mixed_batch_one_process(built):
     """Images and videos in one microbatch on one process: each sample's logits equal transformers'."""
-    family, tmp, data = built
-    ours = collect_distributed(_batch_worker, 1, tmp_path, str(tmp), str(data))[0]
+    family, tmp, data, (_, _, ours) = built
     dataset = _dataset(tmp, data)
     samples, _ = _samples(dataset)
     model = _hf_class(family).from_pretrained(tmp / "hf", dtype=torch.float32).eval()
-    for mine, name in zip(ours, ("v8", "v7", "v6")):
+    for mine, name in zip(ours, MIXED):
         sample, sources = samples[name]
         ids = sample.input_ids[None]
         with torch.no_grad():
@@ -251,7 +248,7 @@ def _compare_worker(rank, world_size, tmp, data, layouts):
 
 
 def _compare_under(built, layouts, tmp_path) -> None:
-    _, tmp, data = built
+    _, tmp, data, _ = built
     rank0 = collect_distributed(_compare_worker, 2, tmp_path, str(tmp), str(data), layouts)[0]
     for name, (code, text) in rank0.items():
         per_sample = _report(text)
