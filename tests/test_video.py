@@ -35,6 +35,7 @@ LAYOUTS = {
     "lpp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n",
     "noncolocated": "placement: non_colocated\nmodules:\n  vision: {role: encoder, ranks: 0-0}\n"
                     "  llm: {role: llm, ranks: 1-1}\n",
+    "single": "placement: colocated\nmodules:\n  vision: {role: encoder}\n  llm: {role: llm}\n",
 }
 
 
@@ -133,6 +134,26 @@ def test_data_positions_and_skips(built):
     assert len(long.items.frames) == VIDEO_SETTINGS[family]["max_frames"] and long.items.grids[0][0] == 3
     for name, bad in skipped.items():
         assert "\n" not in bad.line() and f"sample {name}: " in bad.line(), bad.line()
+
+
+def test_energon_dataset_is_the_json(built, tmp_path):
+    """The video data converted to a megatron-energon dataset (videos and frames as parts of their
+    samples) reads as the same samples: tokens, positions, decoded pixels, the same skips."""
+    pytest.importorskip("megatron.energon")
+    from megatron_hetero.data.make_dataset import write_energon
+
+    if built[0] != "qwen3_vl":
+        pytest.skip("the data path is the family's own; one family suffices")
+    _, tmp, data, _ = built
+    energon = write_energon(data, tmp_path / "energon")
+    a, b = _dataset(tmp, data), _dataset(tmp, energon)
+    samples_a, samples_b = [a[i] for i in range(len(a.records))], [b[i] for i in range(len(b.records))]
+    want, got = a.collate(samples_a), b.collate(samples_b)
+    for key in want:
+        if key != "skipped":
+            assert torch.equal(got[key], want[key]), key
+    assert [bad.reason for bad in got["skipped"]] == [bad.reason for bad in want["skipped"]]
+    assert {bad.reason for bad in got["skipped"]} == set(SKIPPED.values())
 
 
 def _processor(family: str, directory: Path):
@@ -265,4 +286,29 @@ def test_compare_under_a_layout(built, tmp_path):
 @pytest.mark.families
 def test_compare_under_layouts(built, tmp_path):
     """Every layout of LAYOUTS (both families), vision DP2 -> LLM TP2, CP2, PP2, non-colocated."""
-    _compare_under(built, [name for name in LAYOUTS if (built[0], name) != ("qwen3_vl", "vtp2")], tmp_path)
+    _compare_under(built, [name for name in LAYOUTS if name != "single" and (built[0], name) != ("qwen3_vl", "vtp2")],
+                   tmp_path)
+
+
+# ---- training -----------------------------------------------------------------------------------
+def _train(built, layout: str, world: int) -> dict[int, dict]:
+    """3 steps of examples/pretrain_vlm.py on the video data (global batch 4: every usable sample,
+    the bad ones skipped) under `layout`; its metrics per step."""
+    from tests.test_qwen2_5_vl import train
+
+    _, tmp, data, _ = built
+    return train(tmp, data, layout, layout, world, ["--seq-length", str(SEQ)])
+
+
+@pytest.fixture(scope="module")
+def reference(built):
+    return _train(built, "single", 1)
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("layout", ["vdp2_ltp2", "noncolocated"])
+def test_training_equals_one_process(built, reference, layout):
+    """Training on videos and images: loss and gradient norm per step within 1e-4 of one process's."""
+    from tests.test_qwen2_5_vl import assert_same_steps
+
+    assert_same_steps(reference, _train(built, layout, 2))

@@ -214,7 +214,7 @@ class ConversationSamples(torch.utils.data.Dataset):
                 else:
                     items = self.spec.images.video_items(probe_video(_openable(source)))
             except (ImageError, VideoError) as error:
-                reason = f"missing_{kind}" if str(error) == f"missing {kind}" else f"corrupt_{kind}"
+                reason = f"missing_{kind}" if str(error).startswith(f"missing {kind}") else f"corrupt_{kind}"
                 raise SkipSample(BadSample(reason, str(source), sample, str(error))) from None
             sources.append(MediaSource(kind, source, items))
         return sources
