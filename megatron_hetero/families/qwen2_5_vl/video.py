@@ -50,7 +50,7 @@ class VideoSettings:
         """These settings updated by a saved processor's (its other keys ignored, as transformers'
         attributes nothing reads); pixel_keys: min_pixels / max_pixels override the size's bounds
         (Qwen2VLVideoProcessor's backward compatibility)."""
-        values = {k: saved[k] for k in asdict(self) if saved.get(k) is not None}
+        values = {k: saved[k] for k in asdict(self) if k in saved}
         size = saved.get("size") or {}
         values.update({ours: size[ours] for ours in ("shortest_edge", "longest_edge") if size.get(ours)})
         pixels = (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")) if pixel_keys else ()
