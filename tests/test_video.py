@@ -82,7 +82,7 @@ def _build(tmp: Path, family: str) -> tuple[Path, Path, tuple]:
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def built(request, tmp_path_factory):
-    """(family, its directory, the video data, _one_process's results)."""
+    """(family, its directory, the video data, _one_process's results); one build per family."""
     return request.param, *_build(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -136,14 +136,13 @@ def test_data_positions_and_skips(built):
         assert "\n" not in bad.line() and f"sample {name}: " in bad.line(), bad.line()
 
 
+@pytest.mark.parametrize("built", ["qwen3_vl"], indirect=True)
 def test_energon_dataset_is_the_json(built, tmp_path):
     """The video data converted to a megatron-energon dataset (videos and frames as parts of their
     samples) reads as the same samples: tokens, positions, decoded pixels, the same skips."""
     pytest.importorskip("megatron.energon")
     from megatron_hetero.data.make_dataset import write_energon
 
-    if built[0] != "qwen3_vl":
-        pytest.skip("the data path is the family's own; one family suffices")
     _, tmp, data, _ = built
     energon = write_energon(data, tmp_path / "energon")
     a, b = _dataset(tmp, data), _dataset(tmp, energon)
@@ -276,10 +275,10 @@ def _compare_under(built, layouts, tmp_path) -> None:
         assert code == 0 and len(per_sample) == len(GOOD) and max(per_sample) <= TOL, (name, text)
 
 
+@pytest.mark.parametrize("built", ["qwen3_vl"], indirect=True)
 def test_compare_under_a_layout(built, tmp_path):
-    """Vision TP2 under LLM DP2: the tower encodes both samples' images and videos in one call."""
-    if built[0] != "qwen3_vl":
-        pytest.skip("one family in the default suite; the other under -m families")
+    """Vision TP2 under LLM DP2 (Qwen3-VL; Qwen2.5-VL's under -m families): the tower encodes both
+    samples' images and videos in one call."""
     _compare_under(built, ["vtp2"], tmp_path)
 
 
