@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
     package_data={"megatron_hetero.data": ["*.model"], "megatron_hetero.planner": ["calibrations/*.json"],
-                  "megatron_hetero.models": ["kernel_checks.json"]},
+                  "megatron_hetero.models": ["kernel_checks.json"], "megatron_hetero.families": ["*/presets.json"]},
     install_requires=[
         "torch",
         "megatron-core>=0.19,<0.20",

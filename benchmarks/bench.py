@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_hetero.boundary.transfer import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.planner import model_flops
+from megatron_hetero.planner import Calibration, Cluster, model_flops, plan
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import (
     FAMILY_BENCHES,
@@ -230,6 +230,34 @@ class _TimedStep:
         return getattr(self.optimizer, name)
 
 
+def planner_answer(preset: BenchWorkload, world_size: int, gpu_memory_gb: float) -> str:
+    """The planner's best layout that fits for a preset workload (bench_e2e's): its run's further
+    advice out of GPU memory (runtime/failures.py)."""
+    # With the memory-saving flags the line also names (recomputation, the distributed optimizer):
+    # without them the planner answered "none fits" where a recomputed layout fits (W6 on an H100).
+    workload = replace(trainer_workload(preset, trainer_vocab_size(preset), preset.frozen),
+                       distributed_optimizer=True, allow_recompute=True)
+    best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
+    # The workload the run built (--as-trained; bench_e2e's depth and batch sizes), so that the command
+    # gives the same answer.
+    command = (f"python tools/plan_layout.py --workload {preset.name} --as-trained --llm-layers {preset.layers} "
+               f"--global-batch {preset.global_batch} --micro-batch {preset.micro_batch} --gpus {world_size} "
+               f"--gpu-memory-gb {round(gpu_memory_gb, 2):g} --distributed-optimizer --allow-recompute")
+    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
+    if best is None:
+        return f"the planner finds no layout of {preset.name} that fits {gpus} of {gpu_memory_gb:.0f} GB ({command})"
+    return (f"the planner's best for {preset.name} on {gpus}: {best.candidate.placement} "
+            f"{best.candidate.describe()}, micro batch {best.candidate.micro_batch}, "
+            f"{best.memory_gb:.0f} GB/GPU predicted ({command} --write-yaml best.yaml)")
+
+
+def _gpu_memory_gb() -> float:
+    """This GPU's capacity in GB (80 without one)."""
+    if not torch.cuda.is_available():
+        return 80.0
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9
+
+
 @contextmanager
 def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
     """megatron.training initialized for the workload as pretrain() initializes itself (the caller has
@@ -254,9 +282,10 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         init_distributed()
     timed = ["--train-iters", "1000000", "--lr", "1e-5", "--lr-decay-style", "constant"]
     args = parse_script_args(workload_flags(w, layout_file, bf16) + timed + list(extra_flags))
-    args.hetero_preset = w  # out of memory, the planner's answer for it (runtime/failures.py)
     try:
         initialize_megatron()
+        run = args.hetero_run  # out of GPU memory, its line adds the planner's answer for the workload
+        run.handles.memory_advice = lambda: planner_answer(w, run.layout.world_size, _gpu_memory_gb())
         set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
         model, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder,
                                                                 model_provider_func=model_provider)
@@ -381,7 +410,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
     )
-    if cuda:  # what the planner's check judges this run's memory against (planner.fit.record_memory_gb)
+    if cuda:  # what the planner's check judges this run's memory against (tools/planner_fit.py: record_memory_gb)
         record["device_memory_gib"] = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     if memory_cap_gib:
         record["memory_cap_gib"] = memory_cap_gib

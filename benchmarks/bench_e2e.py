@@ -35,8 +35,8 @@ microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest t
   qwen3_vl_8b, qwen3_vl_30b_a3b: Qwen3-VL-8B's and Qwen3-VL-30B-A3B's (families/qwen3_vl: the ViT without
   windows, DeepStack mergers into the first LLM layers, interleaved M-RoPE; a dense Qwen3 LLM or 128
   experts with top-8 routing, which fit one GPU only at a shrunk depth), 8 images of 224-1344 px per
-  sample (20224 patches, 5056 rows); each with a CPU-sized `*_tiny` twin. planner/families.py has their
-  configs and how their FLOPs are counted.
+  sample (20224 patches, 5056 rows); each with a CPU-sized `*_tiny` twin. Their configs are each family's
+  presets.json (families/<name>/), and planner/families.py counts their FLOPs.
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 29 item 6 for every VLM family on one H200, one call of at most 9 minutes: bench_e2e on each
-# family's own model (planner/families.py; random weights, the LLM at LLM_LAYERS, default 4) under the
+# family's own model (families/<name>/presets.json; random weights, the LLM at LLM_LAYERS, default 4) under the
 # one-GPU layout: qwen2_5_vl_7b (the baseline on this card: 11,376 tokens/s on 2026-11-26), internvl3_8b
 # (12 tiles per sample), qwen3_vl_8b and qwen3_vl_30b_a3b (8 images of 224-1344 px per sample; the MoE's
 # 128 experts fit one GPU only at a shrunk depth: ~85 GB planned at 4 layers, 550 GB at 48), then the

@@ -58,11 +58,11 @@ def main() -> None:
     args = parse_script_args(sys.argv[1:])
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider)
-    print_rank_0(report_waiting(args.hetero_run.model))
+    print_rank_0(report_waiting(args.hetero_run.handles.model))
     if args.data_path:
         print_rank_0(args.data_report.summary())
     if args.eval_samples:
-        accuracy = evaluate_captions(args.hetero_run.model, model_sizes(args), _shapes(args, "heldout"),
+        accuracy = evaluate_captions(args.hetero_run.handles.model, model_sizes(args), _shapes(args, "heldout"),
                                      args.eval_samples)
         print_rank_0(f" caption accuracy on {args.eval_samples} held-out images: {accuracy:.3f}")
         write_record(dict(caption_accuracy=accuracy, eval_samples=args.eval_samples))

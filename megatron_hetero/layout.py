@@ -1,13 +1,15 @@
 """`python -m megatron_hetero.layout check FILE --world-size N [--model-sizes MODEL_JSON]`: a layout
 file validated (spec/layout.py) and its rank map printed; with a model.json, the model's DeepStack
-edges checked against the layout's (the family's, so this command sits above families/)."""
+edges checked against the layout's (spec/rules.py; the model's edges are its family's, so this command
+sits above families/)."""
 
 import argparse
 import json
 import sys
 
 from megatron_hetero.families import family_named
-from megatron_hetero.spec.layout import HeteroLayout, LayoutError, deepstack_problem, deepstack_stages, load_layout
+from megatron_hetero.spec.layout import HeteroLayout, LayoutError, load_layout
+from megatron_hetero.spec.rules import deepstack_problem, deepstack_stages
 from megatron_hetero.spec.sizes import sizes_from_dict
 
 

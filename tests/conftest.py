@@ -8,15 +8,16 @@ in torch.compile, and on a CPU each new process traced and compiled them again a
 its one-process reference, our run against the stock one) runs the same eager functions on both sides;
 GPU runs compile as before.
 
-benchmarks/ is on the path: its scripts import their harness (bench.py, fuzz.py, run_samples.py) as
-siblings, as they do when run, and so do the tests of that harness."""
+benchmarks/ and tools/ are on the path: their scripts import their siblings (bench.py, fuzz.py,
+run_samples.py; planner_fit.py) as they do when run, and so do the tests of those modules."""
 
 import os
 import sys
 from pathlib import Path
 
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+for folder in ("benchmarks", "tools"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / folder))
 
 
 def pytest_configure(config):

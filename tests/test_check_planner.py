@@ -1,4 +1,4 @@
-"""The calibration fit (megatron_hetero.planner.fit) recovers a known calibration from run phases the
+"""The calibration fit (tools/planner_fit.py) recovers a known calibration from run phases the
 cost model itself produced; fitted without one measured layer shape, the efficiency curve predicts
 that shape's measured runs; tools/check_planner.py ranks the measured 2x H200 runs
 (docs/runs/bench_e2e/results.jsonl) as the planner predicts; on W5 (docs/runs/gpu2/, issue 28) the
@@ -10,6 +10,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from planner_fit import (
+    GIB,
+    Group,
+    Run,
+    check,
+    fit,
+    left_out_errors,
+    measured_groups,
+    observations,
+    predict_run,
+    record_run,
+)
 
 from megatron_hetero.planner import (
     BENCH_WORKLOADS,
@@ -23,18 +35,6 @@ from megatron_hetero.planner import (
 )
 from megatron_hetero.planner.calibration import CALIBRATIONS, LayerKey
 from megatron_hetero.planner.counts import layer_forward_flops_per_token
-from megatron_hetero.planner.fit import (
-    GIB,
-    Group,
-    Run,
-    check,
-    fit,
-    left_out_errors,
-    measured_groups,
-    observations,
-    predict_run,
-    record_run,
-)
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, trainer_vocab_size
 from megatron_hetero.planner.shapes import H100_MEMORY_GB
 from megatron_hetero.spec.layout import load_layout

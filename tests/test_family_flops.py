@@ -19,6 +19,7 @@ the counts agree to TOLERANCE.
 Also: the presets' image grids and tiles are what the families' processors make of the images.
 """
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -112,3 +113,16 @@ def test_the_presets_image_items_are_the_processors():
                 continue
             h, w = smart_resize(height, width, p["patch_size"] * p["merge_size"], p["min_pixels"], p["max_pixels"])
             assert (h // p["patch_size"], w // p["patch_size"]) == items, (bench.model_type, width, height)
+
+
+def test_each_preset_sits_in_its_registered_familys_folder():
+    """A family's presets come with the family: every presets.json entry names a registered family
+    (families.REGISTRY) whose module is the folder holding the file, and a vision shape the planner counts."""
+    from megatron_hetero.families import REGISTRY
+    from megatron_hetero.planner.families import PRESET_FILES, VISION_SHAPES
+
+    for path in PRESET_FILES:
+        for name, entry in json.loads(path.read_text()).items():
+            module = REGISTRY[entry["model_type"]][1].partition(":")[0]
+            assert module == f"megatron_hetero.families.{path.parent.name}", (path, name, module)
+            assert entry["vision_shape"] in VISION_SHAPES, (path, name)

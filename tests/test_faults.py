@@ -127,8 +127,9 @@ def test_out_of_memory_is_one_line_per_rank():
 
 def test_out_of_memory_names_the_planners_answer():
     """For a planner preset (bench_e2e's workloads) the line adds the planner's best layout that fits."""
+    from bench import planner_answer
+
     from megatron_hetero.planner import BENCH_WORKLOADS
-    from megatron_hetero.runtime.failures import planner_answer
     from tests.tool_cli import run_tool
 
     answer = planner_answer(dataclasses.replace(BENCH_WORKLOADS["W1"], layers=8), 2, 141.0)  # bench_e2e's 8 layers

@@ -118,8 +118,8 @@ def test_edge_forms_and_accepted_keys():
 
 def test_deepstack_edges():
     """DeepStack edges (encoder layer k -> llm layer j) beside the encoder's output edge, in both
-    forms; layout.deepstack_problem holds them against a model's (none listed: implied)."""
-    from megatron_hetero.spec.layout import deepstack_problem
+    forms; rules.deepstack_problem holds them against a model's (none listed: implied)."""
+    from megatron_hetero.spec.rules import deepstack_problem
 
     data = colocated()
     data["edges"] = ["vision -> llm", "vision[8] -> llm[0]", {"src": "vision", "dst": "llm", "src_layer": 16,

@@ -31,6 +31,7 @@ from megatron_hetero.models.mlp_kernels import (
     epilogue_mlp,
     mlp_kernel_for,
     mlp_mode,
+    padded_swiglu_mlp,
     quack_activation,
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choose_quack
@@ -130,7 +131,7 @@ def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
     torch.nn.Module.__init__(module)
     module.linear_fc1, module.linear_fc2, module.config = fc1, fc2, _config(params_dtype=torch.bfloat16, bf16=True)
     module.epilogue = QuackChoice(QUACK, "gelu_erf", min_work=5 * 3 * 8 * 24)
-    module.activation = "gelu_erf"
+    module.activation, module.pad = "gelu_erf", 0
     for tokens in (4, 5):
         module(torch.randn(tokens, 3, 8))
     assert ran == ["megatron", "epilogue"]
@@ -142,6 +143,46 @@ def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
     for tokens in (2, 3):
         module(torch.randn(tokens, 3, 8))
     assert ran == ["megatron", "epilogue", "megatron", "epilogue"]
+
+
+def test_which_swiglu_mlps_pad_their_ffn(monkeypatch):
+    """A SwiGLU MLP on torch's GEMMs pads its per-rank ffn to a multiple of 8 in bf16 (Qwen2.5-VL's ViT:
+    3420 -> 3424); not where quack runs it, the ffn is aligned, fp32, or the policy pins megatron's MLP."""
+    from megatron_hetero.models import mlp as mlp_module
+
+    swiglu = _config(activation_func=F.silu, gated_linear_unit=True, params_dtype=torch.bfloat16, bf16=True)
+    fc1, fc2 = object.__new__(ColumnParallelLinear), object.__new__(RowParallelLinear)
+    for name, value in dict(is_expert=False, disable_grad_reduce=False).items():
+        object.__setattr__(fc1, name, value)
+    biased = QuackChoice(TORCH, "a gated MLP with fc1 biases (quack's gated bias layout not checked)")
+    for ffn, kernel, config, expected in ((3420, biased, swiglu, 4), (3424, biased, swiglu, 0),
+                                          (3420, QuackChoice(QUACK, "swiglu"), swiglu, 0),
+                                          (3420, biased, _config(activation_func=F.silu, gated_linear_unit=True), 0),
+                                          (3420, biased, _config(params_dtype=torch.bfloat16, bf16=True), 0)):
+        object.__setattr__(fc2, "weight", torch.empty(1280, ffn))
+        assert mlp_module.ffn_padding(config, fc1, fc2, kernel) == expected
+    monkeypatch.setattr(mlp_module, "mlp_mode", lambda: TORCH)
+    object.__setattr__(fc2, "weight", torch.empty(1280, 3420))
+    assert mlp_module.ffn_padding(swiglu, fc1, fc2, biased) == 0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_padded_swiglu_equals_megatrons_mlp(bias):
+    """Output and every gradient of the padded path equal megatron-core's unfused SwiGLU MLP (fc1, its
+    bias, silu(gate) * up, fc2), at the shapes of the weights given (the pads sliced off)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, 16, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(2 * 27, 16, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(2 * 27, dtype=torch.float64, requires_grad=True) if bias else None
+    w2 = torch.randn(12, 27, dtype=torch.float64, requires_grad=True)
+    out = padded_swiglu_mlp(x, w1, b1, w2, 5)
+    ref = ACTIVATIONS["swiglu"](F.linear(x, w1, b1)) @ w2.t()
+    assert out.shape == ref.shape == (5, 7, 12)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    grad, inputs = torch.randn_like(ref), [t for t in (x, w1, b1, w2) if t is not None]
+    for ours, theirs in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-11)
 
 
 def test_cpu_runs_torch(monkeypatch):

@@ -105,7 +105,7 @@ def _save_state_sizes(run, path):
     """Per module held here: Adam state elements (exp_avg, exp_avg_sq) on this rank, the replicated
     state's size (two per parameter of this rank's stage), and the DP replica it belongs to."""
     sizes = {}
-    infos = run.optimizer.module_infos
+    infos = run.handles.optimizer.module_infos
     for name, module in run.modules.items():
         info = infos[name]
         if not info.is_active:

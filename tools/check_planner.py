@@ -17,7 +17,7 @@ workload, LLM depth, GPU count and global batch; the Megatron flags a run added 
 and a later record of the same layout and flags (the files in the order given) replaces an earlier
 one. Per group, the calibration starts from
 --calibration and takes the efficiency curve, the layer times per layer shape and layout, and the
-activation memory factor fitted to the group's runs (megatron_hetero.planner.fit says how), and
+activation memory factor fitted to the group's runs (tools/planner_fit.py says how), and
 the planner predicts every run at its micro batch size. Then the curve is fitted to every group's
 runs, and each measured layer shape is predicted from the curve fitted without it: how well the
 curve stands in for the shapes that were not measured. --write-calibration writes that fit of
@@ -34,18 +34,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import planner_fit as pf
+
 from megatron_hetero.planner import Calibration
 from megatron_hetero.planner.calibration import DEFAULT_CALIBRATION
-from megatron_hetero.planner.fit import (
-    GIB,
-    Group,
-    Run,
-    check,
-    fit,
-    left_out_errors,
-    measured_groups,
-    observations,
-)
 from megatron_hetero.planner.presets import trainer_vocab_size
 from megatron_hetero.spec.layout import LayoutError, load_layout
 
@@ -61,10 +53,10 @@ def _gain(gain: float | None) -> str:
     return "-" if gain is None else f"{100 * gain:+.1f}%"
 
 
-def check_group(name: str, group: Group, base: Calibration, leave_one_out: bool) -> bool:
+def check_group(name: str, group: pf.Group, base: Calibration, leave_one_out: bool) -> bool:
     """Prints the group's table, rankings and gains; returns whether the rankings agree."""
-    result = check(group, base, leave_one_out)
-    fitted = fit([group], base)
+    result = pf.check(group, base, leave_one_out)
+    fitted = pf.fit([group], base)
     print(f"\n{name}: {_curve(fitted)}; activation_memory_factor {fitted.activation_memory_factor:.3f}; "
           "layer us per token: " + "; ".join(
               f"{key.describe()} {us:.3f}" for key, us in fitted.layer_forward_us_per_token.items()))
@@ -75,7 +67,7 @@ def check_group(name: str, group: Group, base: Calibration, leave_one_out: bool)
         p_rank = result.predicted.index(run.label) + 1 if run.label in result.predicted else "over memory"
         m_tok = f"{run.tokens_per_s:,.0f}" if run.tokens_per_s else "-"
         error = f"{100 * (p.tokens_per_s / run.tokens_per_s - 1):+.1f}%" if run.tokens_per_s else "-"
-        m_gb = f"{run.peak_gb * GIB:.1f}" if run.peak_gb else "-"
+        m_gb = f"{run.peak_gb * pf.GIB:.1f}" if run.peak_gb else "-"
         print(f"| {run.label} | {m_tok} | {m_rank} | {p.tokens_per_s:,.0f} | {error} | {p_rank} | {m_gb} "
               f"| {p.memory_gb:.1f} |")
     apart = ("" if None in (result.measured_gain, result.predicted_gain)
@@ -86,16 +78,16 @@ def check_group(name: str, group: Group, base: Calibration, leave_one_out: bool)
     return result.agree
 
 
-def check_curve(groups: list[Group], base: Calibration) -> Calibration:
+def check_curve(groups: list[pf.Group], base: Calibration) -> Calibration:
     """Prints the curve fitted to every group and each measured shape predicted without it;
     returns the calibration fitted to every group."""
-    fitted = fit(groups, base)
-    seen = [o for group in groups for o in observations(group)]
+    fitted = pf.fit(groups, base)
+    seen = [o for group in groups for o in pf.observations(group)]
     print(f"\nevery group: {_curve(fitted)}; each measured layer shape predicted from the curve fitted "
           f"without it (CP shapes: the curve and the modeled K/V exchange; the curve is fitted without CP)")
     print("| layer shape and layout | runs | measured us per token | curve without it: time vs measured |")
     print("| --- | --- | --- | --- |")
-    for key, error in left_out_errors(seen, base).items():
+    for key, error in pf.left_out_errors(seen, base).items():
         runs = sum(o.key == key for o in seen)
         print(f"| {key.describe()} | {runs} | {fitted.layer_forward_us_per_token[key]:.3f} | {100 * error:+.1f}% |")
     return fitted
@@ -112,7 +104,7 @@ def main(argv=None) -> int:
     try:
         base = Calibration.load(opts.calibration)
         records = [json.loads(line) for path in opts.results for line in open(path) if line.strip()]
-        groups = measured_groups(records, LAYOUTS, trainer_vocab_size())
+        groups = pf.measured_groups(records, LAYOUTS, trainer_vocab_size())
         add_oom_runs(groups, opts.oom)
         all_agree = True
         for key, group in groups.items():
@@ -141,7 +133,7 @@ def add_oom_runs(groups: dict, oom: list[str]) -> None:
         group = groups[key]
         flags = tuple(flags.split(",")) if flags else ()
         name = layout + (f" [{' '.join(flags)}]" if flags else "")
-        run = Run(name, load_layout(str(LAYOUTS / f"{layout}.yaml"), key.gpus), group.runs[0].micro_batch,
+        run = pf.Run(name, load_layout(str(LAYOUTS / f"{layout}.yaml"), key.gpus), group.runs[0].micro_batch,
                   None, None, {}, flags, group.runs[0].weight_bytes)
         groups[key] = replace(group, runs=(*group.runs, run))
 

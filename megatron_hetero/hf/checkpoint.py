@@ -76,9 +76,8 @@ def model_under(sizes: ModelSizes, layout=None):
         init_outside_training(0, tp_rank=run.primary.coords()["tp"])
         built = build_vlm_parts(run, sizes, seed=0)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        for name, part in built.parts.items():
-            run.modules[name].part = part.to(device) if device is not None else part
-        yield HeteroModel(run, built.adapter)
+        parts = {name: part.to(device) if device is not None else part for name, part in built.parts.items()}
+        yield HeteroModel(run.with_parts(parts, {}), built.adapter)
     finally:
         if started:
             dist.destroy_process_group()

@@ -23,12 +23,9 @@ from pathlib import Path
 
 from megatron.core.transformer.enums import AttnBackend
 
-try:
-    import transformer_engine  # noqa: F401  (only whether it imports matters)
+from megatron_hetero.models.accelerators import imports
 
-    HAVE_TE = True
-except ImportError:
-    HAVE_TE = False
+HAVE_TE = imports("transformer_engine")
 
 NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
 MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"

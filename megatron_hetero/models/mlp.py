@@ -1,5 +1,7 @@
 """megatron-core's dense MLP with the activation inside its GEMMs where quack can run them
-(mlp_kernels.py: why, where, and how to pin torch's); megatron-core's own forward everywhere else.
+(mlp_kernels.py: why, where, and how to pin torch's); a SwiGLU MLP that quack does not run, with a
+per-rank ffn whose bf16 rows are not 16-byte aligned, on GEMMs of the ffn zero-padded to alignment
+(padded_swiglu_mlp); megatron-core's own forward everywhere else.
 
 The same module as megatron-core's MLP (its linear_fc1 / linear_fc2 parameters, names, checkpoints
 and TP sharding unchanged); only the forward differs where the epilogue path runs. Its communication
@@ -32,11 +34,22 @@ from megatron_hetero.models.mlp_kernels import (
     epilogue_mlp,
     load_quack_gemm,
     mlp_kernel_for,
+    mlp_mode,
+    padded_swiglu_mlp,
     quack_activation,
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice
 
 ALIGNMENT = 8  # elements: the 16-byte row alignment quack's (TMA) GEMMs need at 2 bytes per element
+
+
+def _own_forward_problem(config, fc1, fc2) -> str | None:
+    """Why an MLP of `config` with these linears must keep megatron-core's forward, if it must."""
+    if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
+        return f"linears {type(fc1).__name__} / {type(fc2).__name__}"
+    if fc1.is_expert or fc1.disable_grad_reduce or config.fp8 or config.delay_wgrad_compute:
+        return "an expert, FP8 or delayed weight-gradient MLP"
+    return None
 
 
 def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
@@ -49,10 +62,9 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
         return QuackChoice(TORCH, f"{config.params_dtype} activations: quack's GEMMs take bf16 / fp16")
     if activation is None:
         return QuackChoice(TORCH, "an activation quack's epilogues do not compute")
-    if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
-        return QuackChoice(TORCH, f"linears {type(fc1).__name__} / {type(fc2).__name__}")
-    if fc1.is_expert or fc1.disable_grad_reduce or config.fp8 or config.delay_wgrad_compute:
-        return QuackChoice(TORCH, "an expert, FP8 or delayed weight-gradient MLP")
+    problem = _own_forward_problem(config, fc1, fc2)
+    if problem:
+        return QuackChoice(TORCH, problem)
     if activation in GATED and fc1.bias is not None:
         return QuackChoice(TORCH, "a gated MLP with fc1 biases (quack's gated bias layout not checked)")
     widths = (*fc1.weight.shape, fc1.weight.shape[0] // 2) if activation in GATED else fc1.weight.shape
@@ -60,6 +72,16 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
         return QuackChoice(TORCH, f"fc1 of {tuple(fc1.weight.shape)} per TP rank: quack's GEMMs need widths "
                                   f"that are multiples of {ALIGNMENT}")
     return dataclasses.replace(kernel, reason=activation)
+
+
+def ffn_padding(config, fc1, fc2, kernel: QuackChoice) -> int:
+    """Zero columns that take a SwiGLU MLP's per-rank ffn on torch's GEMMs to a multiple of ALIGNMENT
+    (padded_swiglu_mlp), in bf16 / fp16; 0 where quack runs it, none are needed, or the policy pins
+    megatron-core's MLP (MEGATRON_HETERO_MLP_KERNEL=torch)."""
+    if (kernel.kernel == QUACK or mlp_mode() == TORCH or quack_activation(config) not in GATED
+            or config.params_dtype not in EPILOGUE_DTYPES or _own_forward_problem(config, fc1, fc2)):
+        return 0
+    return -fc2.weight.shape[1] % ALIGNMENT
 
 
 def epilogue_input(x: torch.Tensor) -> bool:
@@ -73,22 +95,31 @@ class EpilogueMLP(MLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, mlp_kernel_for())
+        kernel = mlp_kernel_for()
+        self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, kernel)
+        self.pad = ffn_padding(self.config, self.linear_fc1, self.linear_fc2, self.epilogue)
+        if self.pad:
+            ffn = self.linear_fc2.weight.shape[1]
+            self.epilogue = dataclasses.replace(
+                self.epilogue, reason=f"{self.epilogue.reason}; ffn {ffn} zero-padded to {ffn + self.pad}")
         self.activation = quack_activation(self.config)
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         # fc1's multiply-adds (spec/sizes.py MLP_MIN_MACS): its GEMM takes the gathered sequence under SP.
         gathered = fc1.tp_group.size() if fc1.sequence_parallel else 1
-        if (not self.epilogue.runs_quack(hidden_states.numel() * gathered * fc1.weight.shape[0])
-                or per_token_scale is not None or not epilogue_input(hidden_states)):
+        quack = self.epilogue.runs_quack(hidden_states.numel() * gathered * fc1.weight.shape[0])
+        if (not (quack or self.pad) or per_token_scale is not None or not epilogue_input(hidden_states)):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         if fc1.sequence_parallel:
             x = gather_from_sequence_parallel_region(hidden_states, group=fc1.tp_group)
         else:
             x = copy_to_tensor_model_parallel_region(hidden_states, group=fc1.tp_group)
-        out = epilogue_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.activation,
-                           fc1.gradient_accumulation_fusion, load_quack_gemm()[0])
+        if quack:
+            out = epilogue_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.activation,
+                               fc1.gradient_accumulation_fusion, load_quack_gemm()[0])
+        else:
+            out = padded_swiglu_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.pad)
         if fc2.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, group=fc2.tp_group), fc2.bias
         return reduce_from_tensor_model_parallel_region(out, group=fc2.tp_group), fc2.bias

@@ -1,8 +1,13 @@
 """What one process holds in a heterogeneous run: the layout, every module's groups, and the stage of
 each module it holds (built once, after torch.distributed is up; passed as an argument from there).
+
+The description is frozen: the model build adds each module's stage and DDP wrapper as a new
+description (`HeteroRun.with_parts`). What exists only while the run goes on (the model, its
+optimizer, the watchdog, the phase) sits in one small object beside it, `RunHandles`.
 """
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import torch
@@ -15,7 +20,7 @@ from megatron_hetero.spec.layout import ColocatedSchedule, HeteroLayout, ModuleL
 
 class Phase(StrEnum):
     """What a rank is doing outside the schedules' named phases, as failure reports and heartbeats
-    say it (HeteroRun.phase)."""
+    say it (HeteroRun.enter)."""
 
     SETUP = "setup"
     TRANSFERS = "the pipeline's transfers"
@@ -23,7 +28,7 @@ class Phase(StrEnum):
     OPTIMIZER_STEP = "the optimizer step"  # and Megatron's logging, up to the next step
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModuleRuntime:
     """One module on this rank: its groups (pgs None where not held), its stage `part` and the DDP
     wrapper reducing its gradients (None where not held or frozen)."""
@@ -61,21 +66,42 @@ class ModuleRuntime:
 
 
 @dataclass
+class RunHandles:
+    """What a run gains once it goes on, each set once by the code that makes it: the HeteroModel
+    (runtime/wrap.py), its per-module optimizers (patches/hetero_optimizer.py), this rank's
+    heartbeats (patches/faults.py); the coarse phase follows the step (HeteroRun.enter)."""
+
+    model: torch.nn.Module | None = None
+    optimizer: object = None  # megatron-core MimoOptimizer over the modules' optimizers
+    watchdog: object = None  # runtime/watchdog.py
+    phase: Phase = Phase.SETUP
+    # A launcher's further advice out of GPU memory (the benchmarks' planner answer), else None.
+    memory_advice: Callable[[], str] | None = None
+
+
+@dataclass(frozen=True)
 class HeteroRun:
     """This process's view of a run: every module's runtime, in layout order."""
 
     layout: HeteroLayout
     rank: int
     modules: dict[str, ModuleRuntime] = field(default_factory=dict)
-    model: torch.nn.Module | None = None  # the HeteroModel megatron.training trains, once built
-    optimizer: object = None  # its per-module optimizers (megatron-core MimoOptimizer), once built
-    phase: Phase = Phase.SETUP
-    watchdog: object = None  # this rank's heartbeats (runtime/watchdog.py), once started
     colocated_schedule: ColocatedSchedule = ColocatedSchedule.RECOMPUTE  # colocated, LLM pp > 1
     # An ordered colocated schedule (not recompute): world groups of their own for the boundary's
     # rows and its gradients, so that their point-to-point messages never pair with the pipeline's
     # or each other's.
     boundary_groups: tuple | None = None
+    handles: RunHandles = field(default_factory=RunHandles, compare=False)
+
+    def with_parts(self, parts: dict[str, torch.nn.Module], ddps: dict[str, DistributedDataParallel]) -> "HeteroRun":
+        """This description with the held modules' built stages and DDP wrappers (where trainable);
+        the same handles."""
+        return replace(self, modules={name: replace(m, part=parts.get(name), ddp=ddps.get(name))
+                                      for name, m in self.modules.items()})
+
+    def enter(self, phase: Phase) -> None:
+        """This rank now does `phase` (failure reports and heartbeats say it)."""
+        self.handles.phase = phase
 
     @property
     def llm(self) -> ModuleRuntime:

@@ -34,9 +34,9 @@ def start(args) -> None:
     def status():
         return getattr(args, "curr_iteration", -1) + 1, current_phase(run)
 
-    run.watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), args.hetero_heartbeat_interval,
+    run.handles.watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), args.hetero_heartbeat_interval,
                             timeout, status, where)
-    run.watchdog.start()
+    run.handles.watchdog.start()
 
 
 @contextlib.contextmanager
@@ -50,8 +50,8 @@ def _out_of_memory_in_one_line():
         if run is None:
             raise
         line = out_of_memory_line(error, run, get_args())
-        if run.watchdog is not None:
-            run.watchdog.report(line)
+        if run.handles.watchdog is not None:
+            run.handles.watchdog.report(line)
         write_line(f"error: rank {run.rank}: {line}")
         raise SystemExit(1) from None
 
@@ -63,8 +63,8 @@ def _train_step(original):
                 return original(*args, **kwargs)
         except RuntimeError as error:
             run = get_args().hetero_run
-            if run is not None and run.watchdog is not None:
-                run.watchdog.fail(first_line(error), unless_all_alive=True)
+            if run is not None and run.handles.watchdog is not None:
+                run.handles.watchdog.fail(first_line(error), unless_all_alive=True)
             raise
     return train_step
 
@@ -80,8 +80,8 @@ def _train(original):
     def train(*args, **kwargs):
         result = original(*args, **kwargs)
         run = get_args().hetero_run
-        if run is not None and run.watchdog is not None:
-            run.watchdog.stop()  # ranks end one by one from here; the store's host may be first
+        if run is not None and run.handles.watchdog is not None:
+            run.handles.watchdog.stop()  # ranks end one by one from here; the store's host may be first
         return result
     return train
 

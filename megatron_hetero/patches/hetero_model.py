@@ -37,7 +37,9 @@ def _get_model(original):
             fail(f"the script's model provider built {type(built).__name__}, which megatron-hetero cannot "
                  f"split into modules; --hetero-layout supports Megatron-LM's pretrain_vlm.py (LLaVAModel) "
                  f"and examples/pretrain_vlm.py")
-        return [wrap_parts(run, built, args)]
+        model = wrap_parts(run, built, args)
+        args.hetero_run = model.run  # the run's description with its parts (built once, here)
+        return [model]
     return get_model
 
 

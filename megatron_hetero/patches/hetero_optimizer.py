@@ -53,8 +53,8 @@ def _get_megatron_optimizer(original):
                     optimizer = original(config, [module.ddp], *args, pg_collection=module.pgs, **kwargs)
             infos[name] = ModuleOptimizerInfo(optimizer, module.groups.grid, module.pgs, optimizer is not None)
         run = model_chunks[0].run
-        run.optimizer = HeteroOptimizer(infos, config, run.primary.pgs)
-        return run.optimizer
+        run.handles.optimizer = HeteroOptimizer(infos, config, run.primary.pgs)
+        return run.handles.optimizer
     return get_megatron_optimizer
 
 

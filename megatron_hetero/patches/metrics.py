@@ -85,7 +85,7 @@ def _training_log(original):
             if step_s:
                 record["tokens_per_s"] = run_args.global_batch_size * run_args.seq_length / step_s
             if run_args.hetero_run is not None:
-                clock = run_args.hetero_run.model.clock
+                clock = run_args.hetero_run.handles.model.clock
                 record["waiting_share"] = (clock.waiting_s - _writer.waited) / step_s if step_s else None
                 _writer.waited = clock.waiting_s
             if run_args.num_experts is not None:

@@ -1,9 +1,10 @@
 """One line per run, on rank 0, instead of megatron-core's dozens of "Transformer Engine / Apex not
 installed" warnings (one per importing module and process). Installed before megatron-core is imported."""
 
-import importlib.util
 import os
 import warnings
+
+from megatron_hetero.models.accelerators import installed
 
 _MISSING_ACCELERATORS = (r".*(Transformer Engine and Apex are not installed|Apex is not installed"
                          r"|Only transformer-engine>=\S+ supports)")
@@ -13,7 +14,7 @@ def install() -> None:
     warnings.filterwarnings("ignore", message=_MISSING_ACCELERATORS, category=UserWarning)
     warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
     missing = [name for name, module in (("Transformer Engine", "transformer_engine"), ("apex", "apex"))
-               if importlib.util.find_spec(module) is None]
+               if not installed(module)]
     if missing and int(os.environ.get("RANK", "0")) == 0:
         print(f"megatron-hetero: {' and '.join(missing)} not installed: using torch and megatron-core's "
               f"local kernels, megatron-hetero's layers", flush=True)

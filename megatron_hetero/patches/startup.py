@@ -15,11 +15,11 @@
   `apply()` does, so every script that applies the plugin gets it, launcher or not).
 """
 
-import importlib.util
 import os
 
 import torch
 
+from megatron_hetero.models.accelerators import has_apex, has_te
 from megatron_hetero.patches._patch import PASS_THROUGH, replace
 
 FUSION_FLAGS = ("persist_layer_norm", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
@@ -44,14 +44,6 @@ def set_cuda_connections(gpus: bool | None = None) -> str | None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(notice, flush=True)
     return notice
-
-
-def has_te() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def has_apex() -> bool:
-    return importlib.util.find_spec("apex") is not None
 
 
 def _compile_helpers(original):

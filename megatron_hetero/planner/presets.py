@@ -5,7 +5,7 @@ A preset's shapes are the model as planned (e.g. SigLIP's MLP width); `BenchWork
 preset as the trainer builds it for bench_e2e (MLPs 4 x hidden, the demo tokenizer's vocabulary),
 and `trainer_workload` turns that back into the planner's terms, for the FLOPs the benchmarks count
 and the shapes check_planner fits its calibration to. The VLM families' presets (their own models,
-bench_e2e's family workloads) are in planner/families.py.
+bench_e2e's family workloads) are in each family's folder, read by planner/families.py.
 """
 
 from __future__ import annotations
@@ -130,20 +130,8 @@ PRESETS = {
 }
 
 
-# The VLM families' presets (planner/families.py): name -> (description, plan_layout's GPUs).
-_FAMILY_PRESETS = {
-    "qwen2_5_vl_7b": ("Qwen2.5-VL-7B: 8 images of 224-1344 px per sample (6536 rows) into its 28-layer LLM at 8K, "
-                      "global batch 4", 1),
-    "internvl3_8b": ("InternVL3-8B: InternViT-300M on 12 448-px tiles per sample (3072 rows after pixel shuffle) "
-                     "into its 28-layer Qwen2 LLM at 8K, global batch 4", 1),
-    "qwen3_vl_8b": ("Qwen3-VL-8B: 8 images of 224-1344 px per sample (5056 rows, 3 DeepStack mergers) into its "
-                    "36-layer Qwen3 LLM at 8K, global batch 4", 1),
-    # 30B parameters: at full depth its experts fit 8 GPUs only split over expert parallelism.
-    "qwen3_vl_30b_a3b": ("Qwen3-VL-30B-A3B: Qwen3-VL-8B's images and tower into its 48-layer MoE LLM (128 experts, "
-                         "top 8) at 8K, global batch 4", 8),
-}
-PRESETS.update({name: Preset(FAMILY_BENCHES[name].workload(), description, gpus)
-                for name, (description, gpus) in _FAMILY_PRESETS.items()})
+# The VLM families' presets that plan_layout offers too (families/<name>/presets.json: "plan").
+PRESETS.update({name: Preset(bench.workload(), *bench.plan) for name, bench in FAMILY_BENCHES.items() if bench.plan})
 
 
 @dataclass(frozen=True)

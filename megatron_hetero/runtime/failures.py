@@ -4,15 +4,14 @@ out of GPU memory, one line per rank instead of a multi-page traceback each.
 The rank that ran out says where (the module and the phase: the step's innermost named phase,
 PhaseTimers), how much it held at its peak against the GPU's capacity, and what uses less memory
 for this run: first the allocator setting where torch's cache fragmented, then the flags it does
-not use yet (recomputation, the distributed optimizer, a smaller micro batch, another layout; for
-a planner preset, e.g. bench_e2e's W1, the planner's best layout that fits). patches/faults.py
+not use yet (recomputation, the distributed optimizer, a smaller micro batch, another layout; and a launcher's own
+advice, e.g. bench_e2e's planner answer for its workload). patches/faults.py
 records the line as the job's fault, so that every other rank stops with one line too
 (runtime/watchdog.py).
 """
 
 import os
 import re
-from dataclasses import replace
 
 import torch
 
@@ -33,12 +32,13 @@ _ALLOCATED = re.compile(r"Of the allocated memory ([\d.]+) ([KMGT])iB is allocat
 
 def current_phase(run) -> str:
     """What this rank is doing now, in words: a schedule's phase, else the run's coarse phase."""
-    phase = run.model.timers.current if run.model is not None else None
-    return PHASE_WORDS.get(phase, phase) if phase else run.phase
+    model = run.handles.model
+    phase = model.timers.current if model is not None else None
+    return PHASE_WORDS.get(phase, phase) if phase else run.handles.phase
 
 
 def _where(run) -> str:
-    timers = run.model.timers if run.model is not None else None
+    timers = run.handles.model.timers if run.handles.model is not None else None
     phase, module = (timers.current, timers.current_module) if timers is not None else (None, None)
     if module is not None and phase in _MODULE_PHASES:
         return f"module {module}'s {_MODULE_PHASES[phase]}"
@@ -102,39 +102,13 @@ def memory_flags(args, layout) -> list[str]:
     return flags
 
 
-def planner_answer(preset, world_size: int, gpu_memory_gb: float) -> str:
-    """The planner's best layout that fits for a preset workload (a BenchWorkload: bench_e2e's)."""
-    from megatron_hetero.planner import Calibration, Cluster, plan, trainer_workload
-    from megatron_hetero.planner.presets import trainer_vocab_size
-
-    # With the memory-saving flags the line also names (recomputation, the distributed optimizer):
-    # without them the planner answered "none fits" where a recomputed layout fits (W6 on an H100).
-    workload = replace(trainer_workload(preset, trainer_vocab_size(preset), preset.frozen),
-                       distributed_optimizer=True, allow_recompute=True)
-    best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
-    # The workload the run built (--as-trained; bench_e2e's depth and batch sizes), so that the command
-    # gives the same answer.
-    command = (f"python tools/plan_layout.py --workload {preset.name} --as-trained --llm-layers {preset.layers} "
-               f"--global-batch {preset.global_batch} --micro-batch {preset.micro_batch} --gpus {world_size} "
-               f"--gpu-memory-gb {round(gpu_memory_gb, 2):g} --distributed-optimizer --allow-recompute")
-    gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
-    if best is None:
-        return f"the planner finds no layout of {preset.name} that fits {gpus} of {gpu_memory_gb:.0f} GB ({command})"
-    return (f"the planner's best for {preset.name} on {gpus}: {best.candidate.placement} "
-            f"{best.candidate.describe()}, micro batch {best.candidate.micro_batch}, "
-            f"{best.memory_gb:.0f} GB/GPU predicted ({command} --write-yaml best.yaml)")
-
-
 def out_of_memory_line(error: BaseException, run, args) -> str:
     """The one line (without "error: rank R stopped in ...", which the watchdog adds) that says where
     this rank ran out of GPU memory and what uses less."""
     hint = fragmentation_hint(error)
     advice = ([hint] if hint else []) + memory_flags(args, run.layout)
-    preset = getattr(args, "hetero_preset", None)
-    if preset is not None:
-        gpu_gb = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 1e9 \
-            if torch.cuda.is_available() else 80.0
-        advice.append(planner_answer(preset, run.layout.world_size, gpu_gb))
+    if run.handles.memory_advice is not None:
+        advice.append(run.handles.memory_advice())
     usage = _usage(error)
     return (f"out of GPU memory in {_where(run)}{f' ({usage})' if usage else ''}; to use less memory: "
             + "; ".join(advice))

@@ -23,13 +23,15 @@ def _scale_reduced_gradients(ddp: DistributedDataParallel, factor: float) -> Non
 
 
 def wrap_parts(run, built: ModelParts, args) -> HeteroModel:
+    """The HeteroModel over `built`; its run is `run` with the parts and their DDP wrappers."""
     from megatron.training.training import get_megatron_ddp_config
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    parts, ddps = {}, {}
     for name, module in run.modules.items():
         if not module.held:
             continue
-        part = built.parts[name]
+        part = parts[name] = built.parts[name]
         for param in part.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if module.layout.freeze:
@@ -37,18 +39,17 @@ def wrap_parts(run, built: ModelParts, args) -> HeteroModel:
         part.to(device)
         if args.bf16:  # bf16 weights; megatron-core's optimizer keeps fp32 main copies
             part.bfloat16()
-        module.part = part
         if not any(p.requires_grad for p in part.parameters()):
             continue
         ddp_config = get_megatron_ddp_config(args)  # one each: DDP sets some of its fields
         # finalize_hetero_grads checks each module's gradients itself, naming the module (DDP's own
         # check names a bucket only).
         ddp_config.check_for_nan_in_grad = False
-        module.ddp = DistributedDataParallel(part.config, ddp_config, part, pg_collection=module.pgs)
+        ddp = ddps[name] = DistributedDataParallel(part.config, ddp_config, part, pg_collection=module.pgs)
         if module.layout.role == "encoder" and not args.calculate_per_token_loss:
-            _scale_reduced_gradients(module.ddp, 1.0 / run.layout.llm.dp)
-    model = HeteroModel(run, built.adapter)
+            _scale_reduced_gradients(ddp, 1.0 / run.layout.llm.dp)
+    model = HeteroModel(run.with_parts(parts, ddps), built.adapter)
     model.config.finalize_model_grads_func = finalize_hetero_grads
     model.check_for_nan_in_grad = args.check_for_nan_in_loss_and_grad
-    run.model = model
+    run.handles.model = model
     return model

@@ -45,7 +45,7 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         raise NotImplementedError("collect_non_loss_data is not supported with --hetero-layout")
     (hetero,) = model
     assert isinstance(hetero, HeteroModel), type(hetero)
-    hetero.run.phase = Phase.TRANSFERS
+    hetero.run.enter(Phase.TRANSFERS)
     start = time.perf_counter()
     items = [next(data_iterator) if data_iterator is not None else None for _ in range(num_microbatches)]
     ctx = step_context(hetero, forward_step_func, items, forward_only)
@@ -54,10 +54,10 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
     finally:
         ctx.finish()
     if not forward_only:
-        hetero.run.phase = Phase.GRADIENT_REDUCTION
+        hetero.run.enter(Phase.GRADIENT_REDUCTION)
         per_token = hetero.config.calculate_per_token_loss
         hetero.config.finalize_model_grads_func(
             [hetero], ctx.num_tokens if per_token else None, force_all_reduce=force_all_reduce)
         hetero.clock.step_s += time.perf_counter() - start
-    hetero.run.phase = Phase.OPTIMIZER_STEP
+    hetero.run.enter(Phase.OPTIMIZER_STEP)
     return ctx.losses

@@ -619,22 +619,3 @@ def load_layout(path: str, world_size: int) -> HeteroLayout:
         return parse_layout(data, world_size)
     except LayoutError as exc:
         raise LayoutError(f"{path}: {exc}") from None
-
-
-def deepstack_problem(layout: "HeteroLayout", encoder: str, deepstack: tuple[int, ...]) -> str | None:
-    """The DeepStack edges a layout lists (layered edges, layout.Edge) against the model's: encoder
-    layer deepstack[j] into llm layer j. None listed: the model's are implied."""
-    listed = {(e.src, e.src_layer, e.dst_layer) for e in layout.edges if e.layered}
-    model = {(encoder, layer, j) for j, layer in enumerate(deepstack)}
-    if not listed or listed == model:
-        return None
-    want = ", ".join(f"{encoder}[{layer}] -> {layout.llm.name}[{j}]" for j, layer in enumerate(deepstack))
-    return (f"edges: the layout's DeepStack edges differ from the model's ({want or 'none'}); list exactly "
-            f"those or none (then the model's are implied)")
-
-
-def deepstack_stages(llm: ModuleLayout, encoder: str, deepstack: tuple[int, ...], num_layers: int) -> list[str]:
-    """Per DeepStack edge (encoder layer deepstack[j] into llm layer j), the llm stage that adds it."""
-    per_stage = num_layers // llm.pp
-    return [f"{encoder}[{layer}] -> {llm.name}[{j}]: added on {llm.name} stage {j // per_stage}"
-            for j, layer in enumerate(deepstack)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_hetero.spec.layout import ColocatedSchedule, ModuleLayout, Placement
+from megatron_hetero.spec.layout import ColocatedSchedule, HeteroLayout, ModuleLayout, Placement
 from megatron_hetero.spec.sizes import AUDIO_FRAMES_PER_TOKEN
 
 __all__ = [
@@ -20,6 +20,8 @@ __all__ = [
     "batch_problem",
     "check",
     "colocated_schedule_problem",
+    "deepstack_problem",
+    "deepstack_stages",
     "dp_split_problem",
     "edge_problem",
     "encoder_cp_problem",
@@ -57,6 +59,25 @@ def edge_problem(encoder: ModuleLayout, llm: ModuleLayout) -> str | None:
     if encoder.role != "encoder" or llm.role != "llm":
         return f"edge {encoder.name} -> {llm.name}: an edge goes from an encoder into the llm; fix the edges list"
     return None
+
+
+def deepstack_problem(layout: HeteroLayout, encoder: str, deepstack: tuple[int, ...]) -> str | None:
+    """The DeepStack edges a layout lists (layered edges, layout.Edge) against the model's: encoder
+    layer deepstack[j] into llm layer j. None listed: the model's are implied."""
+    listed = {(e.src, e.src_layer, e.dst_layer) for e in layout.edges if e.layered}
+    model = {(encoder, layer, j) for j, layer in enumerate(deepstack)}
+    if not listed or listed == model:
+        return None
+    want = ", ".join(f"{encoder}[{layer}] -> {layout.llm.name}[{j}]" for j, layer in enumerate(deepstack))
+    return (f"edges: the layout's DeepStack edges differ from the model's ({want or 'none'}); list exactly "
+            f"those or none (then the model's are implied)")
+
+
+def deepstack_stages(llm: ModuleLayout, encoder: str, deepstack: tuple[int, ...], num_layers: int) -> list[str]:
+    """Per DeepStack edge (encoder layer deepstack[j] into llm layer j), the llm stage that adds it."""
+    per_stage = num_layers // llm.pp
+    return [f"{encoder}[{layer}] -> {llm.name}[{j}]: added on {llm.name} stage {j // per_stage}"
+            for j, layer in enumerate(deepstack)]
 
 
 def node_problem(module: ModuleLayout, gpus_per_node: int) -> str | None:

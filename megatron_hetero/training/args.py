@@ -19,7 +19,6 @@ from megatron_hetero.families import UnknownFamilyError, family_named
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.arg_files import expand_arg_files
-from megatron_hetero.spec.layout import deepstack_problem
 from megatron_hetero.spec.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
 from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, check_kernels, fail, load
 
@@ -300,7 +299,7 @@ def _check_family(args, layout) -> None:
     sizes = model_sizes(args)
     vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
     deepstack = family_named(family).deepstack(sizes)
-    rules.check(ArgsError, deepstack_problem(layout, vision, deepstack))
+    rules.check(ArgsError, rules.deepstack_problem(layout, vision, deepstack))
     if deepstack and args.recompute_granularity == "full":
         raise ArgsError(f"--recompute-granularity full: the {family} DeepStack rows are added between LLM layers, "
                         f"which full recomputation reruns without them; use --recompute-granularity selective")

@@ -57,9 +57,9 @@ def expert_shapes(sizes: ModelSizes, transposed: bool) -> dict[str, tuple[int, .
 
 def with_moe(sizes: ModelSizes, config) -> ModelSizes:
     """The LLM's MoE sizes from text_config (its load-balancing loss only where transformers' own
-    training computes it: output_router_logits)."""
+    training computes it: output_router_logits, a field some transformers 5 releases lack)."""
     text = config.text_config
-    aux = text.router_aux_loss_coef if text.output_router_logits else 0.0
+    aux = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
     moe = MoEArch(num_experts=text.num_experts, topk=text.num_experts_per_tok,
                   ffn_hidden_size=text.moe_intermediate_size, aux_loss_coeff=aux)
     return replace(sizes, llm_arch=replace(sizes.llm_arch, moe=moe))

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# A/B of two checkouts on one card: bench_e2e of each workload under the one-GPU layout, A (the
+# baseline checkout BASE_REV, benchmarks/gpu_env.sh's baseline_checkout) and B (this one) alternating
+# A B A B on card 0, then the medians (benchmarks/ab_summary.py) and one profiled step of B.
+# Out ($OUT): hardware.txt, A.jsonl, B.jsonl, ab.log, summary.md, profile_B_<workload>.md.
+# Usage: BASE_REV=REV [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=200]
+#        [BUDGET_S=480] [FA4_SITE=DIR] benchmarks/gpu_ab_run.sh
+set -uo pipefail
+start=$SECONDS
+source "$(dirname "$0")/gpu_env.sh"
+baseline_checkout "${BASE_REV:?name the baseline revision}" || exit 2
+out=$(realpath "$out")
+e2e() {  # variant (A/B), workload, extra bench_e2e arguments
+  if [ $((SECONDS - start)) -gt "${BUDGET_S:-480}" ]; then echo "$1 $2: skipped (time)"; return; fi
+  local dir=$PWD path=$PYTHONPATH
+  [ "$1" = A ] && dir=$base path=$BASE_PATH
+  echo "== $(date +%T) $1 $2" >> "$out/ab.log"
+  (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path timeout "${RUN_S:-200}" torchrun --standalone --nproc-per-node 1 \
+    benchmarks/bench_e2e.py --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
+    --warmup 2 --steps "${STEPS:-5}" --out "$out/$1.jsonl" "${@:3}") >> "$out/ab.log" 2>&1
+  echo "$1 $2: exit $? at $((SECONDS - start)) s"
+}
+read -r -a workloads <<< "${WORKLOADS:-qwen2_5_vl_7b}"
+for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
+  for w in "${workloads[@]}"; do
+    e2e A "$w"
+    extra=(); [ "$round" = "${ROUNDS:-2}" ] && extra=(--profile "$out/profile_B_$w.md")
+    e2e B "$w" "${extra[@]}"
+  done
+done
+grep -E "^(attention|mlp|norms):|^error|out of memory" "$out/ab.log" | sort | uniq -c | head -12
+python3 benchmarks/ab_summary.py A="$out/A.jsonl" B="$out/B.jsonl" | tee "$out/summary.md"
+echo "done at $((SECONDS - start)) s"

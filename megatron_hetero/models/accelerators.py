@@ -1,0 +1,29 @@
+"""Which accelerator libraries this environment has (Transformer Engine, apex): the one probe that the
+kernel policy (kernel_policy.py) and the patches read. Plain Python, no megatron-core import: the
+patches probe before megatron-core is imported (patches/quiet.py)."""
+
+import importlib
+import importlib.util
+
+
+def installed(module: str) -> bool:
+    """Whether `module` is installed (found, not imported)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def imports(module: str) -> bool:
+    """Whether `module` imports here (installed and loadable: a Transformer Engine built for another
+    CUDA is installed but does not import)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def has_te() -> bool:
+    return installed("transformer_engine")
+
+
+def has_apex() -> bool:
+    return installed("apex")
