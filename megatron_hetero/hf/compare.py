@@ -29,8 +29,9 @@ VISION = "vision"
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="the Hugging Face model directory the checkpoint came from")
     parser.add_argument("--load", required=True, help="a checkpoint of it (imported or trained)")
-    parser.add_argument("--data-path", required=True, help="a LLaVA-style .json / .jsonl conversation file")
-    parser.add_argument("--image-root", help="image paths' directory (default: the data file's)")
+    parser.add_argument("--data-path", required=True, help="a .json / .jsonl conversation file (LLaVA or ShareGPT "
+                                                           "records, images and videos)")
+    parser.add_argument("--image-root", help="image and video paths' directory (default: the data file's)")
     parser.add_argument("--seq-length", type=int, default=1024, help="tokens per sequence (longer samples skipped)")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="the largest |logit difference| allowed")
     parser.add_argument("--num-samples", type=int, default=16, help="samples compared (the file's first usable ones)")
