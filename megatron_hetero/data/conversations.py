@@ -133,22 +133,19 @@ def _parse(record, path: str, index: int, kinds: tuple[str, ...]) -> tuple[str, 
             raise bad("unsupported_media", f"{kind} input, which this model does not take")
         if tags.count(kind) != len(items):
             raise bad(f"{kind}_count_mismatch", f"{tags.count(kind)} {MEDIA[kind][0]} tags for {len(items)} {kind}s")
-    taken = dict.fromkeys(MEDIA, 0)
-    media = []
-    for kind in tags:
-        media.append((kind, lists[kind][taken[kind]]))
-        taken[kind] += 1
-    return sample, media, turns
+    remaining = {kind: iter(items) for kind, items in lists.items()}
+    return sample, [(kind, next(remaining[kind])) for kind in tags], turns
 
 
 class JsonRecords(list):
-    """A JSON / JSONL file's records; their images are files under the image root."""
+    """A JSON / JSONL file's records; their images and videos are files under the image root."""
 
     def __init__(self, path: str, image_root: str):
         super().__init__(read_records(path))
         self.root = Path(image_root)
 
     def image(self, record: dict, name: str) -> Path:
+        """The file `name` of a record (an image, a video or a frame)."""
         return self.root / name
 
 
