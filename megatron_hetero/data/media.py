@@ -1,9 +1,9 @@
 """What an image or a video of a conversation becomes, per model: encoder items, the tokens its
 `<image>` / `<video>` tag expands to, its pixels and (M-RoPE models) the sequence's position ids.
 
-Every rank computes `items` and the tokens from the image's size alone (the boundary plan needs
-every sample's positions, and every rank must skip the same samples); only ranks that encode an
-image decode its pixels. `TileImages` is this project's reference model's (fixed-size tiles, one
+Every rank computes `items` and the tokens from the image's size (a video's metadata) alone (the
+boundary plan needs every sample's positions, and every rank must skip the same samples); only ranks
+that encode an image or a video decode its pixels. `TileImages` is this project's reference model's (fixed-size tiles, one
 `<image>` token per row); a VLM family supplies its own (families/*/media.py), videos too where its
 model takes them (`video_items`, `video_pixels`: a video is items of the same encoder, its frames
 picked from its metadata, data/video.py).
