@@ -47,8 +47,10 @@ setup(
         # Megatron's writers (--tensorboard-dir, --wandb-project), which get our per-module metrics too.
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
+        # Video files in conversation data, decoded by PyAV (FFmpeg bundled; megatron_hetero/data/video.py).
+        "media": ["av"],
         # The tests, and ruff (pyproject.toml's settings), which `make test` runs first.
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "ruff", "matplotlib",
-                 "tensorboard", "wandb"],
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "av", "ruff",
+                 "matplotlib", "tensorboard", "wandb"],
     },
 )

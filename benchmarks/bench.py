@@ -157,9 +157,8 @@ def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
         media.items = torch.rand(media.items.shape, generator=g)
         loss_mask = torch.zeros(w.seq_length)
         loss_mask[at : w.seq_length - 1] = 1.0
-        grids = [grid for item in items for grid in item.grids or ()]
         samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, {"vision": media},
-                              position_ids=images.position_ids(w.seq_length, starts, grids)))
+                              position_ids=images.position_ids(w.seq_length, starts, items)))
     return samples
 
 

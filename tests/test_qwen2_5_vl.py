@@ -135,8 +135,9 @@ def test_data_is_the_processors(qwen):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp / "hf")
     records = json.loads(data.read_text())
     for index in (0, 1, 4, 5, 6):  # 2 and 3 are the corrupt and the missing image
-        sample, paths = dataset.encode(index)
-        dataset.collate([(sample, paths)])  # decodes its images
+        sample, sources = dataset.encode(index)
+        dataset.collate([(sample, sources)])  # decodes its images
+        paths = [source.source for source in sources]
         want = processor(images=[Image.open(p) for p in paths], return_tensors="pt") if paths else None
         media = sample.media["vision"]
         roles = {"human": "user", "gpt": "assistant"}

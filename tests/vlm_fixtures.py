@@ -125,3 +125,78 @@ def conversations(directory: Path, bad: bool = True) -> Path:
     path = directory / "conversations.json"
     path.write_text(json.dumps(records, indent=1))
     return path
+
+
+# ---- video data ----------------------------------------------------------------------------------
+# The video processors' settings of the tiny models (transformers' names): frames sampled at 2 fps,
+# at most 6, each within the image bounds (Qwen2.5-VL) or all within 5x them (Qwen3-VL).
+VIDEO_SETTINGS = {
+    "qwen2_5_vl": dict(do_sample_frames=True, fps=2, min_frames=4, max_frames=6, patch_size=PATCH, merge_size=MERGE,
+                       temporal_patch_size=2, size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}),
+    "qwen3_vl": dict(do_sample_frames=True, fps=2, min_frames=4, max_frames=6, patch_size=PATCH, merge_size=MERGE,
+                     temporal_patch_size=2, size={"shortest_edge": MIN_PIXELS, "longest_edge": 5 * MAX_PIXELS}),
+}
+# name -> (frames, fps, (width, height)): a clip, and one longer than the frame limit
+VIDEO_FILES = {"clip.mp4": (10, 4, (40, 24)), "long.mp4": (40, 10, (24, 32))}
+
+
+def write_video(path: Path, frames: int, fps: int, size: tuple[int, int], seed: int = 0) -> None:
+    """An MPEG-4 video of random frames, encoded with PyAV."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def save_video_settings(directory: Path, family: str) -> None:
+    (directory / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_SETTINGS[family], indent=1))
+
+
+def video_conversations(directory: Path, bad: bool = True) -> Path:
+    """video.json under `directory` (with conversations()'s images): a video without an image
+    (LLaVA-style), an image and a video in one sample (ShareGPT-style messages and media lists), a
+    video as a list of frame images, an image alone, a video longer than the frame limit; with
+    `bad`, a zero-length, a corrupt and a missing video, tags and videos differing in number, and
+    audio (which these models do not take)."""
+    conversations(directory, bad=False)
+    for seed, (name, (frames, fps, size)) in enumerate(VIDEO_FILES.items()):
+        write_video(directory / name, frames, fps, size, seed)
+    (directory / "frames").mkdir(exist_ok=True)
+    for k in range(3):
+        _image(directory / "frames" / f"{k}.png", (32, 24), 10 + k)
+    (directory / "empty.mp4").write_bytes(b"")
+    (directory / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video at all")
+
+    def llava(user, answer, **media):
+        return {"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}], **media}
+
+    def sharegpt(user, answer, **media):
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **media}
+
+    records = [
+        llava("<video>\ndescribe the image", "a red square on the left", video="clip.mp4"),
+        sharegpt("compare these two images <image> and <video>", "a blue circle", images=["wide.png"],
+                 videos=["clip.mp4"]),
+        sharegpt("<video> what is in it ?", "green triangle", videos=[[f"frames/{k}.png" for k in range(3)]]),
+        llava("<image>\ndescribe", "a picture of shapes", image="square.png"),
+        sharegpt("what is in it <video>", "shapes on the right", videos=["long.mp4"]),
+    ]
+    if bad:
+        records[1:1] = [llava("<video> describe", "red", video="empty.mp4"),
+                        llava("<video> describe", "red", video="corrupt.mp4"),
+                        sharegpt("<video>", "blue", videos=["gone.mp4"]),
+                        sharegpt("<video> and <video>", "no", videos=["clip.mp4"]),
+                        sharegpt("<audio> what", "yes", audios=["a.wav"])]
+    for i, record in enumerate(records):
+        record["id"] = f"v{i}"
+    path = directory / "video.json"
+    path.write_text(json.dumps(records, indent=1))
+    return path

@@ -1,5 +1,5 @@
-"""Conversations to token ids: which tokens are the assistant's (the loss), and the `<image>` tag of
-each image expanded to the encoder rows that image sends into the sequence.
+"""Conversations to token ids: which tokens are the assistant's (the loss), and the `<image>` /
+`<video>` tag of each image or video expanded to the encoder rows it sends into the sequence.
 
 Two tokenizers: a Hugging Face tokenizer from a local directory (`--tokenizer-type
 HuggingFaceTokenizer --tokenizer-model DIR`, rendered with the model's chat template), and this
@@ -9,14 +9,17 @@ each assistant turn followed by `<eos>`.
 """
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_hetero.data.media import ImageTokens
-from megatron_hetero.data.tokenizer import IMAGE_TOKEN, CaptionTokenizer
+from megatron_hetero.data.tokenizer import AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, CaptionTokenizer
 
 # LLaVA's `from` values and the chat template's roles.
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# The media tags, split out of the text in order (the captured tag is every odd part).
+MEDIA_TAGS = re.compile(f"({'|'.join(map(re.escape, (IMAGE_TOKEN, VIDEO_TOKEN, AUDIO_TOKEN)))})")
 
 
 class TokenizerError(ValueError):
@@ -102,31 +105,47 @@ class CaptionChatTokenizer:
         return out
 
 
-def encode_conversation(tokenizer, turns: list[Turn], rows_per_image: list[int],
-                        image_tokens: ImageTokens | None = None) -> tuple[list[int], list[bool]]:
-    """(token ids, assistant flags) of a conversation, the k-th `<image>` tag expanded to
-    image_tokens' prefix, rows_per_image[k] placeholders and suffix (default: the tokenizer's image
-    token per row). Raises ValueError when tags and images differ in number."""
+def encode_conversation(tokenizer, turns: list[Turn], media: list, image_tokens: ImageTokens | None = None
+                        ) -> tuple[list[int], list[bool]]:
+    """(token ids, assistant flags) of a conversation, the k-th media tag (`<image>`, `<video>`,
+    `<audio>` in text order) expanded by media[k]: rows (an int: image_tokens' prefix, that many
+    placeholders, its suffix; default the tokenizer's image token per row) or an item's expansion
+    (data/media.py: text, which is tokenized with the text before it, as a processor expands the tag
+    in the text, and token ids). Media tokens are inputs, never predicted. Raises ValueError when
+    tags and media differ in number."""
     image_tokens = image_tokens or ImageTokens((), tokenizer.image_id)
     ids, assistant, tags = [], [], 0
+
+    def add(part, flag: bool) -> None:
+        encoded = tokenizer.encode(part) if isinstance(part, str) else list(part)
+        ids.extend(encoded)
+        assistant.extend([flag] * len(encoded))
+
     for piece, is_assistant in tokenizer.pieces(turns):
         if not isinstance(piece, str):
-            ids += piece
-            assistant += [is_assistant] * len(piece)
+            add(piece, is_assistant)
             continue
-        for k, text in enumerate(piece.split(IMAGE_TOKEN)):
-            if k:
-                rows = rows_per_image[tags] if tags < len(rows_per_image) else 0
-                expanded = [*image_tokens.prefix, *[image_tokens.placeholder] * rows, *image_tokens.suffix]
-                ids += expanded
-                assistant += [False] * len(expanded)  # image tokens are inputs, never predicted
-                tags += 1
-            if text:
-                encoded = tokenizer.encode(text)
-                ids += encoded
-                assistant += [is_assistant] * len(encoded)
-    if tags != len(rows_per_image):
-        raise ValueError(f"{tags} {IMAGE_TOKEN} tags for {len(rows_per_image)} images")
+        text = ""  # not yet tokenized: an expansion's text joins it
+        for k, part in enumerate(MEDIA_TAGS.split(piece)):
+            if not k % 2:
+                text += part
+                continue
+            item = media[tags] if tags < len(media) else 0
+            if isinstance(item, int):
+                item = ((*image_tokens.prefix, *[image_tokens.placeholder] * item, *image_tokens.suffix),)
+            for part in item:
+                if isinstance(part, str) and not is_assistant:
+                    text += part
+                    continue
+                if text:
+                    add(text, is_assistant)
+                add(part, False)
+                text = ""
+            tags += 1
+        if text:
+            add(text, is_assistant)
+    if tags != len(media):
+        raise ValueError(f"{tags} media tags for {len(media)} images, videos and audios")
     return ids, assistant
 
 

@@ -1,12 +1,19 @@
-"""LLaVA-style conversation data: a JSON list (or JSONL, one sample a line) of
+"""Conversation data: a JSON list (or JSONL, one sample a line) of LLaVA-style records
 
-    {"id": ..., "image": "a.png" | ["a.png", ...] | absent,
+    {"id": ..., "image": "a.png" | ["a.png", ...] | absent, "video": "v.mp4" | [...] | absent,
      "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": "..."}, ...]}
 
-with image paths relative to an image root, or the same records in a megatron-energon dataset
-(data/energon.py). Each sample becomes a fused sequence (chat.py: the loss
-on the assistant's tokens, each `<image>` tag expanded to its image's rows) and its images' tiles
-(images.py). A bad sample (bad_data.REASONS) is passed over to the next usable one.
+or ShareGPT-style ones (the convention LLaMA-Factory and ms-swift use)
+
+    {"messages": [{"role": "user", "content": "<video>..."}, {"role": "assistant", "content": "..."}],
+     "images": [...], "videos": [...], "audios": [...]}
+
+with media paths relative to an image root (a video: a file, or a list of its frames' images), or
+the same records in a megatron-energon dataset (data/energon.py). The k-th `<image>` tag is the k-th
+image, the k-th `<video>` the k-th video. Each sample becomes a fused sequence (chat.py: the loss on
+the assistant's tokens, each tag expanded to its item's rows) and its media's encoder items
+(images.py, video.py), in the order of their tags. A bad sample (bad_data.REASONS) is passed over to
+the next usable one.
 """
 
 import io
@@ -19,14 +26,19 @@ import torch
 
 from megatron_hetero.boundary import assign_items
 from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
-from megatron_hetero.data.chat import ROLES, Turn, encode_conversation
+from megatron_hetero.data.chat import MEDIA_TAGS, ROLES, Turn, encode_conversation
 from megatron_hetero.data.energon import EnergonRecords, ImagePart, is_energon_dataset
 from megatron_hetero.data.images import ImageError, check_image
 from megatron_hetero.data.media import ImageItems, ImageProcessing
 from megatron_hetero.data.sample_batch import Sample, SampleBatch, pack
-from megatron_hetero.data.tokenizer import IMAGE_TOKEN
+from megatron_hetero.data.tokenizer import AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN
+from megatron_hetero.data.video import VideoError, probe_video
 
 VISION = "vision"  # the encoder kind whose items these samples carry
+# Media kind -> (its tag, the record's keys for its list: LLaVA's, ShareGPT's).
+MEDIA = {"image": (IMAGE_TOKEN, ("image", "images")), "video": (VIDEO_TOKEN, ("video", "videos")),
+         "audio": (AUDIO_TOKEN, ("audio", "audios"))}
+TAG_KIND = {tag: kind for kind, (tag, _) in MEDIA.items()}
 
 
 class SkipSample(Exception):
@@ -71,8 +83,36 @@ def _strings(value):
             yield from _strings(v)
 
 
-def _parse(record, path: str, index: int) -> tuple[str, list[str], list[Turn]]:
-    """(sample id, image paths, turns) of a record; raises SkipSample."""
+def _media_lists(record: dict, bad) -> dict[str, list]:
+    """kind -> the record's list of that medium (a video: a path, or a list of its frames' paths)."""
+    lists = {}
+    for kind, (_, keys) in MEDIA.items():
+        value = next((record[k] for k in keys if record.get(k) is not None), [])
+        value = [value] if isinstance(value, str) else value
+        frames = kind == "video"
+        if not isinstance(value, list) or not all(isinstance(v, str) or (frames and isinstance(v, list) and v and all(
+                isinstance(f, str) for f in v)) for v in value):
+            raise bad("malformed", f'"{keys[0]}" is not a path or a list of paths'
+                      + (" (or of lists of frame paths)" if frames else ""))
+        lists[kind] = value
+    return lists
+
+
+def _turns(record: dict, bad) -> list[Turn]:
+    """The record's turns: LLaVA's "conversations" ({"from", "value"}) or ShareGPT's "messages"
+    ({"role", "content"})."""
+    conversation = record.get("conversations", record.get("messages"))
+    if not isinstance(conversation, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("value", t.get("content")), str)
+            and t.get("from", t.get("role")) in ROLES for t in conversation):
+        raise bad("malformed", f'"conversations" is not a list of {{"from": {"|".join(ROLES)}, "value": text}} '
+                               f'(nor "messages" a list of {{"role", "content"}})')
+    return [Turn(ROLES[t.get("from", t.get("role"))], t.get("value", t.get("content"))) for t in conversation]
+
+
+def _parse(record, path: str, index: int, kinds: tuple[str, ...]) -> tuple[str, list[tuple[str, object]], list[Turn]]:
+    """(sample id, its media as (kind, path or frame paths) in the order of their tags, turns) of a
+    record whose media kinds the model takes are `kinds`; raises SkipSample."""
     if isinstance(record, BadSample):
         raise SkipSample(record)
     sample = str(record.get("id", index)) if isinstance(record, dict) else str(index)
@@ -84,32 +124,28 @@ def _parse(record, path: str, index: int) -> tuple[str, list[str], list[Turn]]:
         raise bad("malformed", "not a JSON object")
     if any("\udc80" <= ch <= "\udcff" for s in _strings(record) for ch in s):
         raise bad("non_utf8", "text that is not UTF-8")
-    images = record.get("image", [])
-    images = [images] if isinstance(images, str) else images
-    conversation = record.get("conversations")
-    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-        raise bad("malformed", '"image" is not a path or a list of paths')
-    if not isinstance(conversation, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("value"), str) and t.get("from") in ROLES
-            for t in conversation):
-        raise bad("malformed", f'"conversations" is not a list of {{"from": {"|".join(ROLES)}, "value": text}}')
-    turns = [Turn(ROLES[t["from"]], t["value"]) for t in conversation]
+    lists, turns = _media_lists(record, bad), _turns(record, bad)
     if not any(t.role == "assistant" and t.text.strip() for t in turns):
         raise bad("empty_conversation", "no assistant text to learn")
-    tags = sum(t.text.count(IMAGE_TOKEN) for t in turns)
-    if tags != len(images):
-        raise bad("image_count_mismatch", f"{tags} {IMAGE_TOKEN} tags for {len(images)} images")
-    return sample, images, turns
+    tags = [TAG_KIND[tag] for t in turns for tag in MEDIA_TAGS.findall(t.text)]
+    for kind, items in lists.items():
+        if (items or kind in tags) and kind not in kinds:
+            raise bad("unsupported_media", f"{kind} input, which this model does not take")
+        if tags.count(kind) != len(items):
+            raise bad(f"{kind}_count_mismatch", f"{tags.count(kind)} {MEDIA[kind][0]} tags for {len(items)} {kind}s")
+    remaining = {kind: iter(items) for kind, items in lists.items()}
+    return sample, [(kind, next(remaining[kind])) for kind in tags], turns
 
 
 class JsonRecords(list):
-    """A JSON / JSONL file's records; their images are files under the image root."""
+    """A JSON / JSONL file's records; their images and videos are files under the image root."""
 
     def __init__(self, path: str, image_root: str):
         super().__init__(read_records(path))
         self.root = Path(image_root)
 
     def image(self, record: dict, name: str) -> Path:
+        """The file `name` of a record (an image, a video or a frame)."""
         return self.root / name
 
 
@@ -119,8 +155,20 @@ def open_records(path: str, image_root: str):
 
 
 def _openable(source):
-    """What Pillow opens: a file's path, or an energon image part's bytes (a fresh stream each time)."""
+    """What Pillow and PyAV open: a file's path, or an energon part's bytes (a fresh stream each
+    time); a video's frames each so."""
+    if isinstance(source, list):
+        return [_openable(frame) for frame in source]
     return io.BytesIO(source.data) if isinstance(source, ImagePart) else source
+
+
+@dataclass(frozen=True)
+class MediaSource:
+    """A sample's image or video: its kind, its file (a video's frames: their files) and its items."""
+
+    kind: str
+    source: object
+    items: ImageItems
 
 
 @dataclass(frozen=True)
@@ -152,34 +200,52 @@ class ConversationSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def _items(self, paths: list, sample: str) -> list[ImageItems]:
-        """Each image's items, from its size (its file checked, not decoded); raises SkipSample."""
-        items = []
-        for path in paths:
+    def _items(self, media: list[tuple[str, object]], sample: str) -> list[MediaSource]:
+        """Each image's and video's items, from its size and frames (its file checked, not decoded);
+        raises SkipSample."""
+        sources = []
+        for kind, source in media:
             try:
-                items.append(self.spec.images.items(*check_image(_openable(path))))
-            except ImageError as error:
-                reason = "missing_image" if str(error) == "missing image" else "corrupt_image"
-                raise SkipSample(BadSample(reason, str(path), sample, str(error))) from None
-        return items
+                if kind == "image":
+                    items = self.spec.images.items(*check_image(_openable(source)))
+                else:
+                    items = self.spec.images.video_items(probe_video(_openable(source)))
+            except (ImageError, VideoError) as error:
+                reason = f"missing_{kind}" if str(error).startswith(f"missing {kind}") else f"corrupt_{kind}"
+                raise SkipSample(BadSample(reason, str(source), sample, str(error))) from None
+            sources.append(MediaSource(kind, source, items))
+        return sources
 
-    def encode(self, index: int) -> tuple[Sample, list]:
-        """Record `index` as a sample, and its images (files or energon parts); raises SkipSample."""
+    def _kinds(self) -> tuple[str, ...]:
+        """The media kinds this model's processing takes (videos where it has video_items)."""
+        return ("image", "video") if hasattr(self.spec.images, "video_items") else ("image",)
+
+    def encode(self, index: int) -> tuple[Sample, list[MediaSource]]:
+        """Record `index` as a sample, and its media (files, frame lists or energon parts, with their
+        items); raises SkipSample."""
         spec = self.spec
         record = self.records[index]
-        sample, images, turns = _parse(record, spec.path, index)
-        paths = [self.records.image(record, image) for image in images]
-        items = self._items(paths, sample)
-        ids, assistant = encode_conversation(self.tokenizer, turns, [sum(i.rows) for i in items], self.image_tokens)
+        sample, media, turns = _parse(record, spec.path, index, self._kinds())
+        sources = self._items([(kind, self._source(record, name)) for kind, name in media], sample)
+        items = [source.items for source in sources]
+        expansions = [i.expansion if i.expansion is not None else sum(i.rows) for i in items]
+        ids, assistant = encode_conversation(self.tokenizer, turns, expansions, self.image_tokens)
         if len(ids) > spec.seq_length:
             raise SkipSample(BadSample("too_long", spec.path, sample,
                                        f"{len(ids)} tokens, more than --seq-length {spec.seq_length}"))
-        at = [t for t, token in enumerate(ids) if token == self.image_tokens.placeholder]
+        at = [t for t, token in enumerate(ids) if token in self.image_tokens.placeholders]
+        if len(at) != sum(sum(i.rows) for i in items):
+            raise SkipSample(BadSample("malformed", spec.path, sample, "its text holds the model's media placeholder "
+                                                                       "tokens"))
+        runs = [t for k, t in enumerate(at) if not k or at[k - 1] != t - 1]  # each run of placeholders' start
         media = spec.images.media(items, torch.tensor(at, dtype=torch.long))
-        starts = np.cumsum([0] + [sum(i.rows) for i in items])[:-1]
-        grids = [g for i in items for g in (i.grids or ())]
-        position_ids = spec.images.position_ids(spec.seq_length, [at[k] for k in starts], grids)
-        return Sample(*self._sequence(ids, assistant), {VISION: media}, position_ids=position_ids), paths
+        position_ids = spec.images.position_ids(spec.seq_length, runs, items)
+        return Sample(*self._sequence(ids, assistant), {VISION: media}, position_ids=position_ids), sources
+
+    def _source(self, record, name):
+        """A medium's file (a video as frames: each frame's)."""
+        part = self.records.image
+        return [part(record, frame) for frame in name] if isinstance(name, list) else part(record, name)
 
     def _sequence(self, ids: list[int], assistant: list[bool]):
         s, n = self.spec.seq_length, len(ids)
@@ -191,25 +257,27 @@ class ConversationSamples(torch.utils.data.Dataset):
         loss_mask[: n - 1] = torch.tensor(assistant[1:], dtype=torch.float)  # position t predicts token t+1
         return input_ids, labels, loss_mask
 
-    def __getitem__(self, index: int) -> tuple[Sample, list]:
+    def __getitem__(self, index: int) -> tuple[Sample, list[MediaSource]]:
         n, skipped = len(self.records), []
         for step in range(n):
             try:
-                sample, paths = self.encode((int(index) + step) % n)
+                sample, sources = self.encode((int(index) + step) % n)
             except SkipSample as skip:
                 skipped.append(skip.bad)
                 continue
             sample.skipped = skipped
-            return sample, paths
+            return sample, sources
         raise DataError(f"--data-path {self.spec.path}: no usable sample (first problem: {skipped[0].line()}); "
                             f"run with --strict-data to stop at each")
 
-    def _decode(self, sample: Sample, paths: list) -> None:
+    def _decode(self, sample: Sample, sources: list[MediaSource]) -> None:
+        images = self.spec.images
         try:
-            items = [self.spec.images.pixels(_openable(p)) for p in paths]
-        except ImageError as error:  # checked in encode: only a file changed or broken past its structure
-            raise DataError(f"{self.spec.path}: cannot decode an image of a sample ({error}); "
-                                f"fix or remove it") from None
+            items = [images.pixels(_openable(s.source)) if s.kind == "image" else
+                     images.video_pixels(_openable(s.source), s.items) for s in sources]
+        except (ImageError, VideoError) as error:  # checked in encode: only a file changed or broken past its structure
+            raise DataError(f"{self.spec.path}: cannot decode an image or video of a sample ({error}); "
+                            f"fix or remove it") from None
         if items:
             sample.media[VISION].items = torch.cat(items)
 

@@ -88,8 +88,8 @@ class EnergonRecords:
         return record
 
     def image(self, record: dict, name: str):
-        """The image part `name` of the record's sample (a path that does not exist where the sample
-        lacks it: it reads as a missing image)."""
+        """The part `name` of the record's sample, an image, a video or a frame (a path that does not
+        exist where the sample lacks it: it reads as a missing file)."""
         label = f"{self.path}/{record['__where__']}.{name}"
         data = record["__parts__"].get(name)
         return Path(label) if data is None else ImagePart(label, data)

@@ -64,12 +64,13 @@ ENERGON_DIR = "energon"  # the energon dataset's directory in the output directo
 
 
 def write_energon(json_path, out_dir, samples_per_shard: int = 1000) -> Path:
-    """A LLaVA-style JSON / JSONL file and its images as a megatron-energon dataset under out_dir:
-    WebDataset tar shards, one sample per record (key: its index), parts `json` (the record, its
-    "image" naming the sample's own image parts) and `0.png`, `1.png`, ... (the image files' bytes,
-    their extensions kept); then `energon prepare` (all samples in the train split). An image file
-    that is missing is left out of its sample (the loader skips that sample, as it does from the
-    JSON). Returns the dataset's directory."""
+    """A conversation JSON / JSONL file (data/conversations.py: LLaVA or ShareGPT records) and its
+    media as a megatron-energon dataset under out_dir: WebDataset tar shards, one sample per record
+    (key: its index), parts `json` (the record, its media lists naming the sample's own parts) and
+    the media files' bytes, their extensions kept (`0.png`, `1.png`, ... for images; `video0.mp4`, or
+    `video0_0.png`, `video0_1.png`, ... for a video's frames); then `energon prepare` (all samples in
+    the train split). A media file that is missing is left out of its sample (the loader skips that
+    sample, as it does from the JSON). Returns the dataset's directory."""
     import tarfile
     import time
 
@@ -84,15 +85,7 @@ def write_energon(json_path, out_dir, samples_per_shard: int = 1000) -> Path:
             if shard:
                 shard.close()
             shard = tarfile.open(out / f"shard-{n // samples_per_shard:05d}.tar", "w")
-        images = record.get("image", []) if isinstance(record, dict) else []
-        images = [images] if isinstance(images, str) else images
-        parts = {}
-        for i, name in enumerate(images):
-            source = json_path.parent / name
-            if source.exists():
-                parts[f"{i}{source.suffix}"] = source.read_bytes()
-        if images:
-            record = {**record, "image": [f"{i}{Path(name).suffix}" for i, name in enumerate(images)]}
+        record, parts = _media_parts(record, json_path.parent) if isinstance(record, dict) else (record, {})
         parts["json"] = json.dumps(record, ensure_ascii=False).encode("utf-8", "surrogateescape")
         for part, data in parts.items():
             info = tarfile.TarInfo(f"{n:08d}.{part}")
@@ -102,6 +95,30 @@ def write_energon(json_path, out_dir, samples_per_shard: int = 1000) -> Path:
         shard.close()
     prepare_energon(out)
     return out
+
+
+def _media_parts(record: dict, root: Path) -> tuple[dict, dict]:
+    """The record with its media lists renamed to its parts (see write_energon), and those parts."""
+    from megatron_hetero.data.conversations import MEDIA
+
+    parts, record = {}, dict(record)
+    for kind, (_, keys) in MEDIA.items():
+        key = next((k for k in keys if record.get(k)), None)
+        if key is None:
+            continue
+        value = [record[key]] if isinstance(record[key], str) else record[key]
+        prefix = "" if kind == "image" else kind
+        names = [[f"{prefix}{i}_{k}{Path(f).suffix}" for k, f in enumerate(v)] if isinstance(v, list) else
+                 f"{prefix}{i}{Path(v).suffix}" for i, v in enumerate(value)]
+        for name, source in zip(_flat(names), _flat(value)):
+            if (root / source).exists():
+                parts[name] = (root / source).read_bytes()
+        record[key] = names
+    return record, parts
+
+
+def _flat(values: list) -> list:
+    return [v for value in values for v in (value if isinstance(value, list) else [value])]
 
 
 def prepare_energon(directory) -> None:

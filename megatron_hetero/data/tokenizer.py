@@ -12,6 +12,8 @@ import sentencepiece as spm
 
 DEFAULT_MODEL_PATH = Path(__file__).parent / "shapes_caption.model"
 IMAGE_TOKEN = "<image>"
+# The tags of the other media a conversation may hold (data/conversations.py), each where its item goes.
+VIDEO_TOKEN, AUDIO_TOKEN = "<video>", "<audio>"
 
 
 class CaptionTokenizer:

@@ -29,8 +29,9 @@ VISION = "vision"
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="the Hugging Face model directory the checkpoint came from")
     parser.add_argument("--load", required=True, help="a checkpoint of it (imported or trained)")
-    parser.add_argument("--data-path", required=True, help="a LLaVA-style .json / .jsonl conversation file")
-    parser.add_argument("--image-root", help="image paths' directory (default: the data file's)")
+    parser.add_argument("--data-path", required=True, help="a .json / .jsonl conversation file (LLaVA or ShareGPT "
+                                                           "records, images and videos)")
+    parser.add_argument("--image-root", help="image and video paths' directory (default: the data file's)")
     parser.add_argument("--seq-length", type=int, default=1024, help="tokens per sequence (longer samples skipped)")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="the largest |logit difference| allowed")
     parser.add_argument("--num-samples", type=int, default=16, help="samples compared (the file's first usable ones)")
@@ -108,11 +109,12 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> flo
     return float((losses * mask).sum() / mask.sum()) if mask.sum() else float("nan")
 
 
-def _sample_report(hf_model, images, sample, ours: torch.Tensor, vocab: int) -> tuple[float, float, float]:
+def _sample_report(hf_model, images, sample, sources, ours: torch.Tensor, vocab: int) -> tuple[float, float, float]:
     """(transformers' loss, ours, max |logit diff|) of one sample over its whole sequence."""
     ids = sample.input_ids[None]
     with torch.no_grad():
-        theirs = hf_model(input_ids=ids, **images.hf_inputs(ids, sample.media[VISION])).logits[0].float()
+        theirs = hf_model(input_ids=ids, **images.hf_inputs(ids, sample.media[VISION], [s.items for s in sources])
+                          ).logits[0].float()
     ours = ours[:, :vocab]
     return (_loss(theirs, sample.labels, sample.loss_mask), _loss(ours, sample.labels, sample.loss_mask),
             float((ours - theirs).abs().max()))
@@ -164,10 +166,10 @@ def compare(args) -> int:
             kwargs = dataset.collate(group)
             kwargs.pop("skipped")
             ours = _our_logits(model, kwargs, sizes.seq_length)
-            for j, (sample, _) in enumerate(samples[first : first + dp]):
+            for j, (sample, sources) in enumerate(samples[first : first + dp]):
                 if hf_model is not None:
-                    theirs_loss, our_loss, diff = _sample_report(hf_model, dataset.spec.images, sample, ours[j],
-                                                           sizes.vocab_size)
+                    theirs_loss, our_loss, diff = _sample_report(hf_model, dataset.spec.images, sample, sources,
+                                                                 ours[j], sizes.vocab_size)
                     worst = max(worst, diff)
                     print(f"sample {first + j}: loss transformers {theirs_loss:.6f} ours {our_loss:.6f} "
                           f"max |logit diff| {diff:.3e}", flush=True)

@@ -2,7 +2,8 @@
 position ids (temporal, height, width). Text tokens count up on all three alike; an image's tokens
 (its patch grid after the encoder's spatial merge, row-major) get the text position reached before it
 plus their (t, h, w) grid coordinates, and the text after it continues from there plus the larger
-side of the merged grid: transformers' `Qwen2_5_VLModel.get_rope_index` for images.
+side of the merged grid: transformers' `Qwen2_5_VLModel.get_rope_index`; a video's temporal patches
+count on the temporal id by its time step (Qwen2.5-VL), or each is placed as an image (Qwen3-VL).
 
 Pure torch on one sample; the data computes it (every rank, from token positions and image grids),
 the LLM's rotary embedding reads it (models/vlm.py: GPTModel's "mrope"). Qwen2-VL's M-RoPE gives each
@@ -13,19 +14,20 @@ position id a contiguous section of the rotary frequencies; Qwen3-VL interleaves
 import torch
 
 
-def mrope_positions(seq_len: int, image_starts: list[int], grids: list[tuple[int, int, int]],
-                    merge: int) -> torch.Tensor:
-    """LongTensor [3, seq_len]: the position ids of a sequence whose i-th image's tokens (t * h * w /
-    merge^2 of them, in order) start at image_starts[i]; grids: each image's (t, h, w) patch grid
-    before the merge."""
+def mrope_positions(seq_len: int, starts: list[int], grids: list[tuple[int, int, int]], merge: int,
+                    steps: list | None = None) -> torch.Tensor:
+    """LongTensor [3, seq_len]: the position ids of a sequence whose i-th run of vision tokens (t * h *
+    w / merge^2 of them, in order) starts at starts[i]; grids: each run's (t, h, w) patch grid before
+    the merge; steps: each run's temporal step (a video's time between temporal patches in position
+    ids, truncated after the multiplication as transformers does; default 1)."""
     positions = torch.empty(3, seq_len, dtype=torch.long)
     reached = done = 0  # the next position id; the tokens placed
-    for start, (t, h, w) in zip(image_starts, grids):
+    for start, (t, h, w), step in zip(starts, grids, steps or [1] * len(grids)):
         text = start - done
         positions[:, done:start] = torch.arange(text) + reached
         reached += text
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge),
-                                          indexing="ij")).flatten(1)
+        grid = torch.stack(torch.meshgrid((torch.arange(t) * step).long(), torch.arange(h // merge),
+                                          torch.arange(w // merge), indexing="ij")).flatten(1)
         positions[:, start : start + grid.shape[1]] = grid + reached
         reached += max(h, w) // merge
         done = start + grid.shape[1]

@@ -61,7 +61,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--data-seed", type=int, default=1234,
                        help="seed of the synthetic shapes data and of the held-out evaluation images (default 1234)")
     group.add_argument("--image-root", default=None,
-                       help="the directory image paths of --data-path are relative to (default: the file's own)")
+                       help="the directory image and video paths of --data-path are relative to (default: the "
+                            "file's own)")
     group.add_argument("--strict-data", action="store_true",
                        help="stop at the first bad sample (one line naming file and sample) instead of skipping it")
     group.add_argument("--image-normalization", choices=tuple(NORMALIZATION), default=None,
@@ -247,8 +248,8 @@ def image_normalization(args, sizes: ModelSizes) -> tuple:
 
 
 def _check_data(args, layout) -> None:
-    """--data-path names one conversation file or energon dataset (images only); held-out captions need
-    the shapes tokenizer."""
+    """--data-path names one conversation file or energon dataset (images and videos, for the vision
+    encoder); held-out captions need the shapes tokenizer."""
     tokenizer(args)
     if args.eval_samples and args.tokenizer_type not in (None, "NullTokenizer"):
         raise ArgsError(f"--eval-samples captions held-out shapes with the shipped tokenizer; drop it or "
@@ -267,11 +268,11 @@ def _check_data(args, layout) -> None:
             raise ArgsError(f"--data-path {args.data_path[0]}: a directory without {ENERGON_META}/, not a prepared "
                             f"energon dataset; run `energon prepare {args.data_path[0]}` or give a .json file")
     elif len(args.data_path) != 1 or not args.data_path[0].endswith((".json", ".jsonl")):
-        raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one LLaVA-style .json or .jsonl file or "
-                        f"one megatron-energon dataset directory")
+        raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one conversation .json or .jsonl file "
+                        f"(LLaVA or ShareGPT records) or one megatron-energon dataset directory")
     for module in layout.encoders:
         if encoder_kind(module).name != "vision":
-            raise ArgsError(f"--data-path: conversation data carries images only; module {module.name} is a "
+            raise ArgsError(f"--data-path: conversation data carries images and videos only; module {module.name} is a "
                             f"{module.kind} encoder (drop it from the layout or train on the shapes data)")
     if args.max_tiles < 1:
         raise ArgsError("--max-tiles must be at least 1")

@@ -83,7 +83,7 @@ class InternVLImages(TileImages):
         """[tiles, 3, size, size] of an image file, row-major tiles then the thumbnail; raises ImageError."""
         return self.processor(open_rgb(source), return_tensors="pt", **CROP)["pixel_values"]
 
-    def hf_inputs(self, input_ids: torch.Tensor, media: Media) -> dict:
+    def hf_inputs(self, input_ids: torch.Tensor, media: Media, items: list[ImageItems]) -> dict:
         """transformers' forward arguments beside input_ids for a sample's decoded media (hf compare)."""
         return {"pixel_values": media.items} if len(media.items) else {}
 
