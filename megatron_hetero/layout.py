@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.l
         command.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
         command.add_argument("--model-sizes", metavar="MODEL_JSON", help="a model.json (hf import): check the "
                              "layout against the model as training does (encoder kinds, encoder CP against the items, "
-                             "heads and layers per tp and pp, DeepStack edges) and print the llm stage that adds each edge")
+                             "heads and layers per tp and pp, DeepStack edges) and print the llm stage that adds "
+                             "each edge")
         if name == "show":
             command.add_argument("--png", metavar="FILE", help="also draw the layout into this PNG file "
                                  "(ranks, each module's coordinates and TP groups, the edges; needs matplotlib)")

@@ -3,9 +3,9 @@
 
 Every rank computes `items` and the tokens from the image's size (a video's metadata) alone (the
 boundary plan needs every sample's positions, and every rank must skip the same samples); only ranks
-that encode an image or a video decode its pixels. `TileImages` is this project's reference model's (fixed-size tiles, one
-`<image>` token per row); a VLM family supplies its own (families/*/media.py), videos too where its
-model takes them (`video_items`, `video_pixels`: a video is items of the same encoder, its frames
+that encode an image or a video decode its pixels. `TileImages` is this project's reference model's
+(fixed-size tiles, one `<image>` token per row); a VLM family supplies its own (families/*/media.py),
+videos too where its model takes them (`video_items`, `video_pixels`: a video is items of the same encoder, its frames
 picked from its metadata, data/video.py).
 """
 
