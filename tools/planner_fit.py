@@ -170,9 +170,12 @@ class GroupKey(NamedTuple):
 
 def record_workload(record: dict) -> BenchWorkload:
     """The workload a bench_e2e record trained: its preset at the record's LLM depth, global batch,
-    sequence length, images per sample and image size (records without them: the preset's)."""
+    sequence length, images per sample and image size (records without them: the preset's). A
+    family's record counts its preset's items (InternVL: tiles, not images), so the preset's own
+    count is kept as the preset's images."""
     w = RECORDED_WORKLOADS[record["workload"]]
-    w = resized_workload(w, record.get("seq_length", 0), record.get("items_per_sample", 0),
+    items = record.get("items_per_sample", 0)
+    w = resized_workload(w, record.get("seq_length", 0), 0 if items == w.images_per_sample else items,
                          record.get("image_size", 0) if not w.family else 0)
     return replace(w, layers=record["llm_layers"], global_batch=record.get("global_batch", w.global_batch))
 
