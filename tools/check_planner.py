@@ -149,7 +149,8 @@ def check_memory(paths: list[Path]) -> int:
         groups.append(replace(group, runs=(run,)))
     fitted = pf.memory_factors(groups, Calibration.load(str(DEFAULT_CALIBRATION)), True, pf.MEMORY_MARGIN)
     print(f"\n{len(records)} records, {outside} outside the band; the factors they fit (peak x "
-          f"{1 + pf.MEMORY_MARGIN:g}): " + json.dumps({key: round(value, 3) for key, value in fitted.activation_memory_factors.items()}))
+          f"{1 + pf.MEMORY_MARGIN:g}): "
+          + json.dumps({key: round(value, 3) for key, value in fitted.activation_memory_factors.items()}))
     return 1 if outside else 0
 
 
