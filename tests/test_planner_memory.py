@@ -10,12 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from planner_fit import (
-    band_records,
-    in_memory_band,
-    predict_record_memory,
-    record_attention,
-)
+from planner_fit import band_records, in_memory_band, predict_record_memory, record_attention
 
 from megatron_hetero.planner import Calibration
 from megatron_hetero.planner.calibration import CALIBRATIONS
