@@ -10,6 +10,7 @@ heterogeneous layout over the best homogeneous one beside the measured ones.
         docs/runs/gpu2/call5_baselines/w1_colocated.jsonl --oom W5:12:gpu2_homogeneous_dp2:FLAGS
     (FLAGS: the out-of-memory run's, comma separated; docs/runs/planner/check_gpu2.txt starts with
     the whole command)
+    python tools/check_planner.py --memory $(find docs/runs -name '*.jsonl')
 
 Runs of our layouts (examples/layouts/<layout>.yaml; upstream rows are left out) are grouped by
 workload, LLM depth, GPU count and global batch; the Megatron flags a run added (bench_e2e's
@@ -26,6 +27,10 @@ With --leave-one-out each run is predicted from a calibration fitted to its grou
 (its own layer times then come from the curve when no other run has its layout).
 --oom names runs that ran out of GPU memory (workload:LLM layers:layout[:flags], the flags comma
 separated as benchmarks/gpu2_layouts_run.sh's RUNS): the planner should predict them over memory.
+--memory checks the memory model instead: every one-GPU record of the current trainer among the files
+(planner_fit.band_records) predicted with the shipped calibration of its GPU model against its
+measured peak, in or out of the band (at most 1 GB under, at most 3% over), and the activation
+memory factors by role and attention kernel those records fit (the shipped calibrations' own).
 """
 
 import argparse
@@ -37,7 +42,7 @@ from pathlib import Path
 import planner_fit as pf
 
 from megatron_hetero.planner import Calibration
-from megatron_hetero.planner.calibration import DEFAULT_CALIBRATION
+from megatron_hetero.planner.calibration import CALIBRATIONS, DEFAULT_CALIBRATION
 from megatron_hetero.planner.presets import trainer_vocab_size
 from megatron_hetero.spec.layout import LayoutError, load_layout
 
@@ -100,7 +105,10 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration", default=str(DEFAULT_CALIBRATION))
     parser.add_argument("--leave-one-out", action="store_true")
     parser.add_argument("--write-calibration", metavar="FILE", help="the calibration fitted to every group")
+    parser.add_argument("--memory", action="store_true", help="check the memory model against one-GPU records")
     opts = parser.parse_args(argv)
+    if opts.memory:
+        return check_memory([Path(path) for path in opts.results])
     try:
         base = Calibration.load(opts.calibration)
         records = [json.loads(line) for path in opts.results for line in open(path) if line.strip()]
@@ -116,6 +124,39 @@ def main(argv=None) -> int:
     if opts.write_calibration:
         Path(opts.write_calibration).write_text(json.dumps(fitted.to_dict(), indent=2) + "\n")
     return 0 if all_agree else 1
+
+
+def check_memory(paths: list[Path]) -> int:
+    """Prints every band record's measured and predicted peak (GB) and the factors the records fit;
+    returns 1 where a record is out of the band."""
+    records = pf.band_records(paths, LAYOUTS)
+    print("| record | workload, LLM layers | layout | GPU | kernels (vision, llm) | measured GB | predicted GB "
+          "| error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    outside, groups = 0, []
+    for path, record in records:
+        calibration = Calibration.load(CALIBRATIONS / f"calibration_{record_gpu(record)}_measured.json")
+        run, predicted = pf.predict_record_memory(record, LAYOUTS, calibration)
+        measured = record["peak_gb_max"] * pf.GIB
+        inside = pf.in_memory_band(predicted, measured)
+        outside += not inside
+        kernels = ", ".join(f"{kernel} {dim}" for _, kernel, dim in run.attention)
+        kernels += ", fused MLP" if run.fused_mlp else ""
+        print(f"| {path} | {record['workload']}, {record['llm_layers']} | {run.label} | {record_gpu(record)} "
+              f"| {kernels} | {measured:.1f} | {predicted:.1f} | {predicted - measured:+.1f}"
+              f"{'' if inside else ' (outside)'} |")
+        (group,) = pf.measured_groups([record], LAYOUTS, trainer_vocab_size()).values()
+        groups.append(replace(group, runs=(run,)))
+    fitted = pf.memory_factors(groups, Calibration.load(str(DEFAULT_CALIBRATION)), True, pf.MEMORY_MARGIN)
+    print(f"\n{len(records)} records, {outside} outside the band; the factors they fit (peak x "
+          f"{1 + pf.MEMORY_MARGIN:g}): "
+          + json.dumps({key: round(value, 3) for key, value in fitted.activation_memory_factors.items()}))
+    return 1 if outside else 0
+
+
+def record_gpu(record: dict) -> str:
+    """The shipped calibration's GPU model for a record: h100 or h200."""
+    return "h100" if "H100" in record.get("device", "") else "h200"
 
 
 def add_oom_runs(groups: dict, oom: list[str]) -> None:

@@ -16,21 +16,26 @@ layers it recomputes; a frozen module's forward). Fitted:
   fitted by least squares over the shapes;
 - layer_forward_us_per_token per layer shape and layout (CP included): an observation's time less
   its head (projector or output layer, at the curve), per layer and token of one GPU, averaged;
-- activation_memory_factor: the least-squares factor f of measured peak = the model's weights,
-  gradients and optimizer states + f x the model's activations, over the runs (a straight line
-  through the origin in the activations). The largest ratio over the runs was used before; it let
-  the one run with the least activations (a full-recomputation run, whose peak is mostly weights)
-  set the factor for all and over-predicted the others by up to 20%.
+- the activation memory factors, by least squares over the runs: measured peak = the model's
+  weights, gradients, optimizer states and logits + the sum of each factor x the activations of the
+  modules it scales (a straight line through the origin in the activations): one per module role
+  and attention kernel where the record names its kernels (activation_memory_factors), the single
+  activation_memory_factor for modules of records that do not. (The largest ratio over the runs was
+  used before; it let the one run with the least activations, a full-recomputation run whose peak is
+  mostly weights, set the factor for all and over-predicted the others by up to 20%.)
 """
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
+
+import numpy as np
 
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
@@ -79,6 +84,7 @@ class Run:
     flags: tuple[str, ...] = ()  # Megatron's flags the run added
     weight_bytes: int = 2  # bf16 weights (Megatron's --bf16); 4: fp32 weights (records without `precision`)
     fused_mlp: bool = False  # the MLPs ran GELU in quack's GEMMs (the record's `mlp`: models/mlp.py)
+    attention: tuple = ()  # (module, kernel, head dim it ran at): the record's `attention` (record_attention)
 
     @property
     def label(self) -> str:
@@ -96,7 +102,8 @@ class Run:
     def workload(self, workload: Workload) -> Workload:
         """The group's workload at this run's micro batch size and optimizer."""
         return replace(workload, micro_batch=self.micro_batch, weight_bytes=self.weight_bytes,
-                       distributed_optimizer="--use-distributed-optimizer" in self.flags, fused_mlp=self.fused_mlp)
+                       distributed_optimizer="--use-distributed-optimizer" in self.flags, fused_mlp=self.fused_mlp,
+                       attention=self.attention)
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,23 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
                record["tokens_per_s"], record["peak_gb_max"], record["phases"], flags,
                2 if record.get("precision", "").startswith("bf16 weights") else 4,
-               any(kernel.startswith("quack") for kernel in record.get("mlp", {}).values()))
+               any(kernel.startswith("quack") for kernel in record.get("mlp", {}).values()), record_attention(record))
+
+
+# bench_e2e's attention summary of a module (models/attention_kernels.py KernelChoice.summary): the
+# kernel, then the head dim, and the one it was zero-padded to.
+ATTENTION_SUMMARY = re.compile(r"(?P<kernel>fa4|sdpa) \(head dim (?P<dim>\d+)(?: zero-padded to (?P<padded>\d+))?")
+
+
+def record_attention(record: dict) -> tuple:
+    """(module, kernel, head dim it ran at) of each module whose kernel the record names (records from
+    before bench_e2e named them: none)."""
+    found, attention = [], record.get("attention")
+    for module, summary in (attention if isinstance(attention, dict) else {}).items():
+        match = ATTENTION_SUMMARY.match(summary) if isinstance(summary, str) else None
+        if match:
+            found.append((module, match["kernel"], int(match["padded"] or match["dim"])))
+    return tuple(found)
 
 
 def record_memory_gb(record: dict) -> float:
@@ -170,9 +193,12 @@ class GroupKey(NamedTuple):
 
 def record_workload(record: dict) -> BenchWorkload:
     """The workload a bench_e2e record trained: its preset at the record's LLM depth, global batch,
-    sequence length, images per sample and image size (records without them: the preset's)."""
+    sequence length, images per sample and image size (records without them: the preset's). A
+    family's record counts its preset's items (InternVL: tiles, not images), so the preset's own
+    count is kept as the preset's images."""
     w = RECORDED_WORKLOADS[record["workload"]]
-    w = resized_workload(w, record.get("seq_length", 0), record.get("items_per_sample", 0),
+    items = record.get("items_per_sample", 0)
+    w = resized_workload(w, record.get("seq_length", 0), 0 if items == w.images_per_sample else items,
                          record.get("image_size", 0) if not w.family else 0)
     return replace(w, layers=record["llm_layers"], global_batch=record.get("global_batch", w.global_batch))
 
@@ -298,7 +324,7 @@ def fit(groups: list[Group], base: Calibration) -> Calibration:
         times[o.key].append(o.layer_us(curve))
     ordered = sorted(times, key=LayerKey.describe)
     fitted = replace(curve, layer_forward_us_per_token={key: statistics.mean(times[key]) for key in ordered})
-    fitted = replace(fitted, activation_memory_factor=memory_factor(groups, fitted))
+    fitted = memory_factors(groups, fitted)
     return replace(fitted, usable_memory_fraction=usable_fraction(groups, fitted),
                    source="max_efficiency, half_efficiency_width, layer_forward_us_per_token, "
                           "activation_memory_factor and usable_memory_fraction fitted by tools/check_planner.py "
@@ -322,27 +348,114 @@ def usable_fraction(groups: list[Group], calibration: Calibration) -> float:
     return round((low + high) / 2, 4)
 
 
-def memory_split(run: Run, group: Group, calibration: Calibration, factor: float) -> tuple[float, float]:
-    """(weights, gradients and optimizer states; activations at factor 1) the planner predicts for
-    the run, in GB, from two predictions near `factor` (memory is linear in the factor as long as
-    the same module's GPUs hold the peak)."""
-    low, high = (predict_run(run, group, replace(calibration, activation_memory_factor=f)).memory_gb
-                 for f in (factor, factor + 0.1))
-    activations = (high - low) / 0.1
-    return low - factor * activations, activations
+# The activation memory factors fitted: the calibration's single one (modules whose attention kernel
+# is not known) and one per module role and attention kernel (Calibration.activation_memory_factors).
+FALLBACK = ""
 
 
-def memory_factor(groups: list[Group], calibration: Calibration, passes: int = 3) -> float:
-    """The least-squares activation memory factor over the runs with a measured peak (the
-    calibration's own without any), each pass splitting the runs' memory near the last pass's
-    factor."""
-    factor = calibration.activation_memory_factor
+def with_factors(calibration: Calibration, factors: dict) -> Calibration:
+    """The calibration with these factors (FALLBACK: activation_memory_factor; others by key)."""
+    keyed = {key: value for key, value in factors.items() if key != FALLBACK}
+    return replace(calibration, activation_memory_factor=factors.get(FALLBACK, calibration.activation_memory_factor),
+                   activation_memory_factors={**calibration.activation_memory_factors, **keyed})
+
+
+def memory_split(run: Run, group: Group, calibration: Calibration, factors: dict) -> tuple[float, dict]:
+    """(the predicted peak in GB less every factor's share, {factor key: activations at factor 1 in
+    GB}) near `factors`, from a prediction with each factor 0.1 higher (memory is linear in the factors
+    as long as the same module's GPUs hold the peak)."""
+    base = predict_run(run, group, with_factors(calibration, factors)).memory_gb
+    slopes = {key: (predict_run(run, group, with_factors(calibration, {**factors, key: value + 0.1})).memory_gb
+                    - base) / 0.1 for key, value in factors.items()}
+    return base - sum(factors[key] * slope for key, slope in slopes.items()), slopes
+
+
+def factor_keys(run: Run, group: Group, by_kernel: bool) -> set[str]:
+    """The factor keys a run's trainable modules take: their role and attention kernel (by_kernel)
+    where known, else FALLBACK."""
+    workload = run.workload(group.workload)
+    keys = set()
+    for shape in workload.modules:
+        kernel = workload.attention_of(shape.name)[0] if by_kernel else ""
+        if not shape.frozen:
+            keys.add(f"{shape.role} {kernel}" if kernel else FALLBACK)
+    return keys
+
+
+def memory_factors(groups: list[Group], calibration: Calibration, by_kernel: bool = False, margin: float = 0.0,
+                   passes: int = 3) -> Calibration:
+    """The calibration with the activation memory factors fitted by least squares over the runs with a
+    measured peak: measured peak x (1 + margin) = the rest of the prediction + the sum over the factor
+    keys of factor x activations (a factor no run takes keeps the calibration's value), each pass
+    splitting the runs' memory near the last pass's factors. Without `by_kernel` one factor for every
+    module (what the few runs of a group can tell apart): the calibration's activation_memory_factor,
+    its factors by role and kernel dropped."""
+    if not by_kernel:
+        calibration = replace(calibration, activation_memory_factors={})
     measured = [(run, group) for group in groups for run in group.runs if run.peak_gb is not None]
+    keys = sorted(set().union(*(factor_keys(run, group, by_kernel) for run, group in measured)) if measured else set())
+    factors = {key: calibration.activation_factor(*key.split(" ")) if key else calibration.activation_memory_factor
+               for key in keys}
     for _ in range(passes if measured else 0):
-        points = [(memory_split(run, group, calibration, factor), run.peak_gb * GIB) for run, group in measured]
-        factor = (sum(activations * (peak - static) for (static, activations), peak in points)
-                  / sum(activations ** 2 for (_, activations), _ in points))
-    return factor
+        points = [(memory_split(run, group, calibration, factors), run.peak_gb * GIB) for run, group in measured]
+        rows = [[slopes[key] for key in keys] for (_, slopes), _ in points]
+        targets = [peak * (1 + margin) - rest for (rest, _), peak in points]
+        if np.linalg.matrix_rank(np.array(rows)) < len(keys):
+            raise ValueError(f"activation memory factors {keys}: some move together in every run; measure runs "
+                             "that tell them apart")
+        factors = dict(zip(keys, np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0].tolist()))
+    return with_factors(calibration, factors)
+
+
+# The band a predicted peak must land in (tests/test_planner_memory.py): at most this many GB under the
+# measured peak (under: a layout predicted to fit may not) and at most this share above it.
+MEMORY_UNDER_GB = 1.0
+MEMORY_OVER_SHARE = 0.03
+# The factors are fitted to the band's middle near 100 GB (1 GB under to 3 GB over): peak x 1.01.
+MEMORY_MARGIN = 0.01
+
+
+def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
+    """The one-GPU bench_e2e records the memory model is held to (MEMORY_UNDER_GB, MEMORY_OVER_SHARE),
+    with the files they came from: bf16 weights, kernels named (the records of the current trainer),
+    a layout the planner models; not an A/B pair's baseline (`*_A.jsonl`: the older checkout), nor a
+    Qwen2.5-VL record whose ViT MLP ran megatron-core's unfused gated path (before its padded MLP);
+    of one configuration (workload, depth, batch sizes, layout and flags, GPU model, kernels) the
+    latest record (its date, then the files' order)."""
+    latest = {}
+    for path in paths:
+        if path.name.endswith("_A.jsonl"):
+            continue
+        for line in path.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            if (record.get("gpus") != 1 or "peak_gb_max" not in record or not record_attention(record)
+                    or not record.get("precision", "").startswith("bf16 weights")):
+                continue
+            vision_mlp = str(record.get("mlp", {}).get("vision", ""))
+            if record["workload"] == "qwen2_5_vl_7b" and "zero-padded" not in vision_mlp:
+                continue
+            run = record_run(record, layouts)
+            if run is None:
+                continue
+            key = (record["workload"], record["llm_layers"], record.get("global_batch"), record.get("micro_batch"),
+                   run.name, record.get("device"), run.attention, run.fused_mlp)
+            if key not in latest or latest[key][1].get("date", "") <= record.get("date", ""):
+                latest[key] = (path, record)
+    return list(latest.values())
+
+
+def predict_record_memory(record: dict, layouts: Path, calibration: Calibration) -> tuple[Run, float] | None:
+    """(the run, the planner's peak memory per GPU in GB) of a bench_e2e record, or None where the
+    planner does not model its layout (record_run)."""
+    run = record_run(record, layouts)
+    if run is None:
+        return None
+    (group,) = measured_groups([record], layouts, trainer_vocab_size()).values()
+    return run, predict_run(run, group, calibration).memory_gb
+
+
+def in_memory_band(predicted_gb: float, measured_gb: float) -> bool:
+    return measured_gb - MEMORY_UNDER_GB <= predicted_gb <= measured_gb * (1 + MEMORY_OVER_SHARE)
 
 
 @dataclass

@@ -28,7 +28,11 @@ missing one takes the default of `Calibration`, an assumption):
       "boundary_call_ms": 0.4,           fixed cost of one boundary exchange (one direction)
       "usable_memory_fraction": 0.9,     share of GPU memory the model may fill
       "activation_memory_factor": 1.0,   measured activation bytes / the formula's (what it leaves
-                                         out: autocast's bf16 weight copies, allocator rounding)
+                                         out: autocast's bf16 weight copies, allocator rounding), for
+                                         a module whose attention kernel is not known
+      "activation_memory_factors": {     the same per module role and attention kernel (the
+        "encoder fa4": 1.1, ...},        workload's `attention`), where measured; others take
+                                         activation_memory_factor
       "notes": {"key": "measured / assumed, and from what"}
     }
 """
@@ -39,7 +43,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from megatron_hetero.planner.counts import layer_forward_flops_per_token
-from megatron_hetero.planner.shapes import ModuleShape, load_json, positive_int
+from megatron_hetero.planner.shapes import ATTENTION_KERNELS, ModuleShape, load_json, positive_int
 
 # The calibrations the package ships: the H200 figures the planner assumes by default (its notes say
 # where each comes from), and those fitted to measured H100 and H200 runs.
@@ -135,6 +139,18 @@ def _measured_times(value, matmul_tflops: float) -> dict:
     return measured
 
 
+def _check_factors(factors) -> None:
+    """activation_memory_factors: {"<role> <kernel>": positive number}."""
+    keys = [f"{role} {kernel}" for role in ("encoder", "llm") for kernel in ATTENTION_KERNELS]
+    if not isinstance(factors, dict):
+        raise ValueError(f"calibration: activation_memory_factors must be an object keyed by {', '.join(keys)}")
+    for key, value in factors.items():
+        if key not in keys:
+            raise ValueError(f"calibration: activation_memory_factors key {key!r}; use one of {', '.join(keys)}")
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"calibration: activation_memory_factors {key!r} must be a positive number, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Hardware figures; the defaults are assumptions for one H200 node (see
@@ -152,6 +168,7 @@ class Calibration:
     boundary_call_ms: float = 0.4
     usable_memory_fraction: float = 0.9
     activation_memory_factor: float = 1.0
+    activation_memory_factors: dict = field(default_factory=dict)  # {"encoder fa4": factor, ...}
     source: str = "assumed defaults"
 
     def __post_init__(self):
@@ -159,7 +176,7 @@ class Calibration:
             value = getattr(self, f.name)
             if f.name == "source" and not isinstance(value, str):
                 raise ValueError(f"calibration: source must be a string, got {value!r}")
-            if f.name in ("source", "layer_forward_us_per_token"):
+            if f.name in ("source", "layer_forward_us_per_token", "activation_memory_factors"):
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"calibration: {f.name} must be a non-negative number, got {value!r}")
@@ -171,6 +188,12 @@ class Calibration:
             raise ValueError("calibration: max_efficiency and usable_memory_fraction are fractions of at most 1")
         object.__setattr__(self, "layer_forward_us_per_token",
                            _measured_times(self.layer_forward_us_per_token, self.matmul_tflops))
+        _check_factors(self.activation_memory_factors)
+
+    def activation_factor(self, role: str, kernel: str) -> float:
+        """The measured activation memory factor of a module of this role whose attention runs on
+        `kernel` ("" where not known): activation_memory_factors' entry, else activation_memory_factor."""
+        return self.activation_memory_factors.get(f"{role} {kernel}", self.activation_memory_factor)
 
     def efficiency(self, width: float) -> float:
         """The efficiency curve: the fraction of matmul_tflops a layer reaches when each GPU's GEMMs

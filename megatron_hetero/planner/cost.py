@@ -261,21 +261,22 @@ class CostModel:
         """Activations one microbatch leaves on one GPU of a stage for its backward (none for a
         frozen module, which runs without a graph): a recomputed layer keeps its input, the others
         their full activations (with every layer recomputed, one layer's full activations while it
-        runs backward). The LLM adds its fp32 logits (counted on every stage: conservative for the
-        first)."""
+        runs backward), times the calibration's measured factor for the module's role and attention
+        kernel. The LLM adds its logits as the loss holds them (counts.LOGIT_BYTES, a count the
+        factor does not scale; counted on every stage: conservative for the first)."""
         if shape.frozen:
             return 0.0
         tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
         dtype = self.workload.dtype_bytes
         fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp)
-        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, fused)
+        kernel, head_dim = self.workload.attention_of(shape.name)
+        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, fused, head_dim)
         layers = shape.layers // layout.pp
         kept = max(layers - recomputed, 1 if recomputed else 0)
         layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
-        total = tokens * (recomputed * layer_input + kept * per_token)
-        if shape.role == "llm":
-            total += tokens * shape.vocab / layout.tp * LOGIT_BYTES
-        return total * self.calibration.activation_memory_factor
+        kept_bytes = tokens * (recomputed * layer_input + kept * per_token)
+        logits = tokens * shape.vocab / layout.tp * LOGIT_BYTES if shape.role == "llm" else 0.0
+        return kept_bytes * self.calibration.activation_factor(shape.role, kernel) + logits
 
     def rows_bytes(self, samples: float, encoder: ModuleShape | None = None) -> float:
         """Boundary rows of `samples` samples: `encoder`'s (None: every encoder's) rows at the LLM

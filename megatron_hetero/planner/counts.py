@@ -20,7 +20,10 @@ def optimizer_bytes(weight_bytes: int) -> int:
     """Bytes per trainable parameter the optimizer keeps (shardable): fp32 main params unless the
     weights are fp32 themselves, and the two AdamW moments."""
     return ADAM_BYTES + (MAIN_PARAM_BYTES if weight_bytes < MAIN_PARAM_BYTES else 0)
-LOGIT_BYTES = 4  # the loss reads fp32 logits
+# Bytes per logit at the loss: the output layer's bf16 logits and the loss's fp32 copy of them
+# (megatron-core's vocab_parallel_cross_entropy, which keeps the fp32 one, as its softmax, for the
+# backward) are alive together while the loss runs, at the end of the forward: the step's peak.
+LOGIT_BYTES = 6
 
 
 def mlp_params(shape: ModuleShape) -> int:
@@ -143,7 +146,7 @@ def mlp_runs_fused(shape: ModuleShape, tokens: float, tp: int, fused_mlp: bool) 
 
 
 def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtype_bytes: int,
-                                     fused: bool = False) -> float:
+                                     fused: bool = False, run_head_dim: int = 0) -> float:
     """Activations one layer keeps per token for its backward, on one GPU, without recomputation
     (Korthikanti et al. 2022, "Reducing Activation Recomputation", with dropout off and a fused
     attention kernel that keeps no seq x seq scores):
@@ -151,9 +154,18 @@ def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtyp
       whole on every TP rank unless sequence parallelism splits them;
     - Q, K, V, the attention output, the FC1 output(s) and the activation output, split by TP; an
       MLP that runs `fused` (mlp_runs_fused) keeps no activation output (its fc2 input-gradient GEMM
-      recomputes it: models/mlp.py)."""
+      recomputes it: models/mlp.py);
+    - attention run at a zero-padded head dim (`run_head_dim` above the shape's: flash-attn-4 at an
+      unchecked one) keeps Q, K, V and its output padded, and the output projection an unpadded copy;
+    - an MoE layer: its topk experts' MLP tensors, and the dispatcher's topk copies of each token
+      (the experts' fc1 inputs, kept for their weight gradients) and of the experts' outputs (kept
+      by the unpermutation's weighting with the router's probabilities)."""
     replicated = 4 * shape.hidden
     mlp_tensors = (3 if shape.gated_mlp else 2) - fused
-    # An MoE layer keeps its topk experts' MLP activations per token.
-    split = 2 * shape.q_dim + 2 * shape.kv_dim + mlp_tensors * shape.ffn * max(shape.topk, 1)
+    topk = max(shape.topk, 1)
+    attention = 2 * shape.q_dim + 2 * shape.kv_dim
+    if run_head_dim > shape.head_size:
+        attention = 2 * (shape.heads + shape.kv_groups) * run_head_dim + shape.q_dim
+    dispatched = 2 * shape.topk * shape.hidden
+    split = attention + mlp_tensors * shape.ffn * topk + dispatched
     return dtype_bytes * ((replicated / tp if sp else replicated) + split / tp)

@@ -27,6 +27,9 @@ def load_json(path: str, what: str, build):
         raise ValueError(f"{path}: {exc}") from None
 
 
+ATTENTION_KERNELS = ("fa4", "sdpa")  # the kernels models/attention_kernels.py chooses between
+
+
 def positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -179,9 +182,15 @@ class Workload:
     # MLPs run with the activation in quack's GEMM epilogues (models/mlp.py, on Hopper/Blackwell GPUs
     # with the `fa4` extra) where auto runs them so (counts.mlp_runs_fused): no activation output kept.
     fused_mlp: bool = False
+    # The attention kernel each module runs, where known: (module name, kernel, head dim it runs at),
+    # kernel "fa4" or "sdpa" (models/attention_kernels.py; fa4 runs an unchecked head dim zero-padded
+    # to a checked one). A module not listed: not known, the planner's default (no padding).
+    attention: tuple[tuple[str, str, int], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "encoders", tuple(self.encoders))
+        object.__setattr__(self, "attention", tuple(tuple(e) if isinstance(e, (list, tuple)) else (e,)
+                                                    for e in self.attention))
         if self.llm.role != "llm":
             raise ValueError(f"module {self.llm.name}: the workload's llm must have role llm")
         names = [self.llm.name]
@@ -202,20 +211,35 @@ class Workload:
         for key in ("dtype_bytes", "weight_bytes"):
             if getattr(self, key) not in (2, 4):
                 raise ValueError(f"{key} must be 2 (bf16) or 4 (fp32), got {getattr(self, key)!r}")
+        self._check_attention()
         rows = sum(e.rows_per_sample for e in self.encoders)
         if rows >= self.llm.seq_length:
             raise ValueError(f"{rows} encoder rows per sample do not fit the llm's seq_length "
                              f"{self.llm.seq_length} with any text; raise seq_length or lower items_per_sample")
 
+    def _check_attention(self) -> None:
+        shapes = {shape.name: shape for shape in self.modules}
+        for entry in self.attention:
+            if len(entry) != 3 or entry[0] not in shapes or entry[1] not in ATTENTION_KERNELS:
+                raise ValueError(f"attention entry {list(entry)}: give [module, kernel, head dim], module one of "
+                                 f"{', '.join(shapes)}, kernel one of {', '.join(ATTENTION_KERNELS)}")
+            if not positive_int(entry[2]) or entry[2] < shapes[entry[0]].head_size:
+                raise ValueError(f"attention entry {list(entry)}: the head dim it runs at must be at least "
+                                 f"module {entry[0]}'s {shapes[entry[0]].head_size}")
+
     @property
     def modules(self) -> tuple[ModuleShape, ...]:
         return (*self.encoders, self.llm)
+
+    def attention_of(self, module: str) -> tuple[str, int]:
+        """(kernel, head dim it runs at) of a module's attention; ("", 0) where not known."""
+        return next(((kernel, dim) for name, kernel, dim in self.attention if name == module), ("", 0))
 
     @classmethod
     def from_dict(cls, data: dict) -> Workload:
         """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
         optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute,
-        fused_mlp}."""
+        fused_mlp, attention}."""
         if not isinstance(data, dict):
             raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}

@@ -1,0 +1,86 @@
+"""The planner's memory model against the measured peaks of the committed one-GPU bench_e2e records of
+the current trainer (tools/planner_fit.py band_records: docs/runs/families_h200, fa4_h100, fa4_h200):
+each predicted with the shipped calibration of its GPU model lands in the band, at most 1 GB under
+the measured peak and at most 3% over it, but the records KNOWN_GAPS names, which must stay outside
+(a change that brings one in must take it off the list). Also: a record's kernels reach the model
+(flash-attn-4's padded head dim, the calibration's factor for the module's role and kernel)."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from planner_fit import band_records, in_memory_band, predict_record_memory, record_attention
+
+from megatron_hetero.planner import Calibration
+from megatron_hetero.planner.calibration import CALIBRATIONS
+from megatron_hetero.planner.counts import activation_bytes_per_token_layer
+from megatron_hetero.planner.presets import FAMILY_BENCHES
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = ROOT / "examples" / "layouts"
+RUNS = ROOT / "docs" / "runs"
+GIB = 2**30 / 1e9
+
+# Records the model does not hold to the band yet, by file (relative to docs/runs) and workload, with
+# what the model leaves out (docs/planner.md, memory).
+KNOWN_GAPS = {
+    ("families_h200/qwen3_vl_8b_sdpa.jsonl", "qwen3_vl_8b"):
+        "3.9 GB under: SDPA on the packed native-resolution ViT keeps more than the fitted SDPA factor",
+    ("families_h200/internvl3_8b_sdpa.jsonl", "internvl3_8b"): "1.9 GB under: as above, InternViT's tiles",
+    ("fa4_h100/w4_l8_recompute/call_4_full_repeat/bench_e2e_B.jsonl", "W4"):
+        "2.0 GB under: full recomputation's peak is in the backward, whose gradients the model does not count",
+    ("fa4_h100/ab_quack_norm/bench_e2e_B.jsonl", "W1"): "4.3% over: quack's norms, which the model does not tell apart",
+}
+
+
+def _calibration(record: dict) -> Calibration:
+    gpu = "h100" if "H100" in record.get("device", "") else "h200"
+    return Calibration.load(str(CALIBRATIONS / f"calibration_{gpu}_measured.json"))
+
+
+def _band():
+    return [(path.relative_to(RUNS).as_posix(), record) for path, record in
+            band_records(sorted(RUNS.rglob("*.jsonl")), LAYOUTS)]
+
+
+def test_recorded_peaks_within_the_band():
+    records = _band()
+    assert {(path, r["workload"]) for path, r in records} >= set(KNOWN_GAPS)
+    assert any(path.startswith("families_h200/") for path, _ in records)
+    wrong = []
+    for path, record in records:
+        _, predicted = predict_record_memory(record, LAYOUTS, _calibration(record))
+        measured = record["peak_gb_max"] * GIB
+        inside = in_memory_band(predicted, measured)
+        if inside == ((path, record["workload"]) in KNOWN_GAPS):
+            wrong.append(f"{path} ({record['workload']}): measured {measured:.1f} GB, predicted {predicted:.1f}"
+                         + (" (a known gap, now in the band: take it off KNOWN_GAPS)" if inside else ""))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_band_records_are_the_current_trainers():
+    """Baselines of A/B pairs and Qwen2.5-VL's unpadded ViT MLP are left out; each configuration once."""
+    records = _band()
+    assert not any(path.endswith("_A.jsonl") for path, _ in records)
+    paths = {path for path, _ in records}
+    assert "families_h200/qwen2_5_vl_7b_fa4.jsonl" in paths
+    assert "families_h200/qwen2_5_vl_7b_fa4_unpadded_mlp.jsonl" not in paths
+
+
+def test_record_kernels_reach_the_memory_model():
+    """The padded ViT of the fa4 record keeps Q, K, V and the output at 96 and an unpadded output copy;
+    the SDPA record's the formula's; the role and kernel pick the calibration's factor."""
+    fa4, sdpa = (json.loads((RUNS / "families_h200" / f"qwen3_vl_8b_{k}.jsonl").read_text()) for k in ("fa4", "sdpa"))
+    assert record_attention(fa4) == (("vision", "fa4", 96), ("llm", "fa4", 128))
+    assert record_attention(sdpa) == (("vision", "sdpa", 72), ("llm", "sdpa", 128))
+    vision = FAMILY_BENCHES["qwen3_vl_8b"].workload(4).encoders[0]
+    padded = activation_bytes_per_token_layer(vision, 1, False, 2, run_head_dim=96)
+    plain = activation_bytes_per_token_layer(vision, 1, False, 2)
+    assert padded - plain == 2 * (4 * vision.heads * 96 + vision.q_dim - 4 * vision.q_dim)
+    calibration = _calibration(fa4)
+    assert calibration.activation_factor("encoder", "fa4") == calibration.activation_memory_factors["encoder fa4"]
+    assert calibration.activation_factor("encoder", "") == calibration.activation_memory_factor
+    _, with_fa4 = predict_record_memory(fa4, LAYOUTS, calibration)
+    _, unknown = predict_record_memory(fa4, LAYOUTS, replace(calibration, activation_memory_factors={}))
+    assert with_fa4 != pytest.approx(unknown)
