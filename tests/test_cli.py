@@ -73,7 +73,8 @@ def _model_json(tmp_path, **sizes) -> str:
      "model.json's enc_num_attention_heads 3 is not divisible by module vision's tp=2"),
     ("  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n", {"num_attention_heads": 5, "hidden_size": 80},
      "model.json's num_attention_heads 5 is not divisible by module llm's tp=2"),
-    ("  vision: {role: encoder, cp: 2}\n  llm: {role: llm, cp: 2}\n", {}, "module vision"),
+    ("  vision: {role: encoder, cp: 2}\n  llm: {role: llm, cp: 2}\n", {"image_size": 24, "patch_size": 8},
+     "module vision: cp=2 does not divide an item's 9 encoder tokens"),
     ("  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n", {"num_layers": 3},
      "model.json's num_layers 3 is not divisible by module llm's pp=2"),
 ])

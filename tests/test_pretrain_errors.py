@@ -55,7 +55,7 @@ def _run(args, tmp_path, layout_text=None):
     (["--hetero-layout", DEMO, "--attention-backend", "flash"], None,
      "module llm: --attention-backend flash: head dim 16: no GPU; or use --attention-backend auto"),
     (["--hetero-layout", DEMO, "--attention-backend", "local"], None, "use --attention-backend unfused"),
-    (["--hetero-layout", DEMO, "--data-path", "a.txt"], None, "--data-path a.txt: give one LLaVA-style .json"),
+    (["--hetero-layout", DEMO, "--data-path", "a.txt"], None, "--data-path a.txt: give one conversation .json or .jsonl file"),
     (["--hetero-layout", DEMO, "--data-path", str(ROOT / "examples")], None,
      "a directory without .nv-meta/, not a prepared energon dataset; run `energon prepare"),
     (["--hetero-layout", DEMO, "--data-path", "a.json", "--tokenizer-type", "HuggingFaceTokenizer",
