@@ -1,8 +1,9 @@
 """Our per-module metrics reach Megatron's writers: with `--tensorboard-dir` the TensorBoard event
-file holds each module's waiting share per logged iteration beside Megatron's own scalars (read back
-with TensorBoard's reader); with `--wandb-project` in W&B's offline mode the run's history holds
-them too. One training run of examples/pretrain_vlm.py, vision on rank 0 and the LLM on rank 1
-(non-colocated: the LLM waits for the encoder's rows, the encoder for their gradients)."""
+file holds each module's waiting share, boundary bytes and (with `--timing-log-level 2`) phase
+seconds per logged iteration beside Megatron's own scalars (read back with TensorBoard's reader);
+with `--wandb-project` in W&B's offline mode the run's history holds them too. One training run of
+examples/pretrain_vlm.py, vision on rank 0 and the LLM on rank 1 (non-colocated: the LLM waits for
+the encoder's rows, the encoder for their gradients; every row crosses between the ranks)."""
 
 import os
 import runpy
@@ -11,17 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hetero.spec.sizes import ModelSizes
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-ITERS = 4
+ITERS, GLOBAL_BATCH = 4, 4
 
 
 def _train_with_writers(rank, world_size, out):
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
     sys.argv = [str(ROOT / "examples" / "pretrain_vlm.py"),
                 "--hetero-layout", str(ROOT / "examples" / "layouts" / "gpu2_non_colocated.yaml"),
-                "--train-iters", str(ITERS), "--global-batch-size", "4", "--micro-batch-size", "2",
+                "--train-iters", str(ITERS), "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", "2",
+                "--timing-log-level", "2",
                 "--lr", "1e-3", "--seed", "7", "--log-interval", "1", "--tensorboard-dir", f"{out}/tb",
                 "--tensorboard-log-interval", "1", "--wandb-project", "hetero-test", "--wandb-exp-name", "writers",
                 "--wandb-save-dir", f"{out}/wandb"]
@@ -50,6 +53,14 @@ def test_tensorboard_holds_the_module_scalars(run):
         assert all(0 <= s.value <= 1 for s in shares), shares
     # Rank 0 (vision) waits for the LLM's gradients, rank 1 (the LLM) for the rows: both wait some.
     assert all(s.value > 0 for s in events.Scalars("hetero/waiting-share/max"))
+    # Per step every image's rows (fp32, the LLM's width) go to the other rank, their gradients back.
+    sizes = ModelSizes()
+    step_bytes = GLOBAL_BATCH * sizes.patches_per_image * sizes.hidden_size * 4
+    for tag in ("vision/sent", "vision/received", "llm/sent", "llm/received"):
+        assert [s.value for s in events.Scalars(f"hetero/boundary-bytes/{tag}")] == [step_bytes] * ITERS, tag
+    for phase in ("encoder-forward", "encoder-backward", "llm-forward", "llm-backward"):
+        seconds = events.Scalars(f"hetero/phase-s/{phase}")
+        assert len(seconds) == ITERS and all(s.value > 0 for s in seconds), phase
 
 
 def _wandb_records(path: Path) -> list[bytes]:

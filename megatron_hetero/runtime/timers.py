@@ -1,6 +1,7 @@
 """How a rank's step time is spent: `Clock` (the time blocked on other ranks' data, the waiting share
-each run reports) and `PhaseTimers`, named phase timers for step-time breakdowns (Megatron's
-`timers('forward-compute')` idea).
+each run reports), `PhaseTimers`, named phase timers for step-time breakdowns (Megatron's
+`timers('forward-compute')` idea), and `Traffic`, the bytes each module sends and receives across
+the boundary, counted from the step's plans (no communication).
 
 PhaseTimers:
 
@@ -80,6 +81,28 @@ class PhaseTimers:
 
     def reset(self):
         self.seconds.clear()
+
+
+# The phases the schedules time, in a step's order (the writers report these).
+PHASES = ("encoder-forward", "boundary", "llm-forward", "llm-backward", "encoder-backward", "optimizer")
+
+
+class Traffic:
+    """Bytes this rank's modules sent and received across the boundary to and from other ranks in
+    training steps, per module: forward, an encoder's rows (sent) to the LLM (received); backward,
+    their gradients the other way. Rows that stay on the rank are not counted."""
+
+    def __init__(self):
+        self.sent, self.received = defaultdict(int), defaultdict(int)
+
+    def add(self, plans: dict, llm: str, row_bytes: int) -> None:
+        """A training step's plans (encoder name -> the RankPlan of every microbatch), rows of
+        `row_bytes` (the boundary's width times its dtype's size, gradients alike)."""
+        for encoder, rank_plans in plans.items():
+            for plan in rank_plans:
+                for routes, sender, receiver in ((plan.forward, encoder, llm), (plan.backward, llm, encoder)):
+                    self.sent[sender] += row_bytes * int(routes.send_counts.sum() - routes.send_counts[plan.rank])
+                    self.received[receiver] += row_bytes * int(routes.recv_counts.sum() - routes.recv_counts[plan.rank])
 
 
 @dataclass
