@@ -18,6 +18,11 @@ rank) also get, every `--tensorboard-log-interval` iterations, since the last re
   the seconds per step of each phase (`hetero/phase-s/<phase>`: the mean over the ranks that run
   it; `.../max`: the largest).
 One all-gather of a few floats per rank per report; nothing else communicates.
+
+With `--timing-log-level 2` and `--metrics-file F` under --hetero-layout, every rank also writes its
+steps' timelines to F.timeline.rank<r>.jsonl (runtime/timers.timeline_file), one line per iteration:
+step, rank and the spans [phase, module, start, end] of the phase timers and of the waits, in
+seconds of the host's monotonic clock (`megatron-hetero timeline F --png P` draws a step).
 """
 
 import json
@@ -29,7 +34,7 @@ import torch.distributed as dist
 from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
 from megatron_hetero.patches._patch import replace
-from megatron_hetero.runtime.timers import PHASES
+from megatron_hetero.runtime.timers import PHASES, timeline_file
 
 
 class MetricsWriter:
@@ -46,6 +51,7 @@ class MetricsWriter:
 
 
 _writer: MetricsWriter | None = None  # this process's open metrics file (one per run)
+_timeline: MetricsWriter | None = None  # this process's open timeline file (one per run)
 
 
 def _writes_metrics(args) -> bool:
@@ -149,6 +155,20 @@ def _to_writers(run_args, iteration: int) -> None:
         wandb.log(scalars, iteration)
 
 
+def _write_timeline(run_args, iteration: int) -> None:
+    """This rank's spans since the last iteration, to its timeline file where --metrics-file is given;
+    taken either way (they would grow for the whole run)."""
+    global _timeline
+    if run_args.hetero_run is None or not run_args.hetero_run.handles.model.timers.enabled:
+        return
+    spans = run_args.hetero_run.handles.model.timers.spans
+    if run_args.metrics_file:
+        if _timeline is None:
+            _timeline = MetricsWriter(timeline_file(run_args.metrics_file, dist.get_rank()))
+        _timeline.write(dict(step=iteration, rank=dist.get_rank(), spans=[list(s) for s in spans]))
+    spans.clear()
+
+
 def _training_log(original):
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs):
         global _writer
@@ -156,6 +176,7 @@ def _training_log(original):
         # Megatron's MoE metrics are reduced (collectively) inside: the record comes after.
         result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs)
         _to_writers(run_args, iteration)
+        _write_timeline(run_args, iteration)
         if run_args.metrics_file and _writes_metrics(run_args):
             if _writer is None:
                 _writer = MetricsWriter(run_args.metrics_file)
