@@ -87,12 +87,12 @@ def _moe_losses() -> dict:
 
 class _Reported:
     """What the writers were last given on this rank: the totals of the clock, the phase timers and
-    the boundary traffic, and the step count."""
+    the boundary traffic, and the training steps they cover."""
 
     def __init__(self):
         self.waiting_s = self.step_s = 0.0
         self.totals = None  # this rank's phase seconds and boundary bytes, as gathered
-        self.iteration = 0
+        self.steps = 0
 
 
 _reported: _Reported | None = None  # this process's last report to Megatron's writers (one per run)
@@ -105,7 +105,7 @@ def _totals(model, names: list[str]) -> torch.Tensor:
                         + [float(traffic.received[n]) for n in names], dtype=torch.float64)
 
 
-def _module_scalars(run_args, iteration: int) -> dict:
+def _module_scalars(run_args) -> dict:
     """Every rank's waiting share, phase seconds and boundary bytes since the last report, gathered
     (a collective: every rank calls this at the same iterations); per module and the largest."""
     global _reported
@@ -117,10 +117,10 @@ def _module_scalars(run_args, iteration: int) -> dict:
     share = (model.clock.waiting_s - _reported.waiting_s) / step_s if step_s > 0 else 0.0
     _reported.waiting_s, _reported.step_s = model.clock.waiting_s, model.clock.step_s
     totals = _totals(model, names)
-    steps = max(iteration - _reported.iteration, 1)
+    steps = max(model.traffic.steps - _reported.steps, 1)
     mine = torch.cat([torch.tensor([share], dtype=torch.float64),
                       (totals - (_reported.totals if _reported.totals is not None else 0)) / steps])
-    _reported.totals, _reported.iteration = totals, iteration
+    _reported.totals, _reported.steps = totals, model.traffic.steps
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gathered = [torch.zeros_like(mine, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine.to(device))
@@ -146,7 +146,7 @@ def _to_writers(run_args, iteration: int) -> None:
         return
     if iteration % run_args.tensorboard_log_interval:
         return
-    scalars = _module_scalars(run_args, iteration)
+    scalars = _module_scalars(run_args)
     tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
     for tag, value in scalars.items():
         if tensorboard:

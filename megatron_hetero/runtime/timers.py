@@ -103,10 +103,12 @@ class Traffic:
 
     def __init__(self):
         self.sent, self.received = defaultdict(int), defaultdict(int)
+        self.steps = 0  # the training steps counted
 
     def add(self, plans: dict, llm: str, row_bytes: int) -> None:
         """A training step's plans (encoder name -> the RankPlan of every microbatch), rows of
         `row_bytes` (the boundary's width times its dtype's size, gradients alike)."""
+        self.steps += 1
         for encoder, rank_plans in plans.items():
             for plan in rank_plans:
                 for routes, sender, receiver in ((plan.forward, encoder, llm), (plan.backward, llm, encoder)):
