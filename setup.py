@@ -39,7 +39,8 @@ setup(
         # version needs tools/gpu_norm_check.py and tools/gpu_mlp_check.py first).
         "fa4": ["flash-attn-4[cu13]==4.0.0b36", "quack-kernels==0.6.5", "nvidia-cutlass-dsl[cu13]==4.8.1"],
         # Hugging Face weights (megatron_hetero/hf): configs through transformers, tensors in safetensors.
-        "hf": ["transformers>=5", "safetensors"],
+        # tqdm: the progress bar of `hf import` and `hf export`.
+        "hf": ["transformers>=5", "safetensors", "tqdm"],
         # megatron-energon datasets as --data-path (megatron_hetero/data/energon.py).
         "energon": ["megatron-energon>=7"],
         # Pictures: `megatron-hetero layout show L.yaml --png F`.
@@ -50,7 +51,7 @@ setup(
         # Video files in conversation data, decoded by PyAV (FFmpeg bundled; megatron_hetero/data/video.py).
         "media": ["av"],
         # The tests, and ruff (pyproject.toml's settings), which `make test` runs first.
-        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "megatron-energon>=7", "av", "ruff",
+        "test": ["pytest", "hypothesis", "transformers>=5", "safetensors", "tqdm", "megatron-energon>=7", "av", "ruff",
                  "matplotlib", "tensorboard", "wandb"],
     },
 )

@@ -37,13 +37,13 @@ from megatron_hetero.planner.presets import (
     trainer_vocab_size,
     trainer_workload,
 )
+from megatron_hetero.runtime.timers import PHASES
 from megatron_hetero.spec.layout import LayoutError
 from megatron_hetero.spec.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.training.args import ArgsError, parse_script_args
 
 # Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
 PHASE_STEPS = 3
-PHASES = ["encoder-forward", "encoder-backward", "boundary", "llm-forward", "llm-backward", "optimizer"]
 # Megatron's --bf16: bf16 weights, fp32 main params and Adam in megatron-core's optimizer (the
 # records before the move to megatron.training kept fp32 weights under bf16 autocast).
 PRECISION = {True: "bf16 weights, fp32 main params (megatron-core optimizer)", False: "fp32"}

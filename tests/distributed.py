@@ -8,14 +8,19 @@ fork with its own globals, environment, working directory, exit code and stdout/
 
 import atexit
 import datetime
+import fcntl
 import os
 import runpy
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
+import threading
 import traceback
 import warnings
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import torch
@@ -124,21 +129,47 @@ def _python_main(args, env, cwd, out_path, err_path):
     sys.exit(code)
 
 
-def run_python(args, env=None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+@contextmanager
+def _terminal():
+    """A pseudo-terminal: (its path, a list filling with what is written to it until the block ends)."""
+    master, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a window's size, as a shell's
+    written = []
+
+    def drain():
+        with suppress(OSError):  # EIO once no process holds the terminal
+            while data := os.read(master, 65536):
+                written.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        yield os.ttyname(follower), written
+    finally:
+        os.close(follower)
+        reader.join(10)
+        os.close(master)
+
+
+def run_python(args, env=None, cwd=None, timeout: float = 600, terminal: bool = False) -> subprocess.CompletedProcess:
     """What `subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)` returns,
     from a process forked off the preloaded fork server (args: a script and its arguments, or
-    "-m", a module and its arguments)."""
+    "-m", a module and its arguments). terminal: stderr is a terminal, as in a user's shell (its
+    text returned as stderr)."""
     args = [str(a) for a in args]
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        process = mp.get_context("forkserver").Process(
-            target=_python_main, args=(args, dict(os.environ if env is None else env), str(cwd or os.getcwd()),
-                                       str(out), str(err)))
-        process.start()
-        process.join(timeout)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-            raise subprocess.TimeoutExpired([sys.executable, *args], timeout, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess([sys.executable, *args], process.exitcode,
-                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+    with _terminal() if terminal else nullcontext((None, None)) as (tty, written):
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tty or Path(tmp) / "stderr")
+            process = mp.get_context("forkserver").Process(
+                target=_python_main, args=(args, dict(os.environ if env is None else env), str(cwd or os.getcwd()),
+                                           str(out), str(err)))
+            process.start()
+            process.join(timeout)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+                raise subprocess.TimeoutExpired([sys.executable, *args], timeout, out.read_text(),
+                                                None if tty else err.read_text())
+            stdout, stderr = out.read_text(errors="replace"), None if tty else err.read_text(errors="replace")
+    stderr = b"".join(written).decode(errors="replace") if tty else stderr
+    return subprocess.CompletedProcess([sys.executable, *args], process.exitcode, stdout, stderr)

@@ -48,14 +48,19 @@ def test_resolve(cache, monkeypatch):
 
 
 def test_import_a_hub_id_offline(cache, tmp_path):
-    """The cached model imports by its id offline, to the same checkpoint description as from its directory."""
+    """The cached model imports by its id offline, to the same checkpoint description as from its
+    directory, with a progress bar on a terminal; the export's bar is not shown with --quiet."""
     import os
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache / "cache"))
     result = run_python(["-m", "megatron_hetero.cli", "hf", "import", "--model", "tiny-org/tiny-qwen",
-                         "--save", tmp_path / "ckpt"], env=env)
+                         "--save", tmp_path / "ckpt"], env=env, terminal=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "ckpt" / "model.json").is_file() and "wrote" in result.stdout
+    assert "import: 100%" in result.stderr and "writing the checkpoint" in result.stderr
+    quiet = run_python(["-m", "megatron_hetero.cli", "hf", "export", "--load", tmp_path / "ckpt", "--out",
+                        tmp_path / "out", "--quiet"], env=env, terminal=True)
+    assert quiet.returncode == 0 and "wrote" in quiet.stdout and "export" not in quiet.stderr, quiet.stderr[-3000:]
     missing = run_python(["-m", "megatron_hetero.cli", "hf", "import", "--model", "other-org/not-cached",
                           "--save", tmp_path / "none"], env=env)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [

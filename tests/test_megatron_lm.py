@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import MEGATRON_LM_SCRIPT as SCRIPT
-from tests.distributed import _free_port
+from tests.distributed import _free_port, run_python
 from tests.test_pretrain_errors import DEMO as EXAMPLE_LAYOUT
 from tests.test_pretrain_errors import _run as run_example
 
@@ -207,3 +207,16 @@ def test_bad_kernel_choice_is_the_same_line_from_both_scripts(tmp_path, monkeypa
     assert codes == [2] and example.returncode == 2, (stderrs, example.stderr)
     assert _error_lines(stderrs[0]) == _error_lines(example.stderr) == [f"error: {expected}"], \
         (stderrs, example.stderr)
+
+
+def test_save_without_interval_is_one_line_from_both_scripts(tmp_path):
+    """Megatron's bare assertion for --save without --save-interval is one line naming the fix, from
+    Megatron-LM's pretrain_vlm.py through the launcher (without a layout: stock runs get it too) and
+    from the example; each process stops at argument validation."""
+    env = dict(ENV, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    launched = run_python([*LAUNCH[1:], "--save", "ckpt"], env=env, cwd=tmp_path, timeout=TIMEOUT)
+    example = run_example(["--hetero-layout", EXAMPLE_LAYOUT, "--save", "ckpt"], tmp_path)
+    expected = ["error: --save ckpt needs --save-interval N (> 0), the iterations between checkpoints; add it, "
+                "or drop --save"]
+    assert launched.returncode == example.returncode == 2, (launched.stderr, example.stderr)
+    assert _error_lines(launched.stderr) == _error_lines(example.stderr) == expected, (launched.stderr, example.stderr)

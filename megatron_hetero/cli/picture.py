@@ -55,13 +55,7 @@ def _draw_module(ax, module: ModuleLayout, y: int, colours, rectangle) -> None:
             ax.add_patch(rectangle((rank, y), module.tp - 0.1, 0.8, fill=False, linewidth=2))
 
 
-# A step's phases in the order a rank runs them (benchmarks/bench_e2e.py records them per rank).
-PHASES = ("encoder-forward", "boundary", "llm-forward", "llm-backward", "encoder-backward", "optimizer")
-
-
-def draw_breakdown(record: dict, path: str) -> None:
-    """One bar per rank: the seconds of a timed step in each phase and waiting on other ranks (a
-    bench_e2e record's `ranks`), stacked in the order a step runs them."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -69,6 +63,15 @@ def draw_breakdown(record: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
+    return plt
+
+
+def draw_breakdown(record: dict, path: str) -> None:
+    """One bar per rank: the seconds of a timed step in each phase and waiting on other ranks (a
+    bench_e2e record's `ranks`), stacked in the order a step runs them."""
+    from megatron_hetero.runtime.timers import PHASES
+
+    plt = _pyplot()
     ranks = record.get("ranks")
     if not ranks:
         raise ValueError("the record has no per-rank phases (`ranks`): give a record of benchmarks/bench_e2e.py")
@@ -94,10 +97,79 @@ def draw_breakdown(record: dict, path: str) -> None:
     plt.close(fig)
 
 
+def draw_timeline(steps: list[dict], path: str) -> None:
+    """One row per rank: a training step's phases where they ran (bars from the phase timers' spans)
+    and the waits on other ranks inside them (black), on the node's monotonic clock from the step's
+    first span on any rank. `steps`: each rank's timeline record of one step."""
+    from megatron_hetero.runtime.timers import PHASES
+
+    plt = _pyplot()
+    steps = sorted(steps, key=lambda r: r["rank"])
+    origin = min(span[2] for record in steps for span in record["spans"])
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * len(steps)))
+    colours, labelled = plt.get_cmap("tab10"), set()
+    for row, record in enumerate(steps):
+        for phase, module, start, end in record["spans"]:
+            waiting = phase == "waiting"
+            label = None if phase in labelled else phase
+            labelled.add(phase)
+            colour = "black" if waiting else colours(PHASES.index(phase) if phase in PHASES else len(PHASES))
+            ax.barh(row, end - start, left=start - origin, height=0.35 if waiting else 0.7, color=colour, label=label)
+    ax.set_yticks(range(len(steps)), [f"rank {r['rank']}" for r in steps])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the step's first span (phases timed with the GPU synchronized at their ends; "
+                  "white: outside the timed phases)")
+    ax.set_title(f"training step {steps[0]['step']}: each rank's phases, and its waits on other ranks (black)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _read_lines(path) -> list[dict]:
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero timeline") -> int:
+    """`megatron-hetero timeline METRICS.jsonl --png F [--step N]`: a run's step per rank on a time axis."""
+    import argparse
+    import glob
+    import sys
+
+    from megatron_hetero.runtime.timers import timeline_file
+
+    parser = argparse.ArgumentParser(prog=prog, description="Draw a training step of a run per rank on a time "
+                                     "axis: its phases and its waits on other ranks. The run needs --metrics-file "
+                                     "METRICS.jsonl and --timing-log-level 2 (each rank then writes "
+                                     "METRICS.jsonl.timeline.rank<r>.jsonl).")
+    parser.add_argument("metrics", metavar="METRICS.jsonl", help="the run's --metrics-file")
+    parser.add_argument("--step", type=int, default=None, metavar="N", help="which iteration (default: the last)")
+    parser.add_argument("--png", required=True, metavar="FILE", help="the PNG file to write")
+    args = parser.parse_args(argv)
+    files = glob.glob(timeline_file(glob.escape(args.metrics), "*"))
+    try:
+        if not files:
+            raise ValueError(f"no timeline beside it ({timeline_file(args.metrics, 0)}, ...): train with "
+                             f"--timing-log-level 2 and --metrics-file {args.metrics}")
+        ranks = [{record["step"]: record for record in _read_lines(file)} for file in files]
+        step = args.step if args.step is not None else min(max(steps) for steps in ranks)
+        missing = [file for file, steps in zip(files, ranks) if not steps.get(step, {}).get("spans")]
+        if missing:
+            raise ValueError(f"step {step} has no spans in {missing[0]}; give a --step every rank timed")
+        draw_timeline([steps[step] for steps in ranks], args.png)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"error: {args.metrics}: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.png}")
+    return 0
+
+
 def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero breakdown") -> int:
     """`megatron-hetero breakdown RECORDS.jsonl --png F [--record N]`: a bench_e2e record's step per rank."""
     import argparse
-    import json
     import sys
 
     parser = argparse.ArgumentParser(prog=prog, description="Draw a benchmarks/bench_e2e.py record's step per "
@@ -107,9 +179,7 @@ def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero b
     parser.add_argument("--png", required=True, metavar="FILE", help="the PNG file to write")
     args = parser.parse_args(argv)
     try:
-        with open(args.records, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        draw_breakdown(records[args.record], args.png)
+        draw_breakdown(_read_lines(args.records)[args.record], args.png)
     except (OSError, ValueError, IndexError, KeyError) as error:
         print(f"error: {args.records}: {error}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from megatron_hetero.convert.family import Family
+from megatron_hetero.convert.progress import Progress, quiet, read_safetensors
 from megatron_hetero.convert.registry import family_of
 from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.spec.sizes import ModelSizes
@@ -47,9 +48,9 @@ def pixel_normalization(family: Family, processor: dict | None) -> tuple:
     return tuple(mean or default_mean), tuple(std or default_std)
 
 
-def import_hf(path: str | Path, base: ModelSizes = ModelSizes()) -> Imported:
-    """Read a Hugging Face model directory (several *.safetensors shards allowed)."""
-    from safetensors.torch import load_file
+def import_hf(path: str | Path, base: ModelSizes = ModelSizes(), progress: Progress | None = None) -> Imported:
+    """Read a Hugging Face model directory (several *.safetensors shards allowed), each tensor read
+    advancing `progress`."""
     from transformers import AutoConfig
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -65,9 +66,7 @@ def import_hf(path: str | Path, base: ModelSizes = ModelSizes()) -> Imported:
         processor = json.loads(processor_file.read_text()) if processor_file.is_file() else None
         arch = replace(sizes.vision_arch, pixel_normalization=pixel_normalization(family, processor))
         sizes = replace(sizes, vision_arch=arch)
-    hf_state = {}
-    for file in files:
-        hf_state.update(load_file(file))
+    hf_state = read_safetensors(files, progress or quiet())
     # A text + vision checkpoint (config is its vision part): the vision tower alone is the model.
     untrained = family.untrained(hf_state, whole_file=config is top)
     return Imported(family, config, sizes, family.to_ours(hf_state, sizes), untrained, family.prefix(hf_state),

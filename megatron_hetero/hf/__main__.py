@@ -17,7 +17,10 @@ Train from an import with examples/pretrain_vlm.py ... --load CKPT --model-sizes
 import argparse
 import sys
 
+from megatron_hetero.convert.progress import Progress
 from megatron_hetero.convert.rules import HFMappingError
+
+QUIET_HELP = "no progress bar (it is shown only where stderr is a terminal)"
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -32,12 +35,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     imp.add_argument("--save", required=True, help="the checkpoint directory to write")
     imp.add_argument("--projector", help="a safetensors file of the projector's weights (our names, "
                                          "projector.*); without it the projector is newly initialized")
+    imp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     exp = commands.add_parser("export", help="a Megatron checkpoint -> Hugging Face directories")
     exp.add_argument("--load", required=True, help="a checkpoint directory (its tracker's iteration)")
     exp.add_argument("--out", help="the directory of a whole VLM (a --model import)")
     exp.add_argument("--vision-out", help="the vision tower's directory (a --vision/--llm import)")
     exp.add_argument("--llm-out", help="the LLM's directory (a --vision/--llm import)")
     exp.add_argument("--model-sizes", help="the model.json of the import (default: the one the checkpoint records)")
+    exp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     from megatron_hetero.hf.compare import add_arguments
 
     add_arguments(commands.add_parser("compare", help="transformers' forward against ours on the same samples"))
@@ -50,12 +55,13 @@ def _import(args) -> str:
 
     if args.model and (args.vision or args.llm or args.projector):
         raise HFMappingError("give either --model (a whole VLM) or --vision and --llm, not both")
-    if args.model:
-        path = import_model(args.model, args.save)
-    elif args.vision and args.llm:
-        path = import_checkpoint(args.vision, args.llm, args.save, args.projector)
-    else:
+    if not (args.model or (args.vision and args.llm)):
         raise HFMappingError("give --model HF_DIR (a whole VLM), or --vision HF_DIR and --llm HF_DIR")
+    with Progress("import", args.quiet) as progress:
+        if args.model:
+            path = import_model(args.model, args.save, progress)
+        else:
+            path = import_checkpoint(args.vision, args.llm, args.save, args.projector, progress)
     return f"wrote {path}/release; train from it with: --load {path} --model-sizes {path}/model.json"
 
 
@@ -66,11 +72,12 @@ def _export(args) -> str:
     outs = {name: out for name, out in (("vision", args.vision_out), ("llm", args.llm_out)) if out}
     if args.out and outs:
         raise HFMappingError("give either --out (a whole VLM) or --vision-out/--llm-out, not both")
-    if args.out:
-        return f"wrote {export_model(args.load, args.out, args.model_sizes)}"
-    if not outs:
+    if not (args.out or outs):
         raise HFMappingError("give --out DIR (a whole VLM), or --vision-out and/or --llm-out")
-    export_checkpoint(args.load, outs, args.model_sizes)
+    with Progress("export", args.quiet) as progress:
+        if args.out:
+            return f"wrote {export_model(args.load, args.out, args.model_sizes, progress)}"
+        export_checkpoint(args.load, outs, args.model_sizes, progress)
     return "wrote " + ", ".join(outs.values())
 
 

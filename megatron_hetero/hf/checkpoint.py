@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.convert.files import export_hf, import_hf
+from megatron_hetero.convert.progress import Progress, quiet, state_bytes
 from megatron_hetero.convert.registry import FAMILIES
 from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.spec.sizes import ModelSizes, sizes_from_dict, sizes_to_dict
@@ -88,15 +89,17 @@ def one_process_model(sizes: ModelSizes):
     return model_under(sizes)
 
 
-def import_checkpoint(vision_dir: str, llm_dir: str, save: str, projector: str | None = None) -> Path:
+def import_checkpoint(vision_dir: str, llm_dir: str, save: str, projector: str | None = None,
+                      progress: Progress | None = None) -> Path:
     """Write `save`/release (and the tracker, model.json and the untrained tensors beside it) from two
     Hugging Face directories."""
     from safetensors.torch import load_file, save_file
 
-    vision = import_hf(vision_dir)
+    progress = progress or quiet()
+    vision = import_hf(vision_dir, progress=progress)
     if vision.family.module != "vision":
         raise HFMappingError(f"--vision {vision_dir} holds a {vision.family.name} model, not a vision tower")
-    llm = import_hf(llm_dir, base=vision.sizes)
+    llm = import_hf(llm_dir, base=vision.sizes, progress=progress)
     if llm.family.module != "llm":
         raise HFMappingError(f"--llm {llm_dir} holds a {llm.family.name} model, not a language model")
     save_dir = Path(save)
@@ -113,11 +116,11 @@ def import_checkpoint(vision_dir: str, llm_dir: str, save: str, projector: str |
             save_file({k: t.contiguous() for k, t in i.untrained.items()}, save_dir / untrained_file(name))
     states = {"vision": vision_state, "llm": llm.state}
     missing = {"vision": vision.family.ours_only if projector is None else (), "llm": ()}
-    write_release(save_dir, llm.sizes, states, missing)
+    write_release(save_dir, llm.sizes, states, missing, progress)
     return save_dir
 
 
-def write_release(save_dir: Path, sizes: ModelSizes, states: dict, missing: dict) -> None:
+def write_release(save_dir: Path, sizes: ModelSizes, states: dict, missing: dict, progress: Progress) -> None:
     """The release checkpoint of our modules' full state dicts (`missing`: prefixes each may lack),
     recording the model.json already beside it."""
     from megatron.core import dist_checkpointing
@@ -125,7 +128,7 @@ def write_release(save_dir: Path, sizes: ModelSizes, states: dict, missing: dict
     from megatron_hetero.models.full_state import load_full_tensors
     from megatron_hetero.runtime.checkpoint import hetero_record, write_tracker
 
-    with one_process_model(sizes) as model:
+    with progress.stage("writing the checkpoint", state_bytes(states)), one_process_model(sizes) as model:
         for name, state in states.items():
             module = model.run.modules[name]
             load_full_tensors(module.part, state, module.pgs.tp, allow_missing=missing[name])
@@ -204,20 +207,34 @@ def full_states(model) -> dict[str, dict[str, torch.Tensor]]:
         return {name: full_tensors(m.part, m.pgs.tp) for name, m in model.run.modules.items()}
 
 
-def export_checkpoint(load: str, outs: dict[str, str], model_file: str | None = None) -> None:
+def read_states(load: str, sizes: ModelSizes, progress: Progress) -> dict[str, dict[str, torch.Tensor]]:
+    """full_states of checkpoint `load`, its bytes counted on `progress` three times: read here,
+    converted and written by the export."""
+    with progress.stage("reading the checkpoint"), loaded_model(load, sizes) as model:
+        states = full_states(model)
+    nbytes = state_bytes(states)
+    progress.done(nbytes)
+    progress.expect(2 * nbytes)
+    return states
+
+
+def export_checkpoint(load: str, outs: dict[str, str], model_file: str | None = None,
+                      progress: Progress | None = None) -> None:
     """Hugging Face directories (module name -> directory) of the weights in checkpoint `load`."""
     from transformers import AutoConfig
 
+    progress = progress or quiet()
     description, untrained = read_description(load, model_file)
     if "family" in description:
         raise HFMappingError(f"--load {load} holds a whole {description['family']} model: export it with --out DIR")
     sizes = sizes_from_dict(description["sizes"])
-    with loaded_model(load, sizes) as model:
-        states = full_states(model)
+    states = read_states(load, sizes, progress)
     for name, out in outs.items():
         hf = description["hf"][name]
         config = {k: v for k, v in hf["config"].items() if k != "model_type"}
         dtype = getattr(torch, str(config.get("dtype") or config.get("torch_dtype") or "float32"))
-        state = {k: t.to(dtype) for k, t in states[name].items()}  # in the dtype the imported files had
-        export_hf(out, FAMILIES[hf["model_type"]], sizes, state, AutoConfig.for_model(hf["model_type"], **config),
-                  untrained.get(name), hf.get("prefix", ""), hf.get("processor"))
+        # in the dtype the imported files had
+        state = {k: t.to(dtype) for k, t in progress.tensors(states[name].items())}
+        with progress.stage(f"writing {out}", state_bytes(states[name]), expected=True):
+            export_hf(out, FAMILIES[hf["model_type"]], sizes, state, AutoConfig.for_model(hf["model_type"], **config),
+                      untrained.get(name), hf.get("prefix", ""), hf.get("processor"))

@@ -21,9 +21,10 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_hetero.convert.progress import Progress, quiet, read_safetensors, state_bytes
 from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.families import UnknownFamilyError, family_named, family_of_config
-from megatron_hetero.hf.checkpoint import MODEL_FILE, full_states, loaded_model, read_description, write_release
+from megatron_hetero.hf.checkpoint import MODEL_FILE, read_description, read_states, write_release
 from megatron_hetero.spec.sizes import sizes_from_dict, sizes_to_dict
 
 FILES_DIR = "hf_files"  # beside the import's checkpoint: the model directory's other files
@@ -31,14 +32,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.inde
 CONFIG = "config.json"
 
 
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def _read_tensors(model_dir: Path, progress: Progress) -> dict[str, torch.Tensor]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise HFMappingError(f"{model_dir} holds no *.safetensors file; save the model with save_pretrained "
                              f"(safetensors is its default)")
-    return {key: tensor for file in files for key, tensor in load_file(file).items()}
+    return read_safetensors(files, progress)
 
 
 def _dtypes(tensors: dict[str, torch.Tensor]) -> dict:
@@ -75,12 +74,12 @@ def _config(model_dir: Path):
         raise HFMappingError(f"{model_dir / CONFIG}: not a config transformers reads ({error})") from None
 
 
-def import_model(model_dir: str, save: str) -> Path:
+def import_model(model_dir: str, save: str, progress: Progress | None = None) -> Path:
     """Write `save`/release, its tracker and model.json from a whole VLM's Hugging Face directory."""
     model_dir, save_dir = Path(model_dir), Path(save)
     family, config = _config(model_dir)
     sizes = family.sizes(config)
-    tensors = _read_tensors(model_dir)
+    tensors = _read_tensors(model_dir, progress or quiet())
     scheme = family.scheme_of(tensors, sizes)
     states = family.to_ours(tensors, sizes, scheme)
     if (save_dir / "release").exists():
@@ -92,7 +91,7 @@ def import_model(model_dir: str, save: str) -> Path:
                 copies=sorted(key for key in family.copies(sizes) if scheme.to_file(key) in tensors)),
         processor=family.processor_settings(str(model_dir), config), files=_copy_files(model_dir, save_dir))
     (save_dir / MODEL_FILE).write_text(json.dumps(description, indent=1))
-    write_release(save_dir, sizes, states, {name: () for name in states})
+    write_release(save_dir, sizes, states, {name: () for name in states}, progress or quiet())
     return save_dir
 
 
@@ -100,27 +99,29 @@ def _scheme(family, name: str):
     return next(scheme for scheme in family.schemes if scheme.name == name)
 
 
-def export_model(load: str, out: str, model_file: str | None = None) -> Path:
+def export_model(load: str, out: str, model_file: str | None = None, progress: Progress | None = None) -> Path:
     """A Hugging Face directory of the whole model in checkpoint `load` (imported or trained, any layout)."""
     from safetensors.torch import save_file
 
+    progress = progress or quiet()
     description, _ = read_description(load, model_file)
     if "family" not in description:
         raise HFMappingError(f"--load {load} holds no whole-model import; export its modules with --vision-out "
                              f"and --llm-out")
     family, sizes, hf = family_named(description["family"]), sizes_from_dict(description["sizes"]), description["hf"]
-    with loaded_model(load, sizes) as model:
-        states = full_states(model)
+    states = read_states(load, sizes, progress)
     scheme = _scheme(family, hf["scheme"])
     tensors = family.to_hf(states, sizes, scheme)
     copies = family.copies(sizes)
     tensors.update({scheme.to_file(key): tensors[scheme.to_file(copies[key])].clone() for key in hf["copies"]})
+    progress.expect(state_bytes(tensors) - state_bytes(states))  # the copies (tied weights) the files hold
     dtypes = hf["dtypes"]
     tensors = {key: t.to(getattr(torch, dtypes["other"].get(key, dtypes["default"]))).contiguous()
-               for key, t in tensors.items()}
+               for key, t in progress.tensors(tensors.items())}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    with progress.stage("writing model.safetensors", state_bytes(states), expected=True):
+        save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / CONFIG).write_text(hf["config_json"])
     files = description["files"]
     for name in files["names"]:

@@ -3,7 +3,8 @@
 
 - Our flags (training/layout_args.py) join Megatron's parser, so every script that parses Megatron's
   arguments takes them; a bare % in an upstream help text is escaped, so that --help prints.
-- Before upstream validation: fused kernels that need apex/TE default off without them; on CPUs the
+- Before upstream validation: `--save` without a positive `--save-interval` is one line naming the
+  fix (upstream: a bare AssertionError); fused kernels that need apex/TE default off without them; on CPUs the
   distributed backend defaults to gloo; with `--hetero-layout`, the layout decides the parallel
   sizes (layout_args.load) and upstream validation runs over the LLM's ranks: data-parallel size =
   the LLM's dp. Without `--hetero-layout` validation is upstream's.
@@ -64,6 +65,9 @@ def _install_kernel_policy(args) -> None:
 
 def _validate_args(original):
     def validate_args(args, defaults={}):
+        if args.save is not None and not (args.save_interval or 0) > 0:
+            fail(f"--save {args.save} needs --save-interval N (> 0), the iterations between checkpoints; "
+                 f"add it, or drop --save")
         startup.disable_unavailable_fusions(args)
         if not torch.cuda.is_available() and args.distributed_backend == "nccl":
             args.distributed_backend = "gloo"

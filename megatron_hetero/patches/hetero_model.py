@@ -39,6 +39,10 @@ def _get_model(original):
                  f"examples/pretrain_vlm.py, and a model provider that returns ModelParts "
                  f"(docs/guides/bring-your-own-model.md)")
         model = wrap_parts(run, built, args)
+        # Megatron's level of fine-grained timers (they synchronize): our phase timers, and the waits
+        # on their timeline (the writers' phase seconds, the timeline beside --metrics-file).
+        model.timers.enabled = args.timing_log_level >= 2
+        model.clock.spans = model.timers.spans if model.timers.enabled else None
         args.hetero_run = model.run  # the run's description with its parts (built once, here)
         return [model]
     return get_model

@@ -9,10 +9,20 @@ load_balancing_loss, z_loss, ...; the mean over layers, microbatches and data-pa
 the rank that holds the loss: the LLM's last stage at tp = cp = dp = 0 (the last rank without a layout).
 
 With `--tensorboard-dir` or `--wandb-project` under --hetero-layout, Megatron's writers (on its last
-rank) also get, every `--tensorboard-log-interval` iterations, each module's waiting share since the
-last report (`hetero/waiting-share/<module>`: the mean over the ranks holding it; `.../max`: the
-largest of any rank), one all-gather of a float per rank; and where the phase timers run, that
-rank's seconds per phase (`hetero/phase-s/<phase>`).
+rank) also get, every `--tensorboard-log-interval` iterations, since the last report:
+- each module's waiting share (`hetero/waiting-share/<module>`: the mean over the ranks holding it;
+  `.../max`: the largest of any rank);
+- the bytes each module sent and received across the boundary to other ranks per training step
+  (`hetero/boundary-bytes/<module>/sent|received`: the sum over its ranks, from the steps' plans);
+- with `--timing-log-level 2` (our phase timers on: they synchronize the GPU at each phase's ends),
+  the seconds per step of each phase (`hetero/phase-s/<phase>`: the mean over the ranks that run
+  it; `.../max`: the largest).
+One all-gather of a few floats per rank per report; nothing else communicates.
+
+With `--timing-log-level 2` and `--metrics-file F` under --hetero-layout, every rank also writes its
+steps' timelines to F.timeline.rank<r>.jsonl (runtime/timers.timeline_file), one line per iteration:
+step, rank and the spans [phase, module, start, end] of the phase timers and of the waits, in
+seconds of the host's monotonic clock (`megatron-hetero timeline F --png P` draws a step).
 """
 
 import json
@@ -24,6 +34,7 @@ import torch.distributed as dist
 from megatron.training import get_args, get_tensorboard_writer, get_wandb_writer
 
 from megatron_hetero.patches._patch import replace
+from megatron_hetero.runtime.timers import PHASES, timeline_file
 
 
 class MetricsWriter:
@@ -40,6 +51,7 @@ class MetricsWriter:
 
 
 _writer: MetricsWriter | None = None  # this process's open metrics file (one per run)
+_timeline: MetricsWriter | None = None  # this process's open timeline file (one per run)
 
 
 def _writes_metrics(args) -> bool:
@@ -74,36 +86,57 @@ def _moe_losses() -> dict:
 
 
 class _Reported:
-    """What the writers were last given on this rank: the clock's and the phase timers' totals."""
+    """What the writers were last given on this rank: the totals of the clock, the phase timers and
+    the boundary traffic, and the training steps they cover."""
 
     def __init__(self):
         self.waiting_s = self.step_s = 0.0
-        self.phases: dict = {}
+        self.totals = None  # this rank's phase seconds and boundary bytes, as gathered
+        self.steps = 0
 
 
 _reported: _Reported | None = None  # this process's last report to Megatron's writers (one per run)
 
 
+def _totals(model, names: list[str]) -> torch.Tensor:
+    """This rank's phase seconds (PHASES) and per module its boundary bytes sent, then received."""
+    seconds, traffic = model.timers.seconds, model.traffic
+    return torch.tensor([seconds.get(p, 0.0) for p in PHASES] + [float(traffic.sent[n]) for n in names]
+                        + [float(traffic.received[n]) for n in names], dtype=torch.float64)
+
+
 def _module_scalars(run_args) -> dict:
-    """Every rank's waiting share since the last report, gathered (a collective: every rank calls
-    this at the same iterations), as each module's mean and the largest; this rank's phase seconds."""
+    """Every rank's waiting share, phase seconds and boundary bytes since the last report, gathered
+    (a collective: every rank calls this at the same iterations); per module and the largest."""
     global _reported
     run = run_args.hetero_run
     _reported = _reported or _Reported()
-    clock, layout = run.handles.model.clock, run.layout
-    step_s = clock.step_s - _reported.step_s
-    share = (clock.waiting_s - _reported.waiting_s) / step_s if step_s > 0 else 0.0
-    _reported.waiting_s, _reported.step_s = clock.waiting_s, clock.step_s
+    model, layout = run.handles.model, run.layout
+    names = [m.name for m in layout.modules]
+    step_s = model.clock.step_s - _reported.step_s
+    share = (model.clock.waiting_s - _reported.waiting_s) / step_s if step_s > 0 else 0.0
+    _reported.waiting_s, _reported.step_s = model.clock.waiting_s, model.clock.step_s
+    totals = _totals(model, names)
+    steps = max(model.traffic.steps - _reported.steps, 1)
+    mine = torch.cat([torch.tensor([share], dtype=torch.float64),
+                      (totals - (_reported.totals if _reported.totals is not None else 0)) / steps])
+    _reported.totals, _reported.steps = totals, model.traffic.steps
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    shares = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(shares, torch.tensor([share], device=device))
-    shares = [float(s) for s in shares]
-    scalars = {f"hetero/waiting-share/{m.name}": sum(shares[r] for r in m.ranks) / len(m.ranks)
-               for m in layout.modules}
-    scalars["hetero/waiting-share/max"] = max(shares)
-    seconds = dict(run.handles.model.timers.seconds)
-    scalars.update({f"hetero/phase-s/{name}": s - _reported.phases.get(name, 0.0) for name, s in seconds.items()})
-    _reported.phases = seconds
+    gathered = [torch.zeros_like(mine, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine.to(device))
+    table = torch.stack(gathered).cpu()  # [rank, share | phases | sent | received]
+    scalars = {f"hetero/waiting-share/{m.name}": float(table[list(m.ranks), 0].mean()) for m in layout.modules}
+    scalars["hetero/waiting-share/max"] = float(table[:, 0].max())
+    for j, phase in enumerate(PHASES, start=1):
+        ran = table[:, j][table[:, j] > 0]
+        if len(ran):
+            scalars[f"hetero/phase-s/{phase}"] = float(ran.mean())
+            scalars[f"hetero/phase-s/{phase}/max"] = float(ran.max())
+    bytes_at = 1 + len(PHASES)
+    for k, m in enumerate(layout.modules):
+        ranks = list(m.ranks)
+        scalars[f"hetero/boundary-bytes/{m.name}/sent"] = float(table[ranks, bytes_at + k].sum())
+        scalars[f"hetero/boundary-bytes/{m.name}/received"] = float(table[ranks, bytes_at + len(names) + k].sum())
     return scalars
 
 
@@ -122,6 +155,20 @@ def _to_writers(run_args, iteration: int) -> None:
         wandb.log(scalars, iteration)
 
 
+def _write_timeline(run_args, iteration: int) -> None:
+    """This rank's spans since the last iteration, to its timeline file where --metrics-file is given;
+    taken either way (they would grow for the whole run)."""
+    global _timeline
+    if run_args.hetero_run is None or not run_args.hetero_run.handles.model.timers.enabled:
+        return
+    spans = run_args.hetero_run.handles.model.timers.spans
+    if run_args.metrics_file:
+        if _timeline is None:
+            _timeline = MetricsWriter(timeline_file(run_args.metrics_file, dist.get_rank()))
+        _timeline.write(dict(step=iteration, rank=dist.get_rank(), spans=[list(s) for s in spans]))
+    spans.clear()
+
+
 def _training_log(original):
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs):
         global _writer
@@ -129,6 +176,7 @@ def _training_log(original):
         # Megatron's MoE metrics are reduced (collectively) inside: the record comes after.
         result = original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *args, **kwargs)
         _to_writers(run_args, iteration)
+        _write_timeline(run_args, iteration)
         if run_args.metrics_file and _writes_metrics(run_args):
             if _writer is None:
                 _writer = MetricsWriter(run_args.metrics_file)

@@ -1,6 +1,7 @@
 """How a rank's step time is spent: `Clock` (the time blocked on other ranks' data, the waiting share
-each run reports) and `PhaseTimers`, named phase timers for step-time breakdowns (Megatron's
-`timers('forward-compute')` idea).
+each run reports), `PhaseTimers`, named phase timers for step-time breakdowns (Megatron's
+`timers('forward-compute')` idea), and `Traffic`, the bytes each module sends and receives across
+the boundary, counted from the step's plans (no communication).
 
 PhaseTimers:
 
@@ -10,6 +11,11 @@ use it to see where time goes, not to measure peak throughput). Phases nest, and
 excludes the phases inside it (an encoder's forward called from within the LLM's forward step
 counts as the encoder's only); `switch` relabels the running phase where one call spans several
 (one autograd backward through the LLM, the boundary and the encoder).
+
+On, each interval charged to a phase is also kept in `spans` as (phase, module, start, end) in
+seconds of the host's monotonic clock (the same clock in every process of a node), and, where the
+Clock shares the list, each wait as ("waiting", None, start, end): a step's timeline, which the
+metrics writer takes after every iteration.
 
 On or off, the innermost open phase is `current` and the module it runs, where one was named,
 `current_module` (a failure report names them; a phase an exception leaves stays current)."""
@@ -26,6 +32,7 @@ class PhaseTimers:
     def __init__(self, device: torch.device, enabled: bool = False):
         self.device, self.enabled = device, enabled
         self.seconds = defaultdict(float)
+        self.spans = []  # (phase, module, start, end), while enabled
         self._running = []  # [name, since, module] of the open phases, innermost last
 
     def _now(self) -> float:
@@ -38,6 +45,8 @@ class PhaseTimers:
         if self._running:
             phase = self._running[-1]
             self.seconds[phase[0]] += now - phase[1]
+            if now > phase[1]:
+                self.spans.append((phase[0], phase[2], phase[1], now))
             phase[1] = now
 
     @contextmanager
@@ -80,6 +89,36 @@ class PhaseTimers:
 
     def reset(self):
         self.seconds.clear()
+        self.spans.clear()
+
+
+# The phases the schedules time, in a step's order (the writers report these).
+PHASES = ("encoder-forward", "boundary", "llm-forward", "llm-backward", "encoder-backward", "optimizer")
+
+
+class Traffic:
+    """Bytes this rank's modules sent and received across the boundary to and from other ranks in
+    training steps, per module: forward, an encoder's rows (sent) to the LLM (received); backward,
+    their gradients the other way. Rows that stay on the rank are not counted."""
+
+    def __init__(self):
+        self.sent, self.received = defaultdict(int), defaultdict(int)
+        self.steps = 0  # the training steps counted
+
+    def add(self, plans: dict, llm: str, row_bytes: int) -> None:
+        """A training step's plans (encoder name -> the RankPlan of every microbatch), rows of
+        `row_bytes` (the boundary's width times its dtype's size, gradients alike)."""
+        self.steps += 1
+        for encoder, rank_plans in plans.items():
+            for plan in rank_plans:
+                for routes, sender, receiver in ((plan.forward, encoder, llm), (plan.backward, llm, encoder)):
+                    self.sent[sender] += row_bytes * int(routes.send_counts.sum() - routes.send_counts[plan.rank])
+                    self.received[receiver] += row_bytes * int(routes.recv_counts.sum() - routes.recv_counts[plan.rank])
+
+
+def timeline_file(metrics_file: str, rank: int | str) -> str:
+    """Where rank `rank` writes its steps' timelines beside the run's --metrics-file ("*": a glob of all)."""
+    return f"{metrics_file}.timeline.rank{rank}.jsonl"
 
 
 @dataclass
@@ -90,6 +129,7 @@ class Clock:
     device: torch.device
     waiting_s: float = 0.0
     step_s: float = 0.0  # training steps' forward-backward time, the waiting share's denominator
+    spans: list | None = None  # where given (the phase timers' spans), each wait is appended
 
     def _sync(self):
         # The compute stream only: a device-wide synchronize would also wait for the posted
@@ -106,7 +146,10 @@ class Clock:
             yield
         finally:
             self._sync()
-            self.waiting_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self.waiting_s += end - start
+            if self.spans is not None:
+                self.spans.append(("waiting", None, start, end))
 
     def wait(self, works) -> None:
         if not works:

@@ -44,7 +44,8 @@ def add_hetero_flags(parser):
                             "every encoder forward, the pipeline, every encoder backward (three-phase); or "
                             "the encoder's work inside the pipeline's bubbles (bubbles)")
     group.add_argument("--metrics-file", default=None, metavar="FILE",
-                       help="write one JSON object per iteration (step, loss, grad_norm, lr, ...) here")
+                       help="write one JSON object per iteration (step, loss, grad_norm, lr, ...) here; with "
+                            "--timing-log-level 2 each rank's timeline beside it (megatron-hetero timeline)")
     group.add_argument("--hetero-heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
                        help="each rank's heartbeat period on the job's store (a lost rank is named "
                             "within a few of them)")
