@@ -14,6 +14,7 @@ REGISTRY = {
     "internvl": (("internvl",), "megatron_hetero.families.internvl:INTERNVL"),
     "qwen3_vl": (("qwen3_vl",), "megatron_hetero.families.qwen3_vl:QWEN3_VL"),
     "qwen3_vl_moe": (("qwen3_vl_moe",), "megatron_hetero.families.qwen3_vl:QWEN3_VL_MOE"),
+    "qwen2_5_omni": (("qwen2_5_omni",), "megatron_hetero.families.qwen2_5_omni:QWEN2_5_OMNI"),
 }
 BY_MODEL_TYPE = {model_type: name for name, (types, _) in REGISTRY.items() for model_type in types}
 
@@ -48,6 +49,8 @@ def encoder_cp_tokens(module, sizes) -> int | None:
     kind = encoder_kind(module)
     if sizes.family and kind.name == "vision":
         return 0 if family_named(sizes.family).vision_cp else None
+    if sizes.family and kind.name == "audio":  # a family's audio encoder does not split an audio
+        return None
     return kind.stage_tokens(sizes)
 
 

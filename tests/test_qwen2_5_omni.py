@@ -1,0 +1,110 @@
+"""Qwen2.5-Omni (megatron_hetero/families/qwen2_5_omni) from a tiny random transformers model built
+offline (thinker, talker and token2wav): import -> export is bit-identical with every tensor of the
+files (the talker and token2wav passed through), in both key spellings; our forward equals
+transformers' thinker's (logits within 1e-4 fp32, `hf compare`) on samples with audio (resampled,
+stereo, a last chunk of 2 frames, two in a sample), an image and audio together, an image alone and
+text alone, the bad audio skipped; under the `families` marker, the same under layouts (vision DP2,
+audio DP2 -> LLM TP2 colocated; non-colocated) and 3 training steps under them equal to one
+process's."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.distributed import collect_distributed, run_python
+from tests.omni_fixtures import audio_conversations, qwen2_5_omni_dir
+from tests.test_qwen2_5_vl import _compare_args, _compare_worker, _report
+
+TOL = 1e-4
+LAYOUTS = {
+    "vdp2_adp2_ltp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n"
+                      "  audio: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n",
+    "noncolocated": "placement: non_colocated\nmodules:\n  vision: {role: encoder, ranks: 0-0}\n"
+                    "  audio: {role: encoder, ranks: 0-0}\n  llm: {role: llm, ranks: 1-1}\n",
+}
+
+
+def _cli(*args):
+    return run_python(["-m", "megatron_hetero.hf", *map(str, args)])
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    """The model directory, its audio conversation data and its import."""
+    tmp = tmp_path_factory.mktemp("qwen2_5_omni")
+    qwen2_5_omni_dir(tmp / "hf")
+    data = audio_conversations(tmp / "data")
+    result = _cli("import", "--model", tmp / "hf", "--save", tmp / "ckpt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name, text in LAYOUTS.items():
+        (tmp / f"{name}.yaml").write_text(text)
+    return tmp, data
+
+
+def test_export_is_the_import(omni):
+    """export gives the imported files back bit for bit: every tensor (the thinker's, the talker's,
+    token2wav's), its dtype, with the tokenizer, chat template and processor files."""
+    tmp, _ = omni
+    result = _cli("export", "--load", tmp / "ckpt", "--out", tmp / "out")
+    assert result.returncode == 0, result.stderr[-3000:]
+    original, exported = _tensors(tmp / "hf"), _tensors(tmp / "out")
+    assert exported.keys() == original.keys()
+    assert {k.split(".")[0] for k in original} == {"thinker", "talker", "token2wav"}
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                 "config.json"):
+        assert (tmp / "out" / name).read_bytes() == (tmp / "hf" / name).read_bytes(), name
+
+
+def test_compare_one_process(omni):
+    """Our forward (one process) against transformers' thinker on 5 samples: audio alone (resampled
+    from 22.05 kHz stereo, from 8 kHz with a last chunk of 2 frames, two in a sample), an image and an
+    audio, an image alone, text alone; the empty, corrupt and missing audio and the video skipped."""
+    tmp, data = omni
+    result = _cli(*_compare_args(tmp, data))
+    assert result.returncode == 0, result.stderr[-3000:]
+    per_sample, worst = _report(result.stdout)
+    print(result.stdout)
+    assert len(per_sample) == 5 and max(per_sample) == worst <= TOL
+    assert result.stdout.count("(corrupt_audio)") == 2 and "(missing_audio)" in result.stdout
+    assert "video input, which this model does not take (unsupported_media)" in result.stdout
+
+
+@pytest.mark.families
+def test_transformers_names_round_trip(tmp_path):
+    """The files in transformers 5's in-memory names (thinker.model.visual.*, ...) import and export
+    back bit for bit."""
+    src = qwen2_5_omni_dir(tmp_path / "hf")
+    renames = (("thinker.visual.", "thinker.model.visual."), ("thinker.audio_tower.", "thinker.model.audio_tower."),
+               ("thinker.model.", "thinker.model.language_model."))
+    tensors = {}
+    for key, tensor in _tensors(src).items():
+        file = next((key.replace(a, b, 1) for a, b in renames if key.startswith(a)), key)
+        tensors[file] = tensor
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    for command in (("import", "--model", src, "--save", tmp_path / "ckpt"),
+                    ("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")):
+        result = _cli(*command)
+        assert result.returncode == 0, result.stderr[-3000:]
+    exported = _tensors(tmp_path / "out")
+    assert exported.keys() == tensors.keys() and all(torch.equal(exported[k], t) for k, t in tensors.items())
+
+
+@pytest.mark.families
+def test_compare_under_layouts(omni, tmp_path):
+    """`hf compare --hetero-layout` on 2 processes: vision DP2 and audio DP2 -> LLM TP2 colocated, and
+    non-colocated (both encoders on rank 0, the LLM on rank 1): within 1e-4 on every sample."""
+    tmp, data = omni
+    rank0 = collect_distributed(_compare_worker, 2, tmp_path, str(tmp), str(data), list(LAYOUTS))[0]
+    for name, (code, text) in rank0.items():
+        print(name, text.strip().splitlines()[-1])
+        per_sample, worst = _report(text)
+        assert code == 0 and len(per_sample) == 5 and worst <= TOL, (name, text)
+
