@@ -15,14 +15,20 @@ from safetensors.torch import load_file, save_file
 
 from tests.distributed import collect_distributed, run_python
 from tests.omni_fixtures import audio_conversations, qwen2_5_omni_dir
-from tests.test_qwen2_5_vl import _compare_args, _compare_worker, _report
+from tests.test_qwen2_5_vl import _compare_args, _compare_worker, _report, assert_same_steps, train
 
 TOL = 1e-4
+# name -> (processes, layout): vision DP2 and audio DP2 -> LLM TP2 colocated; each module on its own
+# process (non-colocated)
 LAYOUTS = {
-    "vdp2_adp2_ltp2": "placement: colocated\nmodules:\n  vision: {role: encoder, dp: 2}\n"
-                      "  audio: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n",
-    "noncolocated": "placement: non_colocated\nmodules:\n  vision: {role: encoder, ranks: 0-0}\n"
-                    "  audio: {role: encoder, ranks: 0-0}\n  llm: {role: llm, ranks: 1-1}\n",
+    "vdp2_adp2_ltp2": (2, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
+                          "  vision: {role: encoder, dp: 2}\n  audio: {role: encoder, dp: 2}\n"
+                          "  llm: {role: llm, tp: 2}\n"),
+    "single": (1, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
+                  "  vision: {role: encoder}\n  audio: {role: encoder}\n  llm: {role: llm}\n"),
+    "noncolocated": (3, "placement: non_colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
+                        "  vision: {role: encoder, ranks: 0-0}\n  audio: {role: encoder, ranks: 1-1}\n"
+                        "  llm: {role: llm, ranks: 2-2}\n"),
 }
 
 
@@ -42,7 +48,7 @@ def omni(tmp_path_factory):
     data = audio_conversations(tmp / "data")
     result = _cli("import", "--model", tmp / "hf", "--save", tmp / "ckpt")
     assert result.returncode == 0, result.stderr[-3000:]
-    for name, text in LAYOUTS.items():
+    for name, (_, text) in LAYOUTS.items():
         (tmp / f"{name}.yaml").write_text(text)
     return tmp, data
 
@@ -98,13 +104,27 @@ def test_transformers_names_round_trip(tmp_path):
 
 
 @pytest.mark.families
-def test_compare_under_layouts(omni, tmp_path):
-    """`hf compare --hetero-layout` on 2 processes: vision DP2 and audio DP2 -> LLM TP2 colocated, and
-    non-colocated (both encoders on rank 0, the LLM on rank 1): within 1e-4 on every sample."""
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "noncolocated"])
+def test_compare_under_layouts(omni, tmp_path, layout):
+    """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2 colocated on 2 processes, and
+    non-colocated on 3 (vision, audio, LLM): within 1e-4 on every sample."""
     tmp, data = omni
-    rank0 = collect_distributed(_compare_worker, 2, tmp_path, str(tmp), str(data), list(LAYOUTS))[0]
-    for name, (code, text) in rank0.items():
-        print(name, text.strip().splitlines()[-1])
-        per_sample, worst = _report(text)
-        assert code == 0 and len(per_sample) == 5 and worst <= TOL, (name, text)
+    world = LAYOUTS[layout][0]
+    code, text = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), [layout])[0][layout]
+    print(layout, text.strip().splitlines()[-1] if text.strip() else text)
+    per_sample, worst = _report(text)
+    assert code == 0 and len(per_sample) == 5 and worst <= TOL, text
 
+
+@pytest.fixture(scope="module")
+def reference(omni):
+    return train(*omni, "reference", "single", 1)
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "noncolocated"])
+def test_training_equals_one_process(omni, reference, layout):
+    """3 steps from the import (images and audio in the batches) under vision DP2 and audio DP2 ->
+    LLM TP2 colocated, and non-colocated: loss and gradient norm per step within 1e-4 of one
+    process's."""
+    assert_same_steps(reference, train(*omni, layout, layout, LAYOUTS[layout][0]))
