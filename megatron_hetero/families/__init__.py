@@ -54,5 +54,16 @@ def encoder_cp_tokens(module, sizes) -> int | None:
     return kind.stage_tokens(sizes)
 
 
-__all__ = ["BY_MODEL_TYPE", "REGISTRY", "UnknownFamilyError", "encoder_cp_tokens", "family_named",
-           "family_of_config"]
+def encoder_stage_problem(module, sizes) -> str | None:
+    """Why a family's encoder `module` cannot have its pp (a tower that runs as one stage), or None."""
+    if not sizes.family or module.pp == 1:
+        return None
+    family = family_named(sizes.family)
+    if module.kind == "vision" and family.vision_stages:
+        return None
+    what = "vision tower" if module.kind == "vision" else f"{module.kind} encoder"
+    return f"module {module.name}: the {sizes.family} {what} runs as one pipeline stage; set its pp: 1"
+
+
+__all__ = ["BY_MODEL_TYPE", "REGISTRY", "UnknownFamilyError", "encoder_cp_tokens", "encoder_stage_problem",
+           "family_named", "family_of_config"]

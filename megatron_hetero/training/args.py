@@ -15,7 +15,13 @@ from megatron_hetero.data.energon import is_energon_dataset
 from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.families import REGISTRY, UnknownFamilyError, encoder_cp_tokens, family_named
+from megatron_hetero.families import (
+    REGISTRY,
+    UnknownFamilyError,
+    encoder_cp_tokens,
+    encoder_stage_problem,
+    family_named,
+)
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.arg_files import expand_arg_files
@@ -308,14 +314,11 @@ def _check_family(args, layout) -> None:
         family_named(family)
     except UnknownFamilyError as error:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
-    for module in layout.encoders:
-        if module.pp > 1 and not (family_named(family).vision_stages and module.kind == "vision"):
-            raise ArgsError(f"module {module.name}: the {family} {module.kind} encoder runs as one pipeline stage; "
-                            f"set its pp: 1")
+    sizes = model_sizes(args)
+    rules.check(ArgsError, *(encoder_stage_problem(module, sizes) for module in layout.encoders))
     if family_named(family).audio_builder and not any(m.kind == "audio" for m in layout.encoders):
         raise ArgsError(f"a {family} model has an audio encoder: add a module `audio: {{role: encoder}}` and the "
                         f"edge audio -> {layout.llm.name} to the layout")
-    sizes = model_sizes(args)
     vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
     deepstack = family_named(family).deepstack(sizes)
     rules.check(ArgsError, rules.deepstack_problem(layout, vision, deepstack))
