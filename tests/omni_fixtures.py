@@ -1,8 +1,8 @@
 """A tiny Qwen2.5-Omni directory for the family tests, built offline: random weights for the whole
 model (thinker, talker and token2wav), a word-level tokenizer with the family's special tokens and a
 chat template in its style, the image processor's and the feature extractor's settings; and
-conversation data with images and audio files (wav at other rates, stereo, mp3-free: PyAV encodes
-them), audio without images, and bad audio."""
+conversation data with images, videos and audio files (wav at other rates, stereo), audio without
+images, and bad audio."""
 
 import json
 import wave
@@ -17,9 +17,12 @@ from tests.vlm_fixtures import (
     MIN_PIXELS,
     PATCH,
     QWEN_TEMPLATE,
+    VIDEO_FILES,
     conversations,
     randomize,
+    save_video_settings,
     word_tokenizer,
+    write_video,
 )
 
 OMNI_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -74,6 +77,7 @@ def qwen2_5_omni_dir(directory: Path, **sizes) -> Path:
                                                 merge_size=MERGE).to_json_string())
     audio = json.loads(WhisperFeatureExtractor(feature_size=MEL_BINS).to_json_string())
     (directory / "preprocessor_config.json").write_text(json.dumps({**audio, **image}, indent=1))
+    save_video_settings(directory, "qwen2_5_vl")
     return directory
 
 
@@ -97,12 +101,15 @@ def write_wav(path: Path, seconds: float, rate: int, channels: int, seed: int = 
 
 
 def audio_conversations(directory: Path, bad: bool = True) -> Path:
-    """audio.json under `directory` (with conversations()'s images): audio without an image, audio and
-    an image in one sample, two audios, an image alone, text alone (ShareGPT-style and LLaVA-style);
-    with `bad`, a zero-length, a corrupt and a missing audio, and a video (not taken)."""
+    """audio.json under `directory` (with conversations()'s images and video_conversations()'s
+    videos): audio without an image, audio and an image in one sample, two audios, an image alone,
+    text alone, a video with an audio, a video longer than the frame limit (ShareGPT-style and
+    LLaVA-style); with `bad`, a zero-length, a corrupt and a missing audio, and a missing video."""
     conversations(directory, bad=False)
     for seed, (name, spec) in enumerate(AUDIO_FILES.items()):
         write_wav(directory / name, *spec, seed=seed)
+    for seed, (name, (frames, fps, size)) in enumerate(VIDEO_FILES.items()):
+        write_video(directory / name, frames, fps, size, seed)
     (directory / "empty.wav").write_bytes(b"")
     (directory / "corrupt.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt not audio at all")
 
@@ -117,12 +124,14 @@ def audio_conversations(directory: Path, bad: bool = True) -> Path:
         {"conversations": [{"from": "human", "value": "<image>\ndescribe"}, {"from": "gpt", "value": "shapes"}],
          "image": "square.png"},
         sharegpt("question text only", "answer yes"),
+        sharegpt("<video> and <audio> what is in it ?", "a red circle", videos=["clip.mp4"], audios=["tone.wav"]),
+        sharegpt("describe <video>", "shapes on the right", videos=["long.mp4"]),
     ]
     if bad:
         records[1:1] = [sharegpt("<audio> describe", "red", audios=["empty.wav"]),
                         sharegpt("<audio> describe", "red", audios=["corrupt.wav"]),
                         sharegpt("<audio>", "blue", audios=["gone.wav"]),
-                        sharegpt("<video> what", "yes", videos=["clip.mp4"])]
+                        sharegpt("<video> what", "yes", videos=["gone.mp4"])]
     for i, record in enumerate(records):
         record["id"] = f"a{i}"
     path = directory / "audio.json"

@@ -5,8 +5,12 @@ An audio's tag becomes `<|audio_bos|>`, one `<|AUDIO|>` per row of the audio enc
 its features are the family's feature extractor's (WhisperFeatureExtractor, called as
 Qwen2_5OmniProcessor calls it: padded to its 30 s, the valid frames kept) of the file's audio, decoded
 and resampled to the extractor's rate (data/audio.py); audio tokens count on all three position ids
-as text does (TMRoPE without video). Videos are not taken yet (their time steps and the audio of
-their own track differ from Qwen2.5-VL's): a sample with one is skipped as unsupported_media."""
+as text does. A video's tag becomes `<|vision_start|><|VIDEO|>*N<|vision_end|>`, its frames as
+Qwen2.5-VL's video processor makes them (families/qwen2_5_vl/video.py), its temporal position ids
+stepping by position_id_per_seconds x the seconds per temporal patch, which Qwen2_5OmniProcessor sets
+from the video processor's fps setting (2 without one), not the video's own rate; the text after an
+image or a video continues after its largest position id (the thinker's get_rope_index). A video's
+own audio track is not taken (`load_audio_from_video`)."""
 
 import json
 from pathlib import Path
@@ -17,8 +21,10 @@ from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.data.audio import AudioInfo, read_audio
 from megatron_hetero.data.media import ImageItems, ImageTokens
 from megatron_hetero.data.sample_batch import Media
+from megatron_hetero.data.video import VideoInfo
 from megatron_hetero.families.qwen2_5_omni.audio import output_lengths
 from megatron_hetero.families.qwen2_5_vl import media as qwen_vl_media
+from megatron_hetero.families.qwen2_5_vl.video import QwenVideos, VideoSettings
 from megatron_hetero.families.qwen2_5_vl.vision import QwenVisionArch
 
 FEATURES_KEY = "audio"  # processor settings: the feature extractor's
@@ -31,7 +37,7 @@ def _feature_extractor_class():
 
 
 def processor_settings(model_dir: str, config) -> dict:
-    """The image processor's settings (Qwen2.5-VL's reader, on the thinker's config) and under "audio"
+    """The image and video processors' settings (Qwen2.5-VL's reader, on the thinker's config) and under "audio"
     the feature extractor's (preprocessor_config.json's, else transformers' defaults at the audio
     encoder's mel bins), checked against the audio encoder."""
     thinker = config.thinker_config
@@ -44,28 +50,41 @@ def processor_settings(model_dir: str, config) -> dict:
     if extractor.feature_size != mel_bins:
         raise HFMappingError(f"{model_dir}: the feature extractor's feature_size {extractor.feature_size} differs "
                              f"from thinker_config.audio_config.num_mel_bins {mel_bins}")
-    settings.pop("video", None)
     return {**settings, FEATURES_KEY: json.loads(extractor.to_json_string())}
 
 
 def token_ids(config: dict) -> dict:
     """The thinker's special token ids under Qwen2.5-VL's names (its config writes *_index)."""
     thinker = config["thinker_config"]
-    return {name: thinker.get(name, thinker.get(name.replace("_id", "_index")))
-            for name in ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id",
-                         "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")}
+    ids = {name: thinker.get(name, thinker.get(name.replace("_id", "_index")))
+           for name in ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id",
+                        "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")}
+    return {**ids, "position_id_per_seconds": thinker["position_id_per_seconds"]}
+
+
+class OmniVideos(QwenVideos):
+    """Qwen2_5OmniProcessor's videos: the temporal step is position_id_per_seconds x temporal patch /
+    the video processor's fps setting (2 where it has none)."""
+
+    def __init__(self, settings: VideoSettings, config: dict):
+        super().__init__(settings, config)
+        self.tokens_per_second = config["position_id_per_seconds"]
+
+    def timing(self, info: VideoInfo, frames: list[int], grid: tuple[int, int, int]) -> dict:
+        s = self.settings
+        return {**super().timing(info, frames, grid), "seconds_per_grid": s.temporal_patch_size / (s.fps or 2.0)}
 
 
 class OmniMedia(qwen_vl_media.QwenImages):
     """See the module docstring. settings: model.json's "processor"; config: its Hugging Face config."""
 
-    media_kinds = ("image", "audio")
+    media_kinds = ("image", "video", "audio")
 
     def __init__(self, arch: QwenVisionArch, settings: dict, config: dict):
         settings = dict(settings)
         features = settings.pop(FEATURES_KEY)
         ids = token_ids(config)
-        super().__init__(arch, settings, ids)
+        super().__init__(arch, settings, ids, OmniVideos)
         self.extractor = _feature_extractor_class().from_dict(features)
         self.audio_tokens = ImageTokens((ids["audio_start_token_id"],), ids["audio_token_id"],
                                         (ids["audio_end_token_id"],))
@@ -90,6 +109,9 @@ class OmniMedia(qwen_vl_media.QwenImages):
         frames = int(out["attention_mask"].sum())
         return out["input_features"][0, :, :frames].T.contiguous()
 
+    def position_ids(self, seq_len: int, starts: list[int], items: list[ImageItems]) -> torch.Tensor:
+        return super().position_ids(seq_len, starts, items, after_largest=True)
+
     def audio_media(self, audios: list[ImageItems], positions: torch.Tensor) -> Media:
         grids = torch.tensor([g for a in audios for g in a.grids], dtype=torch.long).reshape(-1, 3)
         return Media(torch.full((int(grids[:, 2].sum()), self.extractor.feature_size), torch.nan),
@@ -105,6 +127,8 @@ class OmniMedia(qwen_vl_media.QwenImages):
         out = super().hf_inputs(input_ids, media, items)
         out.pop("mm_token_type_ids")
         out["attention_mask"] = torch.ones_like(input_ids)
+        if "second_per_grid_ts" in out:  # the thinker's name for it
+            out["video_second_per_grid"] = out.pop("second_per_grid_ts")
         if audio is None or not len(audio.grids):
             return out
         frames = audio.grids[:, 2]
