@@ -137,3 +137,56 @@ def audio_conversations(directory: Path, bad: bool = True) -> Path:
     path = directory / "audio.json"
     path.write_text(json.dumps(records, indent=1))
     return path
+
+
+# ---- videos with their own audio -----------------------------------------------------------------
+# name -> (frames, fps, (width, height), audio seconds): the audio a little longer than the frames
+# (the interleave's last chunks audio only), and a longer one over several chunks
+TRACK_FILES = {"talk.mp4": (8, 4, (40, 24), 2.2), "lecture.mp4": (24, 4, (24, 32), 6.1)}
+
+
+def write_video_with_audio(path: Path, frames: int, fps: int, size: tuple[int, int], seconds: float,
+                           seed: int = 0) -> None:
+    """An MPEG-4 video of random frames with an AAC audio track (a tone and noise at 16 kHz)."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    rate = 16000
+    t = np.arange(int(seconds * rate)) / rate
+    signal = (0.3 * np.sin(2 * np.pi * 330 * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("mpeg4", rate=fps)
+        video.width, video.height, video.pix_fmt = *size, "yuv420p"
+        audio = container.add_stream("aac", rate=rate, layout="mono")
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "rgb24")
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        step = 1024
+        for at in range(0, len(signal), step):
+            frame = av.AudioFrame.from_ndarray(signal[None, at : at + step], format="flt", layout="mono")
+            frame.sample_rate = rate
+            container.mux(audio.encode(frame))
+        container.mux(audio.encode())
+
+
+def track_conversations(directory: Path) -> Path:
+    """tracks.json under `directory`: a video whose own audio the model loads, alone and with an image
+    and another audio in one sample, and one over several chunks."""
+    conversations(directory, bad=False)
+    write_wav(directory / "tone.wav", *AUDIO_FILES["tone.wav"])
+    for seed, (name, spec) in enumerate(TRACK_FILES.items()):
+        write_video_with_audio(directory / name, *spec, seed=seed)
+
+    def sharegpt(user, answer, **media):
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **media}
+
+    records = [sharegpt("<video> what is in it ?", "a red square", videos=["talk.mp4"]),
+               sharegpt("compare <image> and <video> then <audio>", "a blue circle", images=["wide.png"],
+                        videos=["talk.mp4"], audios=["tone.wav"]),
+               sharegpt("describe <video>", "shapes on the right", videos=["lecture.mp4"])]
+    for i, record in enumerate(records):
+        record["id"] = f"t{i}"
+    path = directory / "tracks.json"
+    path.write_text(json.dumps(records, indent=1))
+    return path

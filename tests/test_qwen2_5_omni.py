@@ -7,6 +7,7 @@ text alone, the bad audio skipped; under the `families` marker, the same under l
 audio DP2 -> LLM TP2 colocated; non-colocated) and 3 training steps under them equal to one
 process's."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.distributed import collect_distributed, run_python
-from tests.omni_fixtures import audio_conversations, qwen2_5_omni_dir
+from tests.omni_fixtures import audio_conversations, qwen2_5_omni_dir, track_conversations
 from tests.test_qwen2_5_vl import _compare_args, _compare_worker, _report, assert_same_steps, train
 
 TOL = 1e-4
@@ -83,6 +84,64 @@ def test_compare_one_process(omni):
     assert len(per_sample) == SAMPLES and max(per_sample) == worst <= TOL
     assert result.stdout.count("(corrupt_audio)") == 2 and "(missing_audio)" in result.stdout
     assert "(missing_video)" in result.stdout
+
+
+def _tracks(tmp: Path) -> tuple[Path, Path]:
+    """The videos-with-audio data and a model.json that loads a video's own audio."""
+    data = track_conversations(tmp / "tracks")
+    description = json.loads((tmp / "ckpt" / "model.json").read_text())
+    description["processor"]["load_audio_from_video"] = True
+    (tmp / "tracks_model.json").write_text(json.dumps(description))
+    return data, tmp / "tracks_model.json"
+
+
+def test_video_with_its_audio_is_the_processors(omni):
+    """load_audio_from_video: a video's tag expands as Qwen2_5OmniProcessor expands it (its
+    replace_video_with_audio_token: the video's and its audio's tokens interleaved chunk by chunk of
+    2 s), the video's own audio track an audio item of its own."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+    from megatron_hetero.data.chat import HFChatTokenizer
+    from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
+    from megatron_hetero.families import family_named
+    from megatron_hetero.spec.sizes import sizes_from_dict
+
+    tmp, _ = omni
+    data, model_file = _tracks(tmp)
+    description = json.loads(model_file.read_text())
+    sizes = sizes_from_dict(description["sizes"])
+    media = family_named("qwen2_5_omni").media(sizes, description["processor"], description["hf"]["config"])
+    dataset = ConversationSamples(ConversationSpec(str(data), str(data.parent), 512, media),
+                                  HFChatTokenizer(str(tmp / "hf"), image_token=False), 1)
+    names = {media.videos.pad: "V", media.audio_tokens.placeholder: "A", media.videos.start: "<",
+             media.videos.end: ">", media.audio_tokens.prefix[0]: "(", media.audio_tokens.suffix[0]: ")"}
+    processor = SimpleNamespace(audio_bos_token="(", audio_eos_token=")", video_token="V", audio_token="A",
+                                video_processor=SimpleNamespace(merge_size=sizes.family_arch["spatial_merge_size"]))
+    processor.get_chunked_index = lambda *args: Qwen2_5OmniProcessor.get_chunked_index(processor, *args)
+    for index in (0, 2):
+        sample, sources = dataset.encode(index)
+        assert [(s.kind, s.tagged) for s in sources] == [("video", True), ("audio", False)]
+        video, audio = (s.items for s in sources)
+        theirs = Qwen2_5OmniProcessor.replace_video_with_audio_token(
+            processor, {"video_grid_thw": [video.grids[0]], "video_second_per_grid": [video.seconds_per_grid]}, 0,
+            {"num_audio_tokens": [audio.rows[0]]}, 0, position_id_per_seconds=25, seconds_per_chunk=2)
+        ours = "".join(names.get(token, "") for token in sample.input_ids.tolist())
+        assert ours == f"<{theirs}>" and theirs.count("A") == audio.rows[0] > 50, ours
+
+
+@pytest.mark.families
+def test_compare_video_with_its_audio(omni):
+    """load_audio_from_video: a video with its own audio interleaved by time (alone, over several
+    chunks, and beside an image and another audio) within 1e-4 of transformers' thinker run with
+    use_audio_in_video."""
+    tmp, _ = omni
+    data, model_file = _tracks(tmp)
+    result = _cli(*_compare_args(tmp, data, "--model-sizes", model_file, "--seq-length", 512))
+    assert result.returncode == 0, result.stderr[-3000:]
+    per_sample, worst = _report(result.stdout, 3)
+    assert len(per_sample) == 3 and worst <= TOL, result.stdout
 
 
 @pytest.mark.families

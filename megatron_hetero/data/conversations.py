@@ -166,11 +166,14 @@ def _openable(source):
 
 @dataclass(frozen=True)
 class MediaSource:
-    """A sample's image or video: its kind, its file (a video's frames: their files) and its items."""
+    """A sample's image, video or audio: its kind, its file (a video's frames: their files) and its
+    items; `tagged`: it has a tag of its own (a video's own audio track has none: the video's tag
+    expands to both)."""
 
     kind: str
     source: object
     items: ImageItems
+    tagged: bool = True
 
 
 @dataclass(frozen=True)
@@ -205,20 +208,29 @@ class ConversationSamples(torch.utils.data.Dataset):
     def _items(self, media: list[tuple[str, object]], sample: str) -> list[MediaSource]:
         """Each image's, video's and audio's items, from its size, frames or length (an image or a
         video checked, not decoded); raises SkipSample."""
-        sources, images = [], self.spec.images
+        sources = []
         for kind, source in media:
             try:
-                if kind == "image":
-                    items = images.items(*check_image(_openable(source)))
-                elif kind == "video":
-                    items = images.video_items(probe_video(_openable(source)))
-                else:
-                    items = images.audio_items(images.audio_info(_openable(source)))
+                sources += self._medium(kind, source)
             except (ImageError, VideoError, AudioError) as error:
                 reason = f"missing_{kind}" if str(error).startswith(f"missing {kind}") else f"corrupt_{kind}"
                 raise SkipSample(BadSample(reason, str(source), sample, str(error))) from None
-            sources.append(MediaSource(kind, source, items))
         return sources
+
+    def _medium(self, kind: str, source) -> list[MediaSource]:
+        """A medium's sources: itself, and after a video the audio of its own track where the model
+        loads it (`load_audio_from_video`: the video's tag expands to both)."""
+        images = self.spec.images
+        if kind == "image":
+            return [MediaSource(kind, source, images.items(*check_image(_openable(source))))]
+        if kind == "audio":
+            return [MediaSource(kind, source, images.audio_items(images.audio_info(_openable(source))))]
+        items = images.video_items(probe_video(_openable(source)))
+        if not getattr(images, "load_audio_from_video", False):
+            return [MediaSource(kind, source, items)]
+        audio = images.audio_items(images.audio_info(_openable(source)))
+        return [MediaSource(kind, source, images.with_audio(items, audio)),
+                MediaSource("audio", source, audio, tagged=False)]
 
     def _kinds(self) -> tuple[str, ...]:
         """The media kinds this model's processing takes (its `media_kinds`; else videos where it has
@@ -237,8 +249,8 @@ class ConversationSamples(torch.utils.data.Dataset):
         record = self.records[index]
         sample, media, turns = _parse(record, spec.path, index, self._kinds())
         sources = self._items([(kind, self._source(record, name)) for kind, name in media], sample)
-        items = [source.items for source in sources]
-        expansions = [i.expansion if i.expansion is not None else sum(i.rows) for i in items]
+        expansions = [s.items.expansion if s.items.expansion is not None else sum(s.items.rows)
+                      for s in sources if s.tagged]
         ids, assistant = encode_conversation(self.tokenizer, turns, expansions, self.image_tokens)
         if len(ids) > spec.seq_length:
             raise SkipSample(BadSample("too_long", spec.path, sample,

@@ -15,26 +15,30 @@ import torch
 
 
 def mrope_positions(seq_len: int, starts: list[int], grids: list[tuple[int, int, int]], merge: int,
-                    steps: list | None = None, after_largest: bool = False) -> torch.Tensor:
+                    steps: list | None = None) -> torch.Tensor:
     """LongTensor [3, seq_len]: the position ids of a sequence whose i-th run of vision tokens (t * h *
     w / merge^2 of them, in order) starts at starts[i]; grids: each run's (t, h, w) patch grid before
     the merge; steps: each run's temporal step (a video's time between temporal patches in position
-    ids, truncated after the multiplication as transformers does; default 1); after_largest: the text
-    after a run continues from the run's largest position id plus one, its temporal ids included
-    (Qwen2.5-Omni), not from its larger merged side."""
+    ids, truncated after the multiplication as transformers does; default 1)."""
     positions = torch.empty(3, seq_len, dtype=torch.long)
     reached = done = 0  # the next position id; the tokens placed
     for start, (t, h, w), step in zip(starts, grids, steps or [1] * len(grids)):
         text = start - done
         positions[:, done:start] = torch.arange(text) + reached
         reached += text
-        grid = torch.stack(torch.meshgrid((torch.arange(t) * step).long(), torch.arange(h // merge),
-                                          torch.arange(w // merge), indexing="ij")).flatten(1)
+        grid = grid_positions((torch.arange(t) * step).long(), h, w, merge)
         positions[:, start : start + grid.shape[1]] = grid + reached
-        reached += int(grid.max()) + 1 if after_largest else max(h, w) // merge
+        reached += max(h, w) // merge
         done = start + grid.shape[1]
     positions[:, done:] = torch.arange(seq_len - done) + reached
     return positions
+
+
+def grid_positions(times: torch.Tensor, h: int, w: int, merge: int) -> torch.Tensor:
+    """LongTensor [3, t * h * w / merge^2]: the (temporal, height, width) ids of a patch grid's merged
+    tokens in row-major order, temporal patch k's temporal id times[k]."""
+    return torch.stack(torch.meshgrid(times, torch.arange(h // merge), torch.arange(w // merge),
+                                      indexing="ij")).flatten(1)
 
 
 def interleaved_axes(frequencies: int, section) -> torch.Tensor:

@@ -118,12 +118,11 @@ class QwenImages:
     def video_pixels(self, source, items: VideoItems) -> torch.Tensor:
         return self.videos.pixels(source, items)
 
-    def position_ids(self, seq_len: int, starts: list[int], items: list[ImageItems],
-                     after_largest: bool = False) -> torch.Tensor:
+    def position_ids(self, seq_len: int, starts: list[int], items: list[ImageItems]) -> torch.Tensor:
         steps = [self.videos.temporal_step(item) if getattr(item, "seconds_per_grid", None) else 1
                  for item in items for _ in item.spans()]
         spans = [span for item in items for span in item.spans()]
-        return mrope_positions(seq_len, starts, spans, self.arch.spatial_merge_size, steps, after_largest)
+        return mrope_positions(seq_len, starts, spans, self.arch.spatial_merge_size, steps)
 
     def hf_inputs(self, input_ids: torch.Tensor, media: Media, items: list[ImageItems]) -> dict:
         """transformers' forward arguments beside input_ids for a sample's decoded media (hf compare):
