@@ -19,9 +19,12 @@ from tests.vlm_fixtures import (
     QWEN_TEMPLATE,
     VIDEO_FILES,
     conversations,
+    llava,
     randomize,
     save_video_settings,
+    sharegpt,
     word_tokenizer,
+    write_records,
     write_video,
 )
 
@@ -113,16 +116,12 @@ def audio_conversations(directory: Path, bad: bool = True) -> Path:
     (directory / "empty.wav").write_bytes(b"")
     (directory / "corrupt.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt not audio at all")
 
-    def sharegpt(user, answer, **media):
-        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **media}
-
     records = [
         sharegpt("<audio> what is in it ?", "a red square", audios=["tone.wav"]),
         sharegpt("compare <image> and <audio>", "a blue circle on the left", images=["wide.png"],
                  audios=["voice.wav"]),
         sharegpt("<audio> and <audio> describe", "green triangle", audios=["short.wav", "tone.wav"]),
-        {"conversations": [{"from": "human", "value": "<image>\ndescribe"}, {"from": "gpt", "value": "shapes"}],
-         "image": "square.png"},
+        llava("<image>\ndescribe", "shapes", image="square.png"),
         sharegpt("question text only", "answer yes"),
         sharegpt("<video> and <audio> what is in it ?", "a red circle", videos=["clip.mp4"], audios=["tone.wav"]),
         sharegpt("describe <video>", "shapes on the right", videos=["long.mp4"]),
@@ -132,11 +131,7 @@ def audio_conversations(directory: Path, bad: bool = True) -> Path:
                         sharegpt("<audio> describe", "red", audios=["corrupt.wav"]),
                         sharegpt("<audio>", "blue", audios=["gone.wav"]),
                         sharegpt("<video> what", "yes", videos=["gone.mp4"])]
-    for i, record in enumerate(records):
-        record["id"] = f"a{i}"
-    path = directory / "audio.json"
-    path.write_text(json.dumps(records, indent=1))
-    return path
+    return write_records(records, directory / "audio.json", "a")
 
 
 # ---- videos with their own audio -----------------------------------------------------------------
@@ -178,15 +173,8 @@ def track_conversations(directory: Path) -> Path:
     for seed, (name, spec) in enumerate(TRACK_FILES.items()):
         write_video_with_audio(directory / name, *spec, seed=seed)
 
-    def sharegpt(user, answer, **media):
-        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **media}
-
     records = [sharegpt("<video> what is in it ?", "a red square", videos=["talk.mp4"]),
                sharegpt("compare <image> and <video> then <audio>", "a blue circle", images=["wide.png"],
                         videos=["talk.mp4"], audios=["tone.wav"]),
                sharegpt("describe <video>", "shapes on the right", videos=["lecture.mp4"])]
-    for i, record in enumerate(records):
-        record["id"] = f"t{i}"
-    path = directory / "tracks.json"
-    path.write_text(json.dumps(records, indent=1))
-    return path
+    return write_records(records, directory / "tracks.json", "t")

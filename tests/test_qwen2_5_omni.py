@@ -26,6 +26,8 @@ LAYOUTS = {
     "vdp2_adp2_ltp2": (2, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
                           "  vision: {role: encoder, dp: 2}\n  audio: {role: encoder, dp: 2}\n"
                           "  llm: {role: llm, tp: 2}\n"),
+    "vtp2_atp2": (2, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
+                     "  vision: {role: encoder, tp: 2}\n  audio: {role: encoder, tp: 2}\n  llm: {role: llm, dp: 2}\n"),
     "single": (1, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
                   "  vision: {role: encoder}\n  audio: {role: encoder}\n  llm: {role: llm}\n"),
     "noncolocated": (3, "placement: non_colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
@@ -46,21 +48,24 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 def omni(tmp_path_factory):
     """The model directory, its audio conversation data and its import."""
     tmp = tmp_path_factory.mktemp("qwen2_5_omni")
-    qwen2_5_omni_dir(tmp / "hf")
-    data = audio_conversations(tmp / "data")
-    result = _cli("import", "--model", tmp / "hf", "--save", tmp / "ckpt")
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_cli("import", "--model", qwen2_5_omni_dir(tmp / "hf"), "--save", tmp / "ckpt")
     for name, (_, text) in LAYOUTS.items():
         (tmp / f"{name}.yaml").write_text(text)
-    return tmp, data
+    return tmp, audio_conversations(tmp / "data")
+
+
+def _run_cli(*args) -> str:
+    """`python -m megatron_hetero.hf` with `args`, which must succeed: its output."""
+    result = _cli(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 def test_export_is_the_import(omni):
     """export gives the imported files back bit for bit: every tensor (the thinker's, the talker's,
     token2wav's), its dtype, with the tokenizer, chat template and processor files."""
     tmp, _ = omni
-    result = _cli("export", "--load", tmp / "ckpt", "--out", tmp / "out")
-    assert result.returncode == 0, result.stderr[-3000:]
+    _run_cli("export", "--load", tmp / "ckpt", "--out", tmp / "out")
     original, exported = _tensors(tmp / "hf"), _tensors(tmp / "out")
     assert exported.keys() == original.keys()
     assert {k.split(".")[0] for k in original} == {"thinker", "talker", "token2wav"}
@@ -77,13 +82,11 @@ def test_compare_one_process(omni):
     audio, an image alone, text alone, a video with an audio, a video over the frame limit; the empty,
     corrupt and missing audio and the missing video skipped."""
     tmp, data = omni
-    result = _cli(*_compare_args(tmp, data))
-    assert result.returncode == 0, result.stderr[-3000:]
-    per_sample, worst = _report(result.stdout, SAMPLES)
-    print(result.stdout)
+    stdout = _run_cli(*_compare_args(tmp, data))
+    per_sample, worst = _report(stdout, SAMPLES)
+    print(stdout)
     assert len(per_sample) == SAMPLES and max(per_sample) == worst <= TOL
-    assert result.stdout.count("(corrupt_audio)") == 2 and "(missing_audio)" in result.stdout
-    assert "(missing_video)" in result.stdout
+    assert stdout.count("(corrupt_audio)") == 2 and "(missing_audio)" in stdout and "(missing_video)" in stdout
 
 
 def _tracks(tmp: Path) -> tuple[Path, Path]:
@@ -138,10 +141,9 @@ def test_compare_video_with_its_audio(omni):
     use_audio_in_video."""
     tmp, _ = omni
     data, model_file = _tracks(tmp)
-    result = _cli(*_compare_args(tmp, data, "--model-sizes", model_file, "--seq-length", 512))
-    assert result.returncode == 0, result.stderr[-3000:]
-    per_sample, worst = _report(result.stdout, 3)
-    assert len(per_sample) == 3 and worst <= TOL, result.stdout
+    stdout = _run_cli(*_compare_args(tmp, data, "--model-sizes", model_file, "--seq-length", 512))
+    per_sample, worst = _report(stdout, 3)
+    assert len(per_sample) == 3 and worst <= TOL, stdout
 
 
 @pytest.mark.families
@@ -156,19 +158,18 @@ def test_transformers_names_round_trip(tmp_path):
         file = next((key.replace(a, b, 1) for a, b in renames if key.startswith(a)), key)
         tensors[file] = tensor
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    for command in (("import", "--model", src, "--save", tmp_path / "ckpt"),
-                    ("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")):
-        result = _cli(*command)
-        assert result.returncode == 0, result.stderr[-3000:]
+    _run_cli("import", "--model", src, "--save", tmp_path / "ckpt")
+    _run_cli("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")
     exported = _tensors(tmp_path / "out")
     assert exported.keys() == tensors.keys() and all(torch.equal(exported[k], t) for k, t in tensors.items())
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "noncolocated"])
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vtp2_atp2", "noncolocated"])
 def test_compare_under_layouts(omni, tmp_path, layout):
-    """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2 colocated on 2 processes, and
-    non-colocated on 3 (vision, audio, LLM): within 1e-4 on every sample."""
+    """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2 colocated on 2 processes,
+    both encoders at TP2 beside LLM DP2, and non-colocated on 3 (vision, audio, LLM): within 1e-4 on
+    every sample."""
     tmp, data = omni
     world = LAYOUTS[layout][0]
     code, text = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), [layout])[0][layout]
@@ -189,3 +190,22 @@ def test_training_equals_one_process(omni, reference, layout):
     LLM TP2 colocated, and non-colocated: loss and gradient norm per step within 1e-4 of one
     process's."""
     assert_same_steps(reference, train(*omni, layout, layout, LAYOUTS[layout][0]))
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("modules, expected", [
+    ("  vision: {role: encoder, dp: 4}\n  llm: {role: llm, tp: 2, dp: 2}\n",
+     "a qwen2_5_omni model has an audio encoder: add a module `audio: {role: encoder}` and the edge audio -> llm"),
+    ("  vision: {role: encoder, dp: 4}\n  audio: {role: encoder, cp: 2, dp: 2}\n  llm: {role: llm, tp: 2, dp: 2}\n",
+     "module audio"),
+])
+def test_training_refusals(omni, tmp_path, modules, expected):
+    """What a Qwen2.5-Omni model cannot train with: one `error:` line naming the layout's fix."""
+    from tests.test_pretrain_errors import _run
+    from tests.test_qwen2_5_vl import _train_flags
+
+    edges = "edges: [vision -> llm, audio -> llm]\n" if "audio" in modules else ""
+    result = _run(["--hetero-layout", "layout.yaml", *_train_flags(*omni)], tmp_path,
+                  f"placement: colocated\n{edges}modules:\n{modules}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert expected in result.stderr.strip().splitlines()[-1], result.stderr[-500:]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_hetero.data.video import pyav_errors
+
 
 class AudioError(ValueError):
     """An audio that cannot be used (missing, not audio, no samples)."""
@@ -23,24 +25,13 @@ class AudioInfo:
 def read_audio(source, rate: int) -> np.ndarray:
     """float32 [samples]: the first audio stream of a file (a path or a file object), mono at `rate`
     Hz; raises AudioError."""
-    try:
-        import av
-    except ImportError:
-        raise AudioError("audio files need PyAV: pip install megatron-hetero[media]") from None
-    try:
-        with av.open(source) as container:
-            if not container.streams.audio:
-                raise AudioError("corrupt audio (no audio stream)")
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-            parts = [out.to_ndarray().reshape(-1) for frame in container.decode(container.streams.audio[0])
-                     for out in resampler.resample(frame)]
-            parts += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
-    except FileNotFoundError:
-        raise AudioError("missing audio") from None
-    except (av.error.FFmpegError, OSError, ValueError) as error:
-        if isinstance(error, AudioError):
-            raise
-        raise AudioError(f"corrupt audio ({error})") from None
+    with pyav_errors(AudioError, "audio") as av, av.open(source) as container:
+        if not container.streams.audio:
+            raise AudioError("corrupt audio (no audio stream)")
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+        parts = [out.to_ndarray().reshape(-1) for frame in container.decode(container.streams.audio[0])
+                 for out in resampler.resample(frame)]
+        parts += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
     waveform = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
     if not len(waveform):
         raise AudioError("corrupt audio (no samples)")

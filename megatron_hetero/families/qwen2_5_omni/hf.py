@@ -9,17 +9,15 @@ their tensors pass through unchanged (`KEPT`). Weight rules are in transformers 
 from megatron_hetero.convert.family import Family, Field
 from megatron_hetero.convert.llm import ROPE, llm_fields, llm_rules
 from megatron_hetero.convert.rules import (
-    Flattened,
     FusedQKV,
     HFMappingError,
     KeylessBias,
-    Same,
-    Stacked,
     same_params,
     with_hf_names,
 )
 from megatron_hetero.families.base import KeyScheme
-from megatron_hetero.families.qwen2_5_vl.hf import QWEN_VISION_FIELDS, VISION_ARCH
+from megatron_hetero.families.qwen2_5_vl import hf as qwen_vl_hf
+from megatron_hetero.families.qwen2_5_vl.hf import VISION_ARCH
 from megatron_hetero.spec.sizes import ACTIVATIONS, ModelSizes
 
 THINKER = "thinker."
@@ -32,48 +30,29 @@ HUB = KeyScheme("hub", ((VISION, f"{THINKER}visual."), (AUDIO, f"{THINKER}audio_
 KEPT = ("talker.", "token2wav.", f"{AUDIO}audio_bos_eos_token.")
 
 _T, _V, _A = "thinker_config.", "thinker_config.vision_config.", "thinker_config.audio_config."
-VISION_FIELDS = (
-    *(Field(f.hf.replace("vision_config.", _V), f.ours, f.default, f.choices) for f in QWEN_VISION_FIELDS),
-    Field(f"{_V}window_size", "family.window_size"),
-    Field(f"{_V}fullatt_block_indexes", "family.fullatt_block_indexes"),
-    Field(f"{_V}rope_parameters.rope_theta", "family.rope_theta", default=10000.0),
-)
-AUDIO_FIELDS = (
-    Field(f"{_A}d_model", "audio_hidden_size"),
-    Field(f"{_A}encoder_layers", "audio_num_layers"),
-    Field(f"{_A}encoder_attention_heads", "audio_num_attention_heads"),
-    Field(f"{_A}num_mel_bins", "audio_mel_bins"),
-    Field(f"{_A}encoder_ffn_dim", "family.audio_ffn_hidden_size"),
-    Field(f"{_A}activation_function", "family.audio_activation", choices=tuple(ACTIVATIONS)),
-    Field(f"{_A}n_window", "family.audio_n_window"),
-    Field(f"{_A}max_source_positions", "family.audio_max_source_positions"),
-    Field(f"{_A}output_dim", "family.audio_output_dim"),
-)
+VISION_FIELDS = tuple(Field(_V + f.hf.removeprefix("vision_config."), f.ours, f.default, f.choices)
+                      for f in qwen_vl_hf.VISION_FIELDS)
+# (audio_config field, ours): the audio_* sizes, and the rest in family_arch (audio.py's OmniAudioArch)
+AUDIO_FIELDS = tuple(Field(_A + hf, ours, choices=tuple(ACTIVATIONS) if hf == "activation_function" else ())
+                     for hf, ours in (("d_model", "audio_hidden_size"), ("encoder_layers", "audio_num_layers"),
+                                      ("encoder_attention_heads", "audio_num_attention_heads"),
+                                      ("num_mel_bins", "audio_mel_bins"),
+                                      ("encoder_ffn_dim", "family.audio_ffn_hidden_size"),
+                                      ("activation_function", "family.audio_activation"),
+                                      ("n_window", "family.audio_n_window"),
+                                      ("max_source_positions", "family.audio_max_source_positions"),
+                                      ("output_dim", "family.audio_output_dim")))
 TEXT_FIELDS = (*llm_fields(f"{_T}text_config."), Field(f"{_T}text_config.tie_word_embeddings", "arch.tied_embeddings"),
                Field(f"{_T}text_config.rope_parameters.mrope_section", "arch.mrope_section"))
 
 
-def vision_rules(sizes: ModelSizes) -> list:
-    from megatron_hetero.families.qwen2_5_vl.vision import QwenVisionArch
+def separate_qkv(ours: str, hf: str, heads: int) -> list:
+    """Qwen2.5-Omni's vision attention: q, k, v projections apart (weight, bias)."""
+    return [FusedQKV(f"{ours}.{x}", tuple(f"{hf}{n}.{x}" for n in "qkv"), heads, heads) for x in ("weight", "bias")]
 
-    arch, heads = QwenVisionArch.of(sizes), sizes.enc_num_attention_heads
-    p = arch.patch_size
-    rules = [Flattened("input_embedding.weight", f"{VISION}patch_embed.proj.weight",
-                       (sizes.enc_hidden_size, arch.in_channels, arch.temporal_patch_size, p, p)),
-             Same("decoder.final_layernorm.weight", f"{VISION}merger.ln_q.weight"),
-             *same_params("projector.encoder.linear_fc1", f"{VISION}merger.mlp.0"),
-             *same_params("projector.encoder.linear_fc2", f"{VISION}merger.mlp.2")]
-    for i in range(sizes.enc_num_layers):
-        ours, hf = f"decoder.layers.{i}.", f"{VISION}blocks.{i}."
-        rules += [Same(f"{ours}input_layernorm.weight", f"{hf}norm1.weight"),
-                  *(FusedQKV(f"{ours}self_attention.linear_qkv.{x}", tuple(f"{hf}attn.{n}.{x}" for n in "qkv"),
-                             heads, heads) for x in ("weight", "bias")),
-                  *same_params(f"{ours}self_attention.linear_proj", f"{hf}attn.proj"),
-                  Same(f"{ours}pre_mlp_layernorm.weight", f"{hf}norm2.weight"),
-                  *(Stacked(f"{ours}mlp.linear_fc1.{x}", (f"{hf}mlp.gate_proj.{x}", f"{hf}mlp.up_proj.{x}"))
-                    for x in ("weight", "bias")),
-                  *same_params(f"{ours}mlp.linear_fc2", f"{hf}mlp.down_proj")]
-    return rules
+
+def vision_rules(sizes: ModelSizes) -> list:
+    return qwen_vl_hf.vision_rules(sizes, VISION, separate_qkv)
 
 
 def audio_rules(sizes: ModelSizes) -> list:
