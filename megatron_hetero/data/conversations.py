@@ -186,6 +186,10 @@ class ConversationSpec:
     # of the samples holding items (tiles) that DP rank encodes; others stay NaN.
     decode_shares: tuple[tuple[int, int], ...] = ((1, 0),)
     encoder_width: int = 1  # the encoder's hidden size: with the items' tokens, their cost (assign_items)
+    # the same for the audio encoders (a model that takes audio): (dp, dp rank) of each whose first
+    # stage this rank holds, the audio encoder's hidden size
+    audio_shares: tuple[tuple[int, int], ...] = ((1, 0),)
+    audio_width: int = 1
     pack_samples: int = 1  # samples per sequence (--pack-samples; 1: no packing)
 
 
@@ -319,19 +323,25 @@ class ConversationSamples(torch.utils.data.Dataset):
         if items:
             sample.media[kind].items = torch.cat(items)
 
+    def _decode_shares(self, samples: list[tuple[Sample, list]], kind: str, shares, width: int) -> None:
+        """Decodes the `kind` media of the samples holding items that the encoder DP ranks `shares`
+        ((dp, rank) each) take: the boundary's assignment by the items' tokens (assign_items)."""
+        counts = [int(sample.media[kind].counts) for sample, _ in samples]
+        owner = np.repeat(np.arange(len(samples)), counts)  # the sample of each item
+        media = [sample.media[kind] for sample, _ in samples]
+        tokens = np.concatenate([self.spec.images.item_tokens(m) if kind == VISION else m.grids.prod(1).numpy()
+                                 for m in media])
+        for dp, rank in shares:
+            mine = assign_items(tokens, width, dp) == rank
+            for s in np.unique(owner[mine]):
+                self._decode(*samples[s], kind)
+
     def collate(self, samples: list[tuple[Sample, list]]) -> dict:
         """The model call's arguments for a global microbatch (this rank's encoder samples decoded),
         and `skipped`: the bad samples passed over."""
-        counts = [int(sample.media[VISION].counts) for sample, _ in samples]
-        owner = np.repeat(np.arange(len(samples)), counts)  # the sample of each item
-        tokens = np.concatenate([self.spec.images.item_tokens(sample.media[VISION]) for sample, _ in samples])
-        for dp, rank in self.spec.decode_shares:
-            mine = assign_items(tokens, self.spec.encoder_width, dp) == rank
-            for s in np.unique(owner[mine]):
-                self._decode(*samples[s])
-        if AUDIO in self._encoders():  # every rank decodes the audios (their features are small)
-            for sample, sources in samples:
-                self._decode(sample, sources, AUDIO)
+        self._decode_shares(samples, VISION, self.spec.decode_shares, self.spec.encoder_width)
+        if AUDIO in self._encoders():
+            self._decode_shares(samples, AUDIO, self.spec.audio_shares, self.spec.audio_width)
         samples = [sample for sample, _ in samples]
         if self.spec.pack_samples > 1:
             samples = pack(samples, self.spec.pack_samples, self.tokenizer.pad_id)
