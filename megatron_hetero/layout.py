@@ -10,7 +10,7 @@ import json
 import sys
 
 from megatron_hetero.cli.picture import draw_layout
-from megatron_hetero.families import encoder_cp_tokens, family_named
+from megatron_hetero.families import encoder_cp_tokens, encoder_stage_problem, family_named
 from megatron_hetero.models.kinds import UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout, load_layout
@@ -81,11 +81,8 @@ def _model_checks(layout: HeteroLayout, model_file: str) -> list[str]:
         except UnknownKindError as error:
             raise LayoutError(str(error)) from None
         problems += [rules.encoder_cp_problem(module, encoder_cp_tokens(module, sizes)),
-                     rules.encoder_pp_problem(module, layout.placement),
+                     rules.encoder_pp_problem(module, layout.placement), encoder_stage_problem(module, sizes),
                      *_size_problems(module, sizes, f"{kind.flag_prefix}_", model_file)]
-        if family and module.pp > 1 and not family.vision_stages:
-            problems.append(f"module {module.name}: the {sizes.family} vision tower runs as one pipeline stage; "
-                            f"set its pp: 1")
     deepstack = family.deepstack(sizes) if family else ()
     vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
     rules.check(LayoutError, *problems, rules.deepstack_problem(layout, vision, deepstack))

@@ -314,9 +314,10 @@ def test_bad_samples_skipped(tmp_path):
     path.write_bytes(b"\n".join(r if isinstance(r, bytes) else json.dumps(r).encode() for r, _ in lines) + b"\n")
     ds = _dataset(path)
     good = [i for i, (_, reason) in enumerate(lines) if reason is None]
-    # (the video reasons need a model that takes videos: tests/test_video.py)
-    assert {reason for _, reason in lines} - {None} == set(REASONS) - {"missing_video", "corrupt_video",
-                                                                       "video_count_mismatch"}
+    # (the video and audio reasons need a model that takes them: tests/test_video.py, test_qwen2_5_omni.py)
+    assert {reason for _, reason in lines} - {None} == set(REASONS) - {
+        f"{what}_{kind}" for kind in ("video", "audio") for what in ("missing", "corrupt")} - {
+        "video_count_mismatch", "audio_count_mismatch"}
     for i, (_, reason) in enumerate(lines):
         sample, _ = ds[i]
         target = next(g for g in good if g >= i)  # the next good record

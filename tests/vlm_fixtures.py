@@ -160,6 +160,24 @@ def save_video_settings(directory: Path, family: str) -> None:
     (directory / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_SETTINGS[family], indent=1))
 
 
+def llava(user: str, answer: str, **media) -> dict:
+    """A LLaVA-style record of one exchange."""
+    return {"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}], **media}
+
+
+def sharegpt(user: str, answer: str, **media) -> dict:
+    """A ShareGPT-style record of one exchange."""
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **media}
+
+
+def write_records(records: list[dict], path: Path, prefix: str) -> Path:
+    """The records, their ids `prefix`0, `prefix`1, ..., as a JSON file."""
+    for i, record in enumerate(records):
+        record["id"] = f"{prefix}{i}"
+    path.write_text(json.dumps(records, indent=1))
+    return path
+
+
 def video_conversations(directory: Path, bad: bool = True) -> Path:
     """video.json under `directory` (with conversations()'s images): a video without an image
     (LLaVA-style), an image and a video in one sample (ShareGPT-style messages and media lists), a
@@ -175,12 +193,6 @@ def video_conversations(directory: Path, bad: bool = True) -> Path:
     (directory / "empty.mp4").write_bytes(b"")
     (directory / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video at all")
 
-    def llava(user, answer, **media):
-        return {"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": answer}], **media}
-
-    def sharegpt(user, answer, **media):
-        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **media}
-
     records = [
         llava("<video>\ndescribe the image", "a red square on the left", video="clip.mp4"),
         sharegpt("compare these two images <image> and <video>", "a blue circle", images=["wide.png"],
@@ -195,8 +207,4 @@ def video_conversations(directory: Path, bad: bool = True) -> Path:
                         sharegpt("<video>", "blue", videos=["gone.mp4"]),
                         sharegpt("<video> and <video>", "no", videos=["clip.mp4"]),
                         sharegpt("<audio> what", "yes", audios=["a.wav"])]
-    for i, record in enumerate(records):
-        record["id"] = f"v{i}"
-    path = directory / "video.json"
-    path.write_text(json.dumps(records, indent=1))
-    return path
+    return write_records(records, directory / "video.json", "v")

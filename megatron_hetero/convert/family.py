@@ -46,9 +46,10 @@ class Field:
 
 @dataclass(frozen=True)
 class Family:
-    """name: ours; model_type: config.json's; module: "llm" or "vision" (what our builders build,
-    and the ModelSizes arch it sets, llm_arch or vision_arch); hf_fixed: config values the mapping
-    assumes (checked on import, written on export); arch: our arch fields the family implies;
+    """name: ours; model_type: config.json's; module: "llm", "vision" or "audio" (what our builders
+    build, and the ModelSizes arch it sets where there is one, llm_arch or vision_arch); hf_fixed:
+    config values the mapping assumes (checked on import, written on export); arch: our arch fields
+    the family implies;
     rules(sizes): the weight rules; hf_kept: Hugging Face key prefixes of tensors our module does not
     hold (SigLIP's pooling head, older files' position ids): carried unchanged from import to export
     (`untrained`); hf_tied: (name, the name it is tied to) of a tensor that is another one again (a
@@ -93,8 +94,9 @@ class Family:
                                      f"use one of {', '.join(map(repr, f.choices))}")
             kind, _, name = f.ours.rpartition(".")
             {"arch": arch, "family": family, "": sizes}[kind][name] = value
-        arch_cls = type(getattr(base, self._arch_field))
-        return replace(base, **sizes, **{self._arch_field: arch_cls(**arch)}, family_arch=family)
+        if hasattr(base, self._arch_field):
+            sizes[self._arch_field] = type(getattr(base, self._arch_field))(**arch)
+        return replace(base, **sizes, family_arch=family)
 
     def config(self, sizes: ModelSizes, base=None):
         """The Hugging Face config of our module: our fields written over `base` (e.g. the imported

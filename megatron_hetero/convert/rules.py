@@ -194,3 +194,24 @@ class SplitExperts:
 
     def split(self, *experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (torch.stack([e.T if self.transposed else e for e in experts]),)
+
+
+@dataclass(frozen=True)
+class KeylessBias:
+    """linear_qkv's bias from the query and value biases of an attention whose key projection has no
+    bias (Whisper's): ours holds zeros there (a key bias shifts all of a query's scores alike, which
+    softmax ignores), and the export leaves them out."""
+
+    ours: str
+    hf: tuple[str, str]
+    heads: int
+
+    def _fused(self) -> FusedQKV:
+        return FusedQKV(self.ours, ("q", "k", "v"), self.heads, self.heads)
+
+    def join(self, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._fused().join(q, torch.zeros_like(q), v)
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, _, v = self._fused().split(t)
+        return q, v

@@ -9,8 +9,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 # Why a sample was skipped, in the order the end-of-run summary lists them.
-REASONS = ("missing_image", "corrupt_image", "missing_video", "corrupt_video", "too_long", "image_count_mismatch",
-           "video_count_mismatch", "unsupported_media", "empty_conversation", "non_utf8", "malformed")
+REASONS = ("missing_image", "corrupt_image", "missing_video", "corrupt_video", "missing_audio", "corrupt_audio",
+           "too_long", "image_count_mismatch", "video_count_mismatch", "audio_count_mismatch", "unsupported_media",
+           "empty_conversation", "non_utf8", "malformed")
 
 
 class DataError(ValueError):
@@ -28,7 +29,7 @@ def one_line(error: DataError) -> str:
 @dataclass(frozen=True)
 class BadSample:
     reason: str  # one of REASONS
-    file: str  # the data file (or the media file for a missing or corrupt image or video)
+    file: str  # the data file (or the media file for a missing or corrupt image, video or audio)
     sample: str  # the sample's id, or its index in the file
     detail: str
 

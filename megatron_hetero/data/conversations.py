@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from megatron_hetero.boundary import assign_items
+from megatron_hetero.data.audio import AudioError
 from megatron_hetero.data.bad_data import BadSample, DataError, SkipReport
 from megatron_hetero.data.chat import MEDIA_TAGS, ROLES, Turn, encode_conversation
 from megatron_hetero.data.energon import EnergonRecords, ImagePart, is_energon_dataset
@@ -33,8 +34,9 @@ from megatron_hetero.data.media import ImageItems, ImageProcessing
 from megatron_hetero.data.sample_batch import Sample, SampleBatch, pack
 from megatron_hetero.data.tokenizer import AUDIO_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN
 from megatron_hetero.data.video import VideoError, probe_video
+from megatron_hetero.models.kinds import ENCODER_KINDS
 
-VISION = "vision"  # the encoder kind whose items these samples carry
+VISION, AUDIO = "vision", "audio"  # the encoder kinds whose items these samples carry (images and videos; audios)
 # Media kind -> (its tag, the record's keys for its list: LLaVA's, ShareGPT's).
 MEDIA = {"image": (IMAGE_TOKEN, ("image", "images")), "video": (VIDEO_TOKEN, ("video", "videos")),
          "audio": (AUDIO_TOKEN, ("audio", "audios"))}
@@ -164,11 +166,14 @@ def _openable(source):
 
 @dataclass(frozen=True)
 class MediaSource:
-    """A sample's image or video: its kind, its file (a video's frames: their files) and its items."""
+    """A sample's image, video or audio: its kind, its file (a video's frames: their files) and its
+    items; `tagged`: it has a tag of its own (a video's own audio track has none: the video's tag
+    expands to both)."""
 
     kind: str
     source: object
     items: ImageItems
+    tagged: bool = True
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,10 @@ class ConversationSpec:
     # of the samples holding items (tiles) that DP rank encodes; others stay NaN.
     decode_shares: tuple[tuple[int, int], ...] = ((1, 0),)
     encoder_width: int = 1  # the encoder's hidden size: with the items' tokens, their cost (assign_items)
+    # the same for the audio encoders (a model that takes audio): (dp, dp rank) of each whose first
+    # stage this rank holds, the audio encoder's hidden size
+    audio_shares: tuple[tuple[int, int], ...] = ((1, 0),)
+    audio_width: int = 1
     pack_samples: int = 1  # samples per sequence (--pack-samples; 1: no packing)
 
 
@@ -201,24 +210,41 @@ class ConversationSamples(torch.utils.data.Dataset):
         return self.num_samples
 
     def _items(self, media: list[tuple[str, object]], sample: str) -> list[MediaSource]:
-        """Each image's and video's items, from its size and frames (its file checked, not decoded);
-        raises SkipSample."""
+        """Each image's, video's and audio's items, from its size, frames or length (an image or a
+        video checked, not decoded); raises SkipSample."""
         sources = []
         for kind, source in media:
             try:
-                if kind == "image":
-                    items = self.spec.images.items(*check_image(_openable(source)))
-                else:
-                    items = self.spec.images.video_items(probe_video(_openable(source)))
-            except (ImageError, VideoError) as error:
+                sources += self._medium(kind, source)
+            except (ImageError, VideoError, AudioError) as error:
                 reason = f"missing_{kind}" if str(error).startswith(f"missing {kind}") else f"corrupt_{kind}"
                 raise SkipSample(BadSample(reason, str(source), sample, str(error))) from None
-            sources.append(MediaSource(kind, source, items))
         return sources
 
+    def _medium(self, kind: str, source) -> list[MediaSource]:
+        """A medium's sources: itself, and after a video the audio of its own track where the model
+        loads it (`load_audio_from_video`: the video's tag expands to both)."""
+        images = self.spec.images
+        if kind == "image":
+            return [MediaSource(kind, source, images.items(*check_image(_openable(source))))]
+        if kind == "audio":
+            return [MediaSource(kind, source, images.audio_items(images.audio_info(_openable(source))))]
+        items = images.video_items(probe_video(_openable(source)))
+        if not getattr(images, "load_audio_from_video", False):
+            return [MediaSource(kind, source, items)]
+        audio = images.audio_items(images.audio_info(_openable(source)))
+        return [MediaSource(kind, source, images.with_audio(items, audio)),
+                MediaSource("audio", source, audio, tagged=False)]
+
     def _kinds(self) -> tuple[str, ...]:
-        """The media kinds this model's processing takes (videos where it has video_items)."""
-        return ("image", "video") if hasattr(self.spec.images, "video_items") else ("image",)
+        """The media kinds this model's processing takes (its `media_kinds`; else videos where it has
+        video_items)."""
+        default = ("image", "video") if hasattr(self.spec.images, "video_items") else ("image",)
+        return getattr(self.spec.images, "media_kinds", default)
+
+    def _encoders(self) -> tuple[str, ...]:
+        """The encoder kinds of this model's samples: vision, and audio where it takes audio."""
+        return (VISION, AUDIO) if "audio" in self._kinds() else (VISION,)
 
     def encode(self, index: int) -> tuple[Sample, list[MediaSource]]:
         """Record `index` as a sample, and its media (files, frame lists or energon parts, with their
@@ -227,20 +253,33 @@ class ConversationSamples(torch.utils.data.Dataset):
         record = self.records[index]
         sample, media, turns = _parse(record, spec.path, index, self._kinds())
         sources = self._items([(kind, self._source(record, name)) for kind, name in media], sample)
-        items = [source.items for source in sources]
-        expansions = [i.expansion if i.expansion is not None else sum(i.rows) for i in items]
+        expansions = [s.items.expansion if s.items.expansion is not None else sum(s.items.rows)
+                      for s in sources if s.tagged]
         ids, assistant = encode_conversation(self.tokenizer, turns, expansions, self.image_tokens)
         if len(ids) > spec.seq_length:
             raise SkipSample(BadSample("too_long", spec.path, sample,
                                        f"{len(ids)} tokens, more than --seq-length {spec.seq_length}"))
-        at = [t for t, token in enumerate(ids) if token in self.image_tokens.placeholders]
-        if len(at) != sum(sum(i.rows) for i in items):
-            raise SkipSample(BadSample("malformed", spec.path, sample, "its text holds the model's media placeholder "
-                                                                       "tokens"))
+        media, vision = self._media(ids, sources, sample)
+        at = media[VISION].positions.tolist()
         runs = [t for k, t in enumerate(at) if not k or at[k - 1] != t - 1]  # each run of placeholders' start
-        media = spec.images.media(items, torch.tensor(at, dtype=torch.long))
-        position_ids = spec.images.position_ids(spec.seq_length, runs, items)
-        return Sample(*self._sequence(ids, assistant), {VISION: media}, position_ids=position_ids), sources
+        position_ids = spec.images.position_ids(spec.seq_length, runs, vision)
+        return Sample(*self._sequence(ids, assistant), media, position_ids=position_ids), sources
+
+    def _media(self, ids: list[int], sources: list[MediaSource], sample: str) -> tuple[dict, list[ImageItems]]:
+        """(encoder kind -> the sample's Media, the vision items) from its tokens: each encoder's
+        rows fill the positions of its placeholders; raises SkipSample."""
+        images = self.spec.images
+        kinds = {VISION: (self.image_tokens.placeholders, [s.items for s in sources if s.kind != "audio"])}
+        if AUDIO in self._encoders():
+            kinds[AUDIO] = ((images.audio_tokens.placeholder,), [s.items for s in sources if s.kind == "audio"])
+        media = {}
+        for kind, (placeholders, items) in kinds.items():
+            at = torch.tensor([t for t, token in enumerate(ids) if token in placeholders], dtype=torch.long)
+            if len(at) != sum(sum(i.rows) for i in items):
+                raise SkipSample(BadSample("malformed", self.spec.path, sample, "its text holds the model's media "
+                                                                                "placeholder tokens"))
+            media[kind] = images.media(items, at) if kind == VISION else images.audio_media(items, at)
+        return media, kinds[VISION][1]
 
     def _source(self, record, name):
         """A medium's file (a video as frames: each frame's)."""
@@ -270,29 +309,42 @@ class ConversationSamples(torch.utils.data.Dataset):
         raise DataError(f"--data-path {self.spec.path}: no usable sample (first problem: {skipped[0].line()}); "
                             f"run with --strict-data to stop at each")
 
-    def _decode(self, sample: Sample, sources: list[MediaSource]) -> None:
+    def _decode(self, sample: Sample, sources: list[MediaSource], kind: str = VISION) -> None:
+        """The pixels of a sample's images and videos (kind VISION), or its audios' features."""
         images = self.spec.images
+        sources = [s for s in sources if (s.kind == "audio") == (kind == AUDIO)]
         try:
             items = [images.pixels(_openable(s.source)) if s.kind == "image" else
-                     images.video_pixels(_openable(s.source), s.items) for s in sources]
-        except (ImageError, VideoError) as error:  # checked in encode: only a file changed or broken past its structure
-            raise DataError(f"{self.spec.path}: cannot decode an image or video of a sample ({error}); "
+                     images.video_pixels(_openable(s.source), s.items) if s.kind == "video" else
+                     images.audio_pixels(_openable(s.source), s.items) for s in sources]
+        except (ImageError, VideoError, AudioError) as error:  # checked in encode: a file changed or broken past it
+            raise DataError(f"{self.spec.path}: cannot decode an image, video or audio of a sample ({error}); "
                             f"fix or remove it") from None
         if items:
-            sample.media[VISION].items = torch.cat(items)
+            sample.media[kind].items = torch.cat(items)
+
+    def _decode_shares(self, samples: list[tuple[Sample, list]], kind: str, shares, width: int) -> None:
+        """Decodes the `kind` media of the samples holding items that the encoder DP ranks `shares`
+        ((dp, rank) each) take: the boundary's assignment by the items' tokens (assign_items)."""
+        counts = [int(sample.media[kind].counts) for sample, _ in samples]
+        owner = np.repeat(np.arange(len(samples)), counts)  # the sample of each item
+        media = [sample.media[kind] for sample, _ in samples]
+        tokens = np.concatenate([self.spec.images.item_tokens(m) if kind == VISION else m.grids.prod(1).numpy()
+                                 for m in media])
+        for dp, rank in shares:
+            mine = assign_items(tokens, width, dp) == rank
+            for s in np.unique(owner[mine]):
+                self._decode(*samples[s], kind)
 
     def collate(self, samples: list[tuple[Sample, list]]) -> dict:
         """The model call's arguments for a global microbatch (this rank's encoder samples decoded),
         and `skipped`: the bad samples passed over."""
-        counts = [int(sample.media[VISION].counts) for sample, _ in samples]
-        owner = np.repeat(np.arange(len(samples)), counts)  # the sample of each item
-        tokens = np.concatenate([self.spec.images.item_tokens(sample.media[VISION]) for sample, _ in samples])
-        for dp, rank in self.spec.decode_shares:
-            mine = assign_items(tokens, self.spec.encoder_width, dp) == rank
-            for s in np.unique(owner[mine]):
-                self._decode(*samples[s])
+        self._decode_shares(samples, VISION, self.spec.decode_shares, self.spec.encoder_width)
+        if AUDIO in self._encoders():
+            self._decode_shares(samples, AUDIO, self.spec.audio_shares, self.spec.audio_width)
         samples = [sample for sample, _ in samples]
         if self.spec.pack_samples > 1:
             samples = pack(samples, self.spec.pack_samples, self.tokenizer.pad_id)
         batch = SampleBatch.collate(samples)
-        return {**batch.model_kwargs({VISION: self.input_key}), "skipped": batch.skipped}
+        return {**batch.model_kwargs({VISION: self.input_key, AUDIO: ENCODER_KINDS[AUDIO].input_key}),
+                "skipped": batch.skipped}

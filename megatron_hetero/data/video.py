@@ -4,6 +4,7 @@ the ones its video processors take), or a list of frame images. A model's video 
 reads it without decoding, as images' sizes are read) and resizes them here as torchvision does.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,12 +28,27 @@ class VideoInfo:
     height: int
 
 
-def _av():
+def _av(error: type[ValueError] = VideoError, what: str = "video"):
     try:
         import av
     except ImportError:
-        raise VideoError("video files need PyAV: pip install megatron-hetero[media]") from None
+        raise error(f"{what} files need PyAV: pip install megatron-hetero[media]") from None
     return av
+
+
+@contextmanager
+def pyav_errors(error: type[ValueError] = VideoError, what: str = "video"):
+    """PyAV's and the file system's errors while reading a `what` file as one `error` line: missing,
+    or corrupt (FFmpeg's reason)."""
+    av = _av(error, what)
+    try:
+        yield av
+    except FileNotFoundError:
+        raise error(f"missing {what}") from None
+    except (av.error.FFmpegError, OSError, ValueError) as problem:
+        if isinstance(problem, error):
+            raise
+        raise error(f"corrupt {what} ({problem})") from None
 
 
 def probe_video(source) -> VideoInfo:
@@ -40,19 +56,11 @@ def probe_video(source) -> VideoInfo:
     container's video stream, or a list of frame images (each checked as an image); raises VideoError."""
     if isinstance(source, (list, tuple)):
         return _probe_frames(source)
-    av = _av()
-    try:
-        with av.open(source) as container:
-            if not container.streams.video:
-                raise VideoError("corrupt video (no video stream)")
-            stream = container.streams.video[0]
-            info = VideoInfo(int(stream.frames), float(stream.average_rate or 0) or None, stream.width, stream.height)
-    except FileNotFoundError:
-        raise VideoError("missing video") from None
-    except (av.error.FFmpegError, OSError, ValueError) as error:
-        if isinstance(error, VideoError):
-            raise
-        raise VideoError(f"corrupt video ({error})") from None
+    with pyav_errors() as av, av.open(source) as container:
+        if not container.streams.video:
+            raise VideoError("corrupt video (no video stream)")
+        stream = container.streams.video[0]
+        info = VideoInfo(int(stream.frames), float(stream.average_rate or 0) or None, stream.width, stream.height)
     if info.total_frames < 1 or info.fps is None:
         # transformers' reader samples by the stream's frame count and rate
         raise VideoError("corrupt video (its stream states no frame count or rate; remux it, e.g. to .mp4)")

@@ -14,6 +14,7 @@ REGISTRY = {
     "internvl": (("internvl",), "megatron_hetero.families.internvl:INTERNVL"),
     "qwen3_vl": (("qwen3_vl",), "megatron_hetero.families.qwen3_vl:QWEN3_VL"),
     "qwen3_vl_moe": (("qwen3_vl_moe",), "megatron_hetero.families.qwen3_vl:QWEN3_VL_MOE"),
+    "qwen2_5_omni": (("qwen2_5_omni",), "megatron_hetero.families.qwen2_5_omni:QWEN2_5_OMNI"),
 }
 BY_MODEL_TYPE = {model_type: name for name, (types, _) in REGISTRY.items() for model_type in types}
 
@@ -48,8 +49,21 @@ def encoder_cp_tokens(module, sizes) -> int | None:
     kind = encoder_kind(module)
     if sizes.family and kind.name == "vision":
         return 0 if family_named(sizes.family).vision_cp else None
+    if sizes.family and kind.name == "audio":  # a family's audio encoder does not split an audio
+        return None
     return kind.stage_tokens(sizes)
 
 
-__all__ = ["BY_MODEL_TYPE", "REGISTRY", "UnknownFamilyError", "encoder_cp_tokens", "family_named",
-           "family_of_config"]
+def encoder_stage_problem(module, sizes) -> str | None:
+    """Why a family's encoder `module` cannot have its pp (a tower that runs as one stage), or None."""
+    if not sizes.family or module.pp == 1:
+        return None
+    family = family_named(sizes.family)
+    if module.kind == "vision" and family.vision_stages:
+        return None
+    what = "vision tower" if module.kind == "vision" else f"{module.kind} encoder"
+    return f"module {module.name}: the {sizes.family} {what} runs as one pipeline stage; set its pp: 1"
+
+
+__all__ = ["BY_MODEL_TYPE", "REGISTRY", "UnknownFamilyError", "encoder_cp_tokens", "encoder_stage_problem",
+           "family_named", "family_of_config"]

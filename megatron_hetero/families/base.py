@@ -67,7 +67,11 @@ class VLMFamily:
     tensors; schemes: the key spellings files may use (the first, in-memory, is transformers');
     finish(sizes, config): the family's further sizes and checks across modules; vision_builder,
     media_builder, settings_reader: "module:function" paths (see build_vision, media,
-    processor_settings); vision_stages: whether the vision module may have pp > 1; vision_cp: cp > 1."""
+    processor_settings); audio_builder: the audio encoder's builder (families with an "audio"
+    part); vision_stages: whether the vision module may have pp > 1; vision_cp: cp > 1; kept: the
+    in-memory key prefixes of tensors no module holds (an omni model's speech generator), carried
+    from import to export unchanged; compared: the transformers class of the part our modules are
+    (an omni model's thinker; "": the whole model's `architecture`), which `hf compare` runs."""
 
     name: str
     architecture: str
@@ -89,6 +93,9 @@ class VLMFamily:
     # DeepStack (Qwen3-VL): the vision layers whose extra rows go to LLM layers 0, 1, ... (the tower
     # sends them as extra columns of its rows: models/deepstack.py); () for none
     deepstack: Callable[[ModelSizes], tuple[int, ...]] = lambda sizes: ()
+    audio_builder: str = ""
+    kept: tuple[str, ...] = ()
+    compared: str = ""
 
     # ---- Hugging Face config and weights ---------------------------------------------------------
     def sizes(self, config, base: ModelSizes = ModelSizes()) -> ModelSizes:
@@ -112,7 +119,8 @@ class VLMFamily:
 
     def _unknown(self, keys, sizes: ModelSizes, scheme: KeyScheme, known: set) -> list[str]:
         """The keys `scheme` does not spell (every tensor of the files is read: none is dropped);
-        known = the in-memory names of the rules and copies."""
+        known = the in-memory names of the rules and copies; the kept tensors are known in any scheme."""
+        keys = [key for key in keys if not scheme.to_memory(key).startswith(self.kept)] if self.kept else keys
         if scheme.rules is not None:  # the files' own names
             names = {name for rules in scheme.rules(sizes).values() for rule in rules for name in rule.hf}
             return [key for key in keys if key not in names and scheme.to_memory(key) not in self.copies(sizes)]
@@ -125,6 +133,14 @@ class VLMFamily:
             return []
         want = scheme.shapes(sizes)
         return [key for key, tensor in tensors.items() if key in want and tuple(tensor.shape) != want[key]]
+
+    def is_kept(self, key: str) -> bool:
+        """Whether in-memory key `key` is a tensor no module holds (`kept`)."""
+        return bool(self.kept) and key.startswith(self.kept)
+
+    def kept_tensors(self, hf_state: dict[str, torch.Tensor], scheme: KeyScheme) -> dict[str, torch.Tensor]:
+        """The files' tensors no module holds, under the files' names."""
+        return {key: t for key, t in hf_state.items() if self.is_kept(scheme.to_memory(key))}
 
     def _module_of(self, key: str) -> str:
         for name, prefixes in self.prefixes.items():
@@ -142,7 +158,7 @@ class VLMFamily:
             return self._through_file_rules(hf_state, sizes, scheme)
         split = {name: {} for name in self.parts}
         for key, tensor in memory.items():
-            if key not in copies:
+            if key not in copies and not self.is_kept(key):
                 split[self._module_of(key)][key] = tensor
         return {name: part.to_ours(split[name], sizes) for name, part in self.parts.items()}
 
@@ -185,6 +201,13 @@ class VLMFamily:
         """This rank's vision encoder (a stage of the module, see models/vlm.py's builders); its
         forward(items, grids) returns the rows of its items, item by item."""
         return _call(self.vision_builder, sizes, tp, pgs, dtype, whole=whole, **config_overrides)
+
+    def build_audio(self, sizes: ModelSizes, tp: int, pgs, dtype: torch.dtype = torch.float32,
+                    whole: bool = False, **config_overrides):
+        """This rank's audio encoder; its forward(features, grids) returns the rows of its audios."""
+        if not self.audio_builder:
+            raise ValueError(f"{self.name} has no audio encoder; remove the audio module from the layout")
+        return _call(self.audio_builder, sizes, tp, pgs, dtype, whole=whole, **config_overrides)
 
     def media(self, sizes: ModelSizes, settings: dict, hf_config: dict):
         """The data's image processing (data/media.py's ImageProcessing) with the image processor

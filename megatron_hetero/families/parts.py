@@ -64,10 +64,12 @@ def build_vlm_parts(run: HeteroRun, sizes: ModelSizes, seed: int, ablate_vision:
 
 
 def encoder_builder(layout, sizes: ModelSizes):
-    """The builder of an encoder module: a VLM family's vision tower, else its kind's."""
+    """The builder of an encoder module: a VLM family's vision tower or audio encoder, else its kind's."""
     kind = encoder_kind(layout)
     if sizes.family and kind.name == "vision":
         return family_named(sizes.family).build_vision
+    if sizes.family and kind.name == "audio":
+        return family_named(sizes.family).build_audio
     return kind.build
 
 

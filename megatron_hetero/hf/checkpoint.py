@@ -57,6 +57,15 @@ def _start_world(layout) -> bool:
     return True
 
 
+def _one_process_layout(sizes: ModelSizes) -> dict:
+    """Every module whole on one process: vision and the LLM, and a family's other encoders (audio)."""
+    from megatron_hetero.families import family_named
+
+    encoders = [name for name in family_named(sizes.family).parts if name != "llm"] if sizes.family else ["vision"]
+    return {"placement": "colocated", "edges": [f"{name} -> llm" for name in encoders],
+            "modules": {**{name: {"role": "encoder"} for name in encoders}, "llm": {"role": "llm"}}}
+
+
 @contextmanager
 def model_under(sizes: ModelSizes, layout=None):
     """This rank's HeteroModel (its stage of every module it holds, weights from seed 0) under
@@ -70,8 +79,7 @@ def model_under(sizes: ModelSizes, layout=None):
 
     started = _start_world(layout)
     try:
-        layout = layout or parse_layout({"placement": "colocated", "edges": ["vision -> llm"],
-                                         "modules": {"vision": {"role": "encoder"}, "llm": {"role": "llm"}}}, 1)
+        layout = layout or parse_layout(_one_process_layout(sizes), 1)
         run = build_run(layout)
         point_at(run.primary.pgs)
         init_outside_training(0, tp_rank=run.primary.coords()["tp"])

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from megatron_hetero.convert.rules import HFMappingError
 
-VISION = "vision"
+VISION, AUDIO = "vision", "audio"
 
 
 def add_arguments(parser) -> None:
@@ -112,8 +112,10 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> flo
 def _sample_report(hf_model, images, sample, sources, ours: torch.Tensor, vocab: int) -> tuple[float, float, float]:
     """(transformers' loss, ours, max |logit diff|) of one sample over its whole sequence."""
     ids = sample.input_ids[None]
+    vision = [s.items for s in sources if s.kind != AUDIO]
+    audio = {"audio": sample.media[AUDIO]} if AUDIO in sample.media else {}  # a family that takes audio
     with torch.no_grad():
-        theirs = hf_model(input_ids=ids, **images.hf_inputs(ids, sample.media[VISION], [s.items for s in sources])
+        theirs = hf_model(input_ids=ids, **images.hf_inputs(ids, sample.media[VISION], vision, **audio)
                           ).logits[0].float()
     ours = ours[:, :vocab]
     return (_loss(theirs, sample.labels, sample.loss_mask), _loss(ours, sample.labels, sample.loss_mask),
@@ -133,9 +135,11 @@ def _layout(args):
     return layout
 
 
-def _hf_model(args, architecture: str):
+def _hf_model(args, family):
+    """transformers' model of the family (the part it compares: an omni model's thinker), fp32."""
     import transformers
 
+    architecture = family.compared or family.architecture
     return getattr(transformers, architecture).from_pretrained(args.model, dtype=torch.float32).eval()
 
 
@@ -158,7 +162,7 @@ def compare(args) -> int:
     family = family_named(sizes.family)
     with loaded_model(args.load, sizes, layout) as model:
         dp = model.run.layout.llm.dp
-        hf_model = _hf_model(args, family.architecture) if dist.get_rank() == 0 else None
+        hf_model = _hf_model(args, family) if dist.get_rank() == 0 else None
         worst = 0.0
         for first in range(0, len(samples), dp):
             group = samples[first : first + dp]

@@ -28,6 +28,7 @@ from megatron_hetero.hf.checkpoint import MODEL_FILE, read_description, read_sta
 from megatron_hetero.spec.sizes import sizes_from_dict, sizes_to_dict
 
 FILES_DIR = "hf_files"  # beside the import's checkpoint: the model directory's other files
+KEPT_FILE = "hf_kept.safetensors"  # beside it too: the tensors no module holds (VLMFamily.kept)
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
 CONFIG = "config.json"
 
@@ -84,15 +85,39 @@ def import_model(model_dir: str, save: str, progress: Progress | None = None) ->
     states = family.to_ours(tensors, sizes, scheme)
     if (save_dir / "release").exists():
         raise HFMappingError(f"{save_dir / 'release'} exists; choose another --save directory")
+    kept = _save_kept(family.kept_tensors(tensors, scheme), save_dir)
     description = dict(
         sizes=sizes_to_dict(sizes), family=family.name,
         hf=dict(model_type=config.model_type, config=config.to_dict(), config_json=(model_dir / CONFIG).read_text(),
                 scheme=scheme.name, dtypes=_dtypes(tensors),
-                copies=sorted(key for key in family.copies(sizes) if scheme.to_file(key) in tensors)),
+                copies=sorted(key for key in family.copies(sizes) if scheme.to_file(key) in tensors), kept=kept),
         processor=family.processor_settings(str(model_dir), config), files=_copy_files(model_dir, save_dir))
     (save_dir / MODEL_FILE).write_text(json.dumps(description, indent=1))
     write_release(save_dir, sizes, states, {name: () for name in states}, progress or quiet())
     return save_dir
+
+
+def _save_kept(tensors: dict[str, torch.Tensor], save_dir: Path) -> str | None:
+    """The kept tensors written beside the checkpoint: the file's absolute path (None: none)."""
+    from safetensors.torch import save_file
+
+    if not tensors:
+        return None
+    save_dir.mkdir(parents=True, exist_ok=True)
+    save_file({key: t.contiguous() for key, t in tensors.items()}, save_dir / KEPT_FILE)
+    return str((save_dir / KEPT_FILE).resolve())
+
+
+def _read_kept(hf: dict) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = hf.get("kept")
+    if path is None:
+        return {}
+    if not Path(path).is_file():
+        raise HFMappingError(f"{path} (the imported tensors no module trains, kept beside its checkpoint) is "
+                             f"missing; import the model again")
+    return load_file(path)
 
 
 def _scheme(family, name: str):
@@ -114,7 +139,8 @@ def export_model(load: str, out: str, model_file: str | None = None, progress: P
     tensors = family.to_hf(states, sizes, scheme)
     copies = family.copies(sizes)
     tensors.update({scheme.to_file(key): tensors[scheme.to_file(copies[key])].clone() for key in hf["copies"]})
-    progress.expect(state_bytes(tensors) - state_bytes(states))  # the copies (tied weights) the files hold
+    tensors.update(_read_kept(hf))
+    progress.expect(state_bytes(tensors) - state_bytes(states))  # the copies (tied weights), kept tensors
     dtypes = hf["dtypes"]
     tensors = {key: t.to(getattr(torch, dtypes["other"].get(key, dtypes["default"]))).contiguous()
                for key, t in progress.tensors(tensors.items())}

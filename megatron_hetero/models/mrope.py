@@ -26,13 +26,19 @@ def mrope_positions(seq_len: int, starts: list[int], grids: list[tuple[int, int,
         text = start - done
         positions[:, done:start] = torch.arange(text) + reached
         reached += text
-        grid = torch.stack(torch.meshgrid((torch.arange(t) * step).long(), torch.arange(h // merge),
-                                          torch.arange(w // merge), indexing="ij")).flatten(1)
+        grid = grid_positions((torch.arange(t) * step).long(), h, w, merge)
         positions[:, start : start + grid.shape[1]] = grid + reached
         reached += max(h, w) // merge
         done = start + grid.shape[1]
     positions[:, done:] = torch.arange(seq_len - done) + reached
     return positions
+
+
+def grid_positions(times: torch.Tensor, h: int, w: int, merge: int) -> torch.Tensor:
+    """LongTensor [3, t * h * w / merge^2]: the (temporal, height, width) ids of a patch grid's merged
+    tokens in row-major order, temporal patch k's temporal id times[k]."""
+    return torch.stack(torch.meshgrid(times, torch.arange(h // merge), torch.arange(w // merge),
+                                      indexing="ij")).flatten(1)
 
 
 def interleaved_axes(frequencies: int, section) -> torch.Tensor:

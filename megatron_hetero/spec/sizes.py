@@ -107,7 +107,7 @@ class ModelSizes:
     vision_arch: VisionArch = field(default_factory=VisionArch)
     # A Hugging Face VLM family (megatron_hetero/families: "qwen2_5_vl", ...) whose vision module and
     # data this model is; "" is this project's reference model. family_arch: the family's own vision
-    # settings (plain JSON values, read by the family), beyond the enc_* sizes every family sets.
+    # (and audio) settings (plain JSON values, read by the family), beyond the enc_* (audio_*) sizes.
     family: str = ""
     family_arch: dict = field(default_factory=dict, hash=False)
 

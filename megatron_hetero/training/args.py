@@ -15,7 +15,13 @@ from megatron_hetero.data.energon import is_energon_dataset
 from megatron_hetero.data.images import NORMALIZATION
 from megatron_hetero.data.shapes import all_captions
 from megatron_hetero.data.tokenizer import CaptionTokenizer
-from megatron_hetero.families import UnknownFamilyError, encoder_cp_tokens, family_named
+from megatron_hetero.families import (
+    REGISTRY,
+    UnknownFamilyError,
+    encoder_cp_tokens,
+    encoder_stage_problem,
+    family_named,
+)
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.arg_files import expand_arg_files
@@ -270,10 +276,13 @@ def _check_data(args, layout) -> None:
     elif len(args.data_path) != 1 or not args.data_path[0].endswith((".json", ".jsonl")):
         raise ArgsError(f"--data-path {' '.join(args.data_path)}: give one conversation .json or .jsonl file "
                         f"(LLaVA or ShareGPT records) or one megatron-energon dataset directory")
+    family = model_family(args)
+    audio = bool(family) and family in REGISTRY and bool(family_named(family).audio_builder)
     for module in layout.encoders:
-        if encoder_kind(module).name != "vision":
-            raise ArgsError(f"--data-path: conversation data carries images and videos only; module {module.name} is a "
-                            f"{module.kind} encoder (drop it from the layout or train on the shapes data)")
+        if encoder_kind(module).name != "vision" and not (audio and encoder_kind(module).name == "audio"):
+            raise ArgsError(f"--data-path: conversation data carries images and videos (and audio for a model with "
+                            f"an audio encoder) only; module {module.name} is a {module.kind} encoder (drop it from "
+                            f"the layout or train on the shapes data)")
     if args.max_tiles < 1:
         raise ArgsError("--max-tiles must be at least 1")
 
@@ -305,11 +314,11 @@ def _check_family(args, layout) -> None:
         family_named(family)
     except UnknownFamilyError as error:
         raise ArgsError(f"--model-sizes {args.model_sizes}: {error}") from None
-    for module in layout.encoders:
-        if module.pp > 1 and not family_named(family).vision_stages:
-            raise ArgsError(f"module {module.name}: the {family} vision tower runs as one pipeline stage; "
-                            f"set its pp: 1")
     sizes = model_sizes(args)
+    rules.check(ArgsError, *(encoder_stage_problem(module, sizes) for module in layout.encoders))
+    if family_named(family).audio_builder and not any(m.kind == "audio" for m in layout.encoders):
+        raise ArgsError(f"a {family} model has an audio encoder: add a module `audio: {{role: encoder}}` and the "
+                        f"edge audio -> {layout.llm.name} to the layout")
     vision = next((m.name for m in layout.encoders if m.kind == "vision"), "vision")
     deepstack = family_named(family).deepstack(sizes)
     rules.check(ArgsError, rules.deepstack_problem(layout, vision, deepstack))

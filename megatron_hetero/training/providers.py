@@ -61,16 +61,19 @@ def image_processing(args, sizes):
 
 
 def conversation_dataset(args, num_samples: int) -> ConversationSamples:
-    """--data-path's samples; only ranks holding a vision encoder's first stage decode images (their
-    DP rank's share; all of them for an encoder batched over microbatches, whose items are balanced
-    over a group of microbatches that one microbatch's collate does not see)."""
+    """--data-path's samples; only ranks holding a vision encoder's first stage decode images and
+    videos, an audio encoder's audio features (their DP rank's share; all of them for an encoder
+    batched over microbatches, whose items are balanced over a group of microbatches that one
+    microbatch's collate does not see)."""
     sizes, path = model_sizes(args), args.data_path[0]
-    vision = ENCODER_KINDS["vision"]
-    shares = tuple((m.layout.dp, m.coords()["dp"]) if m.layout.microbatches == 1 else (1, 0)
-                   for m in args.hetero_run.encoders.values() if m.first_stage)
+    vision, audio = ENCODER_KINDS["vision"], ENCODER_KINDS["audio"]
+    shares = {kind: tuple((m.layout.dp, m.coords()["dp"]) if m.layout.microbatches == 1 else (1, 0)
+                          for m in args.hetero_run.encoders.values() if m.first_stage and m.layout.kind == kind)
+              for kind in ("vision", "audio")}
     spec = ConversationSpec(path, args.image_root or os.path.dirname(path), args.seq_length,
-                            image_processing(args, sizes), decode_shares=shares,
-                            encoder_width=vision.hidden_size(sizes), pack_samples=args.pack_samples)
+                            image_processing(args, sizes), decode_shares=shares["vision"],
+                            encoder_width=vision.hidden_size(sizes), pack_samples=args.pack_samples,
+                            audio_shares=shares["audio"], audio_width=audio.hidden_size(sizes))
     return ConversationSamples(spec, tokenizer(args), num_samples, vision.input_key)
 
 

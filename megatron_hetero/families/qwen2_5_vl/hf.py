@@ -38,21 +38,27 @@ TEXT_FIELDS = (*llm_fields("text_config."), Field("tie_word_embeddings", "arch.t
                Field("text_config.rope_parameters.mrope_section", "arch.mrope_section"))
 
 
-def vision_rules(sizes: ModelSizes) -> list:
+def fused_qkv(ours: str, hf: str, heads: int) -> list:
+    """Qwen2.5-VL's attention: one `qkv` projection [q; k; v] (weight, bias)."""
+    return [ConcatQKV(f"{ours}.{x}", f"{hf}qkv.{x}", heads) for x in ("weight", "bias")]
+
+
+def vision_rules(sizes: ModelSizes, prefix: str = VISION, qkv=fused_qkv) -> list:
+    """The tower's rules, its keys under `prefix`; qkv(our linear_qkv, the attention's prefix, heads):
+    the attention projections' (Qwen2.5-Omni's keeps q, k, v apart)."""
     from megatron_hetero.families.qwen2_5_vl.vision import QwenVisionArch
 
     arch = QwenVisionArch.of(sizes)
     p = arch.patch_size
-    rules = [Flattened("input_embedding.weight", f"{VISION}patch_embed.proj.weight",
+    rules = [Flattened("input_embedding.weight", f"{prefix}patch_embed.proj.weight",
                        (sizes.enc_hidden_size, arch.in_channels, arch.temporal_patch_size, p, p)),
-             Same("decoder.final_layernorm.weight", f"{VISION}merger.ln_q.weight"),
-             *same_params("projector.encoder.linear_fc1", f"{VISION}merger.mlp.0"),
-             *same_params("projector.encoder.linear_fc2", f"{VISION}merger.mlp.2")]
+             Same("decoder.final_layernorm.weight", f"{prefix}merger.ln_q.weight"),
+             *same_params("projector.encoder.linear_fc1", f"{prefix}merger.mlp.0"),
+             *same_params("projector.encoder.linear_fc2", f"{prefix}merger.mlp.2")]
     for i in range(sizes.enc_num_layers):
-        ours, hf = f"decoder.layers.{i}.", f"{VISION}blocks.{i}."
+        ours, hf = f"decoder.layers.{i}.", f"{prefix}blocks.{i}."
         rules += [Same(f"{ours}input_layernorm.weight", f"{hf}norm1.weight"),
-                  *(ConcatQKV(f"{ours}self_attention.linear_qkv.{x}", f"{hf}attn.qkv.{x}",
-                              sizes.enc_num_attention_heads) for x in ("weight", "bias")),
+                  *qkv(f"{ours}self_attention.linear_qkv", f"{hf}attn.", sizes.enc_num_attention_heads),
                   *same_params(f"{ours}self_attention.linear_proj", f"{hf}attn.proj"),
                   Same(f"{ours}pre_mlp_layernorm.weight", f"{hf}norm2.weight"),
                   *(Stacked(f"{ours}mlp.linear_fc1.{x}", (f"{hf}mlp.gate_proj.{x}", f"{hf}mlp.up_proj.{x}"))

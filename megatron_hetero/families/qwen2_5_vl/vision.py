@@ -58,8 +58,9 @@ class QwenPatchArch:
     @classmethod
     def of(cls, sizes):
         """The arch ModelSizes.family_arch records (its lists read as the tuple fields they are; a
-        tuple field it lacks is empty)."""
-        values = dict(sizes.family_arch)
+        tuple field it lacks is empty; values of the family's other modules left out)."""
+        names = {f.name for f in fields(cls)}
+        values = {key: value for key, value in sizes.family_arch.items() if key in names}
         values.update({f.name: tuple(values.get(f.name, ())) for f in fields(cls) if isinstance(f.default, tuple)})
         return cls(**values)
 
