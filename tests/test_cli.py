@@ -144,7 +144,7 @@ def test_breakdown_draws_a_records_step(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from PIL import Image
 
-    records = ROOT / "docs" / "runs" / "bench_e2e" / "call1_bench_e2e.jsonl"
+    records = ROOT / "docs" / "runs" / "bench_e2e" / "w1_layouts_h200x2_bench_e2e.jsonl"
     png = tmp_path / "step.png"
     assert main(["breakdown", str(records), "--record", "5", "--png", str(png)]) == 0
     assert Image.open(png).width > 600
