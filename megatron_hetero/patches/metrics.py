@@ -85,19 +85,6 @@ def _moe_losses() -> dict:
     return {name: value for name, value in scalars.items() if name.endswith("loss")}
 
 
-class _Reported:
-    """What the writers were last given on this rank: the totals of the clock, the phase timers and
-    the boundary traffic, and the training steps they cover."""
-
-    def __init__(self):
-        self.waiting_s = self.step_s = 0.0
-        self.totals = None  # this rank's phase seconds and boundary bytes, as gathered
-        self.steps = 0
-
-
-_reported: _Reported | None = None  # this process's last report to Megatron's writers (one per run)
-
-
 def _totals(model, names: list[str]) -> torch.Tensor:
     """This rank's phase seconds (PHASES) and per module its boundary bytes sent, then received."""
     seconds, traffic = model.timers.seconds, model.traffic
@@ -108,19 +95,18 @@ def _totals(model, names: list[str]) -> torch.Tensor:
 def _module_scalars(run_args) -> dict:
     """Every rank's waiting share, phase seconds and boundary bytes since the last report, gathered
     (a collective: every rank calls this at the same iterations); per module and the largest."""
-    global _reported
     run = run_args.hetero_run
-    _reported = _reported or _Reported()
     model, layout = run.handles.model, run.layout
+    reported = model.reported
     names = [m.name for m in layout.modules]
-    step_s = model.clock.step_s - _reported.step_s
-    share = (model.clock.waiting_s - _reported.waiting_s) / step_s if step_s > 0 else 0.0
-    _reported.waiting_s, _reported.step_s = model.clock.waiting_s, model.clock.step_s
+    step_s = model.clock.step_s - reported.step_s
+    share = (model.clock.waiting_s - reported.waiting_s) / step_s if step_s > 0 else 0.0
+    reported.waiting_s, reported.step_s = model.clock.waiting_s, model.clock.step_s
     totals = _totals(model, names)
-    steps = max(model.traffic.steps - _reported.steps, 1)
+    steps = max(model.traffic.steps - reported.steps, 1)
     mine = torch.cat([torch.tensor([share], dtype=torch.float64),
-                      (totals - (_reported.totals if _reported.totals is not None else 0)) / steps])
-    _reported.totals, _reported.steps = totals, model.traffic.steps
+                      (totals - (reported.totals if reported.totals is not None else 0)) / steps])
+    reported.totals, reported.steps = totals, model.traffic.steps
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     gathered = [torch.zeros_like(mine, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine.to(device))

@@ -17,7 +17,7 @@ import torch
 from megatron_hetero.boundary import BoundaryBatch, RankPlan
 from megatron_hetero.parallel.context import HeteroRun, ModuleRuntime
 from megatron_hetero.parallel.parallel_state import pointed_at
-from megatron_hetero.runtime.timers import Clock, PhaseTimers, Traffic
+from megatron_hetero.runtime.timers import Clock, PhaseTimers, Reported, Traffic
 
 
 @dataclass
@@ -98,7 +98,9 @@ class HeteroModel(torch.nn.Module):
         self.clock = Clock(device)  # time spent waiting on other ranks' data
         self.timers = PhaseTimers(device)  # step-time breakdowns (benchmarks/bench_e2e.py turns them on)
         self.plan_caches = {}  # encoder name -> PlanCache
-        self.traffic = Traffic()  # boundary bytes per module, from the training steps' plans
+        row = adapter.boundary_like()
+        self.traffic = Traffic(row.shape[1] * row.element_size())  # boundary bytes per module, from the plans
+        self.reported = Reported()  # what the metrics writers were last given (patches/metrics.py)
         # Megatron's --check-for-nan-in-loss-and-grad for gradients, per module (finalize_hetero_grads)
         self.check_for_nan_in_grad = False
 

@@ -101,19 +101,32 @@ class Traffic:
     training steps, per module: forward, an encoder's rows (sent) to the LLM (received); backward,
     their gradients the other way. Rows that stay on the rank are not counted."""
 
-    def __init__(self):
+    def __init__(self, row_bytes: int):
+        self.row_bytes = row_bytes  # a boundary row's (its width times its dtype's size; gradients alike)
         self.sent, self.received = defaultdict(int), defaultdict(int)
         self.steps = 0  # the training steps counted
 
-    def add(self, plans: dict, llm: str, row_bytes: int) -> None:
-        """A training step's plans (encoder name -> the RankPlan of every microbatch), rows of
-        `row_bytes` (the boundary's width times its dtype's size, gradients alike)."""
+    def add(self, plans: dict, llm: str) -> None:
+        """A training step's plans (encoder name -> the RankPlan of every microbatch)."""
         self.steps += 1
+        row_bytes = self.row_bytes
         for encoder, rank_plans in plans.items():
             for plan in rank_plans:
                 for routes, sender, receiver in ((plan.forward, encoder, llm), (plan.backward, llm, encoder)):
                     self.sent[sender] += row_bytes * int(routes.send_counts.sum() - routes.send_counts[plan.rank])
                     self.received[receiver] += row_bytes * int(routes.recv_counts.sum() - routes.recv_counts[plan.rank])
+
+
+@dataclass
+class Reported:
+    """What the metrics writers were last given on this rank: the Clock's waiting and step seconds,
+    the phase seconds and boundary bytes as gathered (`totals`), and the training steps they cover;
+    each report gives the difference since the last."""
+
+    waiting_s: float = 0.0
+    step_s: float = 0.0
+    totals: torch.Tensor | None = None
+    steps: int = 0
 
 
 def timeline_file(metrics_file: str, rank: int | str) -> str:

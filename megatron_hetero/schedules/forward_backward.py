@@ -59,7 +59,6 @@ def forward_backward(*, forward_step_func, data_iterator, model, num_microbatche
         hetero.config.finalize_model_grads_func(
             [hetero], ctx.num_tokens if per_token else None, force_all_reduce=force_all_reduce)
         hetero.clock.step_s += time.perf_counter() - start
-        row = hetero.adapter.boundary_like()
-        hetero.traffic.add(ctx.plans, hetero.run.llm.name, row.shape[1] * row.element_size())
+        hetero.traffic.add(ctx.plans, hetero.run.llm.name)
     hetero.run.enter(Phase.OPTIMIZER_STEP)
     return ctx.losses
