@@ -9,7 +9,8 @@
 #    (gpu2_colocated: vision DP2 -> LLM TP2) and on 1 (single);
 # 3. faults: rank 3 SIGKILLed, then SIGSTOPped (hung), in the LLM's forward at iteration 5
 #    (tests/fault_script.py): when the other ranks stop and the line they print.
-# SKIP_CKPT=1: the first part alone. Out: hardware.txt, mlm.log (the three runs' logs), ckpt.log, faults.log, compare.txt.
+# MLM_RUNS: which of part 1's runs (default all four, stock_tp2dp2 among them: Megatron's own TP2/DP2).
+# SKIP_CKPT=1: the first part alone. Out: hardware.txt, mlm.log (part 1's logs), ckpt.log, faults.log, compare.txt.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 MLM=${MEGATRON_LM:-.mlm} L=examples/layouts ITERS=${ITERS:-20}
@@ -30,21 +31,30 @@ mlm() {  # name, nproc, flags...
     $VLM $MLM_EXACT "$@" --metrics-file "/tmp/mlm_$name.jsonl" > "/tmp/mlm_$name.log" 2>&1); echo "mlm $name: exit $?"
   cat "/tmp/mlm_$name.log" >> "$out/mlm.log"
 }
-mlm stock_1gpu 1
-mlm colocated 4 --hetero-layout "$PWD/$L/gpu4_colocated_vdp4_ltp2dp2.yaml"
-mlm non_colocated 4 --hetero-layout "$PWD/$L/non_colocated_1_3.yaml"
+# stock_tp2dp2: Megatron's own TP2/DP2 layout (the encoder inheriting it), what a change of layout does to
+# fp32 rounding without the plugin: the floor the heterogeneous runs are judged against.
+declare -A MLM_FLAGS=([stock_1gpu]="1" [colocated]="4 --hetero-layout $PWD/$L/gpu4_colocated_vdp4_ltp2dp2.yaml"
+  [non_colocated]="4 --hetero-layout $PWD/$L/non_colocated_1_3.yaml" [stock_tp2dp2]="4 --tensor-model-parallel-size 2")
+rm -f /tmp/mlm_*.jsonl
+for name in ${MLM_RUNS:-stock_1gpu colocated non_colocated stock_tp2dp2}; do
+  # shellcheck disable=SC2086
+  mlm "$name" ${MLM_FLAGS[$name]}
+done
 python3 - > "$out/compare.txt" <<'PY'
-import json
+import json, os
 # Megatron's lm loss and grad norm per iteration as its training_log receives them (--metrics-file: all
 # digits; the printed line has 3 decimals of the norm).
 read = lambda n: {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, open(f"/tmp/mlm_{n}.jsonl"))}
 ref = read("stock_1gpu")
-for name in ("colocated", "non_colocated"):
+for name in (n for n in ("colocated", "non_colocated", "stock_tp2dp2") if os.path.exists(f"/tmp/mlm_{n}.jsonl")):
     got = read(name)
     common = sorted(set(ref) & set(got))
     loss, norm = (max((abs(got[i][k] - ref[i][k]) / abs(ref[i][k]) for i in common), default=None) for k in (0, 1))
     print(f"{name} vs stock 1 GPU: {len(common)} of {len(ref)} iterations, largest relative difference: "
           f"lm loss {loss}, grad norm {norm}; within 1e-5: {loss is not None and loss < 1e-5 and norm < 1e-5}")
+    print("  per iteration (lm loss / grad norm, relative): " + ", ".join(
+        f"{i}: {abs(got[i][0] - ref[i][0]) / abs(ref[i][0]):.1e} / {abs(got[i][1] - ref[i][1]) / abs(ref[i][1]):.1e}"
+        for i in common))
 PY
 cat "$out/compare.txt"
 CKPT="--train-iters 20 --global-batch-size 32 --micro-batch-size 8 --lr 1e-3 --log-interval 5 --bf16

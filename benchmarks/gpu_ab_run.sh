@@ -14,9 +14,11 @@ e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   if [ $((SECONDS - start)) -gt "${BUDGET_S:-480}" ]; then echo "$1 $2: skipped (time)"; return; fi
   local dir=$PWD path=$PYTHONPATH
   [ "$1" = A ] && dir=$base path=$BASE_PATH
+  local bench=benchmarks/bench_e2e.py  # tools/ in trees older than the benchmarks/ folder
+  [ -f "$dir/$bench" ] || bench=tools/bench_e2e.py
   echo "== $(date +%T) $1 $2" >> "$out/ab.log"
   (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path timeout "${RUN_S:-200}" torchrun --standalone --nproc-per-node 1 \
-    benchmarks/bench_e2e.py --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
+    "$bench" --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
     --warmup 2 --steps "${STEPS:-5}" --out "$out/$1.jsonl" "${@:3}") >> "$out/ab.log" 2>&1
   echo "$1 $2: exit $? at $((SECONDS - start)) s"
 }
