@@ -188,7 +188,7 @@ def global_microbatches(samples: list[Sample], size: int) -> list[dict]:
 
 
 @dataclass
-class Session:
+class Trainer:
     """megatron.training set up for one workload: the model (one HeteroModel chunk), its optimizer
     (megatron-core's MimoOptimizer, whose step counts as phase "optimizer"), the learning-rate
     scheduler, and the workload's global microbatches, over and over."""
@@ -260,12 +260,12 @@ def _gpu_memory_gb() -> float:
 
 
 @contextmanager
-def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
+def megatron_trainer(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags=()):
     """megatron.training initialized for the workload as pretrain() initializes itself (the caller has
     applied megatron_hetero.patches, as a script does; the script's validated arguments,
     initialize_megatron, JIT options, setup_model_and_optimizer with the reference model's provider,
-    then what train() sets before its first step), yielding a Session; megatron.training's globals
-    are unset afterwards, so that a process can hold several sessions in turn. The process group is
+    then what train() sets before its first step), yielding a Trainer; megatron.training's globals
+    are unset afterwards, so that a process can hold several trainers in turn. The process group is
     started here unless it is already (then it is left running). The learning rate is 1e-5,
     constant: the steps are timed, not trained. `extra_flags`: further flags of the script."""
     from megatron.core.enums import ModelType
@@ -298,7 +298,7 @@ def megatron_session(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         micro = global_microbatches(batch, w.micro_batch * hetero.run.layout.llm.dp)
         if torch.cuda.is_available():  # as megatron.training's loader (pin_memory=True) yields them
             micro = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro]
-        yield Session(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
+        yield Trainer(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
                       RerunDataIterator(itertools.cycle(micro)))
     finally:
         destroy_rerun_state_machine()
@@ -343,7 +343,7 @@ class _BackwardPhases:
         return self.adapter.llm_forward(module, call, share, media, hidden)
 
 
-def _steps(session: Session, n: int, forward_backward_func, losses: list | None = None) -> list[float]:
+def _steps(trainer: Trainer, n: int, forward_backward_func, losses: list | None = None) -> list[float]:
     """Seconds of each of n training steps (the GPU synchronized at each step's end: the host runs
     ahead by at most one step's launches, which the next synchronization absorbs); each step's
     loss appended to `losses` on the LLM's last stage (read after the synchronization)."""
@@ -352,7 +352,7 @@ def _steps(session: Session, n: int, forward_backward_func, losses: list | None 
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        loss = session.train_step(forward_backward_func)
+        loss = trainer.train_step(forward_backward_func)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -361,25 +361,25 @@ def _steps(session: Session, n: int, forward_backward_func, losses: list | None 
     return times
 
 
-def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
+def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
             forward_backward_func=None, memory_cap_gib: float | None = None) -> dict:
     """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
     record), then PHASE_STEPS with the phase timers on; returns the record (rank 0 also appends it
     to `out` and prints it). memory_cap_gib: the allocator's cap the caller set, recorded."""
-    hetero, world = session.hetero, dist.get_world_size()
+    hetero, world = trainer.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
     losses: list[float] = []  # every step's, from the first: a change that keeps the values keeps these
-    _steps(session, warmup, forward_backward_func, losses)
+    _steps(trainer, warmup, forward_backward_func, losses)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     waited = hetero.clock.waiting_s
-    step_times = _steps(session, steps, forward_backward_func, losses)
+    step_times = _steps(trainer, steps, forward_backward_func, losses)
     step_s = sum(step_times) / len(step_times)
     waiting_s = (hetero.clock.waiting_s - waited) / steps
     hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
     hetero.timers.enabled = True  # the breakdown pass: phases synchronized
     phase_steps = min(steps, PHASE_STEPS)
-    _steps(session, phase_steps, forward_backward_func)
+    _steps(trainer, phase_steps, forward_backward_func)
     phases = {k: v / phase_steps for k, v in hetero.timers.seconds.items()}
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
@@ -393,7 +393,7 @@ def measure(session: Session, w: BenchWorkload, layout_name: str, warmup: int, s
                 losses=losses)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
-    bf16 = session.args.bf16
+    bf16 = trainer.args.bf16
     record = dict(
         workload=w.name, layout=layout_name, gpus=world, llm_layers=w.layers, global_batch=w.global_batch,
         micro_batch=w.micro_batch, seq_length=w.seq_length, items_per_sample=w.images_per_sample,
@@ -450,7 +450,7 @@ def kernel_family(name: str) -> str:
     return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
 
 
-def profile_step(session: Session, path: str, forward_backward_func=None, trace: str | None = None) -> dict:
+def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace: str | None = None) -> dict:
     """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
     ranks), and the 25 costliest kernels, written to `path` (rank 0) with, from one step more, the
@@ -462,7 +462,7 @@ def profile_step(session: Session, path: str, forward_backward_func=None, trace:
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        session.train_step(forward_backward_func)
+        trainer.train_step(forward_backward_func)
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
@@ -476,7 +476,7 @@ def profile_step(session: Session, path: str, forward_backward_func=None, trace:
     # One step more for what costs host time, which would skew the idle time above: the host's waits
     # and the input shapes and FLOPs of the matmuls (their kernels' times stay as they are).
     with profile(activities=activities, record_shapes=True, with_flops=True) as shapes:
-        syncs = host_syncs(session, forward_backward_func)
+        syncs = host_syncs(trainer, forward_backward_func)
     if dist.get_rank() == 0:
         matmuls = matmul_lines(shapes.key_averages(group_by_input_shape=True), matmul_calls(shapes.events()))
         lines = _profile_lines(prof, kernels, summary) + matmuls
@@ -547,7 +547,7 @@ def matmul_lines(events, calls: dict | None = None, top: int = 20) -> list[str]:
                     for e in rows[:top]]
 
 
-def host_syncs(session: Session, forward_backward_func=None) -> list[tuple[str, int]]:
+def host_syncs(trainer: Trainer, forward_backward_func=None) -> list[tuple[str, int]]:
     """One more training step under torch's sync debug mode: each operation that made the host wait
     for the GPU (a blocking copy, .item(), a shape read from device data), counted by where it was
     called ("innermost frame of the package or this harness <- innermost frame"; autograd replays its threads'
@@ -568,7 +568,7 @@ def host_syncs(session: Session, forward_backward_func=None) -> list[tuple[str, 
         warnings.showwarning = seen
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            session.train_step(forward_backward_func)
+            trainer.train_step(forward_backward_func)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sites.most_common()
@@ -602,20 +602,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure_checkpoint(session: Session, w: BenchWorkload, layout_name: str, directory: str, out: str,
+def measure_checkpoint(trainer: Trainer, w: BenchWorkload, layout_name: str, directory: str, out: str,
                        repeats: int = 2) -> dict:
     """After one training step (so that the optimizer holds state), Megatron's save_checkpoint and
-    load_checkpoint of the session's model and optimizer into `directory`, `repeats` times each:
+    load_checkpoint of the trainer's model and optimizer into `directory`, `repeats` times each:
     seconds per save and per load (the fastest), bytes on disk. Rank 0 appends the record to `out`."""
     from megatron.training import training
 
-    session.train_step()
-    args, model, optimizer, scheduler = session.args, session.model, session.optimizer.optimizer, session.scheduler
+    trainer.train_step()
+    args, model, optimizer, scheduler = trainer.args, trainer.model, trainer.optimizer.optimizer, trainer.scheduler
     args.save = args.load = directory
     saves = [_timed(lambda: training.save_checkpoint(1, model, optimizer, scheduler, 0, {})) for _ in range(repeats)]
     loads = [_timed(lambda: training.load_checkpoint(model, optimizer, scheduler)) for _ in range(repeats)]
     files = [f for f in (Path(directory) / "iter_0000001").rglob("*") if f.is_file()]
-    params = sum(p.numel() for m in session.hetero.run.modules.values() if m.held for p in m.part.parameters())
+    params = sum(p.numel() for m in trainer.hetero.run.modules.values() if m.held for p in m.part.parameters())
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, params)
     cuda = torch.cuda.is_available()

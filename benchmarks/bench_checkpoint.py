@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from bench import (
     measure_checkpoint,
-    megatron_session,
+    megatron_trainer,
     run_reporting_errors,
     sized_workload,
 )
@@ -32,8 +32,8 @@ def run(opts) -> dict:
     w = sized_workload(BENCH_WORKLOADS[opts.workload], layout, opts.llm_layers)
     bf16 = torch.cuda.is_available()
     megatron_hetero.patches.apply()
-    with megatron_session(w, opts.hetero_layout, bf16, opts.extra) as session:
-        return measure_checkpoint(session, w, Path(opts.hetero_layout).stem, opts.dir, opts.out)
+    with megatron_trainer(w, opts.hetero_layout, bf16, opts.extra) as trainer:
+        return measure_checkpoint(trainer, w, Path(opts.hetero_layout).stem, opts.dir, opts.out)
 
 
 def main() -> int:

@@ -52,7 +52,7 @@ import torch
 from bench import (
     PHASES,
     measure,
-    megatron_session,
+    megatron_trainer,
     profile_step,
     run_reporting_errors,
     sized_workload,
@@ -93,12 +93,12 @@ def run(opts) -> dict:
     megatron_hetero.patches.apply()
     if opts.gpu_memory_gib:
         cap_memory(opts.gpu_memory_gib)
-    with megatron_session(w, opts.hetero_layout, bf16, extra) as session:
-        record = measure(session, w, name, opts.warmup, opts.steps, opts.out,
+    with megatron_trainer(w, opts.hetero_layout, bf16, extra) as trainer:
+        record = measure(trainer, w, name, opts.warmup, opts.steps, opts.out,
                          memory_cap_gib=opts.gpu_memory_gib or None)
         if opts.profile:
-            session.hetero.timers.enabled = False  # the free-running step
-            profile_step(session, opts.profile, trace=opts.profile_trace)
+            trainer.hetero.timers.enabled = False  # the free-running step
+            profile_step(trainer, opts.profile, trace=opts.profile_trace)
         return record
 
 

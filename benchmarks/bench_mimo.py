@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from bench import measure, megatron_session, run_reporting_errors
+from bench import measure, megatron_trainer, run_reporting_errors
 from megatron.core.enums import ModelType
 from megatron.core.models.mimo import MimoModel, MimoModelConfig, VisionModalitySubmodules
 from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
@@ -191,16 +191,16 @@ class _BackwardTimer:
 
 
 class UpstreamMimo:
-    """megatron-core's MimoModel over a session's modules, and a forward-backward function with
+    """megatron-core's MimoModel over a trainer's modules, and a forward-backward function with
     Megatron's signature that runs upstream's schedule for the placement over it."""
 
-    def __init__(self, session):
-        hetero = session.hetero
+    def __init__(self, trainer):
+        hetero = trainer.hetero
         run, config = hetero.run, hetero.config
         vision, llm = run.encoders[VISION], run.llm
         # A rank gets what it holds (non-colocated: one module); an encoder-only rank's MimoModel
         # still reads the LLM spec's config (base.py:54, MegatronModule's and the schedule's
-        # config): its own module's, the session's config, stands in.
+        # config): its own module's, the trainer's config, stands in.
         self.mimo = TimedMimo(MimoModelConfig(
             language_model_spec=ModuleSpec(module=_Prebuilt, params=dict(module=llm.part, config=config)),
             modality_submodules_spec={VISION: ModuleSpec(module=VisionModalitySubmodules, submodules={
@@ -256,9 +256,9 @@ def run(opts) -> dict:
     w = replace(w, layers=opts.llm_layers or w.layers)
     layout_file = str(LAYOUT_DIR / LAYOUTS[opts.placement, w.frozen])
     megatron_hetero.patches.apply()
-    with megatron_session(w, layout_file, not opts.fp32 and torch.cuda.is_available()) as session:
-        upstream = UpstreamMimo(session)
-        record = measure(session, w, f"upstream_mimo_{opts.placement}", opts.warmup, opts.steps, opts.out,
+    with megatron_trainer(w, layout_file, not opts.fp32 and torch.cuda.is_available()) as trainer:
+        upstream = UpstreamMimo(trainer)
+        record = measure(trainer, w, f"upstream_mimo_{opts.placement}", opts.warmup, opts.steps, opts.out,
                          upstream.forward_backward)
         upstream.destroy()
     return record

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's headline on 2 GPUs, one call of about 9 minutes: the long-context workload W5 (W4's
+# The headline on 2 GPUs, about 9 minutes: the long-context workload W5 (W4's
 # 25-head InternViT-6B-wide encoder, 16 images of 1024 tokens per sample, into the 7B LLM at 32K;
 # LLM depth $LLM_LAYERS, default 12) under Megatron's homogeneous layouts that can run it and under
 # heterogeneous ones, each with and without full recomputation where memory may need it, all with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28, items 2-3 on 2 GPUs (NCCL), one call of about 9 minutes: the boundary against upstream's
+# Layouts and boundaries on 2 GPUs (NCCL), about 9 minutes: the boundary against upstream's
 # bridges and raw NCCL (bench_boundary, 1-256 MB), then W1 (LLM depth $LLM_LAYERS) through
 # megatron.training under the 2-GPU layouts of examples/layouts (bench_e2e: $WARMUP warm-up steps,
 # $STEPS timed one by one), then the MoE LLM under EP2. Records: $OUT/bench_e2e.jsonl (one line per

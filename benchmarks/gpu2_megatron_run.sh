@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 28, items 4-5 on 2 GPUs (NCCL), one call of about 8 minutes:
-# 1. Megatron-LM's own pretrain_vlm.py ($MEGATRON_LM, default .mlm/, a copy of ../shared/megatron-lm):
+# Megatron-LM's pretrain_vlm.py, checkpoints and faults on 2 GPUs (NCCL), about 8 minutes:
+# 1. Megatron-LM's own pretrain_vlm.py ($MEGATRON_LM, default .mlm/, a Megatron-LM checkout):
 #    stock TP2 vs --hetero-layout colocated and non-colocated, the same flags, $ITERS iterations
 #    (default 200), dropout 0, bf16, every iteration logged (mlm_*.log: ms/iteration and lm loss);
 # 2. checkpoints (examples/pretrain_vlm.py, bf16, distributed optimizer): 20 iterations under the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30 on one H200, one call of at most 9 minutes at the defaults: the whole step's MFU at the presets' own global
+# One H200, at most 9 minutes at the defaults: the whole step's MFU at the presets' own global
 # batch. bench_e2e's default global batch of 4 (2 microbatches of 2) pays the optimizer step and the
 # gradients' finalize once per 4 samples; W1 and W3 are defined at 16 (planner/presets.py), where the
 # same per-step work spreads over 8 microbatches. W1 and W3 (8 LLM layers, flash-attn-4 where $FA4_SITE

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checkpoints on one GPU (issue 13): save/load time and size of the W1 model (LLM shrunk to
+# Checkpoints on one GPU: save/load time and size of the W1 model (LLM shrunk to
 # $LLM_LAYERS layers) with megatron-core's optimizer and with the distributed optimizer, and resume
 # on GPU: examples/pretrain_vlm.py 10 iterations straight vs 5 + save + resume for 5 (bf16).
 source benchmarks/gpu_env.sh

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Issue 30 on one GPU: flash-attn-4 against fp32 attention at every attention shape the workloads use,
+# flash-attn-4 on one GPU: against fp32 attention at every attention shape the workloads use,
 # with each backend's speed (tools/gpu_fa4_check.py: exit 1 if a chosen path's gradients are off), then
 # a 200-step loss comparison of examples/pretrain_vlm.py, SDPA (--attention-backend unfused) against
 # flash-attn-4 (--attention-backend flash: the LLM's head dim 128 as it is, the ViT's 72 zero-padded),
 # packed sequences (the LLM's per-document varlen path) included.
 #
-# flash-attn-4: from $FA4_SITE when set (installed by an earlier call on this warm machine, e.g.
-# FA4_SITE=$HOME/fasite), else installed here into $HOME/fasite from the carried wheels: call 1 copied
-# .fa4a to /tmp/fa4parts, this call carries .fa4b (the recipe: .fa4a/README.txt in the lead's checkout).
+# flash-attn-4: from $FA4_SITE when set (installed by an earlier run on this machine, e.g.
+# FA4_SITE=$HOME/fasite), else installed here into $HOME/fasite from the wheels, split in two parts:
+# .fa4a's copied to /tmp/fa4parts by an earlier run, .fa4b in the checkout (the recipe: .fa4a/README.txt).
 # CHECK=0 / LOSS=0 skip a part; QUICK=1: 4K instead of 16K sequences, fewer timing runs; STEPS (200);
 # WORKLOAD_ONLY=1: our attention paths only, not the raw kernel per head dim (gpu_fa4_check.py --workload-only).
 # Where CHECKED_HEAD_DIMS has no entry for this GPU, the loss runs take the head dims the check passed
-# here (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS, kept in $SITE/checked_head_dims.txt for a later call).
+# here (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS, kept in $SITE/checked_head_dims.txt for a later run).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 CU13=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
@@ -19,7 +19,7 @@ CU13_SHA256=50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90
 SITE=${FA4_SITE:-$HOME/fasite}
 if [ -z "${FA4_SITE:-}" ]; then
   cat /tmp/fa4parts/cu13.part.00 .fa4b/cu13.part.01 > "/tmp/fa4parts/$CU13" \
-    || { echo "error: the carried parts are missing: run call 1 (.fa4a) first, then carry .fa4b"; exit 2; }
+    || { echo "error: the wheel parts are missing: copy .fa4a to /tmp/fa4parts first, then run with .fa4b in the checkout"; exit 2; }
   echo "$CU13_SHA256  /tmp/fa4parts/$CU13" | sha256sum -c --quiet || { echo "error: the joined wheel is corrupt"; exit 2; }
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" /tmp/fa4parts/*.whl || exit 2
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29 item 6 for every VLM family on one H200, one call of at most 9 minutes: bench_e2e on each
+# Every VLM family on one H200, at most 9 minutes: bench_e2e on each
 # family's own model (families/<name>/presets.json; random weights, the LLM at LLM_LAYERS, default 4) under the
 # one-GPU layout: qwen2_5_vl_7b (the baseline on this card: 11,376 tokens/s on 2026-11-26), internvl3_8b
 # (12 tiles per sample), qwen3_vl_8b and qwen3_vl_30b_a3b (8 images of 224-1344 px per sample; the MoE's

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The megatron.training integration on GPUs (issue 12): Megatron-LM's unchanged pretrain_vlm.py through
+# The megatron.training integration on GPUs: Megatron-LM's unchanged pretrain_vlm.py through
 # `python -m megatron_hetero.launch`, stock and under --hetero-layout, then examples/pretrain_vlm.py.
 # GPUS=2 adds the 2-GPU runs (colocated vision DP2 -> LLM TP2, non-colocated vision GPU 0 -> LLM GPU 1,
 # and the stock TP2 run). Run from the repo root; Megatron-LM's scripts from $MEGATRON_LM (default
-# .mlm/, a copy of ../shared/megatron-lm carried to the GPU machine), megatron-core from .whl/.
+# .mlm/, a Megatron-LM checkout), megatron-core from .whl/.
 source benchmarks/gpu_env.sh
 GPUS=${GPUS:-1}
 MLM=${MEGATRON_LM:-.mlm}

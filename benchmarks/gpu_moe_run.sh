@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MoE LLM with expert parallelism on GPUs (issue 15): examples/pretrain_vlm.py with an LLM shaped like a
+# MoE LLM with expert parallelism on GPUs: examples/pretrain_vlm.py with an LLM shaped like a
 # shrunk Qwen3-30B-A3B (hidden 2048, 32 heads, experts of width 768 with top-8 routing; 8 layers and
 # 32 experts instead of 48 and 128, so that one GPU holds it), the all-to-all dispatcher, bf16.
 # 1 GPU: single.yaml (every expert on the GPU). GPUS=2 adds the colocated layout vision DP2 -> LLM

@@ -1,14 +1,15 @@
 """GPU memory held outside PyTorch's allocator by a layout's process groups, eager and lazy.
 
 Why: W6's vision DP2 -> LLM TP2+SP recomputing 10 of 12 layers ran out of memory on an 80 GB H100
-with at most 68.2 GiB allocated of 79.2 (docs/runs/benchmarks.md, call 18): ~10 GiB sat outside the peak
-allocation. This measures, per rank, the device memory outside PyTorch's allocator (in use by the
-process less the allocator's reserved memory) after start-up, after building the layout's groups
-(`runtime.context.build_run`), and after one all-reduce on each of them, with the default group
-bound to this rank's GPU (torch then makes every later group's communicator at once) or not
-(`--lazy`, as megatron.training starts: each at its first collective). Measured on 2 H100s
-(docs/runs/benchmarks.md, calls 22-24): 1.4 GiB at start-up; 11.4 GiB after the all-reduces with a group
-per megatron-core field (24 groups, 9 of the same two ranks), either way; 2.8 GiB since groups.py
+with at most 68.2 GiB allocated of 79.2 (docs/runs/benchmarks.md, docs/runs/gpu2/w6_h100_10steps):
+~10 GiB sat outside the peak allocation. This measures, per rank, the device memory outside
+PyTorch's allocator (in use by the process less the allocator's reserved memory) after start-up,
+after building the layout's groups (`runtime.context.build_run`), and after one all-reduce on each
+of them, with the default group bound to this rank's GPU (torch then makes every later group's
+communicator at once) or not (`--lazy`, as megatron.training starts: each at its first
+collective). Measured on 2 H100s (docs/runs/benchmarks.md, docs/runs/gpu2/w6_l8_nccl to
+w6_shared_groups): 1.4 GiB at start-up; 11.4 GiB after the all-reduces with a group per
+megatron-core field (24 groups, 9 of the same two ranks), either way; 2.8 GiB since groups.py
 shares communicators (3 groups).
 
 Usage (GPUs only):

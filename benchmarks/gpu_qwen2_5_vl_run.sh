@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 29's speed figures: bench_e2e on Qwen2.5-VL-7B's own model (workload qwen2_5_vl_7b: its windowed
+# Qwen2.5-VL-7B's speed: bench_e2e on Qwen2.5-VL-7B's own model (workload qwen2_5_vl_7b: its windowed
 # native-resolution ViT and Qwen2 LLM with M-RoPE; 8 images of 224-1344 px per sample, 6536 rows, 8K
 # sequence; LLM depth shrunk to LLM_LAYERS to fit), on 1 GPU and, with GPUS=2, under 2-GPU layouts.
 # Look for: tokens/s, TFLOPS/GPU, the encoder's FLOPs share ("enc FLOPs") in the table; the profile's
-# attention share (the ViT runs SDPA per segment length until issue 30's varlen kernel).
+# attention share (the ViT runs SDPA per segment length unless flash-attn-4's varlen kernel runs).
 # Usage: [GPUS=2] [LLM_LAYERS=4] benchmarks/gpu_qwen2_5_vl_run.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 (speed) on 2 GPUs (NCCL), one call, about 5 minutes:
+# Speed options on 2 GPUs (NCCL), about 5 minutes:
 # 1. --overlap-grad-reduce on vs off (and with --use-distributed-optimizer --overlap-param-gather):
 #    the demo model, 20 iterations per run, colocated (LLM pp 1 and 2) and non-colocated; per-step
 #    loss and grad norm compared (overlap_compare.txt);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 on one GPU, one call (about 9 minutes; W1 at 8 LLM layers needs an H200, 80 GB is short):
+# The whole step on one GPU (about 9 minutes; W1 at 8 LLM layers needs an H200, 80 GB is short):
 # the kernels behind the step's non-matmul time (tools/bench_ops.py), then W1 and W3 end to end
 # (bench_e2e, LLM shrunk to $LLM_LAYERS layers) with this checkout and, on the same card, with a copy
 # of it without the gradient-accumulation-fusion and fused-Adam patches (megatron-core's own

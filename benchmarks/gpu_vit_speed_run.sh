@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29 item 6 / issue 30 item 1 on one H200, one call of at most 9 minutes: the packed ViT of
+# On one H200, at most 9 minutes: the packed ViT of
 # bench_e2e's qwen2_5_vl_7b (LLM 4 layers, 8 images of 224-1344 px per sample) before and after its
 # segments were planned once per forward (models/varlen.py) and packed calls took zero-padded
 # flash-attn-4 under --attention-backend auto, alternating on the same card, then the medians

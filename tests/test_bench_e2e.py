@@ -107,11 +107,11 @@ def test_nested_phases_count_once_and_switch_relabels():
 
 
 def _parameters_as_built(rank, world_size):
-    from bench import megatron_session
+    from bench import megatron_trainer
 
     megatron_hetero.patches.apply()
-    with megatron_session(BENCH_WORKLOADS["tiny"], str(LAYOUTS / "single.yaml"), bf16=False) as session:
-        return [tuple(p.shape) for p in session.hetero.parameters()]
+    with megatron_trainer(BENCH_WORKLOADS["tiny"], str(LAYOUTS / "single.yaml"), bf16=False) as trainer:
+        return [tuple(p.shape) for p in trainer.hetero.parameters()]
 
 
 def test_trainer_parameter_shapes_are_the_built_models(tmp_path):

@@ -29,8 +29,8 @@ def _load_tool():
     return tool
 
 
-def _first_step(session, forward_backward):
-    """One forward-backward from the session's weights, as train_step runs it before its optimizer
+def _first_step(trainer, forward_backward):
+    """One forward-backward from the trainer's weights, as train_step runs it before its optimizer
     step: this rank's summed [loss, loss tokens] (None off the LLM's last stage) and the reduced
     gradients (DDP's main_grad) of every trained module it holds."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -38,19 +38,19 @@ def _first_step(session, forward_backward):
 
     from megatron_hetero.training.providers import forward_step
 
-    while get_rerun_state_machine().should_run_forward_backward(session.batches):
-        session.hetero.zero_grad_buffer()
-        reports = forward_backward(forward_step_func=forward_step, data_iterator=session.batches,
-                                   model=session.model, num_microbatches=get_num_microbatches(),
-                                   seq_length=session.args.seq_length, micro_batch_size=session.args.micro_batch_size)
+    while get_rerun_state_machine().should_run_forward_backward(trainer.batches):
+        trainer.hetero.zero_grad_buffer()
+        reports = forward_backward(forward_step_func=forward_step, data_iterator=trainer.batches,
+                                   model=trainer.model, num_microbatches=get_num_microbatches(),
+                                   seq_length=trainer.args.seq_length, micro_batch_size=trainer.args.micro_batch_size)
     loss = sum(r["lm loss"] for r in reports) if reports else None
-    grads = {f"{name}.{p_name}": p.main_grad.clone() for name, m in session.hetero.run.modules.items()
+    grads = {f"{name}.{p_name}": p.main_grad.clone() for name, m in trainer.hetero.run.modules.items()
              if m.ddp is not None for p_name, p in m.part.named_parameters()}
     return loss, grads
 
 
 def _parity_and_record(rank, world_size, out):
-    from bench import megatron_session
+    from bench import megatron_trainer
 
     import megatron_hetero.patches
     from megatron_hetero.schedules.forward_backward import forward_backward
@@ -60,9 +60,9 @@ def _parity_and_record(rank, world_size, out):
     w = BENCH_WORKLOADS["tiny"]
     for placement, frozen in CASES:
         layout_file = str(ROOT / "examples" / "layouts" / tool.LAYOUTS[placement, frozen])
-        with megatron_session(w, layout_file, bf16=False) as session:
-            upstream = tool.UpstreamMimo(session)
-            (loss, grads), (up_loss, up_grads) = (_first_step(session, fb)
+        with megatron_trainer(w, layout_file, bf16=False) as trainer:
+            upstream = tool.UpstreamMimo(trainer)
+            (loss, grads), (up_loss, up_grads) = (_first_step(trainer, fb)
                                                   for fb in (forward_backward, upstream.forward_backward))
             upstream.destroy()
         case = f"{placement} frozen={frozen} rank {rank}"

@@ -56,7 +56,7 @@ def read_records(*paths: Path) -> list[dict]:
 
 def w5_group() -> Group:
     """W5's 2-GPU runs (every call, the newest record of each layout and flags) and the OOM run."""
-    files = sorted(GPU2.glob("*/bench_e2e*.jsonl")) + [GPU2 / "call5_baselines" / "w1_colocated.jsonl"]
+    files = sorted(GPU2.glob("*/bench_e2e*.jsonl")) + [GPU2 / "baselines" / "w1_colocated.jsonl"]
     records = read_records(*files)
     (group,) = [g for key, g in measured_groups(records, LAYOUTS, trainer_vocab_size()).items() if key[0] == "W5"]
     layout = load_layout(str(LAYOUTS / "gpu2_homogeneous_dp2.yaml"), 2)
@@ -172,7 +172,7 @@ def test_runs_are_judged_against_their_own_gpus_memory():
     """A run on H100s (torch's 79.18 GiB), or under bench_e2e's 79.6 GiB cap, is grouped and judged
     at that memory, not at the H200's: W6's TP2+SP recomputing 9 of 12 layers, out of memory on the
     H100s (calls 18, 25), is predicted over memory there and to fit on an H200."""
-    records = read_records(GPU2 / "call19_w6_h100_pair" / "bench_e2e.jsonl")
+    records = read_records(GPU2 / "w6_h100_pair" / "bench_e2e.jsonl")
     capped = [dict(r, device="NVIDIA H200", memory_cap_gib=79.6) for r in records]
     h200 = [dict(r, device="NVIDIA H200") for r in records]
     groups = measured_groups(records + capped + h200, LAYOUTS, trainer_vocab_size())
@@ -193,7 +193,7 @@ def test_the_usable_memory_share_is_fitted_where_runs_ran_out():
     """W6 on the H100s (call 19, and call 18's TP2+SP recomputing 10 of 12 layers, out of memory):
     at the default 90% the planner has the failed run fit; fitted, the share separates it from the
     runs that ran, and without a failed run the calibration's own share stays."""
-    records = read_records(GPU2 / "call19_w6_h100_pair" / "bench_e2e.jsonl")
+    records = read_records(GPU2 / "w6_h100_pair" / "bench_e2e.jsonl")
     (group,) = measured_groups(records, LAYOUTS, trainer_vocab_size()).values()
     base = Calibration.load(str(CALIBRATIONS / "calibration_h200.json"))
     assert fit([group], base).usable_memory_fraction == base.usable_memory_fraction == 0.9

@@ -28,7 +28,7 @@ KNOWN_GAPS = {
     ("families_h200/qwen3_vl_8b_sdpa.jsonl", "qwen3_vl_8b"):
         "3.9 GB under: SDPA on the packed native-resolution ViT keeps more than the fitted SDPA factor",
     ("families_h200/internvl3_8b_sdpa.jsonl", "internvl3_8b"): "1.9 GB under: as above, InternViT's tiles",
-    ("fa4_h100/w4_l8_recompute/call_4_full_repeat/bench_e2e_B.jsonl", "W4"):
+    ("fa4_h100/w4_l8_recompute/full_repeat/bench_e2e_B.jsonl", "W4"):
         "2.0 GB under: full recomputation's peak is in the backward, whose gradients the model does not count",
     ("fa4_h100/ab_quack_norm/bench_e2e_B.jsonl", "W1"): "4.3% over: quack's norms, which the model does not tell apart",
 }

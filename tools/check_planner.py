@@ -7,7 +7,7 @@ heterogeneous layout over the best homogeneous one beside the measured ones.
         [--calibration megatron_hetero/planner/calibrations/calibration_h200.json] \\
         [--leave-one-out] [--write-calibration measured.json]
     python tools/check_planner.py docs/runs/gpu2/*/bench_e2e*.jsonl \\
-        docs/runs/gpu2/call5_baselines/w1_colocated.jsonl --oom W5:12:gpu2_homogeneous_dp2:FLAGS
+        docs/runs/gpu2/baselines/w1_colocated.jsonl --oom W5:12:gpu2_homogeneous_dp2:FLAGS
     (FLAGS: the out-of-memory run's, comma separated; docs/runs/planner/check_gpu2.txt starts with
     the whole command)
     python tools/check_planner.py --memory $(find docs/runs -name '*.jsonl')

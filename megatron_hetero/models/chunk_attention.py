@@ -28,8 +28,8 @@ from megatron_hetero.models.kernel_policy import CUDNN_MERGE_CHECKED
 
 # CUDNN_MERGE_CHECKED (kernel_policy.py, from kernel_checks.json): GPU models on which
 # benchmarks/gpu_cp_chunk_check.py passed, from its output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x
-# faster than SDPA's mask at 16K-64K): docs/runs/gpu2/call13_w6_dp2_cap80/ and
-# call16_h100_chunk_check/cp_chunk_check.log. The policy's cudnn_merge (MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1)
+# faster than SDPA's mask at 16K-64K): docs/runs/gpu2/w6_dp2_cap80/ and
+# h100_chunk_check/cp_chunk_check.log. The policy's cudnn_merge (MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1)
 # counts as listed: a GPU whose check just passed, before its entry is added.
 CUDNN_DTYPES = (torch.bfloat16, torch.float16)
 CUDNN_MAX_HEAD_DIM = 128

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27 on 2 GPUs (H100 80GB; about 6 minutes): the two GPU-only defects, with this checkout
+# Two GPU-only checks on 2 GPUs (H100 80GB; about 6 minutes), with this checkout
 # installed as users install it (gpu_env.sh: install_checkout).
 # 1. CUDA_DEVICE_MAX_CONNECTIONS unset, LLM TP2 (colocated vision DP2 -> LLM TP2), the example through
 #    torchrun without the launcher: expect "megatron-hetero: set CUDA_DEVICE_MAX_CONNECTIONS=1, ..." once
