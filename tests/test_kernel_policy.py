@@ -3,13 +3,15 @@ value one line naming it and the fix; the checked tables read from and written t
 The same line from both entry scripts: tests/test_megatron_lm.py (it runs Megatron-LM's)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models import kernel_policy, specs
+from megatron_hetero.models.attention import SDPAttention
 from megatron_hetero.models.attention_kernels import check_policy
 from megatron_hetero.models.kernel_policy import (
     CHECKED_ENV,
@@ -20,10 +22,13 @@ from megatron_hetero.models.kernel_policy import (
     MLP_KERNEL_ENV,
     NORM_KERNEL_ENV,
     OVERRIDE_ENVS,
+    AttentionKernelError,
     KernelPolicy,
     KernelPolicyError,
     build,
 )
+from megatron_hetero.models.norm import SequenceParallelNorm
+from megatron_hetero.models.quack_kernels import QuackChoice
 
 
 def test_defaults_and_flags():
@@ -76,8 +81,9 @@ def test_flash_is_checked_per_module_where_our_layers_run_it():
 
 def test_layers_take_the_policy_of_their_config(monkeypatch):
     """A layer's policy is its TransformerConfig's flags with the environment's overrides: a config
-    saying --transformer-impl local gets no Transformer Engine layers where TE imports, an override
-    set in the environment holds for every config."""
+    saying --transformer-impl local gets no Transformer Engine layers where TE imports, one saying
+    --attention-backend unfused SDPA and one saying flash flash-attn-4 or its one line (no GPU here);
+    an override set in the environment holds for every config's layers."""
     monkeypatch.setattr(kernel_policy, "HAVE_TE", True)
     for env in OVERRIDE_ENVS:
         monkeypatch.delenv(env, raising=False)
@@ -86,8 +92,14 @@ def test_layers_take_the_policy_of_their_config(monkeypatch):
                               attention_backend=AttnBackend.unfused)
     assert kernel_policy.of(config) == KernelPolicy() and specs.uses_te(config)
     assert kernel_policy.of(local) == KernelPolicy("sdpa", transformer_impl="local") and not specs.uses_te(local)
+    flash = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, attention_backend=AttnBackend.flash)
+    groups = SimpleNamespace(cp=None)
+    assert SDPAttention(local, 1, AttnMaskType.causal, "self", pg_collection=groups).kernel.kernel == "sdpa"
+    with pytest.raises(AttentionKernelError, match="^--attention-backend flash: head dim 16: no GPU"):
+        SDPAttention(flash, 1, AttnMaskType.causal, "self", pg_collection=groups)
     monkeypatch.setenv(NORM_KERNEL_ENV, "torch")
     assert kernel_policy.of(config).norm == kernel_policy.of(local).norm == "torch"
+    assert SequenceParallelNorm(local, 16).kernel == QuackChoice("torch", f"{NORM_KERNEL_ENV}=torch")
     monkeypatch.setenv(NORM_KERNEL_ENV, "apex")
     with pytest.raises(KernelPolicyError, match=f"^{NORM_KERNEL_ENV}=apex: use one of auto, torch, quack$"):
         kernel_policy.of(config)
