@@ -45,7 +45,7 @@ STAND_IN = QuackGemm(gemm_act, gemm_dact)
 def use_stand_in(set_attribute, gemm: QuackGemm = STAND_IN) -> None:
     """MLPs built after this run their fused path on `gemm`, on any device and dtype: `set_attribute`
     is pytest's monkeypatch.setattr, or setattr in a process of its own."""
-    set_attribute(mlp_module, "mlp_kernel_for", lambda: QuackChoice(QUACK))
+    set_attribute(mlp_module, "mlp_kernel_for", lambda policy: QuackChoice(QUACK))
     set_attribute(mlp_module, "load_quack_gemm", lambda: (gemm, None))
     set_attribute(mlp_module, "epilogue_input", lambda x: True)
     set_attribute(mlp_module, "EPILOGUE_DTYPES", (torch.bfloat16, torch.float16, torch.float32, torch.float64))

@@ -35,13 +35,12 @@ from megatron_hetero.models.attention_kernels import (
     Device,
     Fa4,
     KernelChoice,
-    backend_mode,
     checked_head_dims,
     choose_kernel,
     run_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
-from megatron_hetero.models.kernel_policy import CHECKED_ENV
+from megatron_hetero.models.kernel_policy import CHECKED_ENV, KernelPolicy, backend_mode, build
 from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 
@@ -51,7 +50,7 @@ H100_DIMS = attention_kernels.CHECKED_HEAD_DIMS[H100.name]
 
 # ---- the choice (pure) ----------------------------------------------------------------------------
 def _choose(mode, head_dim, device=H100, **kwargs):
-    kwargs.setdefault("checked", checked_head_dims(device.name, environ={}) if device.capability else ())
+    kwargs.setdefault("checked", checked_head_dims(device.name, KernelPolicy()) if device.capability else ())
     return choose_kernel(mode, head_dim, device, **kwargs)
 
 
@@ -86,7 +85,7 @@ def test_packed_calls_are_padded_under_auto(head_dim, padded):
                                                                                  merged_chunks=True)
     assert _choose("auto", 256, packed=True).kernel == SDPA
     assert _choose("sdpa", head_dim, packed=True).kernel == SDPA
-    assert attention_kernels.kernel_for(AttnBackend.auto, head_dim, torch.bfloat16, packed=True).kernel == SDPA
+    assert attention_kernels.kernel_for(KernelPolicy(), head_dim, torch.bfloat16, packed=True).kernel == SDPA
 
 
 def test_sdpa_backends_never_take_fa4():
@@ -118,19 +117,19 @@ def test_flash_refuses_a_head_dim_above_every_checked_one():
 
 
 def test_checked_head_dims_table_and_environment():
-    assert checked_head_dims(H100.name, environ={}) == H100_DIMS
-    assert checked_head_dims("NVIDIA B200", environ={}) == ()
-    assert checked_head_dims("NVIDIA B200", environ={CHECKED_ENV: "128,64"}) == (64, 128)
-    assert checked_head_dims(H100.name, environ={CHECKED_ENV: "80"}) == tuple(sorted({*H100_DIMS, 80}))
+    assert checked_head_dims(H100.name, build(environ={})) == H100_DIMS
+    assert checked_head_dims("NVIDIA B200", build(environ={})) == ()
+    assert checked_head_dims("NVIDIA B200", build(environ={CHECKED_ENV: "128,64"})) == (64, 128)
+    assert checked_head_dims(H100.name, build(environ={CHECKED_ENV: "80"})) == tuple(sorted({*H100_DIMS, 80}))
     assert _choose("auto", 128, Device("NVIDIA B200", (10, 0)), checked=(64, 128)).kernel == FA4
 
 
 def test_kernel_for_on_cpu_is_sdpa_whatever_the_flag():
     """CPU and CI: SDPA; an explicit flash on a machine without a GPU is one line."""
-    assert attention_kernels.kernel_for(AttnBackend.auto, 16, torch.bfloat16) == KernelChoice(SDPA, 16, 16, "no GPU",
-                                                                                              merged_chunks=True)
+    assert attention_kernels.kernel_for(KernelPolicy(), 16, torch.bfloat16) == KernelChoice(SDPA, 16, 16, "no GPU",
+                                                                                            merged_chunks=True)
     with pytest.raises(AttentionKernelError, match="flash: head dim 16: no GPU"):
-        attention_kernels.kernel_for(AttnBackend.flash, 16, torch.bfloat16)
+        attention_kernels.kernel_for(KernelPolicy("flash"), 16, torch.bfloat16)
 
 
 # ---- a pure-torch stand-in with flash-attn-4's signatures ------------------------------------------

@@ -15,7 +15,7 @@ from megatron_hetero.models.chunk_attention import (
     cudnn_merge_checked,
     prefix_causal_attention,
 )
-from megatron_hetero.models.kernel_policy import CUDNN_MERGE_ENV
+from megatron_hetero.models.kernel_policy import CUDNN_MERGE_ENV, build
 
 
 def reference(q, k, v, scale=None):
@@ -78,8 +78,9 @@ def test_the_kernel_choice_merges_on_cpus_and_checked_gpus_without_dropout():
 
 
 def test_the_cudnn_path_runs_only_where_checked():
-    assert cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 128, environ={})  # listed
-    assert not cudnn_merge_checked("NVIDIA B200", torch.bfloat16, 128, environ={})
-    assert cudnn_merge_checked("NVIDIA B200", torch.bfloat16, 128, environ={CUDNN_MERGE_ENV: "1"})
-    assert not cudnn_merge_checked("NVIDIA H200", torch.float32, 128, environ={CUDNN_MERGE_ENV: "1"})
-    assert not cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 256, environ={CUDNN_MERGE_ENV: "1"})
+    default, merge = build(environ={}), build(environ={CUDNN_MERGE_ENV: "1"})
+    assert cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 128, default)  # listed
+    assert not cudnn_merge_checked("NVIDIA B200", torch.bfloat16, 128, default)
+    assert cudnn_merge_checked("NVIDIA B200", torch.bfloat16, 128, merge)
+    assert not cudnn_merge_checked("NVIDIA H200", torch.float32, 128, merge)
+    assert not cudnn_merge_checked("NVIDIA H200", torch.bfloat16, 256, merge)

@@ -3,12 +3,15 @@ value one line naming it and the fix; the checked tables read from and written t
 The same line from both entry scripts: tests/test_megatron_lm.py (it runs Megatron-LM's)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.models import kernel_policy
+from megatron_hetero.models import kernel_policy, specs
+from megatron_hetero.models.attention import SDPAttention
 from megatron_hetero.models.attention_kernels import check_policy
 from megatron_hetero.models.kernel_policy import (
     CHECKED_ENV,
@@ -18,10 +21,14 @@ from megatron_hetero.models.kernel_policy import (
     EAGER_ROPE_ENV,
     MLP_KERNEL_ENV,
     NORM_KERNEL_ENV,
+    OVERRIDE_ENVS,
+    AttentionKernelError,
     KernelPolicy,
     KernelPolicyError,
     build,
 )
+from megatron_hetero.models.norm import SequenceParallelNorm
+from megatron_hetero.models.quack_kernels import QuackChoice
 
 
 def test_defaults_and_flags():
@@ -72,12 +79,45 @@ def test_flash_is_checked_per_module_where_our_layers_run_it():
         check_policy(KernelPolicy("flash", transformer_impl="local"), head_dims, torch.float32)
 
 
-def test_current_is_the_installed_policy(monkeypatch):
-    monkeypatch.setattr(kernel_policy, "_installed", None)
+def test_layers_take_the_policy_of_their_config(monkeypatch):
+    """A layer's policy is its TransformerConfig's flags with the environment's overrides: a config
+    saying --transformer-impl local gets no Transformer Engine layers where TE imports, one saying
+    --attention-backend unfused SDPA and one saying flash flash-attn-4 or its one line (no GPU here);
+    an override set in the environment holds for every config's layers."""
+    monkeypatch.setattr(kernel_policy, "HAVE_TE", True)
+    for env in OVERRIDE_ENVS:
+        monkeypatch.delenv(env, raising=False)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    local = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, transformer_impl="local",
+                              attention_backend=AttnBackend.unfused)
+    assert kernel_policy.of(config) == KernelPolicy() and specs.uses_te(config)
+    assert kernel_policy.of(local) == KernelPolicy("sdpa", transformer_impl="local") and not specs.uses_te(local)
+    flash = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, attention_backend=AttnBackend.flash)
+    groups = SimpleNamespace(cp=None)
+    assert SDPAttention(local, 1, AttnMaskType.causal, "self", pg_collection=groups).kernel.kernel == "sdpa"
+    with pytest.raises(AttentionKernelError, match="^--attention-backend flash: head dim 16: no GPU"):
+        SDPAttention(flash, 1, AttnMaskType.causal, "self", pg_collection=groups)
     monkeypatch.setenv(NORM_KERNEL_ENV, "torch")
-    assert kernel_policy.current().norm == "torch"  # before one is installed: the environment's
-    assert kernel_policy.install(KernelPolicy()) and not kernel_policy.install(KernelPolicy())
-    assert kernel_policy.current() == KernelPolicy()
+    assert kernel_policy.of(config).norm == kernel_policy.of(local).norm == "torch"
+    assert SequenceParallelNorm(local, 16).kernel == QuackChoice("torch", f"{NORM_KERNEL_ENV}=torch")
+    monkeypatch.setenv(NORM_KERNEL_ENV, "apex")
+    with pytest.raises(KernelPolicyError, match=f"^{NORM_KERNEL_ENV}=apex: use one of auto, torch, quack$"):
+        kernel_policy.of(config)
+
+
+def test_every_modules_config_carries_the_validated_flags():
+    """The flags the arguments are checked with reach each module's TransformerConfig (an LLM's and
+    an encoder's), so its layers get the policy printed at start."""
+    from megatron_hetero.models.vlm import transformer_config
+    from megatron_hetero.training.args import parse_script_args
+    from megatron_hetero.training.providers import megatron_config_fields
+
+    args = parse_script_args(["--attention-backend", "unfused"], validate=False)
+    fields = megatron_config_fields(args)
+    validated = build(args.attention_backend, args.flash_attention_version, args.transformer_impl)
+    assert validated == build("unfused", None, "local")  # the example's --transformer-impl local default
+    for dims in ((64, 2, 4), (32, 1, 2)):
+        assert kernel_policy.of(transformer_config(*dims, 1, torch.float32, **fields)) == validated
 
 
 def test_tables_come_from_the_json_file_the_checks_write(tmp_path):

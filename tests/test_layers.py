@@ -74,12 +74,15 @@ def test_cp_positions_rejects_bad_layouts(seq_len, cp, cp_rank):
 def test_packed_llm_keeps_our_attention_where_te_imports(monkeypatch):
     """Packed sequences need attention kept within each sample (our SDPAttention reads seq_idx);
     with Transformer Engine importable the LLM would otherwise get TE's, which attends across them."""
-    from megatron_hetero.models import specs
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hetero.models import kernel_policy, specs
     from megatron_hetero.models.attention import SDPAttention
 
-    monkeypatch.setattr(specs, "HAVE_TE", True)
-    assert specs.llm_uses_te(packed=False) and not specs.llm_uses_te(packed=True)
-    layer = specs.llm_layer_spec(None, te=specs.llm_uses_te(packed=True))
+    monkeypatch.setattr(kernel_policy, "HAVE_TE", True)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
+    assert specs.llm_uses_te(config, packed=False) and not specs.llm_uses_te(config, packed=True)
+    layer = specs.llm_layer_spec(None, te=specs.llm_uses_te(config, packed=True))
     assert layer.submodules.self_attention.submodules.core_attention is SDPAttention
 
 
@@ -88,13 +91,16 @@ def test_encoder_cp_keeps_our_attention_where_te_imports(monkeypatch):
     Transformer Engine imports; without CP it gets TE's layers."""
     from types import SimpleNamespace
 
-    from megatron_hetero.models import specs
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hetero.models import kernel_policy, specs
     from megatron_hetero.models.attention import SDPAttention
 
-    monkeypatch.setattr(specs, "HAVE_TE", True)
+    monkeypatch.setattr(kernel_policy, "HAVE_TE", True)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
     groups = {cp: SimpleNamespace(cp=SimpleNamespace(size=lambda cp=cp: cp), tp=None) for cp in (1, 2)}
-    assert specs.encoder_uses_te(groups[1]) and not specs.encoder_uses_te(groups[2])
-    layer = specs.encoder_layer_spec(groups[2])
+    assert specs.encoder_uses_te(config, groups[1]) and not specs.encoder_uses_te(config, groups[2])
+    layer = specs.encoder_layer_spec(groups[2], specs.encoder_uses_te(config, groups[2]))
     assert layer.submodules.self_attention.submodules.core_attention is SDPAttention
 
 

@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models.attention_kernels import Device
-from megatron_hetero.models.kernel_policy import KernelModeError
+from megatron_hetero.models.kernel_policy import KernelPolicy
 from megatron_hetero.models.mlp_kernels import (
     ACTIVATIONS,
     GATED,
@@ -30,7 +30,6 @@ from megatron_hetero.models.mlp_kernels import (
     _dsl_location_problem,
     epilogue_mlp,
     mlp_kernel_for,
-    mlp_mode,
     padded_swiglu_mlp,
     quack_activation,
 )
@@ -94,9 +93,7 @@ def test_which_mlps_take_the_fused_path():
 def test_mode_and_rule():
     from megatron_hetero.models.mlp import epilogue_choice
 
-    assert mlp_mode({}) == "auto" and mlp_mode({MLP_KERNEL_ENV: "torch"}) == TORCH
-    with pytest.raises(KernelModeError, match=f"{MLP_KERNEL_ENV}=fused: use one of auto, torch, quack$"):
-        mlp_mode({MLP_KERNEL_ENV: "fused"})
+    assert mlp_kernel_for(KernelPolicy(mlp=TORCH)) == QuackChoice(TORCH, f"{MLP_KERNEL_ENV}=torch")
     h100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
     assert str(choose_quack(MLP_KERNEL_ENV, "torch", h100, None, MLP_MIN_MACS)) == f"torch ({MLP_KERNEL_ENV}=torch)"
     assert str(choose_quack(MLP_KERNEL_ENV, "quack", h100, None, MLP_MIN_MACS)) == "quack"
@@ -147,9 +144,11 @@ def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
 
 def test_which_swiglu_mlps_pad_their_ffn(monkeypatch):
     """A SwiGLU MLP on torch's GEMMs pads its per-rank ffn to a multiple of 8 in bf16 (Qwen2.5-VL's ViT:
-    3420 -> 3424); not where quack runs it, the ffn is aligned, fp32, or the policy pins megatron's MLP."""
+    3420 -> 3424); not where quack runs it, the ffn is aligned, fp32, or its config's policy pins
+    megatron's MLP (MLP_KERNEL_ENV=torch)."""
     from megatron_hetero.models import mlp as mlp_module
 
+    monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
     swiglu = _config(activation_func=F.silu, gated_linear_unit=True, params_dtype=torch.bfloat16, bf16=True)
     fc1, fc2 = object.__new__(ColumnParallelLinear), object.__new__(RowParallelLinear)
     for name, value in dict(is_expert=False, disable_grad_reduce=False).items():
@@ -161,7 +160,7 @@ def test_which_swiglu_mlps_pad_their_ffn(monkeypatch):
                                           (3420, biased, _config(params_dtype=torch.bfloat16, bf16=True), 0)):
         object.__setattr__(fc2, "weight", torch.empty(1280, ffn))
         assert mlp_module.ffn_padding(config, fc1, fc2, kernel) == expected
-    monkeypatch.setattr(mlp_module, "mlp_mode", lambda: TORCH)
+    monkeypatch.setenv(MLP_KERNEL_ENV, TORCH)
     object.__setattr__(fc2, "weight", torch.empty(1280, 3420))
     assert mlp_module.ffn_padding(swiglu, fc1, fc2, biased) == 0
 
@@ -185,9 +184,8 @@ def test_padded_swiglu_equals_megatrons_mlp(bias):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-11)
 
 
-def test_cpu_runs_torch(monkeypatch):
-    monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
-    assert mlp_kernel_for() == QuackChoice(TORCH, "no GPU")
+def test_cpu_runs_torch():
+    assert mlp_kernel_for(KernelPolicy()) == QuackChoice(TORCH, "no GPU")
 
 
 def test_epilogues_need_the_dsl_under_site_packages():

@@ -16,15 +16,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models import norm as norm_module
 from megatron_hetero.models.attention_kernels import Device
-from megatron_hetero.models.kernel_policy import KernelModeError
+from megatron_hetero.models.kernel_policy import KernelModeError, KernelPolicy
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
-from megatron_hetero.models.norm_kernels import (
-    NORM_KERNEL_ENV,
-    NORM_MIN_ELEMENTS,
-    Quack,
-    norm_kernel_for,
-    norm_mode,
-)
+from megatron_hetero.models.norm_kernels import NORM_KERNEL_ENV, NORM_MIN_ELEMENTS, Quack, norm_kernel_for
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choose_quack
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
@@ -52,17 +46,17 @@ def test_choice(mode, device, problem, expected):
     assert choice.runs_quack(2**24 - 1) == (mode == "quack" and expected.startswith("quack"))
 
 
-def test_mode_from_the_environment():
-    assert norm_mode({}) == "auto" and norm_mode({NORM_KERNEL_ENV: ""}) == "auto"
-    assert norm_mode({NORM_KERNEL_ENV: "torch"}) == TORCH
-    assert norm_mode({NORM_KERNEL_ENV: "quack"}) == QUACK
-    with pytest.raises(KernelModeError, match=f"{NORM_KERNEL_ENV}=apex: use one of auto, torch, quack$"):
-        norm_mode({NORM_KERNEL_ENV: "apex"})
-
-
-def test_cpu_runs_torch(monkeypatch):
+def test_norms_take_the_mode_of_their_configs_policy(monkeypatch):
+    """A norm's kernel follows its config's kernel policy, NORM_KERNEL_ENV among its overrides; a bad
+    value is the policy's one line."""
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1)
     monkeypatch.delenv(NORM_KERNEL_ENV, raising=False)
-    assert norm_kernel_for() == QuackChoice(TORCH, "no GPU")
+    assert SequenceParallelNorm(config, 16).kernel == norm_kernel_for(KernelPolicy()) == QuackChoice(TORCH, "no GPU")
+    monkeypatch.setenv(NORM_KERNEL_ENV, TORCH)
+    assert SequenceParallelNorm(config, 16).kernel == QuackChoice(TORCH, f"{NORM_KERNEL_ENV}=torch")
+    monkeypatch.setenv(NORM_KERNEL_ENV, "apex")
+    with pytest.raises(KernelModeError, match=f"^{NORM_KERNEL_ENV}=apex: use one of auto, torch, quack$"):
+        SequenceParallelNorm(config, 16)
 
 
 # ---- the quack path, through a stand-in ---------------------------------------------------------
@@ -100,7 +94,7 @@ FAKE = Quack(_fake_fwd, _fake_bwd, lambda hidden, device: 3)
 
 
 def _norm(monkeypatch, kernel: str, normalization: str, zero_centered: bool, hidden=16, has_residual=False):
-    monkeypatch.setattr(norm_module, "norm_kernel_for", lambda: QuackChoice(kernel))
+    monkeypatch.setattr(norm_module, "norm_kernel_for", lambda policy: QuackChoice(kernel))
     monkeypatch.setattr(norm_module, "load_quack", lambda: (FAKE, None))
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, normalization=normalization,
                                layernorm_zero_centered_gamma=zero_centered)

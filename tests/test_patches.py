@@ -49,7 +49,7 @@ TARGETS = [
     "megatron.training.training.save_checkpoint_and_time",
     "megatron.core.models.multimodal.llava_spec.decoder_model_with_local_default_spec",
     "megatron.core.models.vision.vit_layer_specs.get_vit_layer_with_local_spec",
-    "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd",
+    "megatron.core.transformer.attention.apply_rotary_pos_emb",
     "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
 ]
 CPU_TARGETS = [
@@ -278,21 +278,47 @@ def test_overlapped_reduction_of_missing_gradients():
 def test_fused_rope_is_upstreams_rope(dtype):
     """patches/rope.py's rotation (compiled on GPUs) is upstream's rotary embedding bit for bit when
     run eagerly, whole head rotated, frequencies shaped as megatron-core's RotaryEmbedding makes them
-    ([s, 1, 1, d]); on CPUs the patched function is upstream's."""
+    ([s, 1, 1, d]); on CPUs the patched function gives upstream's."""
+    from types import SimpleNamespace
+
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_hetero.patches import rope
 
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(24, 2, 4, 16, generator=gen).to(dtype)
     freqs = torch.randn(24, 1, 1, 16, generator=gen) * 30
-    upstream = rope_utils._apply_rotary_pos_emb_bshd
-    while hasattr(upstream, "__wrapped__"):
-        upstream = upstream.__wrapped__
     for mscale in (1.0, 0.7):
-        assert torch.equal(rope.rotate(t, *rope.cos_sin(freqs, mscale, t.dtype)), upstream(t, freqs, mscale=mscale))
+        assert torch.equal(rope.rotate(t, *rope.cos_sin(freqs, mscale, t.dtype)),
+                           rope_utils._apply_rotary_pos_emb_bshd(t, freqs, mscale=mscale))
     apply()
-    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(t, freqs), upstream(t, freqs))
+    config, group = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), SimpleNamespace()
+    assert torch.equal(attention.apply_rotary_pos_emb(t, freqs, config, cp_group=group),
+                       rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=group))
+
+
+def test_rope_is_fused_where_the_layers_policy_and_shape_allow(monkeypatch):
+    """The fused rotation takes upstream's bshd path only: the whole head rotated, not interleaved, no
+    packed thd layout or TE fusion asked; and not where the layer's kernel policy says eager
+    (MEGATRON_HETERO_EAGER_ROPE=1), per call."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hetero.models.kernel_policy import EAGER_ROPE_ENV
+    from megatron_hetero.patches import rope
+
+    monkeypatch.delenv(EAGER_ROPE_ENV, raising=False)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    assert rope.fuses(config, 16, 16)
+    assert not rope.fuses(config, 16, 8) and not rope.fuses(config, 16, 16, cu_seqlens=torch.tensor([0, 24]))
+    assert not rope.fuses(config, 16, 16, mla_rotary_interleaved=True)
+    for field in ("rotary_interleaved", "apply_rope_fusion"):
+        changed = copy.copy(config)
+        setattr(changed, field, True)
+        assert not rope.fuses(changed, 16, 16), field
+    monkeypatch.setenv(EAGER_ROPE_ENV, "1")
+    assert not rope.fuses(config, 16, 16)
 
 
 def _accumulate_in_linear_layers(rank, world_size):

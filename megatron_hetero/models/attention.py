@@ -41,6 +41,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention_kernels import (
     FA4,
     Fa4,
@@ -223,8 +224,7 @@ class SDPAttention(MegatronModule):
         # megatron's softmax: no change to the result, so the plain scale is used.
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.kernel = kernel_for(config.attention_backend, config.kv_channels, config_dtype(config), self.dropout_p,
-                                 config.flash_attention_version)
+        self.kernel = kernel_for(kernel_policy.of(config), config.kv_channels, config_dtype(config), self.dropout_p)
 
     def _gather_cp(self, t: torch.Tensor, causal: bool) -> torch.Tensor:
         """Keys or values of the whole sequence from every CP rank's part: in sequence order from

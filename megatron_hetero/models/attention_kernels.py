@@ -22,7 +22,8 @@ it in their own sense where they are used instead of ours):
 `--flash-attention-version` 2 or 3 pins a generation we do not run: no FA4.
 
 The choice is pure (choose_kernel: device, import status, dtype, head dim in, a KernelChoice out),
-so that it is tested without a GPU; kernel_for(config) feeds it this process's facts.
+so that it is tested without a GPU; kernel_for(policy, ...) feeds it a layer's kernel policy
+(kernel_policy.of(config)) and this process's facts.
 """
 
 import functools
@@ -34,13 +35,7 @@ import torch.nn.functional as F
 
 from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.chunk_attention import cudnn_merge_checked
-from megatron_hetero.models.kernel_policy import (
-    CHECKED_HEAD_DIMS,
-    AttentionKernelError,
-    KernelPolicy,
-    backend_mode,
-    extra_head_dims,
-)
+from megatron_hetero.models.kernel_policy import CHECKED_HEAD_DIMS, AttentionKernelError, KernelPolicy
 
 FA4 = "fa4"
 SDPA = "sdpa"
@@ -91,11 +86,9 @@ class KernelChoice:
         return f"{self}, CP chunks {chunks}"
 
 
-def checked_head_dims(device_name: str, environ=None) -> tuple[int, ...]:
-    """CHECKED_HEAD_DIMS's entry for the GPU, with the policy's added (those of CHECKED_ENV in
-    `environ`, where given)."""
-    extra = kernel_policy.current().fa4_head_dims if environ is None else extra_head_dims(environ)
-    return tuple(sorted({*CHECKED_HEAD_DIMS.get(device_name, ()), *extra}))
+def checked_head_dims(device_name: str, policy: KernelPolicy) -> tuple[int, ...]:
+    """CHECKED_HEAD_DIMS's entry for the GPU, with the policy's fa4_head_dims added."""
+    return tuple(sorted({*CHECKED_HEAD_DIMS.get(device_name, ()), *policy.fa4_head_dims}))
 
 
 def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, dropout: float,
@@ -213,21 +206,20 @@ def load_fa4() -> tuple[Fa4 | None, str | None]:
     return Fa4(_flash_attn_fwd, _flash_attn_bwd, flash_attn_varlen_func), None
 
 
-def kernel_for(attention_backend, head_dim: int, dtype: torch.dtype, dropout: float = 0.0,
-               flash_attention_version: int | None = None, packed: bool = False) -> KernelChoice:
-    """choose_kernel for a module on this process's GPU: Megatron's --attention-backend and
-    --flash-attention-version, the module's head dim, compute dtype (config_dtype), dropout and
-    whether it runs packed (varlen) calls."""
-    mode = backend_mode(attention_backend)
+def kernel_for(policy: KernelPolicy, head_dim: int, dtype: torch.dtype, dropout: float = 0.0,
+               packed: bool = False) -> KernelChoice:
+    """choose_kernel for a module on this process's GPU under `policy` (its attention mode, Megatron's
+    --flash-attention-version and the overrides): the module's head dim, compute dtype (config_dtype),
+    dropout and whether it runs packed (varlen) calls."""
     device = current_device()
     import_problem = None
-    if mode != SDPA and device.capability is not None:
+    if policy.attention != SDPA and device.capability is not None:
         import_problem = load_fa4()[1]
     gpu = device.capability is not None
-    return choose_kernel(mode, head_dim, device, import_problem=import_problem, dtype=dtype, dropout=dropout,
-                         flash_attention_version=flash_attention_version,
-                         checked=checked_head_dims(device.name) if gpu else (), packed=packed,
-                         merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim))
+    return choose_kernel(policy.attention, head_dim, device, import_problem=import_problem, dtype=dtype,
+                         dropout=dropout, flash_attention_version=policy.flash_attention_version,
+                         checked=checked_head_dims(device.name, policy) if gpu else (), packed=packed,
+                         merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim, policy))
 
 
 def check_policy(policy: KernelPolicy, head_dims: Callable[[], dict[str, int]], dtype: torch.dtype) -> None:
@@ -238,7 +230,7 @@ def check_policy(policy: KernelPolicy, head_dims: Callable[[], dict[str, int]], 
         return
     for name, head_dim in head_dims().items():
         try:
-            kernel_for(policy.attention, head_dim, dtype, 0.0, policy.flash_attention_version)
+            kernel_for(policy, head_dim, dtype)
         except AttentionKernelError as error:
             raise AttentionKernelError(f"module {name}: {error}") from None
 

@@ -23,8 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_hetero.models import kernel_policy
-from megatron_hetero.models.kernel_policy import CUDNN_MERGE_CHECKED
+from megatron_hetero.models.kernel_policy import CUDNN_MERGE_CHECKED, KernelPolicy
 
 # CUDNN_MERGE_CHECKED (kernel_policy.py, from kernel_checks.json): GPU models on which
 # benchmarks/gpu_cp_chunk_check.py passed, from its output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x
@@ -69,10 +68,8 @@ CPU_KERNEL = _Kernel(_cpu_forward, _cpu_backward)
 CUDNN_KERNEL = _Kernel(_cudnn_forward, _cudnn_backward)
 
 
-def cudnn_merge_checked(device_name: str, dtype: torch.dtype, head_dim: int, environ=None) -> bool:
-    """Whether the cuDNN path may run queries of this dtype and head dim on this GPU model (under the
-    policy of `environ`'s overrides, where given)."""
-    policy = kernel_policy.current() if environ is None else kernel_policy.build(environ=environ)
+def cudnn_merge_checked(device_name: str, dtype: torch.dtype, head_dim: int, policy: KernelPolicy) -> bool:
+    """Whether the cuDNN path may run queries of this dtype and head dim on this GPU model under `policy`."""
     listed = device_name in CUDNN_MERGE_CHECKED or policy.cudnn_merge
     return listed and dtype in CUDNN_DTYPES and head_dim <= CUDNN_MAX_HEAD_DIM
 

@@ -86,7 +86,7 @@ class StageEncoder(MegatronModule):
             self.position_embedding = torch.nn.Parameter(torch.empty(self.class_tokens + tokens_per_item, hidden))
             config.init_method(self.position_embedding)
             self.pre_norm = SequenceParallelNorm(config, hidden, config.layernorm_epsilon) if pre_norm else None
-        te = encoder_uses_te(pg_collection)
+        te = encoder_uses_te(config, pg_collection)
         self.decoder = TransformerBlock(
             config=config,
             spec=block or block_spec(encoder_layer_spec(pg_collection, te), config, pg_collection, te),

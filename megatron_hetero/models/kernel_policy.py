@@ -1,9 +1,10 @@
-"""Which kernels this process's layers may run: one frozen KernelPolicy, built once from Megatron's
-`--attention-backend`, `--flash-attention-version` and `--transformer-impl` and the documented
-overrides below (the only place they are read), validated with the arguments (patches/arguments.py,
-so every entry script stops on a bad value with the same line) and consulted by the layers
-(`current()`). Per call the layers still decide by shape and device (attention_kernels.choose_kernel,
-quack_kernels.choose_quack); the policy fixes what they decide among.
+"""Which kernels the layers may run: a frozen KernelPolicy of Megatron's `--attention-backend`,
+`--flash-attention-version` and `--transformer-impl` and the documented overrides below (the only
+place they are read). The flags are validated with the arguments (patches/arguments.py: `build`, so
+every entry script stops on a bad value with the same line) and reach every module's
+TransformerConfig as its fields of the same names (training/providers.py); a layer takes the policy
+of its config (`of(config)`). Per call the layers still decide by shape and device
+(attention_kernels.choose_kernel, quack_kernels.choose_quack); the policy fixes what they decide among.
 
 Overrides (environment variables):
 - MEGATRON_HETERO_NORM_KERNEL, MEGATRON_HETERO_MLP_KERNEL: auto (default), torch or quack;
@@ -16,10 +17,12 @@ The checked tables (FA4 head dims and merged-chunk GPUs by torch.cuda.get_device
 kernel_checks.json beside this file, written by the kernel checks (`--record`: record_check).
 """
 
+import functools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from megatron.core.transformer.enums import AttnBackend
 
@@ -123,29 +126,34 @@ class KernelPolicy:
                 f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}")
 
 
-def build(attention_backend="auto", flash_attention_version=None, transformer_impl="transformer_engine",
-          environ=os.environ) -> KernelPolicy:
-    """The policy of these flags and overrides; KernelPolicyError (one line) for a bad value."""
-    if str(getattr(attention_backend, "name", attention_backend)) == "local":
-        raise KernelPolicyError("--attention-backend local is Megatron's switch to its --spec local models; for "
-                                "torch SDPA in these layers use --attention-backend unfused")
+OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV)
+
+
+@functools.lru_cache(maxsize=64)
+def _policy(attention_backend, flash_attention_version, transformer_impl, overrides: tuple) -> KernelPolicy:
+    # `overrides`: OVERRIDE_ENVS' values (None where unset), so that the cache key is the environment's.
+    environ = {env: value for env, value in zip(OVERRIDE_ENVS, overrides) if value is not None}
     return KernelPolicy(backend_mode(attention_backend), flash_attention_version,
                         transformer_impl, kernel_mode(NORM_KERNEL_ENV, environ),
                         kernel_mode(MLP_KERNEL_ENV, environ), extra_head_dims(environ),
                         _flag(environ, CUDNN_MERGE_ENV), _flag(environ, EAGER_ROPE_ENV))
 
 
-_installed: KernelPolicy | None = None
+def of(config, environ=os.environ) -> KernelPolicy:
+    """The policy of the layers built from `config` (a TransformerConfig, or Megatron's arguments):
+    its attention_backend, flash_attention_version and transformer_impl with `environ`'s overrides;
+    KernelPolicyError (one line) for a bad override."""
+    return _policy(config.attention_backend, config.flash_attention_version, config.transformer_impl,
+                   tuple(environ.get(env) for env in OVERRIDE_ENVS))
 
 
-def install(policy: KernelPolicy) -> bool:
-    """Make `policy` the process's; whether it is new (a first or a changed one)."""
-    global _installed
-    new, _installed = policy != _installed, policy
-    return new
-
-
-def current() -> KernelPolicy:
-    """The installed policy; before one is (layers built without Megatron's arguments), the defaults
-    with this environment's overrides."""
-    return _installed if _installed is not None else build()
+def build(attention_backend="auto", flash_attention_version=None, transformer_impl="transformer_engine",
+          environ=os.environ) -> KernelPolicy:
+    """The policy of these flags and overrides, checked as flags; KernelPolicyError (one line) for a
+    bad value."""
+    if str(getattr(attention_backend, "name", attention_backend)) == "local":
+        raise KernelPolicyError("--attention-backend local is Megatron's switch to its --spec local models; for "
+                                "torch SDPA in these layers use --attention-backend unfused")
+    flags = SimpleNamespace(attention_backend=attention_backend, flash_attention_version=flash_attention_version,
+                            transformer_impl=transformer_impl)
+    return of(flags, environ)

@@ -28,13 +28,13 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.mlp import MLP
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.mlp_kernels import (
     EPILOGUE_DTYPES,
     GATED,
     epilogue_mlp,
     load_quack_gemm,
     mlp_kernel_for,
-    mlp_mode,
     padded_swiglu_mlp,
     quack_activation,
 )
@@ -54,7 +54,7 @@ def _own_forward_problem(config, fc1, fc2) -> str | None:
 
 def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     """Whether an MLP of `config` with these linears runs its activation in quack's GEMMs, given the
-    process's kernel choice (mlp_kernel_for); the reason where it does not."""
+    kernel choice of its policy (mlp_kernel_for); the reason where it does not."""
     if kernel.kernel != QUACK:
         return kernel
     activation = quack_activation(config)
@@ -76,9 +76,9 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
 
 def ffn_padding(config, fc1, fc2, kernel: QuackChoice) -> int:
     """Zero columns that take a SwiGLU MLP's per-rank ffn on torch's GEMMs to a multiple of ALIGNMENT
-    (padded_swiglu_mlp), in bf16 / fp16; 0 where quack runs it, none are needed, or the policy pins
-    megatron-core's MLP (MEGATRON_HETERO_MLP_KERNEL=torch)."""
-    if (kernel.kernel == QUACK or mlp_mode() == TORCH or quack_activation(config) not in GATED
+    (padded_swiglu_mlp), in bf16 / fp16; 0 where quack runs it, none are needed, or the config's policy
+    pins megatron-core's MLP (MEGATRON_HETERO_MLP_KERNEL=torch)."""
+    if (kernel.kernel == QUACK or kernel_policy.of(config).mlp == TORCH or quack_activation(config) not in GATED
             or config.params_dtype not in EPILOGUE_DTYPES or _own_forward_problem(config, fc1, fc2)):
         return 0
     return -fc2.weight.shape[1] % ALIGNMENT
@@ -95,7 +95,7 @@ class EpilogueMLP(MLP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        kernel = mlp_kernel_for()
+        kernel = mlp_kernel_for(kernel_policy.of(self.config))
         self.epilogue = epilogue_choice(self.config, self.linear_fc1, self.linear_fc2, kernel)
         self.pad = ffn_padding(self.config, self.linear_fc1, self.linear_fc2, self.epilogue)
         if self.pad:

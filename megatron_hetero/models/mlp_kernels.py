@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.tensor_parallel import layers as tp_layers
 
-from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention_kernels import import_failure
-from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV, kernel_mode
+from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV, KernelPolicy
 from megatron_hetero.models.quack_kernels import QuackChoice, quack_kernel_for
 from megatron_hetero.spec.sizes import MLP_MIN_MACS
 
@@ -62,12 +61,6 @@ EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
 def halves(interleaved: torch.Tensor) -> torch.Tensor:
     """A gated pre-activation (or its gradient) from quack's interleaved layout to [gate; up] halves."""
     return interleaved.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-
-
-def mlp_mode(environ=None) -> str:
-    """The kernel policy's mode (MLP_KERNEL_ENV's value in `environ`, where given; "auto" where unset);
-    KernelModeError for another."""
-    return kernel_policy.current().mlp if environ is None else kernel_mode(MLP_KERNEL_ENV, environ)
 
 
 def quack_activation(config) -> str | None:
@@ -121,9 +114,9 @@ def load_quack_gemm() -> tuple[QuackGemm | None, str | None]:
     return (None, problem) if problem else (QuackGemm(gemm_act, gemm_dact), None)
 
 
-def mlp_kernel_for() -> QuackChoice:
-    """The kernel of this process's MLPs: MLP_KERNEL_ENV and its GPU."""
-    return quack_kernel_for(MLP_KERNEL_ENV, mlp_mode(), load_quack_gemm, MLP_MIN_MACS)
+def mlp_kernel_for(policy: KernelPolicy) -> QuackChoice:
+    """The kernel of MLPs under `policy` (its MLP mode) on this process's GPU."""
+    return quack_kernel_for(MLP_KERNEL_ENV, policy.mlp, load_quack_gemm, MLP_MIN_MACS)
 
 
 def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor,

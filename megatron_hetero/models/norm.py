@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.norm_kernels import load_quack, norm_kernel_for, quack_norm
 
 
@@ -72,7 +73,7 @@ class SequenceParallelNorm(torch.nn.Module):
         self.bias = None
         if not self.rms:
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        self.kernel = norm_kernel_for()
+        self.kernel = norm_kernel_for(kernel_policy.of(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = [self.weight] if self.rms else [self.weight, self.bias]

@@ -12,7 +12,8 @@ Engine's fused norms do, neither of which is here). The statistics are fp32 in b
 `MEGATRON_HETERO_NORM_KERNEL` (NORM_KERNEL_ENV): auto (the default: quack where it can run for calls of
 NORM_MIN_ELEMENTS or more, torch elsewhere), torch (torch's kernels on every device: A/B runs, or a
 suspected kernel) or quack (every call where it can run); the rule is
-quack_kernels.py's, shared with the MLP's GEMMs; norm_kernel_for() feeds it this process's facts.
+quack_kernels.py's, shared with the MLP's GEMMs; norm_kernel_for(policy) feeds it the layer's kernel
+policy (kernel_policy.of(config)) and this process's GPU.
 tools/gpu_norm_check.py checks quack's outputs and gradients against fp32 at the workloads' widths on
 a GPU.
 """
@@ -22,21 +23,14 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention_kernels import import_failure
-from megatron_hetero.models.kernel_policy import NORM_KERNEL_ENV, kernel_mode
+from megatron_hetero.models.kernel_policy import NORM_KERNEL_ENV, KernelPolicy
 from megatron_hetero.models.quack_kernels import QuackChoice, quack_kernel_for
 
 # Under auto, quack for a norm call of >= 2^24 elements (quack_kernels.py: why): W1's and W3's ViT
 # norms (23,328 x 1152, 2^24.7) and every LLM's of the workloads run quack; the loss model's (8,192 x
 # 1024, 2^23) torch.
 NORM_MIN_ELEMENTS = (2**24, "elements")
-
-
-def norm_mode(environ=None) -> str:
-    """The kernel policy's mode (NORM_KERNEL_ENV's value in `environ`, where given; "auto" where unset);
-    KernelModeError for another."""
-    return kernel_policy.current().norm if environ is None else kernel_mode(NORM_KERNEL_ENV, environ)
 
 
 class Quack(NamedTuple):
@@ -59,9 +53,9 @@ def load_quack() -> tuple[Quack | None, str | None]:
     return Quack(_rmsnorm_fwd, _rmsnorm_bwd, get_sm_count), None
 
 
-def norm_kernel_for() -> QuackChoice:
-    """The kernel of this process's norms: NORM_KERNEL_ENV and its GPU."""
-    return quack_kernel_for(NORM_KERNEL_ENV, norm_mode(), load_quack, NORM_MIN_ELEMENTS)
+def norm_kernel_for(policy: KernelPolicy) -> QuackChoice:
+    """The kernel of norms under `policy` (its norm mode) on this process's GPU."""
+    return quack_kernel_for(NORM_KERNEL_ENV, policy.norm, load_quack, NORM_MIN_ELEMENTS)
 
 
 class _QuackNorm(torch.autograd.Function):

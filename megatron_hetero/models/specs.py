@@ -1,6 +1,7 @@
-"""Layer specs: Transformer Engine's when it is importable; otherwise megatron-core's local layers
-with our core attention (SDPA, context parallelism), norm (sequence parallelism) and dense MLP (the
-activation in quack's GEMMs where they run) substituted."""
+"""Layer specs: Transformer Engine's where the config's kernel policy runs them (TE imports,
+transformer_impl not local); otherwise megatron-core's local layers with our core attention (SDPA,
+context parallelism), norm (sequence parallelism) and dense MLP (the activation in quack's GEMMs where
+they run) substituted."""
 
 import functools
 
@@ -23,15 +24,16 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention import SDPAttention, attention_summary
-from megatron_hetero.models.kernel_policy import HAVE_TE, current
 from megatron_hetero.models.mlp import EpilogueMLP, mlp_summary
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 
 
-def uses_te() -> bool:
-    """Transformer Engine's layers: where TE imports and the kernel policy (--transformer-impl) asks."""
-    return HAVE_TE and current().transformer_impl != "local"
+def uses_te(config: TransformerConfig) -> bool:
+    """Transformer Engine's layers: where TE imports and the config's kernel policy (transformer_impl,
+    Megatron's --transformer-impl) asks."""
+    return kernel_policy.of(config).te
 
 
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
@@ -59,50 +61,49 @@ def _norm_spec(pg_collection: ProcessGroupCollection | None, has_residual: bool 
     return ModuleSpec(module=SequenceParallelNorm, params={"tp_group": tp_group, "has_residual": has_residual})
 
 
-def llm_uses_te(packed: bool) -> bool:
-    """Transformer Engine's layers for the LLM where TE imports, but not for packed sequences: our
-    attention keeps each packed sample's tokens to themselves (PackedSeqParams.seq_idx); TE's would
+def llm_uses_te(config: TransformerConfig, packed: bool) -> bool:
+    """Transformer Engine's layers for the LLM where its config asks (uses_te), but not for packed
+    sequences: our attention keeps each packed sample's tokens to themselves (PackedSeqParams.seq_idx); TE's would
     need the thd layout and cu_seqlens, which this runtime does not build, and would otherwise
     attend across samples."""
-    return uses_te() and not packed
+    return uses_te(config) and not packed
 
 
 def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_experts: int | None = None,
-                   te: bool | None = None, qk_norm: bool = False) -> ModuleSpec:
+                   te: bool = False, qk_norm: bool = False) -> ModuleSpec:
     """Causal decoder layer for the LLM. pg_collection: the LLM's groups, needed (for the norms'
     TP group) with sequence parallelism and without Transformer Engine; num_experts: megatron-core's
     MoE layer (SequentialMLP experts) for the MLP; te: Transformer Engine's layers (llm_uses_te);
     qk_norm: a norm over each query and key head before RoPE (Qwen3; config.qk_layernorm)."""
-    if uses_te() if te is None else te:
+    if te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
     return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm), pg_collection)
 
 
-def encoder_uses_te(pg_collection: ProcessGroupCollection | None) -> bool:
-    """Transformer Engine's layers for an encoder where TE imports, but not under CP: an encoder's CP
-    parts are contiguous, attended to in full through our attention's gather (models/encoder.py),
+def encoder_uses_te(config: TransformerConfig, pg_collection: ProcessGroupCollection | None) -> bool:
+    """Transformer Engine's layers for an encoder where its config asks (uses_te), but not under CP: an
+    encoder's CP parts are contiguous, attended to in full through our attention's gather (models/encoder.py),
     the path its tests check against one process."""
     cp = pg_collection.cp if pg_collection is not None else None
-    return uses_te() and (cp is None or cp.size() == 1)
+    return uses_te(config) and (cp is None or cp.size() == 1)
 
 
-def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None, te: bool | None = None) -> ModuleSpec:
-    """Bidirectional (no mask) layer for encoders; te: Transformer Engine's layers (default:
-    encoder_uses_te)."""
-    if encoder_uses_te(pg_collection) if te is None else te:
+def encoder_layer_spec(pg_collection: ProcessGroupCollection | None = None, te: bool = False) -> ModuleSpec:
+    """Bidirectional (no mask) layer for encoders; te: Transformer Engine's layers (encoder_uses_te)."""
+    if te:
         return get_vit_layer_with_transformer_engine_spec()
     return with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
 
 
 def block_spec(
-    layer: ModuleSpec, config: TransformerConfig, pg_collection: ProcessGroupCollection, te: bool | None = None
+    layer: ModuleSpec, config: TransformerConfig, pg_collection: ProcessGroupCollection, te: bool = False
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The `spec` for TransformerBlock (GPTModel's `transformer_layer_spec`) from a layer spec.
 
-    With Transformer Engine's layers (`te`) the layer spec itself (the block's final norm is TE's).
-    With ours, the block's final norm would be megatron's torch norm, which refuses sequence
-    parallelism: the layers of this pipeline stage are listed with our norm as the final one."""
-    if uses_te() if te is None else te:
+    With Transformer Engine's layers (`te`: llm_uses_te, encoder_uses_te) the layer spec itself (the
+    block's final norm is TE's). With ours, the block's final norm would be megatron's torch norm,
+    which refuses sequence parallelism: the layers of this pipeline stage are listed with our norm as the final one."""
+    if te:
         return layer
     num_layers = get_num_layers_to_build(config, pp_rank=get_pg_rank(pg_collection.pp))
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm_spec(pg_collection))

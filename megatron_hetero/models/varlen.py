@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention import causal_attention
 from megatron_hetero.models.attention_kernels import FA4, Fa4, KernelChoice, config_dtype, kernel_for, load_fa4, run_fa4
 from megatron_hetero.models.transfer import to_device
@@ -151,7 +152,7 @@ def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_sc
     q [total_q, heads, d], k, v [total_k, kv heads, d]; segment i's queries q[cu_q[i]:cu_q[i+1]]
     attend to its keys k[cu_k[i]:cu_k[i+1]] (causal: bottom-right aligned, the j-th query of a
     segment sees keys up to len_k - len_q + j); plan: their VarlenPlan on q's device. kernel:
-    kernel_for(the module's config, head dim, dropout, packed=True): FA4's varlen entry (fa4: its
+    kernel_for(the module's policy, head dim, dtype, packed=True): FA4's varlen entry (fa4: its
     stand-in in tests), else torch SDPA per segment shape. Returns [total_q, heads, d]."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if kernel.kernel == FA4:
@@ -255,8 +256,7 @@ class SegmentAttention(MegatronModule):
             raise ValueError("SegmentAttention has no attention dropout; set attention_dropout 0")
         self.windowed = full_layers is not None and layer_number - 1 not in full_layers
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
-        self.kernel = kernel_for(config.attention_backend, config.kv_channels, config_dtype(config), 0.0,
-                                 config.flash_attention_version, packed=True)
+        self.kernel = kernel_for(kernel_policy.of(config), config.kv_channels, config_dtype(config), packed=True)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: SegmentParams | None = None) -> torch.Tensor:

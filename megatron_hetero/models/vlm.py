@@ -135,7 +135,7 @@ def build_llm(
     config = transformer_config(sizes.hidden_size, sizes.num_layers, sizes.num_attention_heads, tp, dtype, pp,
                                 cp=pgs.cp.size(), sp=sp, arch=arch, **{**fields, **config_overrides})
     num_experts = arch.moe.num_experts if arch.moe else None
-    te = specs.llm_uses_te(packed)
+    te = specs.llm_uses_te(config, packed)
     whole_rows = padded_vocab_size(sizes)  # the padding's own initial weights do not depend on tp
     config.embedding_init_method = first_rows_init(config.embedding_init_method, whole_rows)
     spec = transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te)

@@ -9,8 +9,8 @@
   sizes (layout_args.load) and upstream validation runs over the LLM's ranks: data-parallel size =
   the LLM's dp. Without `--hetero-layout` validation is upstream's.
 - With `--hetero-layout`, the kernel policy (models/kernel_policy.py) is built from Megatron's flags
-  and the overrides, checked (a bad value: the same one line from every script), installed for the
-  layers and printed once.
+  and the overrides, checked (a bad value: the same one line from every script) and printed on rank 0;
+  the layers take it from their configs, which carry the same flags (training/providers.py).
 """
 
 import os
@@ -18,7 +18,6 @@ import re
 
 import torch
 
-from megatron_hetero.models import kernel_policy
 from megatron_hetero.patches import startup
 from megatron_hetero.patches._patch import replace
 from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, check_kernels, fail, load
@@ -50,16 +49,16 @@ def _validate_over_llm(original, args, defaults) -> None:
     assert args.data_parallel_size == layout.llm.dp, (args.data_parallel_size, layout.llm.dp)
 
 
-def _install_kernel_policy(args) -> None:
+def _check_kernel_policy(args) -> None:
     """The run's kernel policy, checked against the LLM's head dim from Megatron's flags (a script's
-    own checks may have built it with every module's), installed, and its line printed on rank 0."""
+    own checks may have built it with every module's), and its line printed on rank 0."""
     if getattr(args, "hetero_kernel_policy", None) is None:
         head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
         try:
             args.hetero_kernel_policy = check_kernels(args, lambda: {args.hetero_layout_spec.llm.name: head_dim})
         except ArgsError as error:
             fail(str(error))
-    if kernel_policy.install(args.hetero_kernel_policy) and int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         print(f"kernel policy: {args.hetero_kernel_policy}", flush=True)
 
 
@@ -77,7 +76,7 @@ def _validate_args(original):
             return original(args, defaults)
         if getattr(args, "hetero_layout_spec", None) is None:  # a script's own checks may have loaded it
             args.hetero_layout_spec = load(args)
-        _install_kernel_policy(args)
+        _check_kernel_policy(args)
         return _validate_over_llm(original, args, defaults)
     return validate_args
 

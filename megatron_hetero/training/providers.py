@@ -25,12 +25,13 @@ def megatron_config_fields(args) -> dict:
     core_transformer_config_from_args would: --gradient-accumulation-fusion (weight gradients
     accumulate into DDP's main_grad in the GEMM, for parts DDP wraps), activation recomputation
     (--recompute-granularity full|selective, --recompute-method uniform|block,
-    --recompute-num-layers, --recompute-modules) and the attention kernel (--attention-backend,
-    --flash-attention-version: models/attention_kernels.py)."""
+    --recompute-num-layers, --recompute-modules) and the flags of the layers' kernel policy
+    (--attention-backend, --flash-attention-version, --transformer-impl: models/kernel_policy.py)."""
     return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
                 recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules,
-                attention_backend=args.attention_backend, flash_attention_version=args.flash_attention_version)
+                attention_backend=args.attention_backend, flash_attention_version=args.flash_attention_version,
+                transformer_impl=args.transformer_impl)
 
 
 def model_provider(pre_process=True, post_process=True, config=None, pg_collection=None, **_):
