@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A/B of two checkouts on one card: bench_e2e of each workload under the one-GPU layout, A (the
 # baseline checkout BASE_REV, benchmarks/gpu_env.sh's baseline_checkout) and B (this one) alternating
-# A B A B on card 0, then the medians (benchmarks/ab_summary.py) and one profiled step of B.
+# A B A B on card $CARD (default 0), then the medians (benchmarks/ab_summary.py) and one profiled step of B.
 # Out ($OUT): hardware.txt, A.jsonl, B.jsonl, ab.log, summary.md, profile_B_<workload>.md.
-# Usage: BASE_REV=REV [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=200]
+# Usage: BASE_REV=REV [CARD=0] [BASE_DIR=.base] [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=200]
 #        [BUDGET_S=480] [FA4_SITE=DIR] benchmarks/gpu_ab_run.sh
 set -uo pipefail
 start=$SECONDS
@@ -17,7 +17,7 @@ e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   local bench=benchmarks/bench_e2e.py  # tools/ in trees older than the benchmarks/ folder
   [ -f "$dir/$bench" ] || bench=tools/bench_e2e.py
   echo "== $(date +%T) $1 $2" >> "$out/ab.log"
-  (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path timeout "${RUN_S:-200}" torchrun --standalone --nproc-per-node 1 \
+  (cd "$dir" && CUDA_VISIBLE_DEVICES=${CARD:-0} PYTHONPATH=$path timeout "${RUN_S:-200}" torchrun --standalone --nproc-per-node 1 \
     "$bench" --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
     --warmup 2 --steps "${STEPS:-5}" --out "$out/$1.jsonl" "${@:3}") >> "$out/ab.log" 2>&1
   echo "$1 $2: exit $? at $((SECONDS - start)) s"

@@ -21,13 +21,16 @@ baseline_checkout() {
     git worktree add --detach $base "$1" >/dev/null 2>&1 \
       || { echo "error: no baseline tree: carry .base (git archive $1) or run where .git is"; return 2; }
   fi
-  install_checkout "$base" /tmp/megatron_hetero_base || return 2
-  BASE_PATH=${PYTHONPATH/\/tmp\/megatron_hetero_site//tmp/megatron_hetero_base}
+  install_checkout "$base" "$SITE-base" || return 2
+  BASE_PATH=${PYTHONPATH/$SITE/$SITE-base}
 }
-install_checkout "$PWD" /tmp/megatron_hetero_site || exit 1
-export PYTHONPATH=/tmp/megatron_hetero_site${PYTHONPATH:+:$PYTHONPATH}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# SITE_TAG: a name of this script's own installs, for scripts run side by side on one machine.
+SITE=/tmp/megatron_hetero_site${SITE_TAG:+-$SITE_TAG}
+install_checkout "$PWD" "$SITE" || exit 1
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then  # once per machine: scripts side by side share it
+  [ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    || exit 1
   export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 out=${OUT:-out}; mkdir -p "$out"
