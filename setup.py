@@ -18,7 +18,7 @@ setup(
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
     package_data={"megatron_hetero.data": ["*.model"], "megatron_hetero.planner": ["calibrations/*.json"],
                   "megatron_hetero.models": ["kernel_checks.json"], "megatron_hetero.families": ["*/presets.json"]},
-    # One command for users: megatron-hetero layout|plan|verify|hf|launch (megatron_hetero/cli/main.py).
+    # One command for users: megatron-hetero layout|plan|verify|hf|launch|kernels ... (megatron_hetero/cli/main.py).
     entry_points={"console_scripts": ["megatron-hetero = megatron_hetero.cli.main:main"]},
     install_requires=[
         "torch",

@@ -95,7 +95,7 @@ def test_sdpa_backends_never_take_fa4():
 @pytest.mark.parametrize("device, kwargs, reason", [
     (Device("cpu"), {}, "no GPU"),
     (Device("NVIDIA A100-SXM4-80GB", (8, 0)), {}, "targets sm90/sm100"),
-    (Device("NVIDIA B200", (10, 0)), {}, "not checked on NVIDIA B200: run `megatron-hetero kernels check attention --record`"),
+    (Device("NVIDIA B200", (10, 0)), {}, "not checked on NVIDIA B200: run `megatron-hetero kernels check attention"),
     (H100, {"import_problem": "flash-attn-4 does not import (ImportError: x)"}, "does not import"),
     (H100, {"dtype": torch.float32}, "runs bf16/fp16, not float32"),
     (H100, {"dropout": 0.1}, "attention dropout 0.1"),
