@@ -18,7 +18,7 @@ setup(
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
     package_data={"megatron_hetero.data": ["*.model"], "megatron_hetero.planner": ["calibrations/*.json"],
                   "megatron_hetero.models": ["kernel_checks.json"], "megatron_hetero.families": ["*/presets.json"]},
-    # One command for users: megatron-hetero layout|plan|verify|hf|launch (megatron_hetero/cli/main.py).
+    # One command for users: megatron-hetero layout|plan|verify|hf|launch|kernels ... (megatron_hetero/cli/main.py).
     entry_points={"console_scripts": ["megatron-hetero = megatron_hetero.cli.main:main"]},
     install_requires=[
         "torch",
@@ -36,7 +36,7 @@ setup(
         # gradients were checked (models/attention_kernels.py), at the versions checked, with the DSL's
         # CUDA 13 libraries (torch cu130); a new version needs benchmarks/gpu_fa4_check.sh first. quack-kernels
         # also runs our norms and the MLP's GELU GEMMs (models/norm_kernels.py, models/mlp_kernels.py; a new
-        # version needs tools/gpu_norm_check.py and tools/gpu_mlp_check.py first).
+        # version needs `megatron-hetero kernels check norms` and `mlp` first).
         "fa4": ["flash-attn-4[cu13]==4.0.0b36", "quack-kernels==0.6.5", "nvidia-cutlass-dsl[cu13]==4.8.1"],
         # Hugging Face weights (megatron_hetero/hf): configs through transformers, tensors in safetensors.
         # tqdm: the progress bar of `hf import` and `hf export`.

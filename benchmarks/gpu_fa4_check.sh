@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # flash-attn-4 on one GPU: against fp32 attention at every attention shape the workloads use,
-# with each backend's speed (tools/gpu_fa4_check.py: exit 1 if a chosen path's gradients are off), then
+# with each backend's speed (`megatron-hetero kernels check attention`: exit 1 if a chosen path's
+# gradients are off), then
 # a 200-step loss comparison of examples/pretrain_vlm.py, SDPA (--attention-backend unfused) against
 # flash-attn-4 (--attention-backend flash: the LLM's head dim 128 as it is, the ViT's 72 zero-padded),
 # packed sequences (the LLM's per-document varlen path) included.
@@ -9,7 +10,7 @@
 # FA4_SITE=$HOME/fasite), else installed here into $HOME/fasite from the wheels, split in two parts:
 # .fa4a's copied to /tmp/fa4parts by an earlier run, .fa4b in the checkout (the recipe: .fa4a/README.txt).
 # CHECK=0 / LOSS=0 skip a part; QUICK=1: 4K instead of 16K sequences, fewer timing runs; STEPS (200);
-# WORKLOAD_ONLY=1: our attention paths only, not the raw kernel per head dim (gpu_fa4_check.py --workload-only).
+# WORKLOAD_ONLY=1: our attention paths only, not the raw kernel per head dim (--workload-only).
 # Where CHECKED_HEAD_DIMS has no entry for this GPU, the loss runs take the head dims the check passed
 # here (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS, kept in $SITE/checked_head_dims.txt for a later run).
 set -uo pipefail
@@ -26,14 +27,15 @@ fi
 if [ -z "${FA4_SITE:-}" ]; then use_fa4 "$SITE"; fi  # with FA4_SITE, gpu_env.sh did
 check=0
 if [ "${CHECK:-1}" != 0 ]; then
-  echo "== $(date +%T) tools/gpu_fa4_check.py"
+  echo "== $(date +%T) megatron-hetero kernels check attention"
   # The check judges the committed table alone, not head dims an earlier check recorded here.
-  env -u MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS python3 tools/gpu_fa4_check.py ${QUICK:+--quick} ${WORKLOAD_ONLY:+--workload-only} --out "$out" \
-    > "$out/fa4_check.log" 2>&1; check=$?
+  env -u MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS MEGATRON_HETERO_KERNEL_CHECKS=/dev/null \
+    python3 -m megatron_hetero.cli kernels check attention ${QUICK:+--quick} ${WORKLOAD_ONLY:+--workload-only} \
+    --out "$out" > "$out/fa4_check.log" 2>&1; check=$?
   cp "$out/fa4_checked_head_dims.txt" "$SITE/checked_head_dims.txt" 2>/dev/null
   grep -E "\| (auto|flash|sdpa)|FAIL|negative control|CHECKED_HEAD_DIMS|head dims whose|^(PASS|FAIL|error)" \
     "$out/fa4_check.log" | cut -c1-230
-  echo "gpu_fa4_check.py: exit $check"
+  echo "kernels check attention: exit $check"
 fi
 if [ "${LOSS:-1}" != 0 ]; then
   fa4_checked "$SITE"  # what the check above recorded
@@ -58,7 +60,7 @@ if [ "${LOSS:-1}" != 0 ]; then
       "${flags[@]}" --metrics-file "$out/loss_$name.jsonl" >> "$out/loss_runs.log" 2>&1
     echo "exit $?"; grep -E "^(attention|norms|mlp):|^error" "$out/loss_runs.log" | tail -6
   done
-  python3 tools/gpu_fa4_check.py --compare-losses "$out/loss_${arms[0]%%:*}.jsonl" "$out/loss_${arms[1]%%:*}.jsonl" \
+  python3 benchmarks/compare_losses.py "$out/loss_${arms[0]%%:*}.jsonl" "$out/loss_${arms[1]%%:*}.jsonl" \
     | tee -a "$out/loss_runs.log" | grep -E "^\| (1|50|100|150|200) |steps:"
 fi
 exit $check

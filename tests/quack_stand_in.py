@@ -1,6 +1,6 @@
 """A pure-torch stand-in for quack's epilogue GEMMs (quack.gemm_interface's gemm_act / gemm_dact: their
 call signatures and outputs, gated units' layout as its gemm_act_ref lays it out), for CPU tests of the
-MLP's fused path; GPUs check the real kernels (tools/gpu_mlp_check.py)."""
+MLP's fused path; GPUs check the real kernels (`megatron-hetero kernels check mlp`)."""
 
 import torch
 

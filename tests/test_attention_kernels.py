@@ -12,7 +12,6 @@
 import collections
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -96,7 +95,7 @@ def test_sdpa_backends_never_take_fa4():
 @pytest.mark.parametrize("device, kwargs, reason", [
     (Device("cpu"), {}, "no GPU"),
     (Device("NVIDIA A100-SXM4-80GB", (8, 0)), {}, "targets sm90/sm100"),
-    (Device("NVIDIA B200", (10, 0)), {}, "not checked on NVIDIA B200: run benchmarks/gpu_fa4_check.sh"),
+    (Device("NVIDIA B200", (10, 0)), {}, "not checked on NVIDIA B200: run `megatron-hetero kernels check attention"),
     (H100, {"import_problem": "flash-attn-4 does not import (ImportError: x)"}, "does not import"),
     (H100, {"dtype": torch.float32}, "runs bf16/fp16, not float32"),
     (H100, {"dropout": 0.1}, "attention dropout 0.1"),
@@ -402,7 +401,7 @@ def test_module_on_the_fa4_path(monkeypatch):
     _assert_same(_grads(lambda: ours(*leaves, None), leaves), want)
 
 
-# ---- tools/gpu_fa4_check.py's measuring, on CPU ----------------------------------------------------
+# ---- `kernels check attention`'s measuring, on CPU ---------------------------------------------------
 class _DoubledGradient(torch.autograd.Function):
     """The identity whose backward doubles the gradient: a kernel with a right forward and a wrong
     backward, as flash-attn-4 4.0.0b36 at head dims 72 and 80 on the H100."""
@@ -425,11 +424,10 @@ def _wrong_backward(fa4: Fa4) -> Fa4:
 
 
 def _check_tool(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tools"))
-    import gpu_fa4_check
+    from megatron_hetero.cli.checks import attention as check
 
-    monkeypatch.setattr(gpu_fa4_check, "DEVICE", "cpu")
-    return gpu_fa4_check
+    monkeypatch.setattr(check, "DEVICE", "cpu")
+    return check
 
 
 def test_gpu_check_passes_right_kernels_and_fails_a_wrong_backward(monkeypatch):
@@ -454,8 +452,9 @@ def test_gpu_check_passes_right_kernels_and_fails_a_wrong_backward(monkeypatch):
         assert not record["ok"]
 
 
-def test_gpu_check_compares_two_loss_curves(monkeypatch, tmp_path, capsys):
-    tool = _check_tool(monkeypatch)
+def test_gpu_check_compares_two_loss_curves(tmp_path, capsys):
+    import compare_losses as tool  # benchmarks/compare_losses.py, on the path (conftest.py)
+
     for name, losses in (("sdpa", [2.0, 1.5, 1.25]), ("fa4", [2.0, 1.5, 1.5])):
         lines = [json.dumps({"step": i + 1, "loss": x}) for i, x in enumerate(losses)] + ['{"caption_accuracy": 1}']
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")

@@ -27,7 +27,8 @@ def test_usage_lists_every_command(capsys):
 
 
 @pytest.mark.parametrize("command", [["layout", "check"], ["layout", "show"], ["plan"], ["verify"], ["hf", "import"],
-                                     ["hf", "compare"], ["hf", "export"], ["launch"], ["breakdown"]])
+                                     ["hf", "compare"], ["hf", "export"], ["launch"], ["breakdown"],
+                                     ["kernels", "check"]])
 def test_every_command_has_help(command):
     """`megatron-hetero ... --help` exits 0 and names itself; every option it lists has a help text."""
     result = run_python(["-m", "megatron_hetero.cli", *command, "--help"])
@@ -42,6 +43,32 @@ def _without_help(text: str) -> list[str]:
     lines = text.split("options:", 1)[-1].splitlines() + [""]
     return [line.strip() for line, after in zip(lines, lines[1:])
             if line.startswith("  -") and "  " not in line.strip() and not after.startswith(" " * 8)]
+
+
+@pytest.mark.parametrize("what", ["attention", "all"])
+def test_kernels_check_without_a_gpu_is_one_line(capsys, monkeypatch, what):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["kernels", "check", what]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.startswith("error: no GPU visible") and printed.err.count("\n") == 1
+
+
+def test_kernels_check_without_the_kernels_is_one_line(capsys, monkeypatch, tmp_path):
+    """On a GPU where flash-attn-4 or quack does not import: each check says so in one line, exit 2
+    (after, in a process without Transformer Engine, the package's one start-up note)."""
+    from megatron_hetero.cli.checks import attention, mlp, norms
+    from megatron_hetero.models.attention_kernels import Device
+
+    monkeypatch.setattr(attention, "current_device", lambda: Device("NVIDIA B200", (10, 0)))
+    monkeypatch.setattr(attention, "load_fa4", lambda: (None, "flash-attn-4 is not installed"))
+    monkeypatch.setattr(norms, "load_quack", lambda: (None, "quack is not installed"))
+    monkeypatch.setattr(mlp, "load_quack_gemm", lambda: (None, "quack is not installed"))
+    for check, args in ((attention, (False, tmp_path, True, False)), (norms, (False, tmp_path)),
+                        (mlp, (False, tmp_path))):
+        assert check.main(*args) == 2
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[-1] == f"error: {'flash-attn-4' if check is attention else 'quack'} is not installed"
+        assert all(line.startswith("megatron-hetero: ") for line in printed[:-1]), printed
 
 
 def test_launch_help_describes_itself(capsys):

@@ -121,6 +121,8 @@ def test_every_modules_config_carries_the_validated_flags():
 
 
 def test_tables_come_from_the_json_file_the_checks_write(tmp_path):
+    """The shipped table (the tests' user table is empty: conftest.py); record_check writes a passing
+    result into a table, creating it."""
     checks = json.loads(kernel_policy.CHECKS_FILE.read_text())
     assert CHECKED_HEAD_DIMS == {gpu: tuple(dims) for gpu, dims in checks["fa4_checked_head_dims"].items()}
     assert CUDNN_MERGE_CHECKED == tuple(checks["cudnn_merge_checked"])
@@ -132,3 +134,23 @@ def test_tables_come_from_the_json_file_the_checks_write(tmp_path):
     written = json.loads(path.read_text())
     assert written["fa4_checked_head_dims"]["NVIDIA B200"] == [64, 128]
     assert written["cudnn_merge_checked"] == [*CUDNN_MERGE_CHECKED, "NVIDIA B200"]
+
+
+def test_the_users_table_is_merged_over_the_shipped_one(tmp_path, monkeypatch):
+    """--record writes the user's table (MEGATRON_HETERO_KERNEL_CHECKS, else under ~/.cache), created
+    on first use; its entry for a GPU replaces the shipped one, other GPUs keep theirs; a corrupt
+    table is one line naming the file."""
+    user = tmp_path / "cache" / "kernel_checks.json"
+    monkeypatch.setenv(kernel_policy.USER_CHECKS_ENV, str(user))
+    assert kernel_policy.user_checks_file() == user
+    assert kernel_policy.user_checks_file({"HOME": "/h"}).parts[-3:] == (".cache", "megatron_hetero",
+                                                                         "kernel_checks.json")
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert kernel_policy.record_check("NVIDIA B200", fa4_head_dims=(96,), cudnn_merge=True) == user
+    kernel_policy.record_check(h100, fa4_head_dims=(64, 128, 80))
+    dims, merged = kernel_policy.load_checks(kernel_policy.CHECKS_FILE, user)
+    assert dims == {**CHECKED_HEAD_DIMS, "NVIDIA B200": (96,), h100: (64, 80, 128)}
+    assert merged == (*CUDNN_MERGE_CHECKED, "NVIDIA B200")
+    user.write_text('{"fa4_checked_head_dims": [')
+    with pytest.raises(KernelPolicyError, match="kernel_checks.json: not a kernel checks table"):
+        kernel_policy.load_checks(kernel_policy.CHECKS_FILE, user)

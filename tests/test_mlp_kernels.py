@@ -5,13 +5,12 @@
 - epilogue_mlp on a pure-torch stand-in with quack's call signatures (tests/quack_stand_in.py):
   output and every gradient equal torch's MLP, weight gradients into main_grad as megatron's
   gradient-accumulation fusion does, frozen parts; the module in megatron's layers under TP / SP is
-  tested in test_layers.py, the kernels' numbers by tools/gpu_mlp_check.py on a GPU, whose judging is
-  tested here.
+  tested in test_layers.py, the kernels' numbers by `megatron-hetero kernels check mlp` on a GPU,
+  whose judging is tested here.
 """
 
 import functools
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -266,15 +265,14 @@ def test_weight_gradients_accumulate_into_main_grad(monkeypatch):
     torch.testing.assert_close(leaves["b1"].grad, 2 * want["b1"], rtol=1e-12, atol=1e-12)
 
 
-# ---- the GPU script's judging ---------------------------------------------------------------------
+# ---- the GPU check's judging ----------------------------------------------------------------------
 def _check_tool(monkeypatch, gemm: QuackGemm):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tools"))
-    import gpu_mlp_check
+    from megatron_hetero.cli.checks import mlp as check
 
     _accumulating(monkeypatch)
-    monkeypatch.setattr(gpu_mlp_check, "DEVICE", "cpu")
-    monkeypatch.setattr(gpu_mlp_check, "load_quack_gemm", lambda: (gemm, None))
-    return gpu_mlp_check
+    monkeypatch.setattr(check, "DEVICE", "cpu")
+    monkeypatch.setattr(check, "load_quack_gemm", lambda: (gemm, None))
+    return check
 
 
 def _wrong_derivative(gemm: QuackGemm) -> QuackGemm:

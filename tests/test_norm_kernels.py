@@ -5,10 +5,9 @@
   output and gradients equal to torch's F.layer_norm / F.rms_norm, through a pure-torch stand-in
   with quack's call signatures: the plumbing (which buffer is which, the statistics kept for the
   backward, the per-SM partial gradients summed) is verified here, the kernels' numbers by
-  tools/gpu_norm_check.py on a GPU, whose judging is tested here too.
+  `megatron-hetero kernels check norms` on a GPU, whose judging is tested here too.
 """
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -151,14 +150,13 @@ def test_summary_names_the_kernel(monkeypatch):
     assert norm_summary(torch.nn.Linear(2, 2)) == "none"
 
 
-# ---- the GPU script's judging ---------------------------------------------------------------------
+# ---- the GPU check's judging ----------------------------------------------------------------------
 def _check_tool(monkeypatch, quack: Quack):
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "tools"))
-    import gpu_norm_check
+    from megatron_hetero.cli.checks import norms as check
 
-    monkeypatch.setattr(gpu_norm_check, "DEVICE", "cpu")
-    monkeypatch.setattr(gpu_norm_check, "load_quack", lambda: (quack, None))
-    return gpu_norm_check
+    monkeypatch.setattr(check, "DEVICE", "cpu")
+    monkeypatch.setattr(check, "load_quack", lambda: (quack, None))
+    return check
 
 
 def _wrong_weight_gradient(quack: Quack) -> Quack:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron_hetero.cli.checks.common import timed
 from megatron_hetero.patches.grad_accum_fusion import accumulate_wgrad
 from megatron_hetero.planner.presets import (
     BENCH_WORKLOADS,
@@ -36,19 +37,6 @@ from megatron_hetero.planner.presets import (
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def timed(fn, iters: int) -> float:
-    """Milliseconds per call (CUDA events, after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def attention_inputs(b, s, h, d, device):

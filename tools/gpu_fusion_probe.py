@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_ops import timed
 
+from megatron_hetero.cli.checks.common import timed
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS
 
 ITERS = 30

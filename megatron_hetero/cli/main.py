@@ -8,6 +8,7 @@
     torchrun --nproc-per-node N --no-python megatron-hetero launch SCRIPT.py <its flags> --hetero-layout L.yaml
     megatron-hetero breakdown RECORDS.jsonl --png F      # a benchmark record's step per rank
     megatron-hetero timeline METRICS.jsonl --png F       # a run's step per rank on a time axis
+    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|all] [--record]   # on a GPU
 
 `megatron-hetero COMMAND --help` describes each. The `python -m megatron_hetero.layout|hf|launch`
 forms and `python -m megatron_hetero.cli` run the same code.
@@ -27,6 +28,7 @@ COMMANDS = dict(
     launch=("run a Megatron-LM pretrain script with the patches applied", "megatron_hetero.launch:main"),
     breakdown=("draw a benchmark record's step per rank", "megatron_hetero.cli.picture:breakdown_main"),
     timeline=("draw a run's step per rank on a time axis", "megatron_hetero.cli.picture:timeline_main"),
+    kernels=("check the fast kernels on this GPU; enable what passes", "megatron_hetero.cli.kernels:main"),
 )
 
 

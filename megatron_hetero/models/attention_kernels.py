@@ -33,7 +33,6 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.chunk_attention import cudnn_merge_checked
 from megatron_hetero.models.kernel_policy import CHECKED_HEAD_DIMS, AttentionKernelError, KernelPolicy
 
@@ -44,8 +43,9 @@ SDPA = "sdpa"
 # (dq, dk, dv against fp32 math attention, max |diff| / max |ref| as small as cuDNN's: 0.003-0.005) were
 # checked, by GPU model as torch.cuda.get_device_name() names it. Source: a gradient check against fp32,
 # one H100, 2026-11-25, flash-attn-4 4.0.0b36 (hd 72 and 80 failed there: 0.98 and 1.29); the H200's from
-# tools/gpu_fa4_check.py, 2026-11-26. benchmarks/gpu_fa4_check.sh re-checks every listed dim and writes
-# the entry for the GPU it runs on: add a GPU (or a wheel version) only from its output. The policy's
+# `megatron-hetero kernels check attention` (cli/checks/attention.py), 2026-11-26, which re-checks every
+# listed dim and prints the head dims that pass on the GPU it runs on: add a GPU (or a wheel version)
+# only from its output. The policy's
 # fa4_head_dims (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS) add to it, never remove.
 FA4_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
@@ -107,8 +107,8 @@ def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, 
     if dropout > 0:
         return f"attention dropout {dropout}: flash-attn-4 has none"
     if not checked:
-        return (f"flash-attn-4's gradients are not checked on {device.name}: run benchmarks/gpu_fa4_check.sh there "
-                f"and add its entry to {kernel_policy.CHECKS_FILE.name}")
+        return (f"flash-attn-4's gradients are not checked on {device.name}: run `megatron-hetero kernels check "
+                f"attention --record` there")
     return None
 
 

@@ -12,7 +12,7 @@ whole softmax's (the split of FlashAttention's backward over key blocks that rin
 and sums the queries' gradients.
 
 Kernels: cuDNN's aten ops on CUDA; on CPUs the CPU flash kernel's, the same arithmetic, so that CI
-runs this path. On a GPU it runs only where benchmarks/gpu_cp_chunk_check.py found its outputs and
+runs this path. On a GPU it runs only where `kernels check cp-chunks` (cli/checks/) found its outputs and
 gradients as close to fp32 attention as SDPA's own (CUDNN_MERGE_CHECKED), else attention.py keeps
 SDPA's bottom-right mask; the module's kernel choice says which (attention_kernels.KernelChoice's
 merged_chunks, printed at start-up and recorded by the benchmarks).
@@ -26,7 +26,7 @@ import torch
 from megatron_hetero.models.kernel_policy import CUDNN_MERGE_CHECKED, KernelPolicy
 
 # CUDNN_MERGE_CHECKED (kernel_policy.py, from kernel_checks.json): GPU models on which
-# benchmarks/gpu_cp_chunk_check.py passed, from its output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x
+# `megatron-hetero kernels check cp-chunks` passed, from its output (2026-11-26, torch 2.11, cuDNN 9.19; 1.5-1.8x
 # faster than SDPA's mask at 16K-64K): docs/runs/gpu2/w6_dp2_cap80/ and
 # h100_chunk_check/cp_chunk_check.log. The policy's cudnn_merge (MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1)
 # counts as listed: a GPU whose check just passed, before its entry is added.

@@ -9,12 +9,15 @@ of its config (`of(config)`). Per call the layers still decide by shape and devi
 Overrides (environment variables):
 - MEGATRON_HETERO_NORM_KERNEL, MEGATRON_HETERO_MLP_KERNEL: auto (default), torch or quack;
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
-  tools/gpu_fa4_check.py, added to the table;
-- MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1: this GPU passed benchmarks/gpu_cp_chunk_check.py;
-- MEGATRON_HETERO_EAGER_ROPE=1: upstream's unfused RoPE (patches/rope.py), to compare.
+  `megatron-hetero kernels check attention`, added to the table;
+- MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1: this GPU passed `megatron-hetero kernels check cp-chunks`;
+- MEGATRON_HETERO_EAGER_ROPE=1: upstream's unfused RoPE (patches/rope.py), to compare;
+- MEGATRON_HETERO_KERNEL_CHECKS: the user's table file (default ~/.cache/megatron_hetero/kernel_checks.json).
 
 The checked tables (FA4 head dims and merged-chunk GPUs by torch.cuda.get_device_name()) are
-kernel_checks.json beside this file, written by the kernel checks (`--record`: record_check).
+kernel_checks.json beside this file, shipped with the package, with the user's table merged over it:
+the kernel checks write their passing results there (`--record`: record_check), since an installed
+package's own files may be read-only and a reinstall replaces them.
 """
 
 import functools
@@ -36,24 +39,6 @@ CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
 KERNEL_MODES = ("auto", "torch", "quack")
-CHECKS_FILE = Path(__file__).with_name("kernel_checks.json")
-
-_CHECKS = json.loads(CHECKS_FILE.read_text())
-CHECKED_HEAD_DIMS: dict[str, tuple[int, ...]] = {
-    gpu: tuple(dims) for gpu, dims in _CHECKS["fa4_checked_head_dims"].items()}
-CUDNN_MERGE_CHECKED: tuple[str, ...] = tuple(_CHECKS["cudnn_merge_checked"])
-
-
-def record_check(gpu: str, fa4_head_dims: tuple[int, ...] | None = None, cudnn_merge: bool = False,
-                 path: Path = CHECKS_FILE) -> None:
-    """A kernel check's passing result into the tables: `gpu`'s FA4 head dims (tools/gpu_fa4_check.py),
-    `gpu` among the merged-chunk GPUs (benchmarks/gpu_cp_chunk_check.py)."""
-    checks = json.loads(path.read_text())
-    if fa4_head_dims is not None:
-        checks["fa4_checked_head_dims"][gpu] = sorted(fa4_head_dims)
-    if cudnn_merge and gpu not in checks["cudnn_merge_checked"]:
-        checks["cudnn_merge_checked"].append(gpu)
-    path.write_text(json.dumps(checks, indent=2) + "\n")
 
 
 class KernelPolicyError(ValueError):
@@ -66,6 +51,56 @@ class KernelModeError(KernelPolicyError):
 
 class AttentionKernelError(KernelPolicyError):
     """--attention-backend flash where flash-attn-4 cannot run exactly; one line saying why."""
+
+
+CHECKS_FILE = Path(__file__).with_name("kernel_checks.json")
+USER_CHECKS_ENV = "MEGATRON_HETERO_KERNEL_CHECKS"
+_EMPTY = '{"fa4_checked_head_dims": {}, "cudnn_merge_checked": []}'
+
+
+def user_checks_file(environ=os.environ) -> Path:
+    """The user's table: USER_CHECKS_ENV's path, else ~/.cache/megatron_hetero/kernel_checks.json."""
+    return Path(environ.get(USER_CHECKS_ENV) or Path.home() / ".cache" / "megatron_hetero" / "kernel_checks.json")
+
+
+def _read(path: Path) -> dict:
+    """A table file (empty where the file does not exist); KernelPolicyError (one line) for another."""
+    try:
+        checks = json.loads(path.read_text() if path.is_file() else _EMPTY)
+        return dict(fa4_checked_head_dims=dict(checks["fa4_checked_head_dims"]),
+                    cudnn_merge_checked=list(checks["cudnn_merge_checked"]))
+    except (ValueError, KeyError, TypeError) as error:
+        raise KernelPolicyError(f"{path}: not a kernel checks table ({error}); fix or delete it "
+                                f"(`megatron-hetero kernels check --record` writes it)") from None
+
+
+def load_checks(*paths: Path) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
+    """(FA4 head dims by GPU, merged-chunk GPUs) of the tables in `paths` merged in order: a later
+    table's entry for a GPU replaces an earlier one's; the merged-chunk GPUs of every table."""
+    dims, merged = {}, []
+    for checks in map(_read, paths):
+        dims.update((gpu, tuple(entry)) for gpu, entry in checks["fa4_checked_head_dims"].items())
+        merged += [gpu for gpu in checks["cudnn_merge_checked"] if gpu not in merged]
+    return dims, tuple(merged)
+
+
+CHECKED_HEAD_DIMS, CUDNN_MERGE_CHECKED = load_checks(CHECKS_FILE, user_checks_file())
+
+
+def record_check(gpu: str, fa4_head_dims: tuple[int, ...] | None = None, cudnn_merge: bool = False,
+                 path: Path | None = None) -> Path:
+    """A kernel check's passing result into a table (the user's, unless `path`): `gpu`'s FA4 head dims
+    (`kernels check attention`), `gpu` among the merged-chunk GPUs (`kernels check cp-chunks`). The
+    file written."""
+    path = path or user_checks_file()
+    checks = _read(path)
+    if fa4_head_dims is not None:
+        checks["fa4_checked_head_dims"][gpu] = sorted(fa4_head_dims)
+    if cudnn_merge and gpu not in checks["cudnn_merge_checked"]:
+        checks["cudnn_merge_checked"].append(gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(checks, indent=2) + "\n")
+    return path
 
 
 def backend_mode(attention_backend) -> str:

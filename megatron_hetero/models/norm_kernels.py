@@ -14,7 +14,7 @@ NORM_MIN_ELEMENTS or more, torch elsewhere), torch (torch's kernels on every dev
 suspected kernel) or quack (every call where it can run); the rule is
 quack_kernels.py's, shared with the MLP's GEMMs; norm_kernel_for(policy) feeds it the layer's kernel
 policy (kernel_policy.of(config)) and this process's GPU.
-tools/gpu_norm_check.py checks quack's outputs and gradients against fp32 at the workloads' widths on
+`megatron-hetero kernels check norms` checks quack's outputs and gradients against fp32 at the workloads' widths on
 a GPU.
 """
 

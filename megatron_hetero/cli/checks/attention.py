@@ -1,14 +1,16 @@
 """Is flash-attn-4 right on this GPU, at every attention shape the workloads use, and is it faster?
 
-    python3 tools/gpu_fa4_check.py [--quick] [--workload-only] [--out DIR]   (one GPU, flash-attn-4 importable)
-    python3 tools/gpu_fa4_check.py --compare-losses A.jsonl B.jsonl   (two --metrics-file runs)
+    megatron-hetero kernels check attention [--quick] [--workload-only] [--record] [--out DIR]
+    (one GPU, flash-attn-4 importable: the fa4 extra)
 
 1. The kernel itself (no padding), per head dim (64, 72, 80, 96, 128; full, causal, GQA, varlen):
    dq/dk/dv against fp32 attention. The head dims where every case passes are this GPU's checked
-   list: printed as the CHECKED_HEAD_DIMS entry (models/kernel_checks.json) to commit for it (written
-   there with --record), and to DIR/fa4_checked_head_dims.txt. A head dim the table lists that fails here: FAIL. Where
-   the table has no entry for this GPU, part 2 uses the dims that passed here. --workload-only skips
-   this part (minutes of compiles and timing) for a GPU the table lists.
+   list: printed as the MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS line that lets the layers run
+   flash-attn-4 there, and written to DIR/fa4_checked_head_dims.txt; --record writes them as this
+   GPU's entry of the user's table (models/kernel_policy.py), which the kernel policy reads from then on.
+   A head dim the table lists that fails here: FAIL. Where the table has no entry for this GPU,
+   part 2 uses the dims that passed here. --workload-only skips this part (minutes of compiles and
+   timing) for a GPU the table lists.
 2. Our dispatched attention (models/attention.py `attend`, `varlen_attention`, the kernel that
    --attention-backend auto / flash chooses, SDPA forced as the baseline) at the workloads' shapes:
    W1's LLM (2 x 32 heads x 16384 x 128, causal: the trainer's micro batch of 2, whose [s, b] memory
@@ -22,21 +24,18 @@
    count). Any chosen path above the tolerance: FAIL, exit status 1.
 3. A negative control: auto with head dims 72 and 80 listed as if checked, at W1's and Qwen2.5-VL's
    ViT shapes: raw flash-attn-4 4.0.0b36 must fail there (GPU-KERNELS.md), showing the check catches it.
-Records (one JSON object per line) go to DIR/fa4_check.jsonl; DIR defaults to $OUT or out/.
+Records (one JSON object per line) go to DIR/fa4_check.jsonl.
 """
 
-import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_ops import timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megatron_hetero.cli.checks.common import timed
 from megatron_hetero.models.attention import attend, packed_seq_params
 from megatron_hetero.models.attention_kernels import (
     CHECKED_HEAD_DIMS,
@@ -49,7 +48,7 @@ from megatron_hetero.models.attention_kernels import (
     load_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
-from megatron_hetero.models.kernel_policy import record_check
+from megatron_hetero.models.kernel_policy import CHECKED_ENV, record_check
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 
 TOLERANCE = 0.02  # cuDNN's bf16 gradients are 0.003-0.005 off fp32 attention, the broken ones ~1
@@ -232,10 +231,8 @@ def raw_check(records: list) -> tuple[tuple[int, ...], bool]:
         if all(r["ok"] for r in results):
             passing.append(d)
     wrong = sorted(set(listed) - set(passing))
-    print(f"head dims whose flash-attn-4 gradients pass on {device.name}: {passing}; CHECKED_HEAD_DIMS lists "
+    print(f"head dims whose flash-attn-4 gradients pass on {device.name}: {passing}; the checked table lists "
           f"{list(listed) or 'none'}" + (f"; FAIL: listed but wrong here: {wrong}" if wrong else ""))
-    print(f'CHECKED_HEAD_DIMS entry: "{device.name}": {tuple(passing)},  # tools/gpu_fa4_check.py, '
-          f"{time.strftime('%Y-%m-%d')}, flash-attn-4 {_fa4_version()}", flush=True)
     return tuple(passing), not wrong
 
 
@@ -289,63 +286,41 @@ def negative_control(records: list, checked: tuple[int, ...]) -> None:
             "raw flash-attn-4 passes here (a fixed wheel?): the control did not trigger"), flush=True)
 
 
-def compare_losses(a: str, b: str) -> int:
-    """Two --metrics-file runs side by side: loss per step, the largest difference."""
-    runs = [{r["step"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r} for path in (a, b)]
-    steps = sorted(set(runs[0]) & set(runs[1]))
-    if not steps:
-        print(f"no common steps with a loss in {a} and {b}")
-        return 1
-    print(f"| step | {Path(a).stem} | {Path(b).stem} | difference |\n| --- | --- | --- | --- |")
-    for step in steps:
-        print(f"| {step} | {runs[0][step]:.5f} | {runs[1][step]:.5f} | {runs[1][step] - runs[0][step]:+.5f} |")
-    diffs = [abs(runs[1][s] - runs[0][s]) for s in steps]
-    last = steps[-min(20, len(steps)):]
-    means = [sum(r[s] for s in last) / len(last) for r in runs]
-    print(f"{len(steps)} steps: max |difference| {max(diffs):.5f} (step {steps[diffs.index(max(diffs))]}), "
-          f"mean of the last {len(last)}: {means[0]:.5f} vs {means[1]:.5f} ({100 * (means[1] / means[0] - 1):+.2f}%)")
-    return 0
+def _next_step(device_name: str, passing: tuple[int, ...], recorded: Path | None) -> str:
+    """What to do with part 1's result."""
+    if recorded:
+        return f"recorded {device_name}'s head dims {list(passing)} in {recorded}: the kernel policy reads them"
+    if not passing:
+        return f"no head dim passes on {device_name}: the layers keep torch SDPA there"
+    return (f"to run flash-attn-4 at these head dims on {device_name}: export {CHECKED_ENV}="
+            f"{','.join(map(str, passing))} (or run again with --record to keep them)")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter sequences (4K instead of 16K), fewer timing runs")
-    parser.add_argument("--workload-only", action="store_true",
-                        help="skip part 1 (the raw kernel per head dim); needs a CHECKED_HEAD_DIMS entry for this GPU")
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
-    parser.add_argument("--record", action="store_true",
-                        help="write the head dims that pass here as this GPU's entry of models/kernel_checks.json")
-    parser.add_argument("--compare-losses", nargs=2, metavar=("A", "B"))
-    opts = parser.parse_args()
-    if opts.compare_losses:
-        return compare_losses(*opts.compare_losses)
+def main(quick: bool, out: str, record: bool, workload_only: bool) -> int:
     device = current_device()
     if load_fa4()[0] is None or device.capability is None:
-        print(f"error: {load_fa4()[1] or 'no GPU'}")
+        print(f"error: {load_fa4()[1] or 'no GPU visible'}")
+        return 2
+    if workload_only and device.name not in CHECKED_HEAD_DIMS:
+        print(f"error: --workload-only: the checked table has no entry for {device.name}; run without it once")
         return 2
     print(f"{device.name} sm{device.capability[0]}{device.capability[1]}, torch {torch.__version__}, "
           f"flash-attn-4 {_fa4_version()}", flush=True)
-    Path(opts.out).mkdir(parents=True, exist_ok=True)
-    records = []
-    if opts.workload_only and device.name not in CHECKED_HEAD_DIMS:
-        print(f"error: --workload-only: CHECKED_HEAD_DIMS has no entry for {device.name}; run without it once")
-        return 2
-    passing, table_ok = (), True
-    if not opts.workload_only:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    records, passing, table_ok, recorded = [], (), True, None
+    if not workload_only:
         passing, table_ok = raw_check(records)
-        (Path(opts.out) / "fa4_checked_head_dims.txt").write_text(",".join(map(str, passing)) + "\n")
-        if opts.record:
-            record_check(device.name, fa4_head_dims=passing)
+        (Path(out) / "fa4_checked_head_dims.txt").write_text(",".join(map(str, passing)) + "\n")
+        if record:
+            recorded = record_check(device.name, fa4_head_dims=passing)
     checked = CHECKED_HEAD_DIMS.get(device.name) or passing
-    ok = workload_check(records, checked, opts.quick, 3 if opts.quick else 10)
+    ok = workload_check(records, checked, quick, 3 if quick else 10)
     negative_control(records, checked)
-    with open(Path(opts.out) / "fa4_check.jsonl", "a") as f:
-        for record in records:
-            f.write(json.dumps(dict(record, device=device.name, date=time.strftime("%Y-%m-%d"))) + "\n")
+    with open(Path(out) / "fa4_check.jsonl", "a") as f:
+        for r in records:
+            f.write(json.dumps(dict(r, device=device.name, date=time.strftime("%Y-%m-%d"))) + "\n")
     print(f"{'PASS' if ok and table_ok else 'FAIL'}: chosen paths within {TOLERANCE} of fp32 attention"
-          + ("" if table_ok else "; CHECKED_HEAD_DIMS lists a head dim that fails here"))
+          + ("" if table_ok else "; the checked table lists a head dim that fails here"))
+    if not workload_only:
+        print(_next_step(device.name, passing, recorded))
     return 0 if ok and table_ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

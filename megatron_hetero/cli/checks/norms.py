@@ -1,6 +1,6 @@
 """Are quack's norm kernels right on this GPU at the workloads' widths, and faster than torch's?
 
-    python3 tools/gpu_norm_check.py [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
+    megatron-hetero kernels check norms [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
 
 Per case (LayerNorm or RMSNorm, hidden width, rows; bf16 activations and parameters as the models
 train them): output, input gradient and weight / bias gradients of our quack path
@@ -10,14 +10,13 @@ paths' forward and forward+backward ms (CUDA events). A quack error above TOLERA
 Records (one JSON object per line) go to DIR/norm_check.jsonl; DIR defaults to $OUT or out/.
 """
 
-import sys
 from typing import NamedTuple
 
-import kernel_check
 import torch
 import torch.nn.functional as F
-from bench_ops import timed
 
+from megatron_hetero.cli.checks.common import QuackCheck, run_table, timed
+from megatron_hetero.models.kernel_policy import NORM_KERNEL_ENV
 from megatron_hetero.models.norm_kernels import load_quack, quack_norm
 
 TOLERANCE = 0.02  # torch's own bf16 norms are ~0.004-0.008 off fp32 (bf16 rounding of out and grads)
@@ -102,11 +101,7 @@ def measure(case: Case, iters: int) -> dict:
     return record
 
 
-def main() -> int:
-    return kernel_check.main(__doc__, load_quack()[1], cases, measure, "rows",
-                             "torch bf16 err (out / dx / dw / db) | quack err", "norm_check.jsonl",
-                             f"quack above {TOLERANCE} of fp32")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def main(quick: bool, out: str) -> int:
+    return run_table(QuackCheck(lambda: load_quack()[1], cases, measure, "rows",
+                                "torch bf16 err (out / dx / dw / db) | quack err", "norm_check.jsonl",
+                                f"quack above {TOLERANCE} of fp32", NORM_KERNEL_ENV), quick, out)

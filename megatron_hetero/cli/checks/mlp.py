@@ -1,7 +1,7 @@
 """Are the MLP's fused GEMMs (the activation in quack's epilogues) right on this GPU at the workloads'
 shapes, and faster than cuBLAS plus torch's activation?
 
-    python3 tools/gpu_mlp_check.py [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
+    megatron-hetero kernels check mlp [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
 
 Per case (tokens, hidden, ffn, fc1 bias or not, activation, SwiGLU's among them; bf16 as the models
 train): the output, the input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
@@ -12,13 +12,12 @@ both paths' forward and forward+backward ms (CUDA events). A fused error above T
 Records (one JSON object per line) go to DIR/mlp_check.jsonl; DIR defaults to $OUT or out/.
 """
 
-import sys
 from typing import NamedTuple
 
-import kernel_check
 import torch
-from bench_ops import timed
 
+from megatron_hetero.cli.checks.common import QuackCheck, run_table, timed
+from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
 from megatron_hetero.patches import grad_accum_fusion
 
@@ -117,12 +116,8 @@ def measure(case: Case, iters: int) -> dict:
     return record
 
 
-def main() -> int:
+def main(quick: bool, out: str) -> int:
     grad_accum_fusion.apply()  # main_grad accumulation without apex, as in training
-    return kernel_check.main(__doc__, load_quack_gemm()[1], cases, measure, "tokens",
-                             "torch bf16 err (out / dx / dw1 / [db1 /] dw2) | quack err", "mlp_check.jsonl",
-                             f"the fused path above {TOLERANCE} of fp32")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return run_table(QuackCheck(lambda: load_quack_gemm()[1], cases, measure, "tokens",
+                                "torch bf16 err (out / dx / dw1 / [db1 /] dw2) | quack err", "mlp_check.jsonl",
+                                f"the fused path above {TOLERANCE} of fp32", MLP_KERNEL_ENV), quick, out)

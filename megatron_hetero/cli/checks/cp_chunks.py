@@ -1,28 +1,27 @@
 """A CP query chunk's bottom-right causal attention on one GPU: cuDNN merged (models/chunk_attention.py)
 against SDPA's bottom-right mask (what attention.py runs without it) and fp32 attention.
 
-    source benchmarks/gpu_env.sh && python3 benchmarks/gpu_cp_chunk_check.py [--quick] > $OUT/cp_chunk_check.log
+    megatron-hetero kernels check cp-chunks [--quick] [--record]   (one GPU)
 
 1. Exactness, bf16, 4 heads x 128, chunks of 1024-2048 queries behind 1-3 chunks of keys: outputs and
    dq/dk/dv against fp32 attention (max |diff| / max |ref|). PASS where every merged error is at most
-   twice SDPA's own (bf16 rounding: 0.01 floor); then it prints the line for CUDNN_MERGE_CHECKED
-   (models/kernel_checks.json; --record writes it there).
+   twice SDPA's own (bf16 rounding: 0.01 floor); then it prints the MEGATRON_HETERO_CUDNN_MERGE_CHECKED
+   line that lets context-parallel attention run the merged path on this GPU (--record writes this
+   GPU into the user's table of models/kernel_policy.py instead).
 2. Speed, bf16, 32 heads x 128 (the 7B LLM), the chunks CP2 gives each rank at 16K / 32K / 64K (the
    later chunk of each rank: 1 to 3 chunks of keys before it): forward+backward ms, median of 10,
    merged vs the mask, and the square causal call (cuDNN) of the same queries for scale.
 Exit 1 where a merged error fails the bar, 2 without a GPU.
 """
 
-import argparse
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from megatron_hetero.models.chunk_attention import CUDNN_KERNEL, prefix_causal_attention
-from megatron_hetero.models.kernel_policy import record_check
+from megatron_hetero.models.kernel_policy import CUDNN_MERGE_ENV, record_check
 
 
 def reference(q, k, v):
@@ -92,24 +91,20 @@ def speed(seq: int, iters: int) -> None:
               f"({sdpa / ours:.2f}x), square causal alone {square:7.2f} ms", flush=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="16K and 32K only, 5 timing runs")
-    parser.add_argument("--record", action="store_true", help="on PASS, add this GPU to models/kernel_checks.json")
-    args = parser.parse_args()
+def main(quick: bool, record: bool) -> int:
     if not torch.cuda.is_available():
         print("error: no GPU visible: this checks the cuDNN path")
         return 2
     name = torch.cuda.get_device_name()
     print(f"# {name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     ok = all([check(chunk, before) for chunk in (1024, 2048) for before in (1, 2, 3)])
-    for seq in (16384, 32768) if args.quick else (16384, 32768, 65536):
-        speed(seq, 5 if args.quick else 10)
-    print("PASS: add to CUDNN_MERGE_CHECKED:" if ok else "FAIL: leave CUDNN_MERGE_CHECKED as it is", repr(name))
-    if ok and args.record:
-        record_check(name, cudnn_merge=True)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    for seq in (16384, 32768) if quick else (16384, 32768, 65536):
+        speed(seq, 5 if quick else 10)
+    if not ok:
+        print(f"FAIL: leave {name} out of the merged-chunk GPUs (context-parallel attention keeps SDPA's mask)")
+        return 1
+    if record:
+        print(f"PASS: recorded {name} in {record_check(name, cudnn_merge=True)}: the kernel policy reads it")
+    else:
+        print(f"PASS: to run the merged path on {name}: export {CUDNN_MERGE_ENV}=1 (or run again with --record)")
+    return 0

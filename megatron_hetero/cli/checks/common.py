@@ -1,0 +1,78 @@
+"""What the GPU kernel checks share: CUDA-event timing; for the quack checks (norms.py, mlp.py) the
+table of each path's errors against fp32 and its times, the records and the verdict.
+
+A quack check's `measure(case, iters)` returns a record with `case`, a size field, `torch_*_err` and
+`quack_*_err` (max |diff| / max |ref| against fp32), with iters `torch_fwd_ms`, `torch_fwd_bwd_ms`,
+`quack_fwd_ms`, `quack_fwd_bwd_ms`, and `ok`.
+"""
+
+import json
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+
+def timed(fn, iters: int) -> float:
+    """Milliseconds per call (CUDA events, after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _errs(record: dict, label: str) -> str:
+    return " / ".join(f"{record[k]:.4f}" for k in record if k.startswith(label) and k.endswith("_err"))
+
+
+def line(record: dict, size: str) -> str:
+    """One table row: case, the record's `size` field, both paths' errors and times, the verdict."""
+    r = record
+    times = (f" | {r['torch_fwd_ms']:.3f} / {r['torch_fwd_bwd_ms']:.3f} | {r['quack_fwd_ms']:.3f} / "
+             f"{r['quack_fwd_bwd_ms']:.3f}" if "quack_fwd_ms" in r else " | | ")
+    verdict = "ok" if r["ok"] else "FAIL"
+    return f"| {r['case']} | {r[size]} | {_errs(r, 'torch')} | {_errs(r, 'quack')}{times} | {verdict} |"
+
+
+class QuackCheck(NamedTuple):
+    """A quack check: `problem()` (why the kernels do not load, or None), `cases(quick)`, `measure`;
+    the table's `size` field and error `header`, the records' `file_name`, what a failure means, and
+    the environment line that keeps the layers on torch's kernels."""
+
+    problem: Callable
+    cases: Callable
+    measure: Callable
+    size: str
+    header: str
+    file_name: str
+    failure: str
+    torch_env: str
+
+
+def run_table(check: QuackCheck, quick: bool, out: str) -> int:
+    """Exit 2 with one line where the kernels do not load, else each case measured, printed and
+    appended to out/file_name, PASS (0) or FAIL (1), and what to do with the result."""
+    problem = check.problem()
+    if problem:
+        print(f"error: {problem}")
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"| case | {check.size} | {check.header} | torch ms (fwd / fwd+bwd) | quack ms | |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
+    records = [check.measure(case, 5 if quick else 20) for case in check.cases(quick)]
+    for r in records:
+        print(line(r, check.size), flush=True)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with open(Path(out) / check.file_name, "a") as f:
+        for r in records:
+            f.write(json.dumps(dict(r, device=torch.cuda.get_device_name(), torch=torch.__version__)) + "\n")
+    if all(r["ok"] for r in records):
+        print("PASS: quack's kernels are right here (the default, auto, runs them on sm90 and sm100 GPUs)")
+        return 0
+    print(f"FAIL: {check.failure}; keep the layers on torch's kernels: export {check.torch_env}=torch")
+    return 1
