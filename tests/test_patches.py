@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from unittest import mock
 
 import megatron.core
 import pytest
@@ -75,6 +76,8 @@ NO_APEX_TARGETS = [
     "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
     "megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
 ]
+# Where megatron-core computes the gradient norm itself (neither apex nor TE installed).
+LOCAL_NORM_TARGETS = ["megatron.core.optimizer.clip_grads.l2_norm_impl"]
 
 
 def _expected() -> list[str]:
@@ -82,7 +85,10 @@ def _expected() -> list[str]:
     from megatron_hetero.patches import cpu
 
     cpu_targets = [*CPU_TARGETS, cpu.MODE] if not torch.cuda.is_available() else []
-    return sorted(TARGETS + cpu_targets + (NO_APEX_TARGETS if importlib.util.find_spec("apex") is None else []))
+    no_apex = importlib.util.find_spec("apex") is None
+    local_norm = no_apex and importlib.util.find_spec("transformer_engine") is None
+    return sorted(TARGETS + cpu_targets + (NO_APEX_TARGETS if no_apex else [])
+                  + (LOCAL_NORM_TARGETS if local_norm else []))
 
 
 def _wraps(function, original) -> bool:
@@ -147,7 +153,7 @@ def test_patch_table_lists_every_target():
     table = internals.split("| patch | upstream")[1].split("\n\n")[0]
     from megatron_hetero.patches import cpu
 
-    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS
+    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS + LOCAL_NORM_TARGETS
                if t.removeprefix("megatron.") not in table and t != cpu.MODE]
     assert not missing, f"the patch table in docs/developers/internals.md lacks {missing}"
 
@@ -371,6 +377,25 @@ def _accumulate_in_linear_layers(rank, world_size):
 
 def test_gradient_accumulation_fusion_without_apex():
     run_distributed(_accumulate_in_linear_layers, 1)
+
+
+def test_grad_norm_stays_on_the_device(monkeypatch):
+    """The gradient norm megatron-core's clip_grads takes without apex/TE: upstream's value (each
+    tensor's norm a Python float, their norm on the host) from the foreach norms without leaving the
+    device, mixed dtypes and sizes; tensors where the patch does not act (CPU runs) go to upstream's."""
+    from megatron_hetero.patches import grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen) * scale for shape, scale in (((7, 5), 1.0), ((3,), 1e3), ((1,), 1e-4))]
+    tensors.append(torch.randn(4, 4, generator=gen).bfloat16())
+    want = torch.norm(torch.tensor([float(torch.norm(t)) for t in tensors]))  # utils.local_multi_tensor_l2_norm's
+    upstream = mock.Mock(return_value=("upstream's", None))
+    monkeypatch.setattr(grad_norm, "DEVICE_TYPES", ("cpu",))
+    norm, per_tensor = grad_norm._l2_norm(upstream)(2048 * 32, None, [tensors], False)
+    assert not upstream.called and per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm[0], want, rtol=1e-6, atol=0)
+    monkeypatch.setattr(grad_norm, "DEVICE_TYPES", ("cuda",))
+    assert grad_norm._l2_norm(upstream)(2048 * 32, None, [tensors], False) == ("upstream's", None)
 
 
 def test_fused_adam(monkeypatch):

@@ -27,6 +27,7 @@ without a layout too, as defaults, each for its reason:
   GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/runs/benchmarks.md);
 - fused_adam: on GPUs, torch's fused Adam kernel instead of foreach: one step over 2.1B parameters
   62 -> 22 ms on an H100;
+- grad_norm: on GPUs without apex or TE, the gradient norm without one host wait per parameter;
 - torch_adam: the distributed optimizer's checkpoints with torch's Adam load at all, and resume
   with the right bias correction (three upstream faults without TE/apex);
 - grad_sync: --overlap-grad-reduce where a bucket's last-microbatch gradients never all arrived
@@ -46,6 +47,7 @@ from megatron_hetero.patches import (  # noqa: E402
     faults,
     fused_adam,
     grad_accum_fusion,
+    grad_norm,
     grad_sync,
     hetero_data,
     hetero_init,
@@ -83,6 +85,7 @@ def apply() -> None:
     rope.apply()
     grad_accum_fusion.apply()
     fused_adam.apply()
+    grad_norm.apply()
 
 
 __all__ = ["apply", "PatchError"]
