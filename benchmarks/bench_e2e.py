@@ -134,7 +134,7 @@ def module_lines(r: dict, peak: float) -> list[str]:
         phases = r.get("module_phases", {}).get(module, {})
         timed = ", ".join(f"{p.rpartition('-')[2]} {s:.3f} s" for p, s in phases.items())
         lines.append(f"  {module}: {tflop:.1f} TFLOP per step{f'; {timed}' if timed else ''}")
-    for ranks, order in r.get("work_orders", {}).items():
+    for ranks, order in ((ranks, order) for ranks, order in r.get("work_orders", {}).items() if order):
         lines.append(f"  order of the work in a step, ranks {ranks}: {repeats(order)}")
     return lines
 

@@ -18,7 +18,7 @@ from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.planner.families import FAMILY_BENCHES
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.runtime.timers import PhaseTimers
-from megatron_hetero.spec.layout import load_layout
+from megatron_hetero.spec.layout import ModuleLayout, load_layout
 from megatron_hetero.training.args import ArgsError, check_args
 from tests.distributed import _free_port, run_python
 from tests.tool_cli import run_tool
@@ -379,3 +379,20 @@ def test_omni_workload_trains_on_cpu_and_states_the_order_of_its_encoders(tmp_pa
     assert sorted(order[4:per_microbatch]) == ["audio backward", "vision backward"]
     assert ranks == "0" and "order of the work in a step, ranks 0: (vision forward, audio forward, llm forward" \
         in result.stdout
+
+
+def test_the_planner_and_layout_check_take_the_omni_audio_encoder_under_cp():
+    """Audio encoder CP (each audio split by rows): the planner ranks layouts with it among those that
+    fit the Omni-7B shape on 4 GPUs, and the layout rules accept `cp: 2` on the audio module."""
+    from bench import family_sizes
+
+    from megatron_hetero.families import encoder_cp_tokens
+    from megatron_hetero.planner import Calibration, Cluster, plan
+    from megatron_hetero.spec import rules
+
+    workload = replace(PRESETS["qwen2_5_omni_7b"].workload, distributed_optimizer=True, allow_recompute=True)
+    ranked = plan(workload, Cluster(4, 80), Calibration()).ranked
+    assert any(p.candidate.layouts[1].name == "audio" and p.candidate.layouts[1].cp == 2 for p in ranked)
+    sizes = family_sizes(FAMILY_BENCH_WORKLOADS["qwen2_5_omni_tiny"])
+    audio = ModuleLayout("audio", "encoder", cp=4)
+    assert rules.encoder_cp_problem(audio, encoder_cp_tokens(audio, sizes)) is None

@@ -163,7 +163,8 @@ def qwen2_5_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
     (kernel 3, the second of stride 2: mel bins x 3 and hidden x 3 inputs per output value) giving a
     token per two frames, the layers (GELU MLPs) attending within a chunk, every two tokens averaged
     into a row projected to the LLM's width (one linear of hidden inputs). A last chunk shorter than
-    the others runs padded to their length through the convolutions: counted as its own length."""
+    the others runs padded to their length through the convolutions: counted as its own length. CP
+    splits an audio by rows, any number of them (cp_split "blocks")."""
     a = config["audio_config"]
     window, hidden = 2 * a["n_window"], a["d_model"]
     chunks = [(min(window, n - at) - 1) // 2 + 1 for n in frames for at in range(0, n, window)]
@@ -172,7 +173,7 @@ def qwen2_5_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
                        heads=a["encoder_attention_heads"], ffn=a["encoder_ffn_dim"], tokens_per_item=2 * rows,
                        items_per_sample=len(frames), output_tokens_per_item=rows, projector_input=hidden,
                        attention_keys=sum(c * c for c in chunks) / sum(chunks),
-                       patch_dim=3 * hidden + 2 * 3 * a["num_mel_bins"], cp_split="none")
+                       patch_dim=3 * hidden + 2 * 3 * a["num_mel_bins"], cp_split="blocks")
 
 
 VISION_SHAPES = {"native_windowed": qwen2_5_vl_vision, "native": qwen3_vl_vision, "tiles": internvl_vision}

@@ -80,8 +80,8 @@ class ModuleShape:
     # items of several sizes, windowed layers); 0: its whole item (encoders), half the sequence (the llm).
     attention_keys: float = 0.0
     # How the encoder's CP ranks split an item: "tokens" into equal parts, which cp must divide
-    # (this project's encoders); "blocks" by whole merge blocks, any item size (the Qwen towers);
-    # "none": they do not (InternVL's tower trains with cp 1).
+    # (this project's encoders); "blocks" by whole merge blocks (rows), any item size (the Qwen
+    # towers; Qwen2.5-Omni's audio encoder); "none": they do not (InternVL's tower trains with cp 1).
     cp_split: str = "tokens"
 
     def __post_init__(self):
