@@ -3,10 +3,10 @@
 # at 2 fps, capped at 64 frames and 602112 px a frame: 30 temporal patches of 26 x 46 patches, 8970
 # rows; its own 30-s audio track, 3000 feature frames, 750 rows, interleaved with the frames by 2-s
 # chunks; text to a 10K sequence; global batch 4 in microbatches of 1), bf16:
-# PART 1: the step on one GPU (GPU 0) at the deepest LLM that fits: LAYERS1 of its 28 layers (default
-#   12 on cards of more than 100 GiB, else 4; a run out of memory is retried at half the depth), every
-#   module's layers recomputed (full, uniform): MFU, each module's FLOPs and phases, and the order of
-#   the modules' work in a step.
+# PART 1: the step on one GPU (GPU 0) at the deepest LLM that fits: LAYERS1 of its 28 layers (default:
+#   the deepest of 28, 24, ..., 4, 2 that `megatron-hetero plan` says fits this card; a run out of
+#   memory is retried at half the depth), every module's layers recomputed (full, uniform): MFU, each
+#   module's FLOPs and phases, and the order of the modules' work in a step.
 # PART 2: on 4 GPUs, the whole 28-layer LLM under the heterogeneous layouts and the strongest
 #   homogeneous ones (the encoders inheriting the LLM's layout; `megatron-hetero plan --workload
 #   qwen2_5_omni_7b --gpus 4 --layouts examples/layouts/gpu4_omni_*.yaml` ranks them), the distributed
@@ -39,9 +39,19 @@ bench() {  # gpus, layout, recompute, LLM layers, steps
   echo "exit $rc: $(grep -E '^error|out of memory' "$out/omni.log" | tail -1 | cut -c1-300)"
   grep -q "out of memory" <(tail -50 "$out/omni.log") && return 1 || return 2
 }
+planned_depth() {  # the deepest LLM the planner fits on one card of this GPU's memory (2 if none)
+  local gb layers
+  gb=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory / 1e9)')
+  for layers in 28 24 20 16 12 8 6 4; do
+    python3 -m megatron_hetero.cli plan --workload $W --gpus 1 --gpu-memory-gb "$gb" --llm-layers $layers \
+      --distributed-optimizer --allow-recompute --layouts examples/layouts/single_omni.yaml 2>/dev/null \
+      | grep -q "single_omni.yaml: .* fits " && { echo $layers; return; }
+  done
+  echo 2
+}
 if [ "$PART" != 2 ]; then
-  big=$(python3 -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory > 100 * 2**30))')
-  layers=${LAYERS1:-$([ "$big" = 1 ] && echo 12 || echo 4)}
+  layers=${LAYERS1:-$(planned_depth)}
+  echo "one GPU: LLM $layers of 28 layers"
   # one GPU, 3 timed steps: the phases' pass takes 3 more
   until CUDA_VISIBLE_DEVICES=0 bench 1 single_omni full "$layers" 3; [ $? != 1 ] || [ "$layers" -le 1 ]; do
     layers=$((layers / 2))
