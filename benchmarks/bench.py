@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_hetero.boundary.transfer import ANNOTATION
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
+from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.planner import Calibration, Cluster, model_flops, plan
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import (
@@ -78,9 +79,8 @@ def family_sizes(w: BenchWorkload) -> ModelSizes:
     from megatron_hetero.families import family_named
 
     bench = FAMILY_BENCHES[w.name]
-    config = {**bench.config, "text_config": {**bench.config["text_config"], "num_hidden_layers": w.layers}}
     try:
-        sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **config))
+        sizes = family_named(w.family).sizes(AutoConfig.for_model(bench.model_type, **bench.hf_config(w.layers)))
     except HFMappingError as error:
         raise ArgsError(f"--llm-layers {w.layers}: {error}") from None
     return replace(sizes, seq_length=w.seq_length)
@@ -128,37 +128,72 @@ class _BenchTokenizer:
         return self.ids.get(token)
 
 
+def _family_items(w: BenchWorkload, media) -> tuple[list, list]:
+    """(vision items, audio items) of a sample as the family's processing makes them from the sizes
+    alone: its images, then its videos, each with its own audio track where the family loads it (the
+    video's tag holds both; the track is an item of the audio encoder)."""
+    from megatron_hetero.data.audio import AudioInfo
+    from megatron_hetero.data.video import VideoInfo
+
+    vision, audios = [media.items(width, height) for width, height in w.image_sizes], []
+    for width, height, seconds, fps in w.video_sizes:
+        video = media.video_items(VideoInfo(round(seconds * fps), fps, width, height))
+        if getattr(media, "load_audio_from_video", False):
+            audios.append(media.audio_items(AudioInfo(round(seconds * media.extractor.sampling_rate))))
+            video = media.with_audio(video, audios[-1])
+        vision.append(video)
+    return vision, audios
+
+
+def _expanded(items: list, tokens) -> list[int]:
+    """The token ids the items' tags expand to, one after another (an item's own expansion where it
+    has one: a video's, with its audio's placeholders interleaved)."""
+    ids = []
+    for item in items:
+        if item.expansion is None:
+            ids += [*tokens.prefix, *[tokens.placeholder] * sum(item.rows), *tokens.suffix]
+        elif len(item.expansion) == 1 and isinstance(item.expansion[0], tuple):
+            ids += item.expansion[0]
+        else:
+            raise ValueError("the bench's batches take no media whose tag expands to text (Qwen3-VL's videos)")
+    return ids
+
+
 def family_batch(w: BenchWorkload, seed: int = 0) -> list[Sample]:
-    """A family workload's global batch: every sample with the workload's images (random patches),
-    each `<image>` expanded as the family's data does, then random text carrying the loss."""
+    """A family workload's global batch: every sample with the workload's images and videos (random
+    patches; an omni family's audio tracks, random features), their tags expanded as the family's
+    data does after the first token, then random text carrying the loss."""
     from transformers import AutoConfig
 
     from megatron_hetero.families import family_named
 
     bench, sizes = FAMILY_BENCHES[w.name], family_sizes(w)
-    images = family_named(w.family).media(sizes, bench.processor,
-                                          AutoConfig.for_model(bench.model_type, **bench.config).to_dict())
-    tokens = images.tokens(_BenchTokenizer(bench.tokens, w.name))
-    items = [images.items(width, height) for width, height in w.image_sizes]
+    media = family_named(w.family).media(sizes, bench.processor,
+                                         AutoConfig.for_model(bench.model_type, **bench.hf_config()).to_dict())
+    tokens = media.tokens(_BenchTokenizer(bench.tokens, w.name))
+    audio_tokens = getattr(media, "audio_tokens", None)
+    vision, audios = _family_items(w, media)
+    expanded = torch.tensor(_expanded(vision, tokens), dtype=torch.long)
+    if 1 + len(expanded) >= w.seq_length:
+        raise ValueError(f"{w.name}: {len(expanded)} image and video tokens do not fit a {w.seq_length}-token sequence")
+    text_below = min(*tokens.prefix, *tokens.placeholders, *tokens.suffix,
+                     *((audio_tokens.placeholder, *audio_tokens.prefix) if audio_tokens else ()))
     g = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(w.global_batch):
-        # text below the image tokens' ids (special tokens, at the vocabulary's end in these models)
-        ids = torch.randint(0, min(*tokens.prefix, tokens.placeholder, *tokens.suffix), (w.seq_length,), generator=g)
-        at, starts = 1, []
-        for item in items:
-            expanded = [*tokens.prefix, *[tokens.placeholder] * sum(item.rows), *tokens.suffix]
-            starts.append(at + len(tokens.prefix))
-            ids[at : at + len(expanded)] = torch.tensor(expanded)
-            at += len(expanded)
-        if at >= w.seq_length:
-            raise ValueError(f"{w.name}: {at} image tokens do not fit a {w.seq_length}-token sequence")
-        media = images.media(items, torch.nonzero(ids == tokens.placeholder).flatten())
-        media.items = torch.rand(media.items.shape, generator=g)
+        ids = torch.randint(0, text_below, (w.seq_length,), generator=g)  # text below the special tokens' ids
+        ids[1 : 1 + len(expanded)] = expanded
+        kinds = {"vision": media.media(vision, torch.nonzero(torch.isin(ids, torch.tensor(tokens.placeholders)))[:, 0])}
+        if audios:
+            kinds["audio"] = media.audio_media(audios, torch.nonzero(ids == audio_tokens.placeholder)[:, 0])
+        for m in kinds.values():
+            m.items = torch.rand(m.items.shape, generator=g)
         loss_mask = torch.zeros(w.seq_length)
-        loss_mask[at : w.seq_length - 1] = 1.0
-        samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, {"vision": media},
-                              position_ids=images.position_ids(w.seq_length, starts, items)))
+        loss_mask[1 + len(expanded) : w.seq_length - 1] = 1.0
+        at = kinds["vision"].positions.tolist()
+        runs = [t for k, t in enumerate(at) if not k or at[k - 1] != t - 1]  # each run of placeholders' start
+        samples.append(Sample(ids, torch.roll(ids, -1), loss_mask, kinds,
+                              position_ids=media.position_ids(w.seq_length, runs, vision)))
     return samples
 
 
@@ -183,8 +218,8 @@ def global_microbatches(samples: list[Sample], size: int) -> list[dict]:
     """The model call's arguments of the global microbatches of `samples` in order, `size` samples
     each (micro batch x LLM DP), as every rank's loader yields them under --hetero-layout
     (patches/hetero_data.py)."""
-    return [SampleBatch.collate(samples[i : i + size]).model_kwargs({"vision": "images"})
-            for i in range(0, len(samples), size)]
+    keys = {kind.name: kind.input_key for kind in ENCODER_KINDS.values()}
+    return [SampleBatch.collate(samples[i : i + size]).model_kwargs(keys) for i in range(0, len(samples), size)]
 
 
 @dataclass
@@ -316,9 +351,9 @@ def _stage_name(run) -> str:
 
 class _BackwardPhases:
     """The model's adapter, marking where one backward moves between modules (colocated, LLM
-    pp=1: one autograd graph through the LLM, the boundary and the encoder): when the gradient of
-    the boundary's slots is ready the LLM's backward is done, when the encoder rows' is ready the
-    boundary's is."""
+    pp=1: one autograd graph through the LLM, the boundary and the encoders): when the gradient of
+    the boundary's slots is ready the LLM's backward is done, when an encoder's rows' is ready the
+    boundary's is and that encoder's begins (autograd's order, whichever encoder it takes first)."""
 
     def __init__(self, adapter, timers):
         self.adapter, self.timers = adapter, timers
@@ -326,14 +361,14 @@ class _BackwardPhases:
     def __getattr__(self, name):
         return getattr(self.adapter, name)
 
-    def _switch_at_grad(self, tensor, phase: str) -> None:
+    def _switch_at_grad(self, tensor, phase: str, module: str | None = None) -> None:
         if self.timers.enabled and tensor.requires_grad:
-            tensor.register_hook(lambda grad: self.timers.switch(phase))
+            tensor.register_hook(lambda grad: self.timers.switch(phase, module))
 
     def encoder_forward(self, module, share, hidden):
         rows = self.adapter.encoder_forward(module, share, hidden)
         if module.last_stage:
-            self._switch_at_grad(rows, "encoder-backward")
+            self._switch_at_grad(rows, "encoder-backward", module.name)
         return rows
 
     def llm_forward(self, module, call, share, media, hidden):
@@ -379,8 +414,11 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
     hetero.timers.enabled = True  # the breakdown pass: phases synchronized
     phase_steps = min(steps, PHASE_STEPS)
-    _steps(trainer, phase_steps, forward_backward_func)
+    _steps(trainer, 1, forward_backward_func)
+    order = work_order(hetero.timers.opened)
+    _steps(trainer, phase_steps - 1, forward_backward_func)
     phases = {k: v / phase_steps for k, v in hetero.timers.seconds.items()}
+    by_module = module_phases(hetero.timers.spans, phase_steps)
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(w), frozen)
@@ -388,7 +426,7 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
 
     kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
     mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, outside_allocator_gib=_outside_allocator_gib(),
-                waiting_s=waiting_s, phases=phases,
+                waiting_s=waiting_s, phases=phases, module_phases=by_module, work_order=order,
                 **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
                 losses=losses)
     gathered = [None] * world
@@ -401,11 +439,14 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
         step_s=step_s, step_s_min=min(step_times), step_s_max=max(step_times), steps=len(step_times),
         tokens_per_s=w.global_batch * w.seq_length / step_s,
         tflops_per_gpu=sum(flops.values()) / step_s / world / 1e12,
-        encoder_flops_share=flops["encoder"] / sum(flops.values()),
+        encoder_flops_share=1 - flops["llm"] / sum(flops.values()),
+        module_tflops={name: f / 1e12 for name, f in flops.items()},
         peak_gb_max=max(r["peak_gb"] for r in gathered),
         outside_allocator_gib_max=max(r["outside_allocator_gib"] for r in gathered),
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
+        module_phases=_slowest_module_phases([r["module_phases"] for r in gathered]),
+        work_orders=_work_orders(gathered),
         **{kind: {name: kernel for r in gathered for name, kernel in r[kind].items()} for kind in KERNEL_KINDS},
         losses=next((r["losses"] for r in gathered if r["losses"]), []),
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
@@ -420,6 +461,47 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
             f.write(json.dumps(record) + "\n")
         print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
     return record
+
+
+def module_phases(spans: list, steps: int) -> dict[str, dict[str, float]]:
+    """Seconds per step of each module's phases (its forward, backward; an encoder's in the
+    encoder-* phases) from the phase timers' spans of `steps` steps."""
+    out: dict[str, dict[str, float]] = {}
+    for phase, module, start, end in spans:
+        if module is not None:
+            mine = out.setdefault(module, {})
+            mine[phase] = mine.get(phase, 0.0) + (end - start) / steps
+    return out
+
+
+def _work_orders(ranks: list[dict]) -> dict[str, list[str]]:
+    """Each distinct order of the work in a step -> under the ranks that ran it ("0-3", "0,2")."""
+    held: dict[tuple, list[int]] = {}
+    for r in ranks:
+        held.setdefault(tuple(r["work_order"]), []).append(r["rank"])
+    return {_ranks(ids): list(order) for order, ids in held.items()}
+
+
+def _ranks(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)) else \
+        ",".join(map(str, ids))
+
+
+def _slowest_module_phases(ranks: list[dict]) -> dict[str, dict[str, float]]:
+    """Each module's phase seconds on its slowest rank (module_phases of every rank)."""
+    out: dict[str, dict[str, float]] = {}
+    for mine in ranks:
+        for module, phases in mine.items():
+            for phase, seconds in phases.items():
+                out.setdefault(module, {})[phase] = max(out.get(module, {}).get(phase, 0.0), seconds)
+    return out
+
+
+def work_order(opened: list) -> list[str]:
+    """The order of the modules' work in a step as this rank ran it, from the phases as they opened
+    (PhaseTimers.opened): "vision forward", "audio forward", "llm forward", "llm backward", ... (the
+    boundary's exchanges, of no one module, left out)."""
+    return [f"{module} {phase.rpartition('-')[2]}" for phase, module in opened if module is not None]
 
 
 def _outside_allocator_gib() -> float:

@@ -37,6 +37,16 @@ microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest t
   experts with top-8 routing, which fit one GPU only at a shrunk depth), 8 images of 224-1344 px per
   sample (20224 patches, 5056 rows); each with a CPU-sized `*_tiny` twin. Their configs are each family's
   presets.json (families/<name>/), and planner/families.py counts their FLOPs.
+- qwen2_5_omni_7b: Qwen2.5-Omni-7B's thinker (families/qwen2_5_omni: Qwen2.5-VL's vision tower, the
+  Whisper-like audio encoder of 32 layers of width 1280, the Qwen2.5-7B LLM with TMRoPE), every
+  sample one 30-s 640 x 360 video sampled at 2 fps (at most 64 frames of at most 602112 px: 30
+  temporal patches of 26 x 46 patches, 8970 rows) with its own audio track (3000 feature frames, 750
+  rows) interleaved by 2-s chunks, at 10K, global batch 4 in microbatches of 1; --items-per-sample
+  sets its videos per sample; qwen2_5_omni_tiny: its CPU-sized check. Layouts name three modules:
+  vision, audio, llm (examples/layouts/*omni*.yaml).
+Each run prints, besides its JSON line, its MFU against --peak, each module's model FLOPs and
+phase seconds (an encoder's forward and backward apart from the other's) and the order of the
+modules' work in a step as each rank ran it (`work_orders`: ranks -> order, from the phase timers).
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
 """
@@ -96,6 +106,8 @@ def run(opts) -> dict:
     with megatron_trainer(w, opts.hetero_layout, bf16, extra) as trainer:
         record = measure(trainer, w, name, opts.warmup, opts.steps, opts.out,
                          memory_cap_gib=opts.gpu_memory_gib or None)
+        if trainer.hetero.run.rank == 0:
+            print("\n".join(module_lines(record, opts.peak)))
         if opts.profile:
             trainer.hetero.timers.enabled = False  # the free-running step
             profile_step(trainer, opts.profile, trace=opts.profile_trace)
@@ -112,19 +124,42 @@ def cap_memory(gib: float) -> None:
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
 
 
-def report(path: str, png: str | None) -> None:
+def module_lines(r: dict, peak: float) -> list[str]:
+    """A record's MFU against `peak` dense TFLOPS per GPU, each module's model FLOPs per step and
+    phase seconds (the slowest rank's, from the synchronized pass) and the order of the modules' work
+    in a step, per group of ranks that ran the same (records of older runs: what they hold)."""
+    lines = [f"{r['workload']} {r['layout']}: {r['tflops_per_gpu']:.1f} TFLOPS/GPU, MFU "
+             f"{100 * r['tflops_per_gpu'] / peak:.1f}% of {peak:g}"]
+    for module, tflop in r.get("module_tflops", {}).items():
+        phases = r.get("module_phases", {}).get(module, {})
+        timed = ", ".join(f"{p.rpartition('-')[2]} {s:.3f} s" for p, s in phases.items())
+        lines.append(f"  {module}: {tflop:.1f} TFLOP per step{f'; {timed}' if timed else ''}")
+    for ranks, order in ((ranks, order) for ranks, order in r.get("work_orders", {}).items() if order):
+        lines.append(f"  order of the work in a step, ranks {ranks}: {repeats(order)}")
+    return lines
+
+
+def repeats(order: list[str]) -> str:
+    """The order as its shortest repeating run, e.g. "(a, b) x 4" (a step's microbatches alike)."""
+    n = next(p for p in range(1, len(order) + 1) if len(order) % p == 0 and order == order[:p] * (len(order) // p))
+    run = ", ".join(order[:n])
+    return f"({run}) x {len(order) // n}" if n < len(order) else run
+
+
+def report(path: str, png: str | None, peak: float) -> None:
     records = [json.loads(line) for line in open(path)]
-    head = ["workload", "LLM layers", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "step s", "enc FLOPs", "peak GB",
-            "waiting", *(f"{p} s" for p in PHASES), "attention"]
+    head = ["workload", "LLM layers", "layout", "gpus", "tokens/s", "TFLOPS/GPU", "MFU", "step s", "enc FLOPs",
+            "peak GB", "waiting", *(f"{p} s" for p in PHASES), "attention"]
     print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
     for r in records:
         cells = [r["workload"], r["llm_layers"], r["layout"], r["gpus"], f"{r['tokens_per_s']:,.0f}",
-                 f"{r['tflops_per_gpu']:.1f}",
+                 f"{r['tflops_per_gpu']:.1f}", f"{100 * r['tflops_per_gpu'] / peak:.1f}%",
                  _step_cell(r), f"{100 * r['encoder_flops_share']:.0f}%", f"{r['peak_gb_max']:.1f}",
                  f"{100 * r['waiting_share_max']:.1f}%",
                  *(f"{r['phases'][p]:.3f}" for p in PHASES),
                  ", ".join(f"{m} {k.split(' ')[0]}" for m, k in r.get("attention", {}).items())]
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    print("\n".join(["", *(line for r in records if "module_tflops" in r for line in module_lines(r, peak))]))
     if png:
         _bar_chart(records, png)
 
@@ -191,13 +226,15 @@ def main() -> int:
     parser.add_argument("--profile-trace", metavar="FILE", help="with --profile: the profiled step's Chrome trace too")
     parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
     parser.add_argument("--png", help="with --report: write a bar chart")
+    parser.add_argument("--peak", type=float, default=989.0,
+                        help="dense bf16 TFLOPS of the card, for MFU (989: H100 and H200 SXM)")
     opts = parser.parse_args()
     if opts.gpu_memory_gib and not torch.cuda.is_available():
         parser.error("--gpu-memory-gib caps a GPU's memory; no GPU is visible")
     if opts.profile and not torch.cuda.is_available():
         parser.error("--profile profiles GPU kernels; no GPU is visible")
     if opts.report:
-        report(opts.report, opts.png)
+        report(opts.report, opts.png, opts.peak)
         return 0
     if not opts.hetero_layout:
         parser.error("--hetero-layout is required to run (or --report to print results)")

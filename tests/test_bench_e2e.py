@@ -3,6 +3,7 @@ batch a layout accepts (the rule check_args enforces on the script's flags), the
 and the phase timers' accounting of nested phases."""
 
 import json
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from megatron_hetero.planner import BENCH_WORKLOADS, PRESETS, trainer_workload
 from megatron_hetero.planner.families import FAMILY_BENCHES
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS
 from megatron_hetero.runtime.timers import PhaseTimers
-from megatron_hetero.spec.layout import load_layout
+from megatron_hetero.spec.layout import ModuleLayout, load_layout
 from megatron_hetero.training.args import ArgsError, check_args
 from tests.distributed import _free_port, run_python
 from tests.tool_cli import run_tool
@@ -89,7 +90,7 @@ def test_the_script_accepts_every_bench_workload(name):
 
 def test_nested_phases_count_once_and_switch_relabels():
     """A phase inside another counts as itself only; switch() moves the rest of the open phase to
-    another name; off, nothing is counted."""
+    another name; the phases are listed as they open (the order of the work); off, nothing is counted."""
     ticks = iter(range(100))
     timers = PhaseTimers(torch.device("cpu"), enabled=True)
     timers._now = lambda: next(ticks)  # one second per reading
@@ -100,6 +101,7 @@ def test_nested_phases_count_once_and_switch_relabels():
     # closes at 4
     counted = {"llm-forward": 2, "encoder-forward": 1, "boundary": 1}
     assert timers.seconds == counted
+    assert timers.opened == [("llm-forward", None), ("encoder-forward", None), ("boundary", None)]
     timers.enabled = False
     with timers("optimizer"):
         timers.switch("llm-backward")
@@ -146,7 +148,8 @@ def test_family_workload_counts_the_vit_as_it_runs():
         assert vision.tokens_per_sample == int(grids.prod(1).sum()) == 4 * vision.rows_per_sample
 
 
-@pytest.mark.parametrize("name", sorted(n for n in FAMILY_BENCH_WORKLOADS if not n.endswith("_tiny")))
+@pytest.mark.parametrize("name", sorted(n for n, b in FAMILY_BENCHES.items()
+                                        if not n.endswith("_tiny") and not b.videos))  # Omni's: below
 def test_the_family_gpu_presets_pass_the_script_and_batch(name):
     """What benchmarks/gpu_families_run.sh trains, short of building the model: bench_e2e's flags for the
     preset at --llm-layers 4 on the one-GPU layout pass the script's checks (the model's sizes from
@@ -307,3 +310,89 @@ def test_sequence_and_images_overrides_resize_the_workload():
         sized_workload(family, layout, image_size=448)
     with pytest.raises(ArgsError, match="--image-size 230: not a multiple of W1's 14-px patches"):
         sized_workload(BENCH_WORKLOADS["W1"], layout, image_size=230)
+
+
+# ---- Qwen2.5-Omni: a video with its audio track, two encoders ----------------------------------
+@pytest.mark.parametrize("name", ["qwen2_5_omni_tiny", "qwen2_5_omni_7b"])
+def test_omni_presets_videos_are_the_processors(name):
+    """The Omni presets' videos: the patch grid the family's video processor makes of the video's
+    size, length and rate under the preset's caps, and its audio track's feature frames the
+    extractor makes; the planner's shapes hold the video's patches and rows and the track's rows;
+    bench_e2e's flags for it (at 4 LLM layers, one GPU) pass the script's checks."""
+    from bench import _family_items, family_sizes
+    from transformers import AutoConfig
+
+    from megatron_hetero.families import family_named
+
+    bench, file = FAMILY_BENCHES[name], str(LAYOUTS / "single_omni.yaml")
+    w = sized_workload(FAMILY_BENCH_WORKLOADS[name], load_layout(file, 1), llm_layers=4)
+    check_args(workload_args(w, file, bf16=False), load_layout(file, 1))  # the script's checks pass
+    media = family_named(w.family).media(family_sizes(w), bench.processor,
+                                         AutoConfig.for_model(bench.model_type, **bench.hf_config()).to_dict())
+    (video,), (audio,) = _family_items(w, media)
+    ((size, (grid, frames)),) = bench.videos.items()
+    assert video.grids == (grid,) and audio.grids == ((1, 1, frames),), (video.grids, audio.grids)
+    vision_shape, audio_shape = trainer_workload(w, 1, False).encoders
+    assert vision_shape.tokens_per_item == math.prod(grid) and vision_shape.rows_per_item == sum(video.rows)
+    assert audio_shape.rows_per_item == audio.rows[0] == video.audio_rows
+
+
+def test_omni_batch_interleaves_the_audio_rows_in_the_video_tag():
+    """bench_e2e's Omni sample: the video's tag holds the frames' and the audio's placeholders
+    (interleaved by chunks of time), each encoder's rows fill its own placeholders, and text after."""
+    from bench import family_batch
+
+    w = replace(FAMILY_BENCH_WORKLOADS["qwen2_5_omni_tiny"], global_batch=2)
+    config = FAMILY_BENCHES[w.name].config
+    batch = global_microbatches(family_batch(w), 2)[0]
+    shapes = trainer_workload(w, 1, False)
+    ids = batch["input_ids"][0]
+    for kind, shape, placeholders in ((("vision", shapes.encoders[0], (config["video_token_index"],)),
+                                       ("audio", shapes.encoders[1], (config["audio_token_index"],)))):
+        at = batch[f"{kind}_positions"][: shape.rows_per_sample]
+        assert torch.isin(ids[at], torch.tensor(placeholders)).all() and len(at) == shape.rows_per_sample
+    vision, audio = batch["vision_positions"][:32], batch["audio_positions"][:100]
+    assert vision.min() < audio.min() < vision.max() < audio.max()  # 2-s chunks of each in turn
+    assert batch["audio"].shape == (2 * 400, 16) and batch["audio_grids"].tolist() == [[1, 1, 400]] * 2
+    assert int(batch["loss_mask"][0].sum()) > 0
+
+
+def test_omni_workload_trains_on_cpu_and_states_the_order_of_its_encoders(tmp_path):
+    """bench_e2e on the CPU-sized Omni thinker (examples/layouts/single_omni.yaml): the record holds
+    each module's model FLOPs and phases, the vision tower's and the audio encoder's apart, and the
+    order of their work as docs/guides/layouts.md states it (colocated, LLM pp 1: per microbatch each
+    encoder's forward in layout order, the LLM's forward and one backward through all three)."""
+    out = tmp_path / "bench.jsonl"
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    result = run_python([ROOT / "benchmarks" / "bench_e2e.py", "--workload", "qwen2_5_omni_tiny", "--hetero-layout",
+                         LAYOUTS / "single_omni.yaml", "--out", out, "--warmup", "0", "--steps", "1"], env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert list(record["module_tflops"]) == ["vision", "audio", "llm"]
+    for encoder in ("vision", "audio"):
+        assert set(record["module_phases"][encoder]) == {"encoder-forward", "encoder-backward"}
+    ((ranks, order),) = record["work_orders"].items()
+    per_microbatch = len(order) // 4  # global batch 4 in microbatches of 1
+    assert order == order[:per_microbatch] * 4
+    assert order[:4] == ["vision forward", "audio forward", "llm forward", "llm backward"]
+    assert sorted(order[4:per_microbatch]) == ["audio backward", "vision backward"]
+    assert ranks == "0" and "order of the work in a step, ranks 0: (vision forward, audio forward, llm forward" \
+        in result.stdout
+
+
+def test_the_planner_and_layout_check_take_the_omni_audio_encoder_under_cp():
+    """Audio encoder CP (each audio split by rows): the planner ranks layouts with it among those that
+    fit the Omni-7B shape on 4 GPUs, and the layout rules accept `cp: 2` on the audio module."""
+    from bench import family_sizes
+
+    from megatron_hetero.families import encoder_cp_tokens
+    from megatron_hetero.planner import Calibration, Cluster, plan
+    from megatron_hetero.spec import rules
+
+    workload = replace(PRESETS["qwen2_5_omni_7b"].workload, distributed_optimizer=True, allow_recompute=True)
+    ranked = plan(workload, Cluster(4, 80), Calibration()).ranked
+    assert any(p.candidate.layouts[1].name == "audio" and p.candidate.layouts[1].cp == 2 for p in ranked)
+    sizes = family_sizes(FAMILY_BENCH_WORKLOADS["qwen2_5_omni_tiny"])
+    audio = ModuleLayout("audio", "encoder", cp=4)
+    assert rules.encoder_cp_problem(audio, encoder_cp_tokens(audio, sizes)) is None

@@ -100,7 +100,7 @@ def test_upstream_mimo_matches_ours_and_bench_e2e(tmp_path):
         assert record["tokens_per_s"] * record["step_s"] == pytest.approx(w.global_batch * w.seq_length)
         gpu_seconds = record["step_s"] * record["gpus"]
         assert record["tflops_per_gpu"] * 1e12 * gpu_seconds == pytest.approx(sum(flops.values()))
-        assert record["encoder_flops_share"] == pytest.approx(flops["encoder"] / sum(flops.values()))
+        assert record["encoder_flops_share"] == pytest.approx(1 - flops["llm"] / sum(flops.values()))
     table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_e2e.py"), "--report", out], check=True,
                            cwd=ROOT, env=env, capture_output=True, text=True).stdout
     assert "| tiny | 2 | upstream_mimo_colocated | 2 |" in table and "| tiny | 2 | gpu2_colocated | 2 |" in table

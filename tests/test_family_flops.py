@@ -55,11 +55,13 @@ class MatmulFlops(TorchDispatchMode):
 
 
 def _measured_flops(w) -> dict[str, int]:
-    """Matmul FLOPs of one forward of the workload's model on one sample: the vision module's alone,
-    and the whole model's (vision, boundary, LLM with its logits)."""
+    """Matmul FLOPs of one forward of the workload's model on one sample: each encoder's alone (the
+    vision tower; an omni family's audio encoder), and the LLM's as the whole model's (encoders,
+    boundary, LLM with its logits) less the encoders'."""
     from bench import family_batch, family_sizes, global_microbatches
 
     from megatron_hetero.hf.checkpoint import model_under
+    from megatron_hetero.models.kinds import ENCODER_KINDS, grids_key
     from megatron_hetero.schedules.forward_backward import step_context
     from megatron_hetero.schedules.pipeline import run_stage
     from megatron_hetero.schedules.stages import GivenRows, LLMStage
@@ -67,33 +69,35 @@ def _measured_flops(w) -> dict[str, int]:
 
     megatron_hetero.patches.apply()  # megatron-core on CPUs
     (kwargs,) = global_microbatches(family_batch(w), 1)
-    grids = kwargs.get("vision_grids")
+    measured = {}
     with model_under(family_sizes(w)) as model, sdpa_kernel(SDPBackend.MATH):
-        vision = model.run.modules["vision"].part
-        with MatmulFlops() as encoder:
-            vision(kwargs["images"], *(() if grids is None else (grids,)))
+        for kind in (k for k in ENCODER_KINDS.values() if k.input_key in kwargs):
+            grids = kwargs.get(grids_key(kind.name))
+            with MatmulFlops() as encoder:
+                model.run.modules[kind.name].part(kwargs[kind.input_key], *(() if grids is None else (grids,)))
+            measured[kind.name] = encoder.flops
         ctx = step_context(model, logits_step, [kwargs], forward_only=True)
         with MatmulFlops() as whole:
             run_stage(LLMStage(ctx, GivenRows(route_media(ctx))), 1, ctx.clock)
-    return {"encoder": encoder.flops, "llm": whole.flops - encoder.flops}
+    return {**measured, "llm": whole.flops - sum(measured.values())}
 
 
 def _planned_flops(w) -> dict[str, float]:
-    """The planner's forward FLOPs per sample as the trainer builds the workload (its padded
-    vocabulary), the LLM's attention over every key (the module docstring)."""
+    """The planner's forward FLOPs per sample of each module as the trainer builds the workload (its
+    padded vocabulary), the LLM's attention over every key (the module docstring)."""
     from megatron_hetero.planner.presets import trainer_vocab_size
 
     shapes = trainer_workload(w, trainer_vocab_size(w), frozen_encoder=False)
     llm = replace(shapes.llm, attention_keys=float(shapes.llm.seq_length))
-    return {"encoder": module_forward_flops_per_sample(shapes.encoders[0], llm.hidden),
-            "llm": module_forward_flops_per_sample(llm, llm.hidden)}
+    return {shape.name: module_forward_flops_per_sample(shape, llm.hidden) for shape in (*shapes.encoders, llm)}
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_planner_counts_each_family_as_its_model_runs(name):
     w = replace(FAMILY_BENCH_WORKLOADS[name], global_batch=1, micro_batch=1)
     measured, planned = _measured_flops(w), _planned_flops(w)
-    for module in ("encoder", "llm"):
+    assert planned.keys() == measured.keys()
+    for module in planned:
         assert planned[module] == pytest.approx(measured[module], rel=TOLERANCE), (module, planned, measured)
 
 

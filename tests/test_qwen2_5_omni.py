@@ -3,9 +3,9 @@ offline (thinker, talker and token2wav): import -> export is bit-identical with 
 files (the talker and token2wav passed through), in both key spellings; our forward equals
 transformers' thinker's (logits within 1e-4 fp32, `hf compare`) on samples with audio (resampled,
 stereo, a last chunk of 2 frames, two in a sample), an image and audio together, an image alone and
-text alone, the bad audio skipped; under the `families` marker, the same under layouts (vision DP2,
-audio DP2 -> LLM TP2 colocated; non-colocated) and 3 training steps under them equal to one
-process's."""
+text alone, the bad audio skipped; the audio encoder under CP2 equal to the whole encoder; under the
+`families` marker, the same under layouts (vision DP2, audio DP2 -> LLM TP2 colocated; both encoders
+at CP2 -> LLM TP2; non-colocated) and 3 training steps under them equal to one process's."""
 
 import json
 from pathlib import Path
@@ -28,6 +28,9 @@ LAYOUTS = {
                           "  llm: {role: llm, tp: 2}\n"),
     "vtp2_atp2": (2, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
                      "  vision: {role: encoder, tp: 2}\n  audio: {role: encoder, tp: 2}\n  llm: {role: llm, dp: 2}\n"),
+    "vcp2_acp2_ltp2": (2, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
+                          "  vision: {role: encoder, cp: 2}\n  audio: {role: encoder, cp: 2}\n"
+                          "  llm: {role: llm, tp: 2}\n"),
     "single": (1, "placement: colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
                   "  vision: {role: encoder}\n  audio: {role: encoder}\n  llm: {role: llm}\n"),
     "noncolocated": (3, "placement: non_colocated\nedges: [vision -> llm, audio -> llm]\nmodules:\n"
@@ -165,11 +168,11 @@ def test_transformers_names_round_trip(tmp_path):
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vtp2_atp2", "noncolocated"])
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vtp2_atp2", "vcp2_acp2_ltp2", "noncolocated"])
 def test_compare_under_layouts(omni, tmp_path, layout):
     """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2 colocated on 2 processes,
-    both encoders at TP2 beside LLM DP2, and non-colocated on 3 (vision, audio, LLM): within 1e-4 on
-    every sample."""
+    both encoders at TP2 beside LLM DP2, both at CP2 (each image, video and audio split over the
+    two) -> LLM TP2, and non-colocated on 3 (vision, audio, LLM): within 1e-4 on every sample."""
     tmp, data = omni
     world = LAYOUTS[layout][0]
     code, text = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), [layout])[0][layout]
@@ -184,11 +187,11 @@ def reference(omni):
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "noncolocated"])
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vcp2_acp2_ltp2", "noncolocated"])
 def test_training_equals_one_process(omni, reference, layout):
     """3 steps from the import (images and audio in the batches) under vision DP2 and audio DP2 ->
-    LLM TP2 colocated, and non-colocated: loss and gradient norm per step within 1e-4 of one
-    process's."""
+    LLM TP2 colocated, both encoders at CP2 -> LLM TP2, and non-colocated: loss and gradient norm per
+    step within 1e-4 of one process's."""
     assert_same_steps(reference, train(*omni, layout, layout, LAYOUTS[layout][0]))
 
 
@@ -196,7 +199,7 @@ def test_training_equals_one_process(omni, reference, layout):
 @pytest.mark.parametrize("modules, expected", [
     ("  vision: {role: encoder, dp: 4}\n  llm: {role: llm, tp: 2, dp: 2}\n",
      "a qwen2_5_omni model has an audio encoder: add a module `audio: {role: encoder}` and the edge audio -> llm"),
-    ("  vision: {role: encoder, dp: 4}\n  audio: {role: encoder, cp: 2, dp: 2}\n  llm: {role: llm, tp: 2, dp: 2}\n",
+    ("  vision: {role: encoder, dp: 4}\n  audio: {role: encoder, dp: 2, pp: 2}\n  llm: {role: llm, tp: 2, dp: 2}\n",
      "module audio"),
 ])
 def test_training_refusals(omni, tmp_path, modules, expected):
@@ -209,3 +212,51 @@ def test_training_refusals(omni, tmp_path, modules, expected):
                   f"placement: colocated\n{edges}modules:\n{modules}")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert expected in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
+
+
+def _audio_cp_worker(rank, world_size):
+    """The audio encoder's rows and parameter gradients for audios of 37, 64 and 9 feature frames
+    (chunks of 6 frames, 3 tokens: the rows' split falls inside a chunk; 19 tokens, an odd last one),
+    whole on this rank and split over a CP group of every rank."""
+    import torch.distributed as dist
+
+    from megatron_hetero.families.qwen2_5_omni.audio import OmniAudioArch, OmniAudioEncoder
+    from megatron_hetero.models.varlen import cp_owners
+    from megatron_hetero.models.vlm import transformer_config
+    from megatron_hetero.parallel import parallel_state
+    from megatron_hetero.parallel.groups import build_module_groups
+    from megatron_hetero.patches import cpu
+    from megatron_hetero.spec.layout import ModuleLayout
+
+    cpu.apply()
+    whole_pgs = build_module_groups(ModuleLayout("audio", "encoder", dp=world_size)).pgs
+    cp_pgs = build_module_groups(ModuleLayout("audio", "encoder", cp=world_size)).pgs
+    parallel_state.init_outside_training(0, tp_rank=0)
+    arch = OmniAudioArch(audio_ffn_hidden_size=48, audio_n_window=3, audio_max_source_positions=16,
+                         audio_output_dim=24)
+    config = transformer_config(32, 2, 4, 1, torch.float64, arch=arch.transformer_arch())
+    whole, split = (OmniAudioEncoder(config, arch, 16, pgs) for pgs in (whole_pgs, cp_pgs))
+    split.load_state_dict(whole.state_dict())
+    frames = torch.tensor([37, 64, 9])
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(int(frames.sum()), 16, generator=g, dtype=torch.float64)
+    grids = torch.stack([torch.ones_like(frames), torch.ones_like(frames), frames], 1)
+    mine = cp_owners(((frames - 1) // 2 + 1 - 2) // 2 + 1, world_size) == rank  # this rank's rows (the boundary's)
+    rows = {name: model(features, grids) for name, model in (("whole", whole), ("split", split))}
+    weights = torch.randn(rows["whole"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (rows["whole"] * weights).sum().backward()
+    (rows["split"] * weights[mine]).sum().backward()
+    grads = [p.grad.clone() for p in split.parameters()]
+    for grad in grads:
+        dist.all_reduce(grad, group=cp_pgs.cp)
+    return dict(rows=(rows["split"].detach(), rows["whole"].detach()[mine]),
+                grads=(grads, [p.grad for p in whole.parameters()]))
+
+
+def test_audio_encoder_cp_is_the_whole_encoder(tmp_path):
+    """Audio encoder CP2 (each audio split by rows over 2 processes, each chunk's keys gathered) gives
+    each rank the whole encoder's rows of its part, and the ranks' gradients sum to the whole one's."""
+    for rank, result in enumerate(collect_distributed(_audio_cp_worker, 2, tmp_path)):
+        torch.testing.assert_close(*result["rows"], rtol=1e-10, atol=1e-10)
+        for got, want in zip(*result["grads"]):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)

@@ -42,15 +42,15 @@ def family_of_config(config):
 
 def encoder_cp_tokens(module, sizes) -> int | None:
     """What encoder `module`'s CP ranks split (spec.rules.encoder_cp_problem): an item's tokens,
-    evenly, for this project's encoders; 0 for a family's vision tower that splits images of any size
-    by whole merge blocks (`vision_cp`); None for one that does not split them."""
+    evenly, for this project's encoders; 0 for a family's encoder that splits items of any size (a
+    vision tower by whole merge blocks, `vision_cp`; an audio encoder by rows, `audio_cp`); None for
+    one that does not split them."""
     from megatron_hetero.models.kinds import encoder_kind
 
     kind = encoder_kind(module)
-    if sizes.family and kind.name == "vision":
-        return 0 if family_named(sizes.family).vision_cp else None
-    if sizes.family and kind.name == "audio":  # a family's audio encoder does not split an audio
-        return None
+    if sizes.family and kind.name in ("vision", "audio"):
+        family = family_named(sizes.family)
+        return 0 if (family.vision_cp if kind.name == "vision" else family.audio_cp) else None
     return kind.stage_tokens(sizes)
 
 

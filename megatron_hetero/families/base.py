@@ -68,7 +68,8 @@ class VLMFamily:
     finish(sizes, config): the family's further sizes and checks across modules; vision_builder,
     media_builder, settings_reader: "module:function" paths (see build_vision, media,
     processor_settings); audio_builder: the audio encoder's builder (families with an "audio"
-    part); vision_stages: whether the vision module may have pp > 1; vision_cp: cp > 1; kept: the
+    part); vision_stages: whether the vision module may have pp > 1; vision_cp, audio_cp: whether the
+    vision module, the audio module may have cp > 1 (its ranks splitting each item); kept: the
     in-memory key prefixes of tensors no module holds (an omni model's speech generator), carried
     from import to export unchanged; compared: the transformers class of the part our modules are
     (an omni model's thinker; "": the whole model's `architecture`), which `hf compare` runs."""
@@ -94,6 +95,9 @@ class VLMFamily:
     # sends them as extra columns of its rows: models/deepstack.py); () for none
     deepstack: Callable[[ModelSizes], tuple[int, ...]] = lambda sizes: ()
     audio_builder: str = ""
+    # the audio encoder splits each audio over the audio module's CP ranks (by rows:
+    # families/qwen2_5_omni/audio.py)
+    audio_cp: bool = False
     kept: tuple[str, ...] = ()
     compared: str = ""
 

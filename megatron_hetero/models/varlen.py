@@ -162,6 +162,14 @@ def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_sc
     return _varlen_sdpa(q, k, v, plan, scale, causal, kernel.merged_chunks)
 
 
+def cp_owners(counts: torch.Tensor, cp: int) -> torch.Tensor:
+    """The CP rank of every unit (merge block, row) of items of `counts` units, back to back: item
+    i's [c*n_i//cp, (c+1)*n_i//cp) on rank c (boundary/plan.py's split of an item's rows)."""
+    counts = counts.long()
+    within = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    return ((within + 1) * cp - 1) // torch.repeat_interleave(counts, counts)
+
+
 @dataclass(frozen=True)
 class CPSplit:
     """A CP rank's part of packed items, planned on the host (module docstring): `blocks` its merge
@@ -179,10 +187,13 @@ class CPSplit:
     def of(block_counts: torch.Tensor, order: torch.Tensor | None, unit: int, group) -> "CPSplit":
         """block_counts [items]: each item's merge blocks of `unit` tokens, back to back; order
         [blocks]: the layers' order of the blocks (None: the input's)."""
+        return CPSplit.owned(cp_owners(block_counts, group.size()), order, unit, group)
+
+    @staticmethod
+    def owned(owner: torch.Tensor, order: torch.Tensor | None, unit: int, group) -> "CPSplit":
+        """owner [blocks]: the CP rank holding each block of `unit` tokens (in the input's order);
+        order as in `of`."""
         cp, rank = group.size(), group.rank()
-        counts = block_counts.long()
-        within = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-        owner = ((within + 1) * cp - 1) // torch.repeat_interleave(counts, counts)  # boundary/plan.py's split
         order = torch.arange(len(owner)) if order is None else order.long()
         owner = owner[order]
         held = torch.bincount(owner, minlength=cp)

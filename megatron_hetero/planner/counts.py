@@ -50,8 +50,8 @@ def layer_params(shape: ModuleShape, active: bool = False) -> int:
 
 def projector_params(shape: ModuleShape, llm_hidden: int) -> int:
     """One projector of an encoder into the LLM hidden size, whose input is the concatenation of the
-    tokens pixel shuffle (or a patch merger) merges into one row."""
-    width_in = shape.hidden * (shape.tokens_per_item // shape.rows_per_item)
+    tokens pixel shuffle (or a patch merger) merges into one row (or `projector_input` wide)."""
+    width_in = shape.projector_input or shape.hidden * (shape.tokens_per_item // shape.rows_per_item)
     if shape.projector_ffn:
         return width_in * shape.projector_ffn + shape.projector_ffn * llm_hidden
     return width_in * llm_hidden

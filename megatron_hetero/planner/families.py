@@ -13,9 +13,13 @@ the vision shape that counts what its tower computes (`vision_shape`, VISION_SHA
   4h -> LLM hidden, GELU, Linear);
 - native (Qwen3-VL): native-resolution images attending within themselves (no windows), GELU MLPs, the
   merger and one DeepStack merger of the same shape per DeepStack layer on every row;
-the Qwen towers split an image over CP by whole merge blocks, InternViT does not (cp_split); and
-the LLM from text_config: grouped-query attention with its own head size (Qwen3's 128 need not be
-hidden / heads), SwiGLU, and for Qwen3-VL-MoE the top-k of its experts per token.
+the Qwen towers split an image over CP by whole merge blocks, InternViT does not (cp_split); a
+video is one item of the native towers, its grid (t, h, w) of temporal patches each attending as an
+image of h x w patches does (transformers' cu_seqlens repeat each frame's). A preset whose config
+has an audio_config (Qwen2.5-Omni's thinker) has a second encoder, `audio`, counted by
+`qwen2_5_omni_audio` on its videos' own audio tracks. The LLM from text_config: grouped-query
+attention with its own head size (Qwen3's 128 need not be hidden / heads), SwiGLU, and for
+Qwen3-VL-MoE the top-k of its experts per token.
 
 Plain data and arithmetic (no transformers import): tests/test_family_flops.py checks each family's
 count against the matmul FLOPs of its model's forward, and the image grids and tiles against the
@@ -25,6 +29,7 @@ families' processors.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +44,10 @@ class FamilyBench:
     that processor makes them (native resolution: the patch grid (rows, columns); tiles: how many),
     the sequence length and batch; `vision_shape`: the VISION_SHAPES entry counting its tower;
     `tokens`: special tokens the family's image tags need from a tokenizer (InternVL's <img>, </img>)
-    -> their ids."""
+    -> their ids; `videos`: every sample's videos (width, height in px, seconds, frames per second)
+    -> (the patch grid (t, h, w) its video processor makes, the feature frames of its own audio track
+    that the family's feature extractor makes: 0 without one); `config_key`: the Hugging Face
+    config's key that holds `config` (Qwen2.5-Omni's thinker_config; "": config is the whole)."""
 
     model_type: str
     vision_shape: str
@@ -51,20 +59,48 @@ class FamilyBench:
     micro_batch: int
     tokens: dict = field(default_factory=dict)
     plan: tuple[str, int] | None = None  # a plan_layout preset too: (its description, its GPUs)
+    videos: dict = field(default_factory=dict)
+    config_key: str = ""
 
     def sample_images(self, count: int = 0) -> tuple[tuple[int, int], ...]:
         """A sample's images (width, height): the preset's, cycled to `count` (0: the preset's own)."""
-        sizes = tuple(self.images)
-        return tuple(sizes[i % len(sizes)] for i in range(count or len(sizes)))
+        return _cycled(tuple(self.images), count)
 
-    def workload(self, llm_layers: int = 0, seq_length: int = 0, images: tuple = ()) -> Workload:
+    def sample_videos(self, count: int = 0) -> tuple[tuple[int, int, float, float], ...]:
+        """A sample's videos (width, height, seconds, fps): the preset's, cycled to `count`."""
+        return _cycled(tuple(self.videos), count)
+
+    def hf_config(self, llm_layers: int = 0) -> dict:
+        """The Hugging Face config's fields (AutoConfig.for_model's), the LLM at depth `llm_layers`
+        (0: the config's)."""
+        text = {**self.config["text_config"], **({"num_hidden_layers": llm_layers} if llm_layers else {})}
+        config = {**self.config, "text_config": text}
+        return {self.config_key: config} if self.config_key else config
+
+    def workload(self, llm_layers: int = 0, seq_length: int = 0, images: tuple = (), videos: tuple = ()) -> Workload:
         """The planner's shapes: the family's vision tower as it runs (module docstring) on `images`
-        (sizes among the preset's; default the preset's own) and its LLM at depth `llm_layers` (0:
+        and `videos` (sizes among the preset's; default the preset's own), the audio encoder on
+        those videos' audio tracks where the family has one, and its LLM at depth `llm_layers` (0:
         the config's) and `seq_length` (0: the preset's)."""
-        items = [self.images[size] for size in images or self.sample_images()]
-        vision = VISION_SHAPES[self.vision_shape](self.config, items)
+        images, videos = images or self.sample_images(), videos or self.sample_videos()
+        items = [self.images[size] for size in images] + [self.videos[size][0] for size in videos]
+        encoders = (VISION_SHAPES[self.vision_shape](self.config, items),)
+        tracks = [self.videos[size][1] for size in videos if self.videos[size][1]]
+        if tracks:
+            encoders += (qwen2_5_omni_audio(self.config, tracks),)
         llm = llm_shape(self.config["text_config"], llm_layers, seq_length or self.seq_length)
-        return Workload((vision,), llm, global_batch=self.global_batch, micro_batch=self.micro_batch)
+        return Workload(encoders, llm, global_batch=self.global_batch, micro_batch=self.micro_batch)
+
+
+def _cycled(sizes: tuple, count: int) -> tuple:
+    """`sizes` repeated in turn to `count` of them (0: as they are; none: none)."""
+    return tuple(sizes[i % len(sizes)] for i in range(count or len(sizes))) if sizes else ()
+
+
+def _frames(grids: list[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """The (h, w) attention items of native-resolution grids: an image's (h, w), each of a video's t
+    temporal patches (t, h, w)."""
+    return [g[-2:] for g in grids for _ in range(g[0] if len(g) == 3 else 1)]
 
 
 def llm_shape(text: dict, layers: int, seq_length: int) -> ModuleShape:
@@ -76,13 +112,14 @@ def llm_shape(text: dict, layers: int, seq_length: int) -> ModuleShape:
                        topk=text.get("num_experts_per_tok", 0), head_dim=text.get("head_dim", 0))
 
 
-def _native_vision(v: dict, grids: list[tuple[int, int]], gated: bool, keys: float, deepstack: int) -> ModuleShape:
-    """A native-resolution Qwen tower: each image's h*w patches (C x T x P x P values each) through
-    the layers, h*w / merge^2 rows through the merger's MLP (width merge^2 x hidden)."""
-    # Whole rows per image on average (so that a count of images other than the preset's averages to
+def _native_vision(v: dict, grids: list[tuple[int, ...]], gated: bool, keys: float, deepstack: int) -> ModuleShape:
+    """A native-resolution Qwen tower: each image's h*w patches (a video's t*h*w; C x T x P x P
+    values each) through the layers, h*w / merge^2 rows through the merger's MLP (width merge^2 x
+    hidden)."""
+    # Whole rows per item on average (so that a count of items other than the preset's averages to
     # whole merged rows), each of merge^2 patches.
     merge = v["spatial_merge_size"]
-    tokens = sum(h * w for h, w in grids) // merge**2 // len(grids) * merge**2
+    tokens = sum(math.prod(g) for g in grids) // merge**2 // len(grids) * merge**2
     return ModuleShape("vision", "encoder", hidden=v["hidden_size"], layers=v["depth"], heads=v["num_heads"],
                        ffn=v["intermediate_size"], gated_mlp=gated, tokens_per_item=tokens,
                        items_per_sample=len(grids), output_tokens_per_item=tokens // merge**2,
@@ -92,10 +129,10 @@ def _native_vision(v: dict, grids: list[tuple[int, int]], gated: bool, keys: flo
 
 
 def qwen2_5_vl_vision(config: dict, grids: list) -> ModuleShape:
-    """Qwen2.5-VL's tower on images of these patch grids: SwiGLU, windows of window_size px in all
-    but the full-attention layers."""
+    """Qwen2.5-VL's tower on images (and videos) of these patch grids: SwiGLU, windows of window_size
+    px in all but the full-attention layers."""
     v = config["vision_config"]
-    keys = window_attention_keys(grids, v["window_size"] // v["patch_size"], v["spatial_merge_size"],
+    keys = window_attention_keys(_frames(grids), v["window_size"] // v["patch_size"], v["spatial_merge_size"],
                                  len(v["fullatt_block_indexes"]), v["depth"])
     return _native_vision(v, grids, True, keys, 0)
 
@@ -104,7 +141,7 @@ def qwen3_vl_vision(config: dict, grids: list) -> ModuleShape:
     """Qwen3-VL's tower on images of these patch grids: GELU MLPs, each image attending within
     itself, DeepStack mergers."""
     v = config["vision_config"]
-    return _native_vision(v, grids, False, item_attention_keys(grids), len(v["deepstack_visual_indexes"]))
+    return _native_vision(v, grids, False, item_attention_keys(_frames(grids)), len(v["deepstack_visual_indexes"]))
 
 
 def internvl_vision(config: dict, tiles: list) -> ModuleShape:
@@ -120,18 +157,39 @@ def internvl_vision(config: dict, tiles: list) -> ModuleShape:
                        patch_dim=3 * v["patch_size"] ** 2, cp_split="none")
 
 
+def qwen2_5_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
+    """Qwen2.5-Omni's Whisper-like audio encoder on audios of these feature frames
+    (families/qwen2_5_omni/audio.py): each cut into chunks of 2 x n_window frames, both convolutions
+    (kernel 3, the second of stride 2: mel bins x 3 and hidden x 3 inputs per output value) giving a
+    token per two frames, the layers (GELU MLPs) attending within a chunk, every two tokens averaged
+    into a row projected to the LLM's width (one linear of hidden inputs). A last chunk shorter than
+    the others runs padded to their length through the convolutions: counted as its own length. CP
+    splits an audio by rows, any number of them (cp_split "blocks")."""
+    a = config["audio_config"]
+    window, hidden = 2 * a["n_window"], a["d_model"]
+    chunks = [(min(window, n - at) - 1) // 2 + 1 for n in frames for at in range(0, n, window)]
+    rows = sum(((n - 1) // 2 + 1 - 2) // 2 + 1 for n in frames) // len(frames)
+    return ModuleShape("audio", "encoder", hidden=hidden, layers=a["encoder_layers"],
+                       heads=a["encoder_attention_heads"], ffn=a["encoder_ffn_dim"], tokens_per_item=2 * rows,
+                       items_per_sample=len(frames), output_tokens_per_item=rows, projector_input=hidden,
+                       attention_keys=sum(c * c for c in chunks) / sum(chunks),
+                       patch_dim=3 * hidden + 2 * 3 * a["num_mel_bins"], cp_split="blocks")
+
+
 VISION_SHAPES = {"native_windowed": qwen2_5_vl_vision, "native": qwen3_vl_vision, "tiles": internvl_vision}
 # The families' presets files (families/<name>/presets.json), in folder order.
 PRESET_FILES = sorted((Path(__file__).parents[1] / "families").glob("*/presets.json"))
 
 
 def _family_bench(entry: dict) -> FamilyBench:
-    """A presets.json entry: images as [[width, height], item] pairs (item: a patch grid or a tile count)."""
-    images = {tuple(size): tuple(item) if isinstance(item, list) else item for size, item in entry["images"]}
+    """A presets.json entry: images as [[width, height], item] pairs (item: a patch grid or a tile
+    count), videos as [[width, height, seconds, fps], [[t, h, w], audio frames]]."""
+    images = {tuple(size): tuple(item) if isinstance(item, list) else item for size, item in entry.get("images", [])}
+    videos = {tuple(size): (tuple(grid), frames) for size, (grid, frames) in entry.get("videos", [])}
     plan = entry.get("plan")
     return FamilyBench(entry["model_type"], entry["vision_shape"], entry["config"], entry["processor"], images,
                        entry["seq_length"], entry["global_batch"], entry["micro_batch"], entry.get("tokens", {}),
-                       (plan["description"], plan["gpus"]) if plan else None)
+                       (plan["description"], plan["gpus"]) if plan else None, videos, entry.get("config_key", ""))
 
 
 FAMILY_BENCHES = {name: _family_bench(entry) for path in PRESET_FILES

@@ -156,9 +156,11 @@ class BenchWorkload:
     frozen: bool = False
     # A VLM family's model (megatron_hetero/families) instead of the reference one: its sizes from
     # FAMILY_BENCHES[name]'s Hugging Face config (the LLM's depth `layers`), `image_sizes` (width,
-    # height in pixels) the images of every sample, at native resolution.
+    # height in pixels) the images of every sample, at native resolution, and `video_sizes` (width,
+    # height, seconds, fps) its videos (with their audio tracks where the family takes audio).
     family: str = ""
     image_sizes: tuple[tuple[int, int], ...] = ()
+    video_sizes: tuple[tuple[int, int, float, float], ...] = ()
 
     @property
     def tokens_per_image(self) -> int:
@@ -180,11 +182,11 @@ BENCH_WORKLOADS = {name: _bench_workload(name, preset) for name, preset in PRESE
 
 def _family_bench_workload(name: str, bench: FamilyBench) -> BenchWorkload:
     shapes = bench.workload()
-    (vision,), llm = shapes.encoders, shapes.llm
+    vision, llm = shapes.encoders[0], shapes.llm  # the vision tower first (an omni model's audio encoder after)
     patch = bench.config["vision_config"]["patch_size"]
     return BenchWorkload(name, 0, patch, vision.items_per_sample, vision.hidden, vision.layers, vision.heads,
                          llm.hidden, llm.heads, llm.layers, llm.seq_length, bench.global_batch, bench.micro_batch,
-                         family=bench.model_type, image_sizes=bench.sample_images())
+                         family=bench.model_type, image_sizes=bench.sample_images(), video_sizes=bench.sample_videos())
 
 
 FAMILY_BENCH_WORKLOADS = {name: _family_bench_workload(name, bench) for name, bench in FAMILY_BENCHES.items()}
@@ -192,8 +194,8 @@ FAMILY_BENCH_WORKLOADS = {name: _family_bench_workload(name, bench) for name, be
 
 def resized_workload(w: BenchWorkload, seq_length: int = 0, items_per_sample: int = 0,
                      image_size: int = 0) -> BenchWorkload:
-    """The workload at another LLM sequence length, images per sample (a family's preset images
-    cycled to that count) or image size in px (square; the reference model's images only: a
+    """The workload at another LLM sequence length, images per sample (a family's preset images, or
+    videos where it has videos, cycled to that count) or image size in px (square; the reference model's images only: a
     family's images are its processor's native sizes); 0 keeps the workload's. ValueError where a
     family is given an image size."""
     if image_size and w.family:
@@ -205,8 +207,9 @@ def resized_workload(w: BenchWorkload, seq_length: int = 0, items_per_sample: in
     if not items_per_sample:
         return w
     if w.family:
-        return replace(w, images_per_sample=items_per_sample,
-                       image_sizes=FAMILY_BENCHES[w.name].sample_images(items_per_sample))
+        bench = FAMILY_BENCHES[w.name]
+        return replace(w, images_per_sample=items_per_sample, image_sizes=bench.sample_images(items_per_sample),
+                       video_sizes=bench.sample_videos(items_per_sample))
     return replace(w, images_per_sample=items_per_sample)
 
 
@@ -221,9 +224,9 @@ def trainer_workload(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> Work
     """The workload in the planner's terms as the trainer builds it (the shapes whose FLOPs, time
     and memory the planner models), at the workload's micro batch size."""
     if w.family:
-        shapes = FAMILY_BENCHES[w.name].workload(w.layers, w.seq_length, w.image_sizes)
-        encoder = replace(shapes.encoders[0], frozen=frozen_encoder)
-        return replace(shapes, encoders=(encoder,), llm=replace(shapes.llm, vocab=vocab), global_batch=w.global_batch,
+        shapes = FAMILY_BENCHES[w.name].workload(w.layers, w.seq_length, w.image_sizes, w.video_sizes)
+        encoders = tuple(replace(e, frozen=frozen_encoder) for e in shapes.encoders)
+        return replace(shapes, encoders=encoders, llm=replace(shapes.llm, vocab=vocab), global_batch=w.global_batch,
                        micro_batch=w.micro_batch)
     encoder = ModuleShape("vision", "encoder", w.enc_hidden, w.enc_layers, w.enc_heads, 4 * w.enc_hidden,
                           tokens_per_item=w.tokens_per_image, items_per_sample=w.images_per_sample,
@@ -250,8 +253,8 @@ def trainer_parameter_shapes(w: BenchWorkload, vocab: int) -> list[tuple[int, ..
 
 
 def model_flops(w: BenchWorkload, vocab: int, frozen_encoder: bool) -> dict[str, float]:
-    """Model FLOPs of one global batch per module, counted by the planner's formulas (forward x3
-    when trained, x1 when frozen; projector and logits included)."""
+    """Model FLOPs of one global batch per module (by name: each encoder's, the LLM's), counted by
+    the planner's formulas (forward x3 when trained, x1 when frozen; projector and logits included)."""
     shapes = trainer_workload(w, vocab, frozen_encoder)
-    return {key: (1 if shape.frozen else 3) * w.global_batch * module_forward_flops_per_sample(shape, w.hidden)
-            for key, shape in (("encoder", shapes.encoders[0]), ("llm", shapes.llm))}
+    return {shape.name: (1 if shape.frozen else 3) * w.global_batch * module_forward_flops_per_sample(shape, w.hidden)
+            for shape in shapes.modules}

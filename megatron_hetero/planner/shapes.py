@@ -44,8 +44,10 @@ class ModuleShape:
     Encoders: `tokens_per_item` tokens (on average) run through the encoder per image or clip, `items_per_sample`
     items per sample, `output_tokens_per_item` rows per item enter the LLM (fewer than the tokens
     with pixel shuffle; 0: as many), through an MLP projector of hidden width `projector_ffn` (0: a
-    linear projection); `class_tokens` more tokens per item run through the layers but not into the
-    projector (InternViT's class token); `patch_dim` values per patch token feed the input embedding
+    linear projection) whose input is `projector_input` wide (0: the tokens merged into a row side by
+    side, hidden x tokens per row; an encoder that averages them into a row: its hidden);
+    `class_tokens` more tokens per item run through the layers but not into the projector
+    (InternViT's class token); `patch_dim` values per patch token feed the input embedding
     (0: the embedding is left out); `deepstack` more projectors of the same shape run on every row
     (Qwen3-VL's DeepStack mergers), whose rows cross the boundary beside the main ones. The LLM:
     `seq_length` tokens per sample, `vocab` output classes; with `experts` > 0 its MLPs are
@@ -64,6 +66,7 @@ class ModuleShape:
     items_per_sample: int = 0
     output_tokens_per_item: int = 0
     projector_ffn: int = 0
+    projector_input: int = 0
     seq_length: int = 0
     vocab: int = 0
     frozen: bool = False
@@ -77,8 +80,8 @@ class ModuleShape:
     # items of several sizes, windowed layers); 0: its whole item (encoders), half the sequence (the llm).
     attention_keys: float = 0.0
     # How the encoder's CP ranks split an item: "tokens" into equal parts, which cp must divide
-    # (this project's encoders); "blocks" by whole merge blocks, any item size (the Qwen towers);
-    # "none": they do not (InternVL's tower trains with cp 1).
+    # (this project's encoders); "blocks" by whole merge blocks (rows), any item size (the Qwen
+    # towers; Qwen2.5-Omni's audio encoder); "none": they do not (InternVL's tower trains with cp 1).
     cp_split: str = "tokens"
 
     def __post_init__(self):
@@ -94,8 +97,8 @@ class ModuleShape:
             if not positive_int(getattr(self, key)):
                 raise ValueError(f"{where}: {key} must be a positive integer, got {getattr(self, key)!r}")
         for key in ("kv_heads", "tokens_per_item", "items_per_sample", "output_tokens_per_item",
-                    "projector_ffn", "seq_length", "vocab", "experts", "topk", "head_dim", "class_tokens",
-                    "patch_dim", "deepstack"):
+                    "projector_ffn", "projector_input", "seq_length", "vocab", "experts", "topk", "head_dim",
+                    "class_tokens", "patch_dim", "deepstack"):
             value = getattr(self, key)
             if not (positive_int(value) or value == 0):
                 raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")

@@ -15,7 +15,9 @@ counts as the encoder's only); `switch` relabels the running phase where one cal
 On, each interval charged to a phase is also kept in `spans` as (phase, module, start, end) in
 seconds of the host's monotonic clock (the same clock in every process of a node), and, where the
 Clock shares the list, each wait as ("waiting", None, start, end): a step's timeline, which the
-metrics writer takes after every iteration.
+metrics writer takes after every iteration; and each phase as it opens (or a switch relabels it) in
+`opened` as (phase, module): the order of the work (a phase that nested ones interrupt is one entry,
+as is a switch to the phase already open).
 
 On or off, the innermost open phase is `current` and the module it runs, where one was named,
 `current_module` (a failure report names them; a phase an exception leaves stays current)."""
@@ -33,6 +35,7 @@ class PhaseTimers:
         self.device, self.enabled = device, enabled
         self.seconds = defaultdict(float)
         self.spans = []  # (phase, module, start, end), while enabled
+        self.opened = []  # (phase, module) as each opens or is switched to, while enabled
         self._running = []  # [name, since, module] of the open phases, innermost last
 
     def _now(self) -> float:
@@ -54,6 +57,7 @@ class PhaseTimers:
         now = self._now()
         self._charge_innermost(now)  # the enclosing phase pauses
         self._running.append([name, now, module])
+        self.opened.append((name, module))
         try:
             yield
         finally:
@@ -81,15 +85,19 @@ class PhaseTimers:
     def current_module(self) -> str | None:
         return self._running[-1][2] if self._running else None
 
-    def switch(self, name: str) -> None:
-        """From now on the innermost open phase counts as `name` (nothing when off or none is open)."""
+    def switch(self, name: str, module: str | None = None) -> None:
+        """From now on the innermost open phase counts as `name` of `module` (None: of no one module;
+        nothing when off or none is open)."""
         if self.enabled and self._running:
             self._charge_innermost(self._now())
-            self._running[-1][0] = name
+            if (self._running[-1][0], self._running[-1][2]) != (name, module):
+                self.opened.append((name, module))
+            self._running[-1][0], self._running[-1][2] = name, module
 
     def reset(self):
         self.seconds.clear()
         self.spans.clear()
+        self.opened.clear()
 
 
 # The phases the schedules time, in a step's order (the writers report these).

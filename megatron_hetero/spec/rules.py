@@ -93,8 +93,8 @@ def encoder_cp_problem(encoder: ModuleLayout, tokens: int | None, sizes: str = "
     frames) into cp equal contiguous parts, its attention over all of them (`cp_replicated`: they
     replicate the item instead, Megatron's homogeneous layout under an LLM with CP). tokens: an
     item's tokens in the encoder; 0 for one that splits items of any size (a Qwen tower: by whole
-    merge blocks, unevenly); None for one that does not split its items (InternVL's tower); sizes:
-    the flags that set the tokens."""
+    merge blocks, unevenly; Qwen2.5-Omni's audio encoder: by rows); None for one that does not split
+    its items (InternVL's tower); sizes: the flags that set the tokens."""
     cp = encoder.sequence_cp
     if cp == 1 or tokens == 0:
         return None

@@ -10,7 +10,16 @@ each audio's tokens are averaged in pairs, normalized (`ln_post`) and projected 
 The front end and the head are replicated over TP (small); every rank of the TP group computes them
 alike.
 
-Output: rows [sum over audios of ((frames - 1) // 2 + 1 - 2) // 2 + 1, llm hidden], audio by audio.
+Context parallelism: the encoder's CP ranks split each audio by its rows, rank c holding rows
+[c*n//cp, (c+1)*n//cp) (the boundary's split of an item's rows) and so the two tokens each of them
+averages (an odd last token, which no row takes but its chunk attends to, with the last row's);
+every rank runs the front end on its audios' whole chunks (a few percent of the layers' work) and
+keeps its tokens; in the layers each chunk's local queries attend to all of the chunk's keys,
+gathered over the CP group (models/varlen.py: CPSplit), whichever ranks a chunk's tokens fall on:
+the same outputs as on one rank.
+
+Output: rows [sum over audios of ((frames - 1) // 2 + 1 - 2) // 2 + 1, llm hidden], audio by audio
+(with CP: this rank's rows of each audio).
 """
 
 from dataclasses import dataclass, fields
@@ -24,7 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.families.qwen2_5_vl.vision import vision_layer_spec
 from megatron_hetero.models.specs import block_spec
-from megatron_hetero.models.varlen import SegmentParams
+from megatron_hetero.models.varlen import CPSplit, SegmentParams, cp_owners
 from megatron_hetero.spec.sizes import TransformerArch
 
 
@@ -62,6 +71,17 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
+def audio_split(frames: torch.Tensor, group) -> CPSplit:
+    """This CP rank's part of packed audios of `frames` feature frames (the module docstring), one
+    token a unit, in the tokens' order."""
+    tokens = (frames - 1) // 2 + 1  # after the stride-2 convolution, the chunks back to back
+    rows = output_lengths(frames).clamp(min=1)  # an audio too short for a row still has a token
+    audio = torch.repeat_interleave(torch.arange(len(frames)), tokens)
+    within = torch.arange(int(tokens.sum())) - (tokens.cumsum(0) - tokens)[audio]
+    row = (rows.cumsum(0) - rows)[audio] + torch.minimum(within // 2, rows[audio] - 1)
+    return CPSplit.owned(cp_owners(rows, group.size())[row], None, 1, group)
+
+
 class OmniAudioEncoder(MegatronModule):
     """features [frames, mel bins] of audios with grids [n, 3] (1, 1, frames) -> rows [tokens, llm hidden]."""
 
@@ -71,6 +91,7 @@ class OmniAudioEncoder(MegatronModule):
                  pg_collection: ProcessGroupCollection):
         super().__init__(config=config)
         self.arch, hidden, dtype = arch, config.hidden_size, config.params_dtype
+        self.cp_group = pg_collection.cp  # its ranks split each audio (audio_split)
         self.conv1 = torch.nn.Conv1d(mel_bins, hidden, kernel_size=3, padding=1, dtype=dtype)
         self.conv2 = torch.nn.Conv1d(hidden, hidden, kernel_size=3, stride=2, padding=1, dtype=dtype)
         self.register_buffer("positions", sinusoids(arch.audio_max_source_positions, hidden), persistent=False)
@@ -91,8 +112,13 @@ class OmniAudioEncoder(MegatronModule):
         window = 2 * self.arch.audio_n_window
         chunks = [min(window, int(n) - at) for n in frames for at in range(0, int(n), window)]
         chunk_lengths = torch.tensor(chunks)
+        valid, pool, split = get_valid_indices(chunk_lengths), get_pool_indices(frames), None
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            split = audio_split(frames, self.cp_group)
+            mine = split.tokens(1)  # ascending: a row's two tokens are adjacent in it too
+            valid, pool = valid[mine], torch.searchsorted(mine, pool[split.local[pool]])
         segments, (valid, pool) = SegmentParams.of(get_audio_cu_seqlens(chunk_lengths), None, features.device,
-                                                   [get_valid_indices(chunk_lengths), get_pool_indices(frames)])
+                                                   [valid, pool], split)
         padded = torch.nn.utils.rnn.pad_sequence(features.split(chunks), batch_first=True).transpose(1, 2)
         mask = (torch.arange(padded.shape[2]) < chunk_lengths[:, None]).to(features.device, features.dtype)
         x = F.gelu(self.conv1(padded)) * mask[:, None]
