@@ -15,15 +15,16 @@
 # No run starts after BUDGET_S seconds from the start; each is killed after RUN_TIMEOUT.
 # Out ($OUT): hardware.txt, omni.jsonl, omni.log, table.md (the runs, then MFU, each module's FLOPs and
 # phases, and the order of the work).
-# Usage: [PART=1|2|both] [LAYERS1=N] [STEPS=10] [RUNS="layout:recompute ..."] [BUDGET_S=270] [PEAK=989]
+# Usage: [PART=1|2|both] [LAYERS1=N] [CARD=0 (part 1's)] [MEM80=1] [STEPS=10] [RUNS="layout:recompute ..."] [BUDGET_S=270] [PEAK=989]
 #        benchmarks/gpu_omni_run.sh
 set -uo pipefail
 start=$SECONDS
 source "$(dirname "$0")/gpu_env.sh"
 W=qwen2_5_omni_7b STEPS=${STEPS:-10} PART=${PART:-both}
 RUNS=${RUNS:-"gpu4_omni_colocated_vcp2dp2_atp2dp2_ltp2cp2sp:22 gpu4_omni_homogeneous_tp2dp2:full gpu4_omni_colocated_vdp4_adp4_ltp2dp2:full gpu4_omni_homogeneous_dp4:full"}
-recompute_flags() {  # full | N
+recompute_flags() {  # full | 0 | N
   case $1 in
+    0) echo "--use-distributed-optimizer" ;;
     full) echo "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform --recompute-num-layers 1" ;;
     *) echo "--use-distributed-optimizer --recompute-granularity full --recompute-method block --recompute-num-layers $1" ;;
   esac
@@ -33,7 +34,7 @@ bench() {  # gpus, layout, recompute, LLM layers, steps
   echo "== $(date +%T) $2: $1 GPU(s), LLM $4 layers, recompute $3" | tee -a "$out/omni.log"
   timeout -s KILL "${RUN_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$1" benchmarks/bench_e2e.py --workload $W \
     --llm-layers "$4" --global-batch 4 --micro-batch 1 --warmup 1 --steps "$5" --hetero-layout "examples/layouts/$2.yaml" \
-    --flags="$(recompute_flags "$3")" --peak "${PEAK:-989}" --out "$out/omni.jsonl" >> "$out/omni.log" 2>&1
+    --flags="$(recompute_flags "$3")" --peak "${PEAK:-989}" --out "$out/omni.jsonl" "${cap[@]}" >> "$out/omni.log" 2>&1
   local rc=$?
   [ $rc = 0 ] && { echo "ran in $((SECONDS - start)) s"; return 0; }
   echo "exit $rc: $(grep -E '^error|out of memory' "$out/omni.log" | tail -1 | cut -c1-300)"
@@ -49,15 +50,24 @@ planned_depth() {  # the deepest LLM the planner fits on one card of this GPU's 
   done
   echo 2
 }
+cap=()  # MEM80=1 on cards of more than 80 GB: an emulated 80 GB card (benchmarks/gpu4_headline_run.sh)
+if [ -n "${MEM80:-}" ] && python3 -c 'import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory <= 80 * 2**30)'; then
+  cap=(--gpu-memory-gib "${CAP_GIB:-76}")
+fi
 if [ "$PART" != 2 ]; then
   layers=${LAYERS1:-$(planned_depth)}
   echo "one GPU: LLM $layers of 28 layers"
   # one GPU, 3 timed steps: the phases' pass takes 3 more
-  until CUDA_VISIBLE_DEVICES=0 bench 1 single_omni full "$layers" 3; [ $? != 1 ] || [ "$layers" -le 1 ]; do
+  until CUDA_VISIBLE_DEVICES=${CARD:-0} bench 1 single_omni full "$layers" 3; [ $? != 1 ] || [ "$layers" -le 1 ]; do
     layers=$((layers / 2))
   done
 fi
 if [ "$PART" != 1 ]; then
-  for run in $RUNS; do bench 4 "${run%%:*}" "${run##*:}" 28 "$STEPS"; done
+  for run in $RUNS; do  # out of memory: again with 4 more recomputed layers, then all
+    layout=${run%%:*} recompute=${run##*:}
+    until bench 4 "$layout" "$recompute" 28 "$STEPS"; [ $? != 1 ] || [ "$recompute" = full ]; do
+      recompute=$((recompute + 4)); [ "$recompute" -ge 28 ] && recompute=full
+    done
+  done
 fi
 python3 benchmarks/bench_e2e.py --report "$out/omni.jsonl" --peak "${PEAK:-989}" > "$out/table.md" 2>&1; cat "$out/table.md"
