@@ -295,6 +295,29 @@ def test_fused_rope_is_upstreams_rope(dtype):
     assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(t, freqs), upstream(t, freqs))
 
 
+def test_rope_cos_sin_once_per_table():
+    """The queries and keys of every layer rotate by one table: its cos and sin are computed on the
+    first call and reused (each result still upstream's bit for bit); changed in place, they are
+    computed anew."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    apply()
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(24, 2, 4, 16, generator=gen) for _ in range(2))
+    freqs = torch.randn(24, 1, 1, 16, generator=gen) * 30
+    upstream = rope_utils._apply_rotary_pos_emb_bshd
+    while hasattr(upstream, "__wrapped__"):
+        upstream = upstream.__wrapped__
+    rotated = [rope_utils._apply_rotary_pos_emb_bshd(t, freqs) for t in (q, k)]
+    cached = freqs._hetero_cos_sin
+    assert all(torch.equal(got, upstream(t, freqs)) for got, t in zip(rotated, (q, k)))
+    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(q, freqs), rotated[0])
+    assert freqs._hetero_cos_sin is cached
+    freqs.mul_(0.5)
+    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(q, freqs), upstream(q, freqs))
+    assert freqs._hetero_cos_sin is not cached
+
+
 def _accumulate_in_linear_layers(rank, world_size):
     """Without apex, after apply(): megatron-core's linear layers take gradient_accumulation_fusion
     (Megatron's default flag survives validation) and accumulate each weight gradient into its
