@@ -101,10 +101,10 @@ def _nodes(roots, seen: set) -> list:
 
 
 @contextmanager
-def regions(counts: Counts, encoder, module):
-    """Forward regions by module hooks (`plan` by wrapping the family's grid_layout); each region's
-    outputs kept, so that after the forward its autograd nodes get prehooks that set the backward's
-    region (`tag_backward`)."""
+def regions(counts: Counts, layers, module=None):
+    """Forward regions by hooks on the `layers` (`plan` by wrapping `module`'s grid_layout, a
+    family's vision module); each region's outputs kept, so that after the forward its autograd
+    nodes get prehooks that set the backward's region (`tag_backward`)."""
     outputs = []
     handles = []
 
@@ -121,9 +121,14 @@ def regions(counts: Counts, encoder, module):
             counts.region = "step"
         return hook
 
-    for index, layer in enumerate(encoder.decoder.layers):
+    for index, layer in enumerate(layers):
         handles += [layer.register_forward_pre_hook(enter(f"layer {index}"), with_kwargs=True),
                     layer.register_forward_hook(leave(f"layer {index}"))]
+    if module is None:
+        yield outputs
+        for handle in handles:
+            handle.remove()
+        return
     original = module.grid_layout
 
     def planned(*args, **kwargs):
@@ -156,19 +161,24 @@ def tag_backward(counts: Counts, outputs, final: torch.Tensor) -> list:
     return handles
 
 
-def family_encoder(name: str, layers: int):
-    """(the family's vision tower at preset `name`'s widths and `layers` deep, its vision module,
-    its vision config)."""
+# The LLM's widths on the CPU (operators do not depend on them): head size 128, as the presets'.
+SMALL_TEXT = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=128, vocab_size=1024)
+
+
+def family_sizes(name: str, layers: int, small_text: bool = False):
+    """(the family, its ModelSizes at preset `name`'s widths with `layers` vision and LLM layers
+    (the LLM at SMALL_TEXT's widths where `small_text`), its vision config)."""
     from transformers import AutoConfig
 
     from megatron_hetero.families import family_named
-    from megatron_hetero.parallel.groups import build_module_groups
     from megatron_hetero.planner.families import FAMILY_BENCHES
-    from megatron_hetero.spec.layout import ModuleLayout
 
     bench = FAMILY_BENCHES[name]
     vision = dict(bench.config["vision_config"], depth=layers)
-    text = dict(bench.config["text_config"], num_hidden_layers=layers)
+    text = dict(bench.config["text_config"], num_hidden_layers=layers, **(SMALL_TEXT if small_text else {}))
+    if small_text:
+        vision["out_hidden_size"] = SMALL_TEXT["hidden_size"]
     if "fullatt_block_indexes" in vision:
         vision["fullatt_block_indexes"] = list(range(1, layers, 2))
     if "deepstack_visual_indexes" in vision:
@@ -176,10 +186,22 @@ def family_encoder(name: str, layers: int):
     family = family_named(bench.model_type)
     sizes = family.sizes(AutoConfig.for_model(bench.model_type, **{**bench.config, "vision_config": vision,
                                                                      "text_config": text}))
-    pgs = build_module_groups(ModuleLayout(f"count_{name}", "encoder")).pgs
-    encoder = family.build_vision(sizes, 1, pgs, torch.float32, whole=True)
-    module = sys.modules[type(encoder).__module__]
-    return encoder, module, vision
+    return family, sizes, vision
+
+
+def groups(name: str, role: str):
+    from megatron_hetero.parallel.groups import build_module_groups
+    from megatron_hetero.spec.layout import ModuleLayout
+
+    return build_module_groups(ModuleLayout(f"count_{name}_{role}", role)).pgs
+
+
+def family_encoder(name: str, layers: int):
+    """(the family's vision tower at preset `name`'s widths and `layers` deep, its vision module,
+    its vision config)."""
+    family, sizes, vision = family_sizes(name, layers)
+    encoder = family.build_vision(sizes, 1, groups(name, "encoder"), torch.float32, whole=True)
+    return encoder, sys.modules[type(encoder).__module__], vision
 
 
 def packed_batch(encoder, vision: dict, seed: int = 0):
@@ -196,18 +218,50 @@ def count(name: str, layers: int) -> dict:
     encoder, module, vision = family_encoder(name, layers)
     patches, grids = packed_batch(encoder, vision)
     encoder(patches, grids).sum().backward()  # first call: lazy initializations out of the counts
+    return counted(name, encoder.decoder.layers, lambda: encoder(patches, grids), module)
+
+
+def counted(name: str, layers, forward, module=None) -> dict:
+    """The counts of `forward`() and its backward over `layers`."""
     counts = Counts()
-    with regions(counts, encoder, module) as outputs, HostReads(counts), counts:
-        out = encoder(patches, grids)
+    with regions(counts, layers, module) as outputs, HostReads(counts), counts:
+        out = forward()
         handles = tag_backward(counts, outputs, out)
         counts.phase, counts.region = "backward", "step"
         out.backward(torch.ones_like(out))
     for handle in handles:
         handle.remove()
-    return summarize(name, counts, layers, encoder)
+    return summarize(name, counts, layers)
 
 
-def summarize(name: str, counts: Counts, layers: int, encoder) -> dict:
+def count_llm(name: str, layers: int, seq: int = 256) -> dict:
+    """The family's LLM (SMALL_TEXT's widths, `layers` deep) on one sequence of `seq` tokens with an
+    image's rows (16 x 16 patches; DeepStack blocks where the family has them) and M-RoPE positions,
+    forward to the per-token losses and backward, through models/vlm.llm_forward."""
+    from dataclasses import replace
+
+    from megatron_hetero.models.mrope import mrope_positions
+    from megatron_hetero.models.vlm import build_llm, llm_forward
+
+    family, sizes, vision = family_sizes(name, layers, small_text=True)
+    sizes = replace(sizes, seq_length=seq)
+    llm = build_llm(sizes, 1, groups(name, "llm"), torch.float32, whole=True)
+    g = torch.Generator().manual_seed(0)
+    start, grid, merge = 10, (1, 16, 16), vision["spatial_merge_size"]
+    ids, labels = (torch.randint(0, SMALL_TEXT["vocab_size"], (1, seq), generator=g) for _ in range(2))
+    positions = mrope_positions(seq, [start], [grid], merge)[:, None]  # [3, b, S]
+    n = grid[1] * grid[2] // merge**2
+    width = sizes.hidden_size * (1 + len(family.deepstack(sizes)))
+    rows = torch.randn(n, width, generator=g).requires_grad_()
+    at = torch.arange(start, start + n)  # rows of the [S * b, h] view, b = 1
+
+    def forward():
+        return llm_forward(llm, ids, positions, [(rows, at)], labels)
+    forward().sum().backward()  # first call: lazy initializations out of the counts
+    return counted(f"{name} LLM", llm.decoder.layers, forward)
+
+
+def summarize(name: str, counts: Counts, layers) -> dict:
     """By phase and region: kernel-like operators (not views), of which copies / syncs; host reads."""
     table = collections.defaultdict(collections.Counter)
     names = collections.defaultdict(collections.Counter)
@@ -222,9 +276,8 @@ def summarize(name: str, counts: Counts, layers: int, encoder) -> dict:
             **{k: kinds[k] for k in ("matmul", "copy", "elementwise", "sync", "host read", "view")},
             "ops": dict(names[(phase, region)].most_common()),
         }
-    windowed = [i for i, layer in enumerate(encoder.decoder.layers)
-                if getattr(layer.self_attention.core_attention, "windowed", False)]
-    return {"family": name, "layers": layers, "windowed_layers": windowed, "regions": rows}
+    windowed = [i for i, layer in enumerate(layers) if getattr(layer.self_attention.core_attention, "windowed", False)]
+    return {"family": name, "layers": len(layers), "windowed_layers": windowed, "regions": rows}
 
 
 def print_table(result: dict) -> None:
@@ -240,6 +293,7 @@ def main() -> int:
     parser.add_argument("--family", nargs="+", default=["qwen2_5_vl_7b", "qwen3_vl_8b"],
                         help="family presets (families/<name>/presets.json)")
     parser.add_argument("--layers", type=int, default=4, help="vision layers")
+    parser.add_argument("--llm", action="store_true", help="also count each family's LLM (count_llm)")
     parser.add_argument("--ops", action="store_true", help="also print each region's operators")
     parser.add_argument("--json", help="write the counts here")
     opts = parser.parse_args()
@@ -254,6 +308,7 @@ def main() -> int:
     init_distributed("gloo")
     init_outside_training(1234, tp_rank=0)
     results = [count(name, opts.layers) for name in opts.family]
+    results += [count_llm(name, opts.layers) for name in opts.family if opts.llm]
     for result in results:
         print_table(result)
         if opts.ops:

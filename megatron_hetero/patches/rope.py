@@ -40,7 +40,8 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def cached_cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos_sin(freqs, mscale, dtype), computed once per frequencies tensor (module docstring): kept
     on the tensor, by mscale, dtype and the tensor's version (an in-place change computes them anew)."""
-    if freqs.requires_grad or freqs.is_inference():  # a learnt table's stay in its graph; no version here
+    if (freqs.requires_grad or freqs.is_inference()  # a learnt table's stay in its graph; no version here
+            or (freqs.is_cuda and torch.cuda.is_current_stream_capturing())):  # a CUDA graph replays its own
         return cos_sin(freqs, mscale, dtype)
     key = (mscale, dtype, freqs._version)
     cached = getattr(freqs, "_hetero_cos_sin", None)
