@@ -1,7 +1,8 @@
 """Host work of the families' packed ViTs, counted on the CPU: the operators each layer dispatches
 (a proxy for GPU kernel launches) and the host synchronizations, forward and backward.
 
-    python benchmarks/count_vit_ops.py [--family qwen2_5_vl_7b qwen3_vl_8b] [--layers 4] [--json out.json]
+    python benchmarks/count_vit_ops.py [--family qwen2_5_vl_7b qwen3_vl_8b] [--layers 4] [--llm] [--ops]
+        [--json out.json]
 
 Builds each family's vision tower at its preset's widths (families/<name>/presets.json) with a
 shallow depth (Qwen2.5-VL: full attention in layers 1 and 3, windows in 0 and 2; Qwen3-VL: DeepStack
@@ -17,6 +18,9 @@ the device catches up: reads of a tensor's values into Python (`item`, `tolist`,
 `masked_select`, `repeat_interleave` of a tensor of repeats without its output size). In the
 `plan` region these read the host's own grids (no device is involved); elsewhere each is a
 synchronization on a GPU. Counts, not timings: the same on any host.
+
+--llm counts each family's LLM the same way (`count_llm`: its layers at a small width, an image's
+rows, M-RoPE positions and DeepStack blocks through models/vlm.llm_forward to the per-token losses).
 """
 
 import argparse
