@@ -69,11 +69,13 @@ CPU_TARGETS = [
     "torch.distributed.new_group",
     "torch.distributed.new_subgroups_by_enumeration",
 ]
-# Without apex (the module megatron-core imports for gradient-accumulation fusion, and its flags).
+# Without apex (the module megatron-core imports for gradient-accumulation fusion, and its flags; the
+# gradient norm's fallback, which Transformer Engine's kernel would also replace).
 NO_APEX_TARGETS = [
     "sys.modules['fused_weight_gradient_mlp_cuda']",
     "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
     "megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
+    "megatron.core.optimizer.clip_grads.l2_norm_impl",
 ]
 
 
@@ -316,6 +318,25 @@ def test_rope_cos_sin_once_per_table():
     freqs.mul_(0.5)
     assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(q, freqs), upstream(q, freqs))
     assert freqs._hetero_cos_sin is not cached
+
+
+def test_grad_norm_reads_nothing_on_the_host():
+    """Without TE and apex, clip_grads' gradient norm is upstream's bit for bit (fp32 and bf16
+    gradients), and reads no value on the host: it runs on meta tensors, where upstream's cannot."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    apply()
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = [torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 5), (7,), (64, 33), (1,))]
+        got = clip_grads.l2_norm_impl(0, None, [grads], False)
+        want = local_multi_tensor_l2_norm(0, None, [grads], False)
+        assert torch.equal(got[0], want[0]) and got[0].dtype == torch.float32 and got[1] is None
+    on_meta = [torch.empty(4, 3, device="meta"), torch.empty(5, device="meta")]
+    assert clip_grads.l2_norm_impl(0, None, [on_meta], False)[0].shape == (1,)
+    with pytest.raises(RuntimeError, match="item"):
+        local_multi_tensor_l2_norm(0, None, [on_meta], False)
 
 
 def _accumulate_in_linear_layers(rank, world_size):

@@ -46,6 +46,7 @@ from megatron_hetero.patches import (  # noqa: E402
     faults,
     fused_adam,
     grad_accum_fusion,
+    grad_norm,
     grad_sync,
     hetero_data,
     hetero_init,
@@ -82,6 +83,7 @@ def apply() -> None:
     layer_specs.apply()
     rope.apply()
     grad_accum_fusion.apply()
+    grad_norm.apply()
     fused_adam.apply()
 
 
