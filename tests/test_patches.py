@@ -8,7 +8,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from unittest import mock
 
 import megatron.core
 import pytest
@@ -70,14 +69,14 @@ CPU_TARGETS = [
     "torch.distributed.new_group",
     "torch.distributed.new_subgroups_by_enumeration",
 ]
-# Without apex (the module megatron-core imports for gradient-accumulation fusion, and its flags).
+# Without apex (the module megatron-core imports for gradient-accumulation fusion, and its flags; the
+# gradient norm's fallback, which Transformer Engine's kernel would also replace).
 NO_APEX_TARGETS = [
     "sys.modules['fused_weight_gradient_mlp_cuda']",
     "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
     "megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
+    "megatron.core.optimizer.clip_grads.l2_norm_impl",
 ]
-# Where megatron-core computes the gradient norm itself (neither apex nor TE installed).
-LOCAL_NORM_TARGETS = ["megatron.core.optimizer.clip_grads.l2_norm_impl"]
 
 
 def _expected() -> list[str]:
@@ -85,10 +84,7 @@ def _expected() -> list[str]:
     from megatron_hetero.patches import cpu
 
     cpu_targets = [*CPU_TARGETS, cpu.MODE] if not torch.cuda.is_available() else []
-    no_apex = importlib.util.find_spec("apex") is None
-    local_norm = no_apex and importlib.util.find_spec("transformer_engine") is None
-    return sorted(TARGETS + cpu_targets + (NO_APEX_TARGETS if no_apex else [])
-                  + (LOCAL_NORM_TARGETS if local_norm else []))
+    return sorted(TARGETS + cpu_targets + (NO_APEX_TARGETS if importlib.util.find_spec("apex") is None else []))
 
 
 def _wraps(function, original) -> bool:
@@ -153,7 +149,7 @@ def test_patch_table_lists_every_target():
     table = internals.split("| patch | upstream")[1].split("\n\n")[0]
     from megatron_hetero.patches import cpu
 
-    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS + LOCAL_NORM_TARGETS
+    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS
                if t.removeprefix("megatron.") not in table and t != cpu.MODE]
     assert not missing, f"the patch table in docs/developers/internals.md lacks {missing}"
 
@@ -327,6 +323,48 @@ def test_rope_is_fused_where_the_layers_policy_and_shape_allow(monkeypatch):
     assert not rope.fuses(config, 16, 16)
 
 
+def test_rope_cos_sin_once_per_table():
+    """The queries and keys of every layer rotate by one table: its cos and sin are computed on the
+    first call and reused (each result still upstream's bit for bit); changed in place, they are
+    computed anew."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    apply()
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(24, 2, 4, 16, generator=gen) for _ in range(2))
+    freqs = torch.randn(24, 1, 1, 16, generator=gen) * 30
+    upstream = rope_utils._apply_rotary_pos_emb_bshd
+    while hasattr(upstream, "__wrapped__"):
+        upstream = upstream.__wrapped__
+    rotated = [rope_utils._apply_rotary_pos_emb_bshd(t, freqs) for t in (q, k)]
+    cached = freqs._hetero_cos_sin
+    assert all(torch.equal(got, upstream(t, freqs)) for got, t in zip(rotated, (q, k)))
+    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(q, freqs), rotated[0])
+    assert freqs._hetero_cos_sin is cached
+    freqs.mul_(0.5)
+    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(q, freqs), upstream(q, freqs))
+    assert freqs._hetero_cos_sin is not cached
+
+
+def test_grad_norm_reads_nothing_on_the_host():
+    """Without TE and apex, clip_grads' gradient norm is upstream's bit for bit (fp32 and bf16
+    gradients), and reads no value on the host: it runs on meta tensors, where upstream's cannot."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    apply()
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = [torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 5), (7,), (64, 33), (1,))]
+        got = clip_grads.l2_norm_impl(0, None, [grads], False)
+        want = local_multi_tensor_l2_norm(0, None, [grads], False)
+        assert torch.equal(got[0], want[0]) and got[0].dtype == torch.float32 and got[1] is None
+    on_meta = [torch.empty(4, 3, device="meta"), torch.empty(5, device="meta")]
+    assert clip_grads.l2_norm_impl(0, None, [on_meta], False)[0].shape == (1,)
+    with pytest.raises(RuntimeError, match="item"):
+        local_multi_tensor_l2_norm(0, None, [on_meta], False)
+
+
 def _accumulate_in_linear_layers(rank, world_size):
     """Without apex, after apply(): megatron-core's linear layers take gradient_accumulation_fusion
     (Megatron's default flag survives validation) and accumulate each weight gradient into its
@@ -377,25 +415,6 @@ def _accumulate_in_linear_layers(rank, world_size):
 
 def test_gradient_accumulation_fusion_without_apex():
     run_distributed(_accumulate_in_linear_layers, 1)
-
-
-def test_grad_norm_stays_on_the_device(monkeypatch):
-    """The gradient norm megatron-core's clip_grads takes without apex/TE: upstream's value (each
-    tensor's norm a Python float, their norm on the host) from the foreach norms without leaving the
-    device, mixed dtypes and sizes; tensors where the patch does not act (CPU runs) go to upstream's."""
-    from megatron_hetero.patches import grad_norm
-
-    gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(shape, generator=gen) * scale for shape, scale in (((7, 5), 1.0), ((3,), 1e3), ((1,), 1e-4))]
-    tensors.append(torch.randn(4, 4, generator=gen).bfloat16())
-    want = torch.norm(torch.tensor([float(torch.norm(t)) for t in tensors]))  # utils.local_multi_tensor_l2_norm's
-    upstream = mock.Mock(return_value=("upstream's", None))
-    monkeypatch.setattr(grad_norm, "DEVICE_TYPES", ("cpu",))
-    norm, per_tensor = grad_norm._l2_norm(upstream)(2048 * 32, None, [tensors], False)
-    assert not upstream.called and per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
-    torch.testing.assert_close(norm[0], want, rtol=1e-6, atol=0)
-    monkeypatch.setattr(grad_norm, "DEVICE_TYPES", ("cuda",))
-    assert grad_norm._l2_norm(upstream)(2048 * 32, None, [tensors], False) == ("upstream's", None)
 
 
 def test_fused_adam(monkeypatch):

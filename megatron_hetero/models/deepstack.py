@@ -24,13 +24,22 @@ from megatron_hetero.models.mrope import interleaved_axes
 
 class InterleavedMRoPE(MultimodalRotaryEmbedding):
     """megatron-core's M-RoPE with Qwen3-VL's interleaved frequency sections (models/mrope.py:
-    interleaved_axes) in place of contiguous ones; the same arguments and output [S, b, 1, dim]."""
+    interleaved_axes) in place of contiguous ones; the same arguments and output [S, b, 1, dim]. The
+    sections are the model's (`mrope_section`, the config's): their frequencies' axes go to the device
+    once, here, not in every forward (a blocking copy from the host, which waits for the device)."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, mrope_section, **kwargs):
+        super().__init__(kv_channels, rotary_percent, **kwargs)
+        self.mrope_section = list(mrope_section)
+        self.axes = interleaved_axes(len(self.inv_freq), self.mrope_section).to(self.inv_freq.device)
 
     def forward(self, position_ids: torch.Tensor, mrope_section: list[int], cp_group=None) -> torch.Tensor:
+        if list(mrope_section) != self.mrope_section:
+            raise ValueError(f"M-RoPE sections {list(mrope_section)}: this embedding was built for "
+                             f"{self.mrope_section}")
         positions = position_ids.to(device=self.inv_freq.device, dtype=torch.float)  # [3, b, S]
         freqs = positions[..., None] * self.inv_freq  # [3, b, S, dim / 2]
-        axes = interleaved_axes(freqs.shape[-1], mrope_section).to(freqs.device)
-        freqs = freqs.gather(0, axes.expand(1, *freqs.shape[1:]))[0]
+        freqs = freqs.gather(0, self.axes.expand(1, *freqs.shape[1:]))[0]
         emb = torch.cat((freqs, freqs), dim=-1)[..., None, :].transpose(0, 1).contiguous()  # [S, b, 1, dim]
         cp_group = self.cp_group if cp_group is None else cp_group
         if cp_group is not None and cp_group.size() > 1:

@@ -276,6 +276,7 @@ class SegmentAttention(MegatronModule):
         plan = packed_seq_params.items
         if self.windowed and packed_seq_params.windows is not None:
             plan = packed_seq_params.windows
-        key, value = (packed_seq_params.gathered(t[:, 0]) for t in (key, value))
-        out = varlen_attention(query[:, 0], key, value, plan, self.kernel, self.softmax_scale)
+        # squeeze, not [:, 0]: a view both ways (indexing's backward fills zeros and copies, per tensor)
+        key, value = (packed_seq_params.gathered(t.squeeze(1)) for t in (key, value))
+        out = varlen_attention(query.squeeze(1), key, value, plan, self.kernel, self.softmax_scale)
         return out.flatten(1)[:, None]

@@ -153,7 +153,7 @@ def build_llm(
     )
     pad_vocab(llm, sizes.vocab_size, whole_rows, pgs.tp)
     if arch.mrope_interleaved:  # Qwen3-VL's frequency sections (models/deepstack.py)
-        llm.rotary_pos_emb = InterleavedMRoPE(config.kv_channels, 1.0, rotary_base=arch.rope_theta)
+        llm.rotary_pos_emb = InterleavedMRoPE(config.kv_channels, 1.0, arch.mrope_section, rotary_base=arch.rope_theta)
     if arch.mrope_section is not None:
         # M-RoPE takes the whole sequence's position ids [3, b, S] and keeps this rank's
         # load-balanced CP chunks: of the LLM's own cp group, not parallel_state's.

@@ -84,8 +84,8 @@ def apply() -> None:
     layer_specs.apply()
     rope.apply()
     grad_accum_fusion.apply()
-    fused_adam.apply()
     grad_norm.apply()
+    fused_adam.apply()
 
 
 __all__ = ["apply", "PatchError"]

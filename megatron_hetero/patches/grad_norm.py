@@ -1,33 +1,35 @@
-"""The gradient norm without a host wait per parameter where megatron-core computes it itself
-(megatron-core 0.19 `optimizer.clip_grads`: without Transformer Engine or apex its `l2_norm_impl` is
-`utils.local_multi_tensor_l2_norm`, which turns every parameter's norm into a Python float, one wait
-for the GPU each: 357 in one step of the Qwen2.5-VL-7B-shaped bench on an H200, in its profile's
-host_syncs). On GPUs each tensor's norm comes from torch's foreach kernel and their norm stays on the
-device: upstream's [1] float32 result, equal up to the fp32 rounding of the sum's order. CPU runs keep
-upstream's function (the tests' references), as do installs whose apex or TE kernel is the impl.
+"""The gradient norm without a host read per parameter (megatron-core 0.19 `optimizer.clip_grads`'s
+fallback without Transformer Engine or apex: `utils.local_multi_tensor_l2_norm`).
+
+Upstream computes each gradient's norm on the device, then gathers them into a host tensor
+(`torch.tensor` of device scalars): one read, and so one wait for the GPU, per parameter: 357 of the 383
+host synchronizations in a profiled Qwen2.5-VL-7B-shaped step on one H200 (docs/runs/families_h200/),
+the GPU idle between each. Here the norms are stacked and reduced on the device; clip_grads' own read
+of the total is the step's one. The same kernels on the same values: on CPUs the same norm bit for bit;
+on GPUs the last reduction (of one norm per parameter) runs on the device instead of the host.
 """
 
 import torch
 
 from megatron_hetero.patches._patch import replace
 
-DEVICE_TYPES = ("cuda",)  # where the norm stays on the device
-PARAMS = ("chunk_size", "noop_flag", "tensor_lists", "per_tensor")
+
+def l2_norm(tensor_lists) -> torch.Tensor:
+    """upstream's: the l2 norm of every tensor of `tensor_lists`, float32 [1] on their device, no value
+    read on the host."""
+    norms = torch.stack([torch.norm(t) for tensors in tensor_lists for t in tensors])
+    return torch.norm(norms).float().reshape(1)
 
 
-def _l2_norm(upstream):
-    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-        tensors = [t for tensor_list in tensor_lists for t in tensor_list]
-        if not tensors or any(t.device.type not in DEVICE_TYPES for t in tensors):
-            return upstream(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
-        norms = torch.stack([norm.float() for norm in torch._foreach_norm(tensors)])
-        return torch.linalg.vector_norm(norms).reshape(1), None  # upstream's per-tensor result is None too
-    return l2_norm
+def _on_device(original):
+    def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        return l2_norm(tensor_lists), None  # no per-tensor norms, as upstream
+    return local_multi_tensor_l2_norm
 
 
 def apply() -> None:
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        replace("megatron.core.optimizer.clip_grads.l2_norm_impl", _l2_norm, params=PARAMS)
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:  # neither TE's nor apex's kernel
+        replace("megatron.core.optimizer.clip_grads.l2_norm_impl", _on_device, params=("tensor_lists",))

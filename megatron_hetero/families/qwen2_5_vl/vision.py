@@ -156,7 +156,7 @@ class QwenVisionEncoder(MegatronModule):
         x = self.decoder(x[:, None], attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=layout.segments)
         # A merge block's tokens are adjacent: [tokens, 1, h] -> [blocks, 1, merge unit * h]
         rows = self.projector(x.unflatten(0, (-1, self.arch.merge_unit)).transpose(1, 2).flatten(2))
-        return permute(rows[:, 0], layout.unblocks, layout.blocks)
+        return permute(rows.squeeze(1), layout.unblocks, layout.blocks)
 
 
 def tower_configs(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype, whole: bool, merge_unit: int,

@@ -157,7 +157,7 @@ class Qwen3VisionEncoder(MegatronModule):
             if index in deep:
                 stacked.append(deep[index](self._blocks(x)))
         rows = self.projector(self._blocks(self.decoder.final_layernorm(x)))
-        return torch.cat([rows, *stacked], -1)[:, 0]
+        return torch.cat([rows, *stacked], -1).squeeze(1)
 
 
 def build_vision_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
