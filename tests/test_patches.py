@@ -327,22 +327,31 @@ def test_rope_cos_sin_once_per_table():
     """The queries and keys of every layer rotate by one table: its cos and sin are computed on the
     first call and reused (each result still upstream's bit for bit); changed in place, they are
     computed anew."""
+    from types import SimpleNamespace
+
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     apply()
     gen = torch.Generator().manual_seed(1)
     q, k = (torch.randn(24, 2, 4, 16, generator=gen) for _ in range(2))
     freqs = torch.randn(24, 1, 1, 16, generator=gen) * 30
-    upstream = rope_utils._apply_rotary_pos_emb_bshd
-    while hasattr(upstream, "__wrapped__"):
-        upstream = upstream.__wrapped__
-    rotated = [rope_utils._apply_rotary_pos_emb_bshd(t, freqs) for t in (q, k)]
+    config, group = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), SimpleNamespace()
+
+    def ours(t):
+        return attention.apply_rotary_pos_emb(t, freqs, config, cp_group=group)
+
+    def upstream(t):
+        return rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=group)
+
+    rotated = [ours(t) for t in (q, k)]
     cached = freqs._hetero_cos_sin
-    assert all(torch.equal(got, upstream(t, freqs)) for got, t in zip(rotated, (q, k)))
-    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(q, freqs), rotated[0])
+    assert all(torch.equal(got, upstream(t)) for got, t in zip(rotated, (q, k)))
+    assert torch.equal(ours(q), rotated[0])
     assert freqs._hetero_cos_sin is cached
     freqs.mul_(0.5)
-    assert torch.equal(rope_utils._apply_rotary_pos_emb_bshd(q, freqs), upstream(q, freqs))
+    assert torch.equal(ours(q), upstream(q))
     assert freqs._hetero_cos_sin is not cached
 
 
