@@ -289,3 +289,24 @@ def test_grouped_experts_under_expert_parallel(moe, tmp_path):
         per_sample, worst = _report(text)
         assert code == 0 and len(per_sample) == 5 and worst <= TOL, (name, text)
     assert len(ranks[0][0]) == len(names) and all(calls > 0 for _, calls in ranks)
+
+
+def _train_grouped(rank, world_size, argv):
+    """test_checkpoint's _train with the experts on grouped GEMMs (forced on CPUs)."""
+    import os
+
+    from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
+    from tests.test_checkpoint import _train
+
+    os.environ[EXPERTS_KERNEL_ENV] = "grouped"
+    _train(rank, world_size, argv)
+
+
+@pytest.mark.families
+def test_grouped_experts_train_under_expert_parallel(moe, monkeypatch):
+    """3 steps with the experts on grouped GEMMs under LLM EP2 equal one process's on SequentialMLP."""
+    import tests.test_qwen2_5_vl
+
+    reference = train(*moe, "reference_sequential", "single", 1)
+    monkeypatch.setattr(tests.test_qwen2_5_vl, "_train", _train_grouped)
+    assert_same_steps(reference, train(*moe, "lep2_grouped", "lep2", 2))

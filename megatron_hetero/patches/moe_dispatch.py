@@ -9,8 +9,20 @@ split of their tokens and a sort of the tokens by local expert, which with one r
 (a copy of every routed token into the same order, split by those host-side counts). Here the counts
 stay on the GPU and the identity sort returns its input: GroupedExperts (models/experts.py) reads
 the counts there; SequentialMLP's `tokens_per_expert.tolist()` waits for them at the experts instead
-(the same wait, later). With more ranks the all-to-all needs its split sizes on the host and
-upstream's path runs unchanged.
+(the same wait, later).
+
+The host waits that remain in an MoE layer (megatron-core 0.19, no Transformer Engine):
+- EP or expert TP over more than one rank: NCCL's all-to-all takes its split sizes from the host;
+  upstream copies them right after the router and waits once per layer's forward, before the
+  dispatch's all-to-all (the backward's all-to-alls reuse them); upstream's path runs unchanged;
+- token dropping or padding (--moe-expert-capacity-factor, padding for quantization): the permuted
+  length depends on the routing, a wait before the permutation;
+- --moe-token-dispatcher-type allgather: its counts `.cpu()` and `.item()` in every layer (alltoall,
+  the default here, has neither);
+- SequentialMLP's experts (off Hopper, or MEGATRON_HETERO_EXPERTS_KERNEL=sequential): `.tolist()`
+  of the counts where they are on the GPU.
+The router (top-k, the load-balancing and z-losses) has none; its losses reach the host once per
+step, for the log.
 """
 
 import torch
