@@ -11,9 +11,9 @@ gradient-accumulation fusion does in training) of SequentialMLP and of GroupedEx
 SequentialMLP in fp32 on the same weights, as max |diff| / max |ref|; both paths' forward and
 forward+backward ms (CUDA events). Then the whole MoE layer (router, all-to-all dispatcher, experts)
 forward and backward under torch.cuda.set_sync_debug_mode: the synchronizing calls counted, with each
-experts kind, with and without patches/moe_dispatch.py. A grouped error above TOLERANCE or a host sync
-in the grouped layer with the patch: FAIL, exit 1. Records (one JSON object per line) go to
-DIR/experts_check.jsonl; DIR defaults to $OUT or out/.
+experts kind, with and without patches/moe_dispatch.py. A grouped error above TOLERANCE, or in the
+grouped layer with the patch a sync or no fewer waits than without it: FAIL, exit 1. Records (one
+JSON object per line) go to DIR/experts_check.jsonl; DIR defaults to $OUT or out/.
 """
 
 import argparse
@@ -33,6 +33,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 TOLERANCE = 0.02  # SequentialMLP's own bf16 error against fp32 is ~0.005-0.01
 GRADS = ("out", "dx", "dprobs", "dw1", "dw2")
+DEVICE = "cuda"  # the CPU runs its correctness part for a smoke check of the tool
 
 
 class Case(NamedTuple):
@@ -59,7 +60,8 @@ def _config(case: Case, dtype):
                              moe_ffn_hidden_size=case.ffn, moe_router_topk=case.topk, gated_linear_unit=True,
                              activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=True,
                              params_dtype=dtype, bf16=dtype == torch.bfloat16, gradient_accumulation_fusion=True,
-                             moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01)
+                             moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01,
+                             use_cpu_initialization=True)  # no model-parallel RNG tracker here
 
 
 def _pgs():
@@ -75,7 +77,7 @@ def _experts(cls, case: Case, dtype):
 
     torch.manual_seed(0)
     submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    experts = cls(case.experts, _config(case, dtype), submodules, pg_collection=_pgs()).cuda()
+    experts = cls(case.experts, _config(case, dtype), submodules, pg_collection=_pgs()).to(DEVICE)
     for weight in experts.parameters():
         weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
     return experts
@@ -84,13 +86,13 @@ def _experts(cls, case: Case, dtype):
 def inputs(case: Case, seed: int = 0):
     """Permuted tokens, the counts per expert (top-k of random logits; experts 0 and 5 get none),
     their probabilities and the output's gradient."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(case.tokens, case.experts, device="cuda", generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    logits = torch.randn(case.tokens, case.experts, device=DEVICE, generator=g)
     logits[:, [0, 5]] = -float("inf")
     counts = torch.bincount(logits.topk(case.topk).indices.flatten(), minlength=case.experts)
     rows = case.tokens * case.topk
-    return (torch.randn(rows, case.hidden, device="cuda", generator=g), counts,
-            torch.rand(rows, device="cuda", generator=g), torch.randn(rows, case.hidden, device="cuda", generator=g))
+    return (torch.randn(rows, case.hidden, device=DEVICE, generator=g), counts,
+            torch.rand(rows, device=DEVICE, generator=g), torch.randn(rows, case.hidden, device=DEVICE, generator=g))
 
 
 def _grads(experts, case: Case, dtype) -> list[torch.Tensor]:
@@ -135,10 +137,10 @@ def host_syncs(kind: str, case: Case) -> tuple[int, int]:
     mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     config = _config(case._replace(experts=128, ffn=768), torch.bfloat16)
     submodules = MoESubmodules(experts=functools.partial(GroupedExperts, submodules=mlp), router=TopKRouter)
-    layer = MoELayer(config, submodules, layer_number=1, pg_collection=_pgs()).cuda().bfloat16()
+    layer = MoELayer(config, submodules, layer_number=1, pg_collection=_pgs()).to(DEVICE).bfloat16()
     for weight in layer.parameters():
         weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
-    x = torch.randn(case.tokens, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(case.tokens, 1, config.hidden_size, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     layer(x)[0].sum().backward()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -178,7 +180,8 @@ def sync_record(case: Case) -> dict:
             name = f"{kind}{'_patched' if patched else ''}"
             record[f"{name}_syncs"], record[f"{name}_waits"] = host_syncs(kind, case)
     _patch.undo()
-    record["ok"] = record["grouped_patched_syncs"] == record["grouped_patched_waits"] == 0
+    # The profiler may add waits of its own: the patch must take upstream's away.
+    record["ok"] = record["grouped_patched_syncs"] == 0 and record["grouped_patched_waits"] < record["grouped_waits"]
     return record
 
 
