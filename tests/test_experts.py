@@ -195,3 +195,32 @@ def test_dispatcher_keeps_counts_on_the_device_with_one_rank_dropless():
     assert out is x and out_probs is probs
     out, out_probs = sort(x, torch.tensor([2, 1, 3]), torch.tensor([2, 0, 1]), probs)
     assert out.flatten().tolist() == [3, 4, 5, 0, 1, 2] and out_probs.tolist() == [3, 4, 5, 0, 1, 2]
+
+
+# ---- the GPU check's judging (tools/gpu_experts_check.py, its correctness part on the CPU) ---------
+def test_gpu_check_passes_grouped_experts_and_fails_a_wrong_gradient(monkeypatch):
+    """The check's errors against fp32 (bf16 on torch's CPU grouped GEMM here) pass the grouped
+    experts and fail them with fc2's weight gradients of the wrong expert."""
+    import gpu_experts_check as check
+
+    from megatron_hetero.models import experts
+
+    def accumulate(total_input, grad_output, main_grad):  # megatron's fusion in fp32, as on GPUs
+        main_grad.add_(grad_output.t().float() @ total_input.float())
+
+    monkeypatch.setattr(check, "DEVICE", "cpu")
+    monkeypatch.setattr(tp_layers, "fused_weight_gradient_mlp_cuda",
+                        types.SimpleNamespace(wgrad_gemm_accum_fp32=accumulate), raising=False)
+    monkeypatch.setattr(tp_layers, "_grad_accum_fusion_available", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setenv(EXPERTS_KERNEL_ENV, GROUPED)
+    case = check.Case("tiny", 64, len(COUNTS), FFN, hidden=HIDDEN, topk=2)
+    assert check.measure(case, iters=0)["ok"]
+    grouped_mm = experts.grouped_mm
+
+    def rolled(a, b, ends):  # each expert's weight gradient given to the next expert
+        out = grouped_mm(a, b, ends)
+        return out.roll(1, 0) if b.dim() == 2 and a.shape[0] == HIDDEN else out
+    monkeypatch.setattr(experts, "grouped_mm", rolled)
+    record = check.measure(case, iters=0)
+    assert not record["ok"] and record["grouped_dw2_err"] > check.TOLERANCE >= record["sequential_dw2_err"]
