@@ -34,6 +34,7 @@ from megatron_hetero.models.experts import (
     SEQUENTIAL,
     ExpertsChoice,
     GroupedExperts,
+    aligned,
     choose_experts,
     experts_mode,
     experts_summary,
@@ -159,6 +160,15 @@ def test_which_experts_run_grouped(monkeypatch):
     assert experts_mode({}) == "auto"
     with pytest.raises(KernelModeError, match=f"{EXPERTS_KERNEL_ENV}=torch: use one of auto, grouped, sequential"):
         experts_mode({EXPERTS_KERNEL_ENV: "torch"})
+
+
+def test_alignment_of_the_grouped_operands():
+    """The weight-gradient GEMM's transposed operand is aligned by its rows' width, not by the token
+    count (an odd count of tokens takes the grouped GEMM); a 12-element width is not."""
+    tokens, w = torch.empty(1001, 2048), torch.empty(6, 1536, 2048)
+    dy = torch.empty(1001, 1536)
+    assert aligned(tokens, w.transpose(1, 2), dy, w, dy.t())
+    assert not aligned(torch.empty(1001, 12)) and not aligned(torch.empty(1001, 12).t())
 
 
 def test_cpu_runs_sequential_under_auto(monkeypatch):

@@ -38,6 +38,7 @@ from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV, EXPERTS_MOD
 from megatron_hetero.models.mlp_kernels import main_grad_placeholder
 
 GROUPED, SEQUENTIAL = "grouped", "sequential"
+HAVE_GROUPED_MM = hasattr(torch, "_grouped_mm")  # torch 2.8 and later
 # Hopper (sm90): where auto runs torch's grouped GEMM. On sm100 it has given experts without tokens
 # nonzero weight gradients (pytorch/pytorch#172439).
 GROUPED_ARCH_MAJOR = 9
@@ -87,6 +88,8 @@ def choose_experts(mode: str, config, num_local_experts: int, widths: tuple[int,
         return ExpertsChoice(SEQUENTIAL, problem) if problem else ExpertsChoice(GROUPED)
     if device.capability is None:
         return ExpertsChoice(SEQUENTIAL, "no GPU")
+    if not HAVE_GROUPED_MM:
+        return ExpertsChoice(SEQUENTIAL, f"torch {torch.__version__} has no grouped GEMM")
     if device.capability[0] != GROUPED_ARCH_MAJOR:
         return ExpertsChoice(SEQUENTIAL, f"torch's grouped GEMM is checked on sm90 GPUs, not {device.name}")
     if config.params_dtype != torch.bfloat16:
@@ -96,11 +99,19 @@ def choose_experts(mode: str, config, num_local_experts: int, widths: tuple[int,
     return ExpertsChoice(GROUPED)
 
 
+def aligned(*operands: torch.Tensor) -> bool:
+    """Whether each 2-byte operand's rows (or columns, transposed: the larger of its last two strides)
+    start 16 bytes apart, as torch's CUDA grouped GEMM requires."""
+    return all(max(t.stride()[-2:]) % ALIGNMENT == 0 for t in operands)
+
+
 def grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes a @ b here: CUDA in bf16 with 16-byte-aligned rows, CPUs in
+    """Whether torch's grouped GEMM takes a @ b here: CUDA in bf16 on aligned operands, CPUs in
     float32 / bf16; otherwise grouped_mm loops over the groups."""
+    if not HAVE_GROUPED_MM or a.dtype != b.dtype:
+        return False
     if a.is_cuda:
-        return a.dtype == torch.bfloat16 and a.shape[-1] % ALIGNMENT == 0 and b.shape[-1] % ALIGNMENT == 0
+        return a.dtype == torch.bfloat16 and aligned(a, b)
     return a.dtype in (torch.float32, torch.bfloat16)
 
 
