@@ -38,6 +38,7 @@ from megatron_hetero.models.experts import (
     choose_experts,
     experts_mode,
     experts_summary,
+    stacked,
 )
 from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV, KernelModeError, build
 from megatron_hetero.patches import moe_dispatch
@@ -107,6 +108,25 @@ def test_grouped_equals_sequential(monkeypatch, dtype, tolerance, fused_swiglu):
     got, want = _run(grouped, dtype), _run(_experts(SequentialMLP, config), dtype)
     _assert_same(got, want, tolerance)
     assert not got[3]["local_experts.1.linear_fc1.weight"].any()
+
+
+def test_packed_weights_are_read_without_a_copy(monkeypatch):
+    """The grouped experts' weights are views of one tensor per linear, again after a cast; where they
+    are apart (as megatron's distributed optimizer places them) the stacked copy gives the same
+    numbers."""
+    monkeypatch.setenv(EXPERTS_KERNEL_ENV, GROUPED)
+    grouped = _experts(GroupedExperts, _config(torch.float32)).double()
+    for name in ("linear_fc1", "linear_fc2"):
+        weights = [getattr(expert, name).weight for expert in grouped.local_experts]
+        assert weights[0].dtype == torch.float64 and stacked(weights).data_ptr() == weights[0].data_ptr()
+    want = _run(_experts(SequentialMLP, _config(torch.float64)), torch.float64)
+    _assert_same(_run(grouped, torch.float64), want, 0.0)
+    for expert in grouped.local_experts:  # apart: each in its own tensor
+        expert.linear_fc1.weight.data = expert.linear_fc1.weight.data.clone()
+        expert.linear_fc1.weight.grad = expert.linear_fc2.weight.grad = None
+    weights = [expert.linear_fc1.weight for expert in grouped.local_experts]
+    assert stacked(weights).data_ptr() != weights[0].data_ptr()
+    _assert_same(_run(grouped, torch.float64), want, 0.0)
 
 
 def test_no_tokens_at_all(monkeypatch):

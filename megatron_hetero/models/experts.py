@@ -12,9 +12,12 @@ bias_activation_fusion, else the same elementwise operations), fc2; and the same
 expert's weight gradient, added to main_grad under gradient-accumulation fusion as megatron's linears
 do (computed in bf16 by the grouped GEMM, then added in main_grad's dtype, as without the fusion).
 
-The stacked weights [experts, out, in] are a copy of the per-expert parameters, made in the forward
-and again in the backward rather than kept between them (kept, they would hold another copy of
-every layer's experts until its backward).
+The grouped GEMMs read each linear's weights as one [experts, out, in] tensor: the per-expert
+parameters are views of one such tensor (GroupedExperts.pack, again after every move or cast of the
+module), read without a copy. Where something else has placed them apart (megatron's distributed
+optimizer puts every parameter into its own buffer), the forward and the backward each stack them:
+a copy of the layer's expert weights each (not kept between the two: at full depth that would be
+another copy of every layer's experts until its backward).
 
 Where (the kernel policy's `experts`, MEGATRON_HETERO_EXPERTS_KERNEL): auto runs grouped on Hopper
 GPUs (sm90) in bf16 with hidden and per-rank ffn widths that are multiples of 8 (torch's grouped
@@ -131,11 +134,23 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return torch.stack([a[:, span].matmul(b[span]) for span in spans])
 
 
+def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' weights as one [experts, out, in] tensor: a view where they are consecutive slices
+    of one (GroupedExperts.pack), else a stacked copy."""
+    first = weights[0]
+    size = first.numel()
+    storage = first.untyped_storage().data_ptr()
+    if all(w.shape == first.shape and w.is_contiguous() and w.untyped_storage().data_ptr() == storage
+           and w.storage_offset() == first.storage_offset() + e * size for e, w in enumerate(weights)):
+        return first.detach().as_strided((len(weights), *first.shape), (size, first.shape[1], 1))
+    return torch.stack(weights)
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y = x_g @ w_g^T for each local expert g's tokens (consecutive rows of x, ending at ends[g]).
 
-    forward: the weights stacked [experts, out, in] and one grouped GEMM;
-    backward: dx = dy_g @ w_g (the weights stacked again) and dw_g = dy_g^T @ x_g, one grouped GEMM
+    forward: the weights as one [experts, out, in] tensor (`stacked`) and one grouped GEMM;
+    backward: dx = dy_g @ w_g (the weights so again) and dw_g = dy_g^T @ x_g, one grouped GEMM
     each; dw into each weight's main_grad under gradient-accumulation fusion (a placeholder returned
     where megatron's DDP expects one), else returned per expert."""
 
@@ -143,13 +158,13 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, ends, accumulation_fusion, *weights):
         ctx.save_for_backward(x, ends, *weights)
         ctx.accumulation_fusion = accumulation_fusion
-        return grouped_mm(x, torch.stack(weights).transpose(1, 2), ends)
+        return grouped_mm(x, stacked(weights).transpose(1, 2), ends)
 
     @staticmethod
     def backward(ctx, dy):
         x, ends, *weights = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = grouped_mm(dy, torch.stack(weights), ends) if ctx.needs_input_grad[0] else None
+        dx = grouped_mm(dy, stacked(weights), ends) if ctx.needs_input_grad[0] else None
         if not any(ctx.needs_input_grad[3:]):
             return dx, None, None, *(None for _ in weights)
         dw = grouped_mm(dy.t(), x, ends).unbind(0)
@@ -177,6 +192,23 @@ class GroupedExperts(SequentialMLP):
         fc1 = self.local_experts[0].linear_fc1.weight
         self.choice = choose_experts(experts_mode(), self.config, num_local_experts, (*fc1.shape, fc1.shape[0] // 2),
                                      current_device())
+        self.pack()
+
+    def pack(self) -> None:
+        """Each linear's expert weights as views of one [experts, out, in] tensor (where the grouped
+        GEMMs run): the same parameters, values and names."""
+        if getattr(self, "choice", None) != ExpertsChoice(GROUPED):  # (a move before __init__ has chosen)
+            return
+        for name in ("linear_fc1", "linear_fc2"):
+            weights = [getattr(expert, name).weight for expert in self.local_experts]
+            for weight, view in zip(weights, torch.stack([w.data for w in weights])):
+                weight.data = view
+
+    def _apply(self, fn, *args, **kwargs):
+        # A move or cast (module.cuda(), Float16Module's bfloat16()) gives each parameter new data.
+        super()._apply(fn, *args, **kwargs)
+        self.pack()
+        return self
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
