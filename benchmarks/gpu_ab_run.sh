@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
-# A/B of two checkouts on one card: bench_e2e of each workload under the one-GPU layout, A (the
-# baseline checkout BASE_REV, benchmarks/gpu_env.sh's baseline_checkout) and B (this one) alternating
-# A B A B on card $CARD (default 0), then the medians (benchmarks/ab_summary.py) and one profiled step of B.
+# A/B on one card: bench_e2e of each workload under the one-GPU layout, A and B alternating A B A B on
+# card $CARD (default 0), then the medians (benchmarks/ab_summary.py) and one profiled step of B. A is the
+# baseline checkout BASE_REV (benchmarks/gpu_env.sh's baseline_checkout), or this one where BASE_REV is
+# unset; B is this checkout; A_ENV / B_ENV: environment assignments for each arm's runs (kernel policy
+# overrides, models/kernel_policy.py), e.g. the MoE's experts on SequentialMLP against grouped GEMMs:
+#   A_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=sequential B_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=grouped \
+#   WORKLOADS="qwen3_vl_30b_a3b qwen3_vl_4b" benchmarks/gpu_ab_run.sh
 # Out ($OUT): hardware.txt, A.jsonl, B.jsonl, ab.log, summary.md, profile_B_<workload>.md.
-# Usage: BASE_REV=REV [CARD=0] [BASE_DIR=.base] [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=200]
-#        [BUDGET_S=480] [FA4_SITE=DIR] benchmarks/gpu_ab_run.sh
+# Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0]
+#        [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=200] [BUDGET_S=480] [FA4_SITE=DIR]
+#        benchmarks/gpu_ab_run.sh
 set -uo pipefail
 start=$SECONDS
+if [ -z "${BASE_REV:-}${A_ENV:-}${B_ENV:-}" ]; then
+  echo "error: name the baseline revision (BASE_REV) or the arms' environments (A_ENV, B_ENV)"; exit 2
+fi
 source "$(dirname "$0")/gpu_env.sh"
-baseline_checkout "${BASE_REV:?name the baseline revision}" || exit 2
+if [ -n "${BASE_REV:-}" ]; then baseline_checkout "$BASE_REV" || exit 2; fi
 out=$(realpath "$out")
 e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   if [ $((SECONDS - start)) -gt "${BUDGET_S:-480}" ]; then echo "$1 $2: skipped (time)"; return; fi
-  local dir=$PWD path=$PYTHONPATH
-  [ "$1" = A ] && dir=$base path=$BASE_PATH
+  local dir=$PWD path=$PYTHONPATH arm_env=${B_ENV:-}
+  if [ "$1" = A ]; then
+    arm_env=${A_ENV:-}
+    if [ -n "${BASE_REV:-}" ]; then dir=$base path=$BASE_PATH; fi
+  fi
   local bench=benchmarks/bench_e2e.py  # tools/ in trees older than the benchmarks/ folder
   [ -f "$dir/$bench" ] || bench=tools/bench_e2e.py
-  echo "== $(date +%T) $1 $2" >> "$out/ab.log"
-  (cd "$dir" && CUDA_VISIBLE_DEVICES=${CARD:-0} PYTHONPATH=$path timeout "${RUN_S:-200}" torchrun --standalone --nproc-per-node 1 \
-    "$bench" --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
+  echo "== $(date +%T) $1 $2 ${arm_env}" >> "$out/ab.log"
+  # shellcheck disable=SC2086  # the arm's assignments, one word each
+  (cd "$dir" && env $arm_env CUDA_VISIBLE_DEVICES=${CARD:-0} PYTHONPATH=$path timeout "${RUN_S:-200}" torchrun --standalone \
+    --nproc-per-node 1 "$bench" --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
     --warmup 2 --steps "${STEPS:-5}" --out "$out/$1.jsonl" "${@:3}") >> "$out/ab.log" 2>&1
   echo "$1 $2: exit $? at $((SECONDS - start)) s"
 }
@@ -30,6 +42,6 @@ for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
     e2e B "$w" "${extra[@]}"
   done
 done
-grep -E "^(attention|mlp|norms):|^error|out of memory" "$out/ab.log" | sort | uniq -c | head -12
+grep -E "^(attention|mlp|norms|experts):|^error|out of memory" "$out/ab.log" | sort | uniq -c | head -12
 python3 benchmarks/ab_summary.py A="$out/A.jsonl" B="$out/B.jsonl" | tee "$out/summary.md"
 echo "done at $((SECONDS - start)) s"

@@ -2,8 +2,9 @@
 built offline (tests/qwen3_vl_models.py: two DeepStack blocks into LLM layers 0 and 1): our forward
 equals transformers' (logits within 1e-4 fp32, `hf compare`) on one process and under vision DP2,
 LLM TP2 with SP, LLM PP2 (the second DeepStack block's rows cross the stage boundary), LLM CP2,
-non-colocated and, for the MoE model, LLM EP2; import -> export is bit-identical (the MoE experts in
-transformers' fused layout and in the Hub's transposed one) and the export loads in transformers;
+non-colocated and, for the MoE model, LLM EP2 (its experts on SequentialMLP and on grouped GEMMs, these
+under expert TP2 too); import -> export is bit-identical (the MoE experts in transformers' fused
+layout and in the Hub's transposed one) and the export loads in transformers;
 3 training steps under LLM PP2 equal one process's (1e-4). The rest of the training matrix, at micro
 batch 2 and 1, runs under `make test-families` (pytest -m families). The data are Qwen2.5-VL's (its
 tests check them against transformers' processor; Qwen3-VL uses the same processor and get_rope_index
@@ -262,3 +263,50 @@ def test_training_refusals(dense, tmp_path, layout_text, flags, expected):
     result = _run(["--hetero-layout", "layout.yaml", *_train_flags(tmp, data), *flags], tmp_path, layout_text)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert expected in result.stderr.strip().splitlines()[-1], result.stderr[-500:]
+
+
+def _grouped_compare_worker(rank, world_size, tmp, data, names):
+    """_compare_worker with the experts on grouped GEMMs (forced on CPUs), counting their grouped calls."""
+    import os
+
+    from megatron_hetero.models import experts
+    from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
+
+    os.environ[EXPERTS_KERNEL_ENV] = "grouped"
+    calls, apply = [], experts._GroupedLinear.apply
+    experts._GroupedLinear.apply = lambda *args: (calls.append(1), apply(*args))[1]
+    return _compare_worker(rank, world_size, tmp, data, names), len(calls)
+
+
+def test_grouped_experts_under_expert_parallel(moe, tmp_path):
+    """The MoE model's experts on grouped GEMMs (models/experts.py) under LLM EP2, LLM TP2 with SP
+    (expert TP2: each expert's ffn split) and LLM PP2: transformers' logits within 1e-4, and the
+    grouped GEMMs ran on every rank."""
+    tmp, data = moe
+    names = ["lep2", "vdp2_ltp2sp", "lpp2"]
+    ranks = collect_distributed(_grouped_compare_worker, 2, tmp_path, str(tmp), str(data), names)
+    for name, (code, text) in ranks[0][0].items():
+        per_sample, worst = _report(text)
+        assert code == 0 and len(per_sample) == 5 and worst <= TOL, (name, text)
+    assert len(ranks[0][0]) == len(names) and all(calls > 0 for _, calls in ranks)
+
+
+def _train_grouped(rank, world_size, argv):
+    """test_checkpoint's _train with the experts on grouped GEMMs (forced on CPUs)."""
+    import os
+
+    from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
+    from tests.test_checkpoint import _train
+
+    os.environ[EXPERTS_KERNEL_ENV] = "grouped"
+    _train(rank, world_size, argv)
+
+
+@pytest.mark.families
+def test_grouped_experts_train_under_expert_parallel(moe, monkeypatch):
+    """3 steps with the experts on grouped GEMMs under LLM EP2 equal one process's on SequentialMLP."""
+    import tests.test_qwen2_5_vl
+
+    reference = train(*moe, "reference_sequential", "single", 1)
+    monkeypatch.setattr(tests.test_qwen2_5_vl, "_train", _train_grouped)
+    assert_same_steps(reference, train(*moe, "lep2_grouped", "lep2", 2))

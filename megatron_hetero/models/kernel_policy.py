@@ -8,6 +8,8 @@ of its config (`of(config)`). Per call the layers still decide by shape and devi
 
 Overrides (environment variables):
 - MEGATRON_HETERO_NORM_KERNEL, MEGATRON_HETERO_MLP_KERNEL: auto (default), torch or quack;
+- MEGATRON_HETERO_EXPERTS_KERNEL: auto (default), grouped or sequential: an MoE layer's experts on
+  grouped GEMMs or megatron-core's SequentialMLP loop (models/experts.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
   `megatron-hetero kernels check attention`, added to the table;
 - MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1: this GPU passed `megatron-hetero kernels check cp-chunks`;
@@ -35,10 +37,12 @@ HAVE_TE = imports("transformer_engine")
 
 NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
 MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
+EXPERTS_KERNEL_ENV = "MEGATRON_HETERO_EXPERTS_KERNEL"
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
 KERNEL_MODES = ("auto", "torch", "quack")
+EXPERTS_MODES = ("auto", "grouped", "sequential")
 
 
 class KernelPolicyError(ValueError):
@@ -111,11 +115,11 @@ def backend_mode(attention_backend) -> str:
     return {"auto": "auto", "flash": "flash"}.get(name, "sdpa")
 
 
-def kernel_mode(env: str, environ=os.environ) -> str:
-    """The variable `env`'s value ("auto" where unset); KernelModeError for another."""
+def kernel_mode(env: str, environ=os.environ, modes: tuple[str, ...] = KERNEL_MODES) -> str:
+    """The variable `env`'s value ("auto" where unset); KernelModeError for one not in `modes`."""
     mode = environ.get(env, "auto") or "auto"
-    if mode not in KERNEL_MODES:
-        raise KernelModeError(f"{env}={mode}: use one of {', '.join(KERNEL_MODES)}")
+    if mode not in modes:
+        raise KernelModeError(f"{env}={mode}: use one of {', '.join(modes)}")
     return mode
 
 
@@ -140,7 +144,8 @@ class KernelPolicy:
     """attention: backend_mode of --attention-backend; flash_attention_version: Megatron's flag (FA4
     only where None or 4); transformer_impl: Megatron's flag (local: no Transformer Engine layers
     even where it imports); norm, mlp: KERNEL_MODES; fa4_head_dims: head dims added to CHECKED_HEAD_DIMS;
-    cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE."""
+    cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
+    EXPERTS_MODES."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -150,6 +155,7 @@ class KernelPolicy:
     fa4_head_dims: tuple[int, ...] = ()
     cudnn_merge: bool = False
     eager_rope: bool = False
+    experts: str = "auto"
 
     @property
     def te(self) -> bool:
@@ -158,10 +164,11 @@ class KernelPolicy:
 
     def __str__(self) -> str:
         return (f"attention {self.attention}, norms {self.norm}, MLPs {self.mlp}, "
-                f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}")
+                f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
+                f"experts {self.experts}")
 
 
-OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV)
+OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV)
 
 
 @functools.lru_cache(maxsize=64)
@@ -171,7 +178,8 @@ def _policy(attention_backend, flash_attention_version, transformer_impl, overri
     return KernelPolicy(backend_mode(attention_backend), flash_attention_version,
                         transformer_impl, kernel_mode(NORM_KERNEL_ENV, environ),
                         kernel_mode(MLP_KERNEL_ENV, environ), extra_head_dims(environ),
-                        _flag(environ, CUDNN_MERGE_ENV), _flag(environ, EAGER_ROPE_ENV))
+                        _flag(environ, CUDNN_MERGE_ENV), _flag(environ, EAGER_ROPE_ENV),
+                        experts=kernel_mode(EXPERTS_KERNEL_ENV, environ, EXPERTS_MODES))
 
 
 def of(config, environ=os.environ) -> KernelPolicy:

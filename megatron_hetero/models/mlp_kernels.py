@@ -131,12 +131,18 @@ def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: to
     kernels = tp_layers.fused_weight_gradient_mlp_cuda
     accumulate = kernels.wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else kernels.wgrad_gemm_accum_fp16
     accumulate(total_input, grad_output, main_grad)
+    return main_grad_placeholder(weight, total_input.dtype, total_input.device)
+
+
+def main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """What a linear layer returns as `weight`'s gradient once it has added it to weight.main_grad
+    itself: a placeholder where megatron's DDP expects one (grad_added_to_main_grad), else None."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
     # A placeholder keeps DDP's hooks on the main backward thread (megatron-core's linear layers do the same).
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(main_grad.shape, dtype=total_input.dtype, device=total_input.device)
+    return make(weight.main_grad.shape, dtype=dtype, device=device)
 
 
 class _LinearAct(torch.autograd.Function):

@@ -1,9 +1,10 @@
 """Layer specs: Transformer Engine's where the config's kernel policy runs them (TE imports,
 transformer_impl not local); otherwise megatron-core's local layers with our core attention (SDPA,
-context parallelism), norm (sequence parallelism) and dense MLP (the activation in quack's GEMMs where
-they run) substituted."""
+context parallelism), norm (sequence parallelism), dense MLP (the activation in quack's GEMMs where
+they run) and MoE experts (grouped GEMMs where they run) substituted."""
 
 import functools
+from dataclasses import replace
 
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -16,6 +17,7 @@ from megatron.core.models.vision.vit_layer_specs import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -26,6 +28,7 @@ from megatron.core.utils import get_pg_rank
 
 from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention import SDPAttention, attention_summary
+from megatron_hetero.models.experts import GroupedExperts, experts_summary
 from megatron_hetero.models.mlp import EpilogueMLP, mlp_summary
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 
@@ -38,13 +41,19 @@ def uses_te(config: TransformerConfig) -> bool:
 
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
     """megatron's local layer spec with our attention, norms (query/key norms included, where the spec
-    has them) and dense MLP; its other submodules (an MoE layer's) kept."""
+    has them), dense MLP and an MoE layer's experts; its other submodules (the router) kept."""
     norm = _norm_spec(pg_collection, has_residual=True)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     mlp = layer.submodules.mlp
     if isinstance(mlp, functools.partial) and mlp.func == MLP.as_mlp_submodule:
         layer.submodules.mlp = functools.partial(EpilogueMLP.as_mlp_submodule, *mlp.args, **mlp.keywords)
+    moe = getattr(mlp, "keywords", {}).get("submodules")
+    experts = getattr(moe, "experts", None)
+    if isinstance(experts, functools.partial) and experts.func is SequentialMLP:
+        grouped = functools.partial(GroupedExperts, *experts.args, **experts.keywords)
+        layer.submodules.mlp = functools.partial(mlp.func, *mlp.args,
+                                                 **{**mlp.keywords, "submodules": replace(moe, experts=grouped)})
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = SDPAttention
     for name in ("q_layernorm", "k_layernorm"):
@@ -73,8 +82,9 @@ def llm_layer_spec(pg_collection: ProcessGroupCollection | None = None, num_expe
                    te: bool = False, qk_norm: bool = False) -> ModuleSpec:
     """Causal decoder layer for the LLM. pg_collection: the LLM's groups, needed (for the norms'
     TP group) with sequence parallelism and without Transformer Engine; num_experts: megatron-core's
-    MoE layer (SequentialMLP experts) for the MLP; te: Transformer Engine's layers (llm_uses_te);
-    qk_norm: a norm over each query and key head before RoPE (Qwen3; config.qk_layernorm)."""
+    MoE layer for the MLP (its experts GroupedExperts without Transformer Engine); te: Transformer
+    Engine's layers (llm_uses_te); qk_norm: a norm over each query and key head before RoPE (Qwen3;
+    config.qk_layernorm)."""
     if te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_norm)
     return with_our_layers(get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_norm), pg_collection)
@@ -109,10 +119,11 @@ def block_spec(
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm_spec(pg_collection))
 
 
-KERNEL_KINDS = ("attention", "norms", "mlp")  # the start-up lines' and benchmark records' keys
+KERNEL_KINDS = ("attention", "norms", "mlp", "experts")  # the start-up lines' and benchmark records' keys
 
 
 def kernel_summaries(part) -> dict[str, str]:
     """What our layers of a model part run, by KERNEL_KINDS (e.g. {"attention": "fa4 (head dim 128)",
     "norms": "quack", "mlp": "quack (gelu_erf)"})."""
-    return dict(zip(KERNEL_KINDS, (attention_summary(part), norm_summary(part), mlp_summary(part))))
+    return dict(zip(KERNEL_KINDS, (attention_summary(part), norm_summary(part), mlp_summary(part),
+                                   experts_summary(part))))

@@ -163,7 +163,8 @@ def build_llm(
 
 def _moe_fields(moe: MoEArch | None, pgs: ProcessGroupCollection) -> dict:
     """TransformerConfig fields of megatron-core's MoE layers; expert parallel sizes from the
-    module's expert groups (SequentialMLP experts: grouped GEMM needs Transformer Engine)."""
+    module's expert groups (megatron's grouped GEMM off: it needs Transformer Engine; the experts run
+    grouped GEMMs as models/experts.py's GroupedExperts)."""
     if moe is None:
         return {}
     return dict(

@@ -25,6 +25,8 @@ without a layout too, as defaults, each for its reason:
   the same numbers up to bf16 rounding; MEGATRON_HETERO_EAGER_ROPE=1 for upstream's);
 - grad_accum_fusion: without apex, --gradient-accumulation-fusion (Megatron's default) on torch's
   GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/runs/benchmarks.md);
+- moe_dispatch: megatron-core's all-to-all MoE dispatcher keeps its token counts on the GPU where
+  one rank holds every expert (dropless): no host sync per MoE layer, no identity sort of the tokens;
 - fused_adam: on GPUs, torch's fused Adam kernel instead of foreach: one step over 2.1B parameters
   62 -> 22 ms on an H100;
 - grad_norm: on GPUs without apex or TE, the gradient norm without one host wait per parameter;
@@ -56,6 +58,7 @@ from megatron_hetero.patches import (  # noqa: E402
     hetero_schedule,
     layer_specs,
     metrics,
+    moe_dispatch,
     rerun,
     rope,
     startup,
@@ -86,6 +89,7 @@ def apply() -> None:
     grad_accum_fusion.apply()
     grad_norm.apply()
     fused_adam.apply()
+    moe_dispatch.apply()
 
 
 __all__ = ["apply", "PatchError"]
