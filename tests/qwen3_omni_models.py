@@ -100,9 +100,10 @@ AUDIO_FILES = {"speech.wav": (2.6, 22050, 2), "tone.wav": (1.3, 16000, 1), "shor
 
 def audio_conversations(directory: Path) -> Path:
     """audio.json under `directory` (with conversations()'s images and two videos): audio without an
-    image, audio and an image in one sample, two audios, an image alone, text alone, a video with an
-    audio, a video longer than the frame limit; an empty and a corrupt audio. Every sample with audio
-    holds one of at least one whole chunk (audio.py: transformers' padding)."""
+    image, audio and an image in one sample, two audios, an audio shorter than one chunk, an image
+    alone, text alone, a video with an audio, a video longer than the frame limit; an empty and a
+    corrupt audio. No sample holds an audio shorter than one chunk beside a longer one (audio.py:
+    transformers' padding)."""
     conversations(directory, bad=False)
     for seed, (name, spec) in enumerate(AUDIO_FILES.items()):
         write_wav(directory / name, *spec, seed=seed)
@@ -115,7 +116,8 @@ def audio_conversations(directory: Path) -> Path:
         sharegpt("<audio> describe", "red", audios=["empty.wav"]),
         sharegpt("compare <image> and <audio>", "a blue circle on the left", images=["wide.png"], audios=["tone.wav"]),
         sharegpt("<audio> describe", "red", audios=["corrupt.wav"]),
-        sharegpt("<audio> and <audio> describe", "green triangle", audios=["short.wav", "speech.wav"]),
+        sharegpt("<audio> and <audio> describe", "green triangle", audios=["tone.wav", "speech.wav"]),
+        sharegpt("<audio> describe", "blue", audios=["short.wav"]),
         llava("<image>\ndescribe", "shapes", image="square.png"),
         sharegpt("question text only", "answer yes"),
         sharegpt("<video> and <audio> what is in it ?", "a red circle", videos=["clip.mp4"], audios=["tone.wav"]),

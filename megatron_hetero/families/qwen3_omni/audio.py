@@ -8,11 +8,13 @@ chunk's start; a chunk keeps the rows of its own frames (transformers' _get_feat
 The layers (Qwen2.5-Omni's: LayerNorm, attention with biases on q, k and v, GELU MLP) attend within
 windows of n_window_infer / (2 x n_window) whole chunks' rows of an audio (SegmentAttention over
 their cu_seqlens); then `ln_post`, `proj1`, the activation and `proj2` into the LLM's width:
-transformers' Qwen3OmniMoeAudioEncoder. transformers pads a batch's chunks to its longest, and its
-convolutions run over the padding unmasked, so a short chunk's last row depends on what else is in
-the batch; padding every chunk to a whole one makes each audio's rows its own, equal to
-transformers' whenever its batch holds an audio of at least 2 x n_window frames. The front end and
-the head are replicated over TP (small).
+transformers' Qwen3OmniMoeAudioEncoder. transformers pads a batch's chunks to its longest and runs
+its convolutions over that padding unmasked, so the last rows of an audio shorter than one chunk
+depend on what else is in its batch: each audio here is convolved as transformers convolves it
+alone (its chunks padded to its longest, zeros past that after every convolution), so its rows are
+its own whatever the batch, equal to transformers' for an audio alone or beside audios whose
+chunks are as long (every audio of at least 2 x n_window frames). The front end and the head are
+replicated over TP (small).
 
 Output: rows [sum over audios of their rows, llm hidden * (1 + DeepStack blocks)]: the DeepStack
 columns zero (the boundary moves one row width for every encoder of a DeepStack model; transformers
@@ -81,14 +83,17 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         self.activation = ACT2FN[arch.audio_activation]
         self.proj2 = torch.nn.Linear(hidden, arch.audio_output_dim, dtype=dtype)
 
-    def _front(self, features: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-        """[chunks, rows of a whole chunk, hidden]: each chunk zero-padded to a whole one, convolved,
-        with its positions."""
+    def _front(self, features: torch.Tensor, chunks: list[int], alone: torch.Tensor) -> torch.Tensor:
+        """[chunks, rows of a whole chunk, hidden]: the chunks convolved as each one's audio alone
+        pads them (to `alone` frames: its longest chunk), with their positions."""
         padded = torch.nn.utils.rnn.pad_sequence(features.split(chunks), batch_first=True)
         padded = F.pad(padded, (0, 0, 0, 2 * self.arch.audio_n_window - padded.shape[1]))
         x = padded.transpose(1, 2)[:, None]  # [chunks, 1, mel, frames]
+        alone = alone.to(x.device)
         for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
             x = F.gelu(conv(x))
+            alone = (alone + 1) // 2  # each convolution's zero padding where the audio alone ends
+            x = x * (torch.arange(x.shape[-1], device=x.device) < alone[:, None]).to(x.dtype)[:, None, None]
         x = self.conv_out(x.permute(0, 3, 1, 2).flatten(2))
         return x + self.positions[: x.shape[1]].to(x.dtype)
 
@@ -102,8 +107,9 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         frames = grids[:, 2].cpu()
         whole = 2 * self.arch.audio_n_window
         chunks = [min(whole, int(n) - at) for n in frames for at in range(0, int(n), whole)]
+        alone = torch.tensor([min(whole, int(n)) for n in frames for _ in range(0, int(n), whole)])
         kept = output_lengths(torch.tensor(chunks), self.arch.audio_n_window)
-        x = self._front(features, chunks)
+        x = self._front(features, chunks, alone)
         valid = (torch.arange(x.shape[1]) < kept[:, None]).flatten().nonzero()[:, 0]
         segments, (valid,) = SegmentParams.of(self._windows(frames, output_lengths(frames, self.arch.audio_n_window)),
                                               None, features.device, [valid])
