@@ -1,0 +1,207 @@
+"""Qwen3-Omni (megatron_hetero/families/qwen3_omni) from a tiny random transformers model built offline
+(tests/qwen3_omni_models.py: the thinker with DeepStack and 4 experts, the talker with its code
+predictor, code2wav): import -> export is bit-identical with every tensor of the files (the talker
+and code2wav passed through); our forward equals transformers' thinker's (logits within 1e-4 fp32,
+`hf compare`) on samples with audio (over several chunks and attention windows, resampled, stereo,
+one shorter than a chunk, two in a sample), an image and audio together, an image alone, text alone,
+videos, the bad audio skipped; a video's tag with its own audio and an audio's features and rows are
+Qwen3OmniMoeProcessor's. Under the `families` marker: a video's own audio interleaved by time against
+the thinker's use_audio_in_video; the same comparison under layouts (vision DP2 and audio DP2 -> LLM
+TP2, vision CP2 on the videos, LLM EP2, non-colocated) and 3 training steps under them equal to one
+process's; the transformers-names round trip."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.distributed import collect_distributed
+from tests.omni_fixtures import track_conversations
+from tests.qwen3_omni_models import audio_conversations, qwen3_omni_dir
+from tests.test_qwen2_5_omni import _run_cli, _tensors
+from tests.test_qwen2_5_vl import _compare_args, _compare_worker, _report, assert_same_steps, train
+
+TOL = 1e-4
+SAMPLES = 8  # the usable samples of the audio data
+_C, _E = "placement: colocated\n", "edges: [vision -> llm, audio -> llm]\nmodules:\n"
+# name -> (processes, layout)
+LAYOUTS = {
+    "single": (1, _C + _E + "  vision: {role: encoder}\n  audio: {role: encoder}\n  llm: {role: llm}\n"),
+    "vdp2_adp2_ltp2": (2, _C + _E + "  vision: {role: encoder, dp: 2}\n  audio: {role: encoder, dp: 2}\n"
+                                    "  llm: {role: llm, tp: 2}\n"),
+    # each video's and image's merge blocks split over vision CP2, DeepStack rows with them
+    "vcp2_adp2_ltp2": (2, _C + _E + "  vision: {role: encoder, cp: 2}\n  audio: {role: encoder, dp: 2}\n"
+                                    "  llm: {role: llm, tp: 2}\n"),
+    "lep2": (2, _C + _E + "  vision: {role: encoder, tp: 2}\n  audio: {role: encoder, tp: 2}\n"
+                          "  llm: {role: llm, dp: 2, ep: 2}\n"),
+    "noncolocated": (3, "placement: non_colocated\n" + _E + "  vision: {role: encoder, ranks: 0-0}\n"
+                        "  audio: {role: encoder, ranks: 1-1}\n  llm: {role: llm, ranks: 2-2}\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    """The model directory, its audio conversation data and its import."""
+    tmp = tmp_path_factory.mktemp("qwen3_omni")
+    _run_cli("import", "--model", qwen3_omni_dir(tmp / "hf"), "--save", tmp / "ckpt")
+    for name, (_, text) in LAYOUTS.items():
+        (tmp / f"{name}.yaml").write_text(text)
+    return tmp, audio_conversations(tmp / "data")
+
+
+def test_export_is_the_import(omni):
+    """export gives the imported files back bit for bit: every tensor (the thinker's with one tensor
+    per expert, the talker's and its code predictor's, code2wav's), its dtype, with the tokenizer,
+    chat template and processor files."""
+    tmp, _ = omni
+    _run_cli("export", "--load", tmp / "ckpt", "--out", tmp / "out")
+    original, exported = _tensors(tmp / "hf"), _tensors(tmp / "out")
+    assert exported.keys() == original.keys()
+    assert {k.split(".")[0] for k in original} == {"thinker", "talker", "code2wav"}
+    assert any(".talker.code_predictor." in f".{k}" for k in original)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json",
+                 "video_preprocessor_config.json", "config.json"):
+        assert (tmp / "out" / name).read_bytes() == (tmp / "hf" / name).read_bytes(), name
+
+
+def test_compare_one_process(omni):
+    """Our forward (one process) against transformers' thinker on 8 samples: audio over 3 chunks and
+    2 attention windows (from 22.05 kHz stereo), an image and an audio, two audios, an audio shorter
+    than one chunk, an image alone, text alone, a video with an audio (DeepStack rows at the video's
+    positions, none at the audio's), a video over the frame limit; the empty and corrupt audio
+    skipped."""
+    tmp, data = omni
+    stdout = _run_cli(*_compare_args(tmp, data))
+    per_sample, worst = _report(stdout, SAMPLES)
+    print(stdout)
+    assert len(per_sample) == SAMPLES and max(per_sample) == worst <= TOL
+    assert stdout.count("(corrupt_audio)") == 2
+
+
+def _tracks(tmp: Path) -> tuple[Path, Path]:
+    """The videos-with-audio data and a model.json that loads a video's own audio."""
+    data = track_conversations(tmp / "tracks")
+    description = json.loads((tmp / "ckpt" / "model.json").read_text())
+    description["processor"]["load_audio_from_video"] = True
+    (tmp / "tracks_model.json").write_text(json.dumps(description))
+    return data, tmp / "tracks_model.json"
+
+
+def test_media_are_the_processors(omni):
+    """load_audio_from_video: a video's tag expands as Qwen3OmniMoeProcessor expands it (its
+    replace_video_with_audio_token: the video's and its audio's tokens merged by time), the video's
+    own audio an audio item whose features and rows are the processor's (_process_audio with its
+    audio_kwargs: the whole audio, no 30 s cap)."""
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    from megatron_hetero.data.audio import read_audio
+    from megatron_hetero.data.chat import HFChatTokenizer
+    from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
+    from megatron_hetero.families import family_named
+    from megatron_hetero.spec.sizes import sizes_from_dict
+
+    tmp, _ = omni
+    data, model_file = _tracks(tmp)
+    description = json.loads(model_file.read_text())
+    sizes = sizes_from_dict(description["sizes"])
+    media = family_named("qwen3_omni").media(sizes, description["processor"], description["hf"]["config"])
+    dataset = ConversationSamples(ConversationSpec(str(data), str(data.parent), 512, media),
+                                  HFChatTokenizer(str(tmp / "hf"), image_token=False), 1)
+    names = {media.videos.pad: "V", media.audio_tokens.placeholder: "A", media.videos.start: "<",
+             media.videos.end: ">", media.audio_tokens.prefix[0]: "(", media.audio_tokens.suffix[0]: ")"}
+    processor = SimpleNamespace(audio_bos_token="(", audio_eos_token=")", video_token="V", audio_token="A",
+                                video_processor=SimpleNamespace(merge_size=sizes.family_arch["spatial_merge_size"]),
+                                feature_extractor=media.extractor, n_window=sizes.family_arch["audio_n_window"])
+    processor.replace_audio_token = lambda *args, **kw: Qwen3OmniMoeProcessor.replace_audio_token(processor, *args, **kw)
+    for index in (0, 2):
+        sample, sources = dataset.encode(index)
+        assert [(s.kind, s.tagged) for s in sources] == [("video", True), ("audio", False)]
+        video, audio = (s.items for s in sources)
+        theirs = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+            processor, {"video_grid_thw": [video.grids[0]], "video_second_per_grid": [video.seconds_per_grid]}, 0,
+            {"num_audio_tokens": [audio.rows[0]]}, 0, position_id_per_seconds=13)
+        ours = "".join(names.get(token, "") for token in sample.input_ids.tolist())
+        assert ours == f"<{theirs}>" and theirs.count("A") == audio.rows[0] and "AV" in theirs, ours
+        waveform = read_audio(str(sources[1].source), media.extractor.sampling_rate)
+        features, _ = Qwen3OmniMoeProcessor._process_audio(processor, [waveform], **Qwen3OmniMoeProcessor.audio_kwargs)
+        frames = int(features["feature_attention_mask"].sum())
+        assert audio.grids[0][2] == frames and audio.rows[0] == int(features["num_audio_tokens"][0])
+        assert torch.equal(media.audio_pixels(str(sources[1].source), audio),
+                           torch.from_numpy(features["input_features"][0, :, :frames].T))
+
+
+@pytest.mark.families
+def test_compare_video_with_its_audio(omni):
+    """load_audio_from_video: a video with its own audio merged by time (alone, over several windows,
+    and beside an image and another audio) within 1e-4 of transformers' thinker run with
+    use_audio_in_video."""
+    tmp, _ = omni
+    data, model_file = _tracks(tmp)
+    stdout = _run_cli(*_compare_args(tmp, data, "--model-sizes", model_file, "--seq-length", 512))
+    per_sample, worst = _report(stdout, 3)
+    assert len(per_sample) == 3 and worst <= TOL, stdout
+
+
+@pytest.mark.families
+def test_transformers_names_round_trip(omni, tmp_path):
+    """The thinker's files in transformers 5's in-memory names (thinker.model.visual.*, ..., each
+    layer's experts fused) import and export back bit for bit."""
+    tmp, _ = omni
+    src = tmp_path / "hf"
+    src.mkdir()
+    for f in (tmp / "hf").iterdir():
+        if not f.name.endswith(".safetensors"):
+            (src / f.name).write_bytes(f.read_bytes())
+    renames = (("thinker.visual.", "thinker.model.visual."), ("thinker.audio_tower.", "thinker.model.audio_tower."),
+               ("thinker.model.", "thinker.model.language_model."))
+    tensors, experts = {}, {}
+    for key, tensor in _tensors(tmp / "hf").items():
+        key = next((key.replace(a, b, 1) for a, b in renames if key.startswith(a)), key)
+        layer, dot, rest = key.partition(".mlp.experts.")
+        if dot and key.startswith("thinker."):
+            expert, _, name = rest.partition(".")
+            experts.setdefault(layer, {}).setdefault(name, {})[int(expert)] = tensor
+        else:
+            tensors[key] = tensor
+    for layer, parts in experts.items():
+        stack = {name: torch.stack([parts[name][e] for e in sorted(parts[name])]) for name in parts}
+        tensors[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack["gate_proj.weight"], stack["up_proj.weight"]], 1)
+        tensors[f"{layer}.mlp.experts.down_proj"] = stack["down_proj.weight"]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    _run_cli("import", "--model", src, "--save", tmp_path / "ckpt")
+    _run_cli("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")
+    exported = _tensors(tmp_path / "out")
+    assert exported.keys() == tensors.keys() and all(torch.equal(exported[k], t) for k, t in tensors.items())
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vcp2_adp2_ltp2", "lep2", "noncolocated"])
+def test_compare_under_layouts(omni, tmp_path, layout):
+    """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2, vision CP2 (each video's and
+    image's merge blocks split) beside audio DP2 -> LLM TP2, both encoders at TP2 -> LLM EP2, and
+    non-colocated on 3 processes (vision, audio, LLM): within 1e-4 on every sample."""
+    tmp, data = omni
+    world = LAYOUTS[layout][0]
+    code, text = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), [layout])[0][layout]
+    print(layout, text.strip().splitlines()[-1] if text.strip() else text)
+    per_sample, worst = _report(text, SAMPLES)
+    assert code == 0 and len(per_sample) == SAMPLES and worst <= TOL, text
+
+
+@pytest.fixture(scope="module")
+def reference(omni):
+    return train(*omni, "reference", "single", 1)
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vcp2_adp2_ltp2", "lep2", "noncolocated"])
+def test_training_equals_one_process(omni, reference, layout):
+    """3 steps from the import (images, videos and audio in the batches) under vision DP2 and audio
+    DP2 -> LLM TP2, vision CP2, LLM EP2 and non-colocated: loss and gradient norm per step within
+    1e-4 of one process's."""
+    assert_same_steps(reference, train(*omni, layout, layout, LAYOUTS[layout][0]))
