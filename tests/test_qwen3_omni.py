@@ -117,7 +117,8 @@ def test_media_are_the_processors(omni):
     processor = SimpleNamespace(audio_bos_token="(", audio_eos_token=")", video_token="V", audio_token="A",
                                 video_processor=SimpleNamespace(merge_size=sizes.family_arch["spatial_merge_size"]),
                                 feature_extractor=media.extractor, n_window=sizes.family_arch["audio_n_window"])
-    processor.replace_audio_token = lambda *args, **kw: Qwen3OmniMoeProcessor.replace_audio_token(processor, *args, **kw)
+    processor.replace_audio_token = lambda *args, **kw: Qwen3OmniMoeProcessor.replace_audio_token(processor, *args,
+                                                                                                  **kw)
     for index in (0, 2):
         sample, sources = dataset.encode(index)
         assert [(s.kind, s.tagged) for s in sources] == [("video", True), ("audio", False)]
@@ -170,7 +171,8 @@ def test_transformers_names_round_trip(omni, tmp_path):
             tensors[key] = tensor
     for layer, parts in experts.items():
         stack = {name: torch.stack([parts[name][e] for e in sorted(parts[name])]) for name in parts}
-        tensors[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack["gate_proj.weight"], stack["up_proj.weight"]], 1)
+        gate_up = torch.cat([stack["gate_proj.weight"], stack["up_proj.weight"]], 1)
+        tensors[f"{layer}.mlp.experts.gate_up_proj"] = gate_up
         tensors[f"{layer}.mlp.experts.down_proj"] = stack["down_proj.weight"]
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     _run_cli("import", "--model", src, "--save", tmp_path / "ckpt")
@@ -205,3 +207,44 @@ def test_training_equals_one_process(omni, reference, layout):
     DP2 -> LLM TP2, vision CP2, LLM EP2 and non-colocated: loss and gradient norm per step within
     1e-4 of one process's."""
     assert_same_steps(reference, train(*omni, layout, layout, LAYOUTS[layout][0]))
+
+
+class _Vocabulary(list):
+    """A stand-in tokenizer: token ids by position."""
+
+    def convert_tokens_to_ids(self, token):
+        return self.index(token)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (("audio_config", "n_window", 40), "thinker_config.audio_config.n_window = 40 is not supported"),
+    (("text_config", "norm_topk_prob", False), "thinker_config.text_config.norm_topk_prob = False is not supported"),
+    (("text_config", "mlp_only_layers", [1]), "thinker_config.text_config.mlp_only_layers = [1] is not supported"),
+])
+def test_config_refusals(change, expected):
+    """What the family does not map: one line naming the config field."""
+    from megatron_hetero.convert.rules import HFMappingError
+    from megatron_hetero.families import family_named
+    from tests.qwen3_omni_models import SPECIALS, qwen3_omni_config
+
+    config = qwen3_omni_config(_Vocabulary(SPECIALS))
+    family = family_named("qwen3_omni")
+    family.sizes(config)  # as built: maps
+    sub, field, value = change
+    setattr(getattr(config.thinker_config, sub), field, value)
+    with pytest.raises(HFMappingError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+        family.sizes(config)
+
+
+def test_video_fps_refusal():
+    """A video fps whose temporal step (temporal_patch_size / fps x position_id_per_seconds) is not a
+    whole number of position ids: one line naming the fix."""
+    from megatron_hetero.convert.rules import HFMappingError
+    from megatron_hetero.families.qwen2_5_vl.video import VideoSettings
+    from megatron_hetero.families.qwen3_omni.media import Qwen3OmniVideos
+
+    ids = {"video_token_id": 1, "vision_start_token_id": 2, "vision_end_token_id": 3, "position_id_per_seconds": 13}
+    assert Qwen3OmniVideos(VideoSettings(fps=2), ids).seconds_per_grid == 1.0
+    assert Qwen3OmniVideos(VideoSettings(), ids).seconds_per_grid == 2.0  # the processor's default fps, 1
+    with pytest.raises(HFMappingError, match="fps 3 gives temporal position ids 8.66667 apart"):
+        Qwen3OmniVideos(VideoSettings(fps=3), ids)

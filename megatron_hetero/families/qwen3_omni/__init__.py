@@ -17,5 +17,5 @@ QWEN3_OMNI = replace(
     parts={"vision": hf.VISION_PART, "audio": hf.AUDIO_PART, "llm": hf.TEXT_PART},
     prefixes={"vision": (hf.VISION,), "audio": (hf.AUDIO,), "llm": (hf.TEXT, hf.LM_HEAD)},
     audio_builder=f"{_HERE}.audio:build_audio_encoder", media_builder=f"{_HERE}.media:build_media",
-    settings_reader="megatron_hetero.families.qwen2_5_omni.media:processor_settings", finish=hf.finish,
+    settings_reader=f"{_HERE}.media:processor_settings", finish=hf.finish,
     schemes=(TRANSFORMERS, hf.HUB), copies=lambda sizes: {}, kept=hf.KEPT)

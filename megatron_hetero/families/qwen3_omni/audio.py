@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from transformers.activations import ACT2FN
 
 from megatron_hetero.families.qwen2_5_omni.audio import OmniAudioArch, sinusoids
 from megatron_hetero.families.qwen2_5_vl.vision import vision_layer_spec

@@ -19,7 +19,9 @@ import torch
 
 from megatron_hetero.convert.rules import HFMappingError
 from megatron_hetero.data.audio import AudioError
+from megatron_hetero.families.qwen2_5_omni import media as omni_media
 from megatron_hetero.families.qwen2_5_omni.media import OmniMedia, OmniVideos, VideoWithAudio
+from megatron_hetero.families.qwen2_5_vl.video import VideoSettings
 from megatron_hetero.families.qwen3_vl.vision import Qwen3VisionArch
 
 
@@ -83,6 +85,14 @@ class Qwen3OmniMedia(OmniMedia):
         end = int(stream[:, differs[-1] + 1 if len(differs) else 0 :].max()) + 1
         ends = torch.tensor([end, end + 1]).expand(3, -1)
         return torch.cat([torch.arange(2).expand(3, -1), stream, ends], 1), 2, end + 2
+
+
+def processor_settings(model_dir: str, config) -> dict:
+    """Qwen2.5-Omni's settings reader (image and video processors, feature extractor), the videos'
+    temporal step checked at import."""
+    settings = omni_media.processor_settings(model_dir, config)
+    Qwen3OmniVideos(VideoSettings.of(settings["video"]), omni_media.token_ids(config.to_dict()))
+    return settings
 
 
 def build_media(sizes, settings: dict, config: dict) -> Qwen3OmniMedia:
