@@ -1,5 +1,5 @@
 """Qwen3-Omni (megatron_hetero/families/qwen3_omni) from a tiny random transformers model built offline
-(tests/qwen3_omni_models.py: the thinker with DeepStack and 4 experts, the talker with its code
+(tests/omni_fixtures.py: the thinker with DeepStack and 4 experts, the talker with its code
 predictor, code2wav): import -> export is bit-identical with every tensor of the files (the talker
 and code2wav passed through); our forward equals transformers' thinker's (logits within 1e-4 fp32,
 `hf compare`) on samples with audio (over several chunks and attention windows, resampled, stereo,
@@ -10,19 +10,22 @@ the thinker's use_audio_in_video; the same comparison under layouts (vision DP2 
 TP2, vision CP2 on the videos, LLM EP2, non-colocated) and 3 training steps under them equal to one
 process's; the transformers-names round trip."""
 
-import json
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from tests.distributed import collect_distributed
-from tests.omni_fixtures import track_conversations
-from tests.qwen3_omni_models import audio_conversations, qwen3_omni_dir
-from tests.test_qwen2_5_omni import _run_cli, _tensors
-from tests.test_qwen2_5_vl import _compare_args, _compare_worker, _report, assert_same_steps, train
+from tests.omni_fixtures import QWEN3_AUDIO_FILES, qwen3_audio_conversations, qwen3_omni_dir
+from tests.test_qwen2_5_omni import (
+    _run_cli,
+    _tensors,
+    _tracks,
+    assert_round_trip,
+    compare_under,
+    imported,
+    in_memory,
+    track_samples,
+)
+from tests.test_qwen2_5_vl import _compare_args, _report, assert_same_steps, train
 
 TOL = 1e-4
 SAMPLES = 8  # the usable samples of the audio data
@@ -31,10 +34,10 @@ _C, _E = "placement: colocated\n", "edges: [vision -> llm, audio -> llm]\nmodule
 LAYOUTS = {
     "single": (1, _C + _E + "  vision: {role: encoder}\n  audio: {role: encoder}\n  llm: {role: llm}\n"),
     "vdp2_adp2_ltp2": (2, _C + _E + "  vision: {role: encoder, dp: 2}\n  audio: {role: encoder, dp: 2}\n"
-                                    "  llm: {role: llm, tp: 2}\n"),
+                                    "  llm: {role: llm, tp: 2, sp: true}\n"),
     # each video's and image's merge blocks split over vision CP2, DeepStack rows with them
     "vcp2_adp2_ltp2": (2, _C + _E + "  vision: {role: encoder, cp: 2}\n  audio: {role: encoder, dp: 2}\n"
-                                    "  llm: {role: llm, tp: 2}\n"),
+                                    "  llm: {role: llm, tp: 2, sp: true}\n"),
     "lep2": (2, _C + _E + "  vision: {role: encoder, tp: 2}\n  audio: {role: encoder, tp: 2}\n"
                           "  llm: {role: llm, dp: 2, ep: 2}\n"),
     "noncolocated": (3, "placement: non_colocated\n" + _E + "  vision: {role: encoder, ranks: 0-0}\n"
@@ -46,10 +49,7 @@ LAYOUTS = {
 def omni(tmp_path_factory):
     """The model directory, its audio conversation data and its import."""
     tmp = tmp_path_factory.mktemp("qwen3_omni")
-    _run_cli("import", "--model", qwen3_omni_dir(tmp / "hf"), "--save", tmp / "ckpt")
-    for name, (_, text) in LAYOUTS.items():
-        (tmp / f"{name}.yaml").write_text(text)
-    return tmp, audio_conversations(tmp / "data")
+    return imported(tmp, qwen3_omni_dir(tmp / "hf"), LAYOUTS), qwen3_audio_conversations(tmp / "data")
 
 
 def test_export_is_the_import(omni):
@@ -83,15 +83,6 @@ def test_compare_one_process(omni):
     assert stdout.count("(corrupt_audio)") == 2
 
 
-def _tracks(tmp: Path) -> tuple[Path, Path]:
-    """The videos-with-audio data and a model.json that loads a video's own audio."""
-    data = track_conversations(tmp / "tracks")
-    description = json.loads((tmp / "ckpt" / "model.json").read_text())
-    description["processor"]["load_audio_from_video"] = True
-    (tmp / "tracks_model.json").write_text(json.dumps(description))
-    return data, tmp / "tracks_model.json"
-
-
 def test_media_are_the_processors(omni):
     """load_audio_from_video: a video's tag expands as Qwen3OmniMoeProcessor expands it (its
     replace_video_with_audio_token: the video's and its audio's tokens merged by time), the video's
@@ -100,23 +91,9 @@ def test_media_are_the_processors(omni):
     from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
     from megatron_hetero.data.audio import read_audio
-    from megatron_hetero.data.chat import HFChatTokenizer
-    from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
-    from megatron_hetero.families import family_named
-    from megatron_hetero.spec.sizes import sizes_from_dict
 
-    tmp, _ = omni
-    data, model_file = _tracks(tmp)
-    description = json.loads(model_file.read_text())
-    sizes = sizes_from_dict(description["sizes"])
-    media = family_named("qwen3_omni").media(sizes, description["processor"], description["hf"]["config"])
-    dataset = ConversationSamples(ConversationSpec(str(data), str(data.parent), 512, media),
-                                  HFChatTokenizer(str(tmp / "hf"), image_token=False), 1)
-    names = {media.videos.pad: "V", media.audio_tokens.placeholder: "A", media.videos.start: "<",
-             media.videos.end: ">", media.audio_tokens.prefix[0]: "(", media.audio_tokens.suffix[0]: ")"}
-    processor = SimpleNamespace(audio_bos_token="(", audio_eos_token=")", video_token="V", audio_token="A",
-                                video_processor=SimpleNamespace(merge_size=sizes.family_arch["spatial_merge_size"]),
-                                feature_extractor=media.extractor, n_window=sizes.family_arch["audio_n_window"])
+    sizes, media, dataset, names, processor = track_samples(omni, "qwen3_omni", tone=QWEN3_AUDIO_FILES["tone.wav"])
+    processor.feature_extractor, processor.n_window = media.extractor, sizes.family_arch["audio_n_window"]
     processor.replace_audio_token = lambda *args, **kw: Qwen3OmniMoeProcessor.replace_audio_token(processor, *args,
                                                                                                   **kw)
     for index in (0, 2):
@@ -142,7 +119,7 @@ def test_compare_video_with_its_audio(omni):
     and beside an image and another audio) within 1e-4 of transformers' thinker run with
     use_audio_in_video."""
     tmp, _ = omni
-    data, model_file = _tracks(tmp)
+    data, model_file = _tracks(tmp, tone=QWEN3_AUDIO_FILES["tone.wav"])
     stdout = _run_cli(*_compare_args(tmp, data, "--model-sizes", model_file, "--seq-length", 512))
     per_sample, worst = _report(stdout, 3)
     assert len(per_sample) == 3 and worst <= TOL, stdout
@@ -158,11 +135,9 @@ def test_transformers_names_round_trip(omni, tmp_path):
     for f in (tmp / "hf").iterdir():
         if not f.name.endswith(".safetensors"):
             (src / f.name).write_bytes(f.read_bytes())
-    renames = (("thinker.visual.", "thinker.model.visual."), ("thinker.audio_tower.", "thinker.model.audio_tower."),
-               ("thinker.model.", "thinker.model.language_model."))
     tensors, experts = {}, {}
     for key, tensor in _tensors(tmp / "hf").items():
-        key = next((key.replace(a, b, 1) for a, b in renames if key.startswith(a)), key)
+        key = in_memory(key)
         layer, dot, rest = key.partition(".mlp.experts.")
         if dot and key.startswith("thinker."):
             expert, _, name = rest.partition(".")
@@ -174,11 +149,7 @@ def test_transformers_names_round_trip(omni, tmp_path):
         gate_up = torch.cat([stack["gate_proj.weight"], stack["up_proj.weight"]], 1)
         tensors[f"{layer}.mlp.experts.gate_up_proj"] = gate_up
         tensors[f"{layer}.mlp.experts.down_proj"] = stack["down_proj.weight"]
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    _run_cli("import", "--model", src, "--save", tmp_path / "ckpt")
-    _run_cli("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")
-    exported = _tensors(tmp_path / "out")
-    assert exported.keys() == tensors.keys() and all(torch.equal(exported[k], t) for k, t in tensors.items())
+    assert_round_trip(tensors, src, tmp_path)
 
 
 @pytest.mark.families
@@ -187,12 +158,7 @@ def test_compare_under_layouts(omni, tmp_path, layout):
     """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2, vision CP2 (each video's and
     image's merge blocks split) beside audio DP2 -> LLM TP2, both encoders at TP2 -> LLM EP2, and
     non-colocated on 3 processes (vision, audio, LLM): within 1e-4 on every sample."""
-    tmp, data = omni
-    world = LAYOUTS[layout][0]
-    code, text = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), [layout])[0][layout]
-    print(layout, text.strip().splitlines()[-1] if text.strip() else text)
-    per_sample, worst = _report(text, SAMPLES)
-    assert code == 0 and len(per_sample) == SAMPLES and worst <= TOL, text
+    compare_under(omni, tmp_path, layout, LAYOUTS[layout][0], SAMPLES)
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +191,9 @@ def test_config_refusals(change, expected):
     """What the family does not map: one line naming the config field."""
     from megatron_hetero.convert.rules import HFMappingError
     from megatron_hetero.families import family_named
-    from tests.qwen3_omni_models import SPECIALS, qwen3_omni_config
+    from tests.omni_fixtures import QWEN3_OMNI_SPECIALS, qwen3_omni_config
 
-    config = qwen3_omni_config(_Vocabulary(SPECIALS))
+    config = qwen3_omni_config(_Vocabulary(QWEN3_OMNI_SPECIALS))
     family = family_named("qwen3_omni")
     family.sizes(config)  # as built: maps
     sub, field, value = change

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers.activations import ACT2FN
 
-from megatron_hetero.families.qwen2_5_omni.audio import OmniAudioArch, sinusoids
+from megatron_hetero.families.qwen2_5_omni.audio import OmniAudioArch, audio_config, sinusoids
 from megatron_hetero.families.qwen2_5_vl.vision import vision_layer_spec
 from megatron_hetero.families.qwen3_omni.media import output_lengths
 from megatron_hetero.models.specs import block_spec
@@ -121,14 +121,10 @@ class Qwen3OmniAudioEncoder(MegatronModule):
 
 def build_audio_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
                         whole: bool = False, **config_overrides) -> Qwen3OmniAudioEncoder:
-    """The audio module on this rank (one pipeline stage)."""
+    """The audio module on this rank (one pipeline stage), its rows as wide as the vision tower's."""
     from megatron_hetero.families import family_named
-    from megatron_hetero.models.vlm import transformer_config
 
-    if not whole and pgs.pp.size() > 1:
-        raise ValueError(f"the {sizes.family} audio encoder runs as one pipeline stage; set the audio module's pp: 1")
     arch = Qwen3OmniAudioArch.of(sizes)
-    config = transformer_config(sizes.audio_hidden_size, sizes.audio_num_layers, sizes.audio_num_attention_heads,
-                                tp, dtype, arch=arch.transformer_arch(), **config_overrides)
+    config = audio_config(sizes, tp, pgs, dtype, whole, arch, **config_overrides)
     zero_columns = sizes.hidden_size * len(family_named(sizes.family).deepstack(sizes))
     return Qwen3OmniAudioEncoder(config, arch, sizes.audio_mel_bins, zero_columns, pgs)
