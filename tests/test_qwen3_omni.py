@@ -4,11 +4,11 @@ predictor, code2wav): import -> export is bit-identical with every tensor of the
 and code2wav passed through); our forward equals transformers' thinker's (logits within 1e-4 fp32,
 `hf compare`) on samples with audio (over several chunks and attention windows, resampled, stereo,
 one shorter than a chunk, two in a sample), an image and audio together, an image alone, text alone,
-videos, the bad audio skipped; a video's tag with its own audio and an audio's features and rows are
-Qwen3OmniMoeProcessor's. Under the `families` marker: a video's own audio interleaved by time against
-the thinker's use_audio_in_video; the same comparison under layouts (vision DP2 and audio DP2 -> LLM
-TP2, vision CP2 on the videos, LLM EP2, non-colocated) and 3 training steps under them equal to one
-process's; the transformers-names round trip."""
+videos, the bad audio skipped; what the family refuses. Under the `families` marker: a video's tag
+with its own audio and an audio's features and rows are Qwen3OmniMoeProcessor's; a video's own
+audio merged by time against the thinker's use_audio_in_video; the same comparison under layouts
+(vision DP2 and audio DP2 -> LLM TP2, vision CP2 on the videos, LLM EP2, non-colocated) and 3
+training steps under them equal to one process's; the transformers-names round trip."""
 
 
 import pytest
@@ -83,6 +83,7 @@ def test_compare_one_process(omni):
     assert stdout.count("(corrupt_audio)") == 2
 
 
+@pytest.mark.families
 def test_media_are_the_processors(omni):
     """load_audio_from_video: a video's tag expands as Qwen3OmniMoeProcessor expands it (its
     replace_video_with_audio_token: the video's and its audio's tokens merged by time), the video's
@@ -92,7 +93,7 @@ def test_media_are_the_processors(omni):
 
     from megatron_hetero.data.audio import read_audio
 
-    sizes, media, dataset, names, processor = track_samples(omni, "qwen3_omni", tone=QWEN3_AUDIO_FILES["tone.wav"])
+    sizes, media, dataset, names, processor = track_samples(omni, "qwen3_omni_moe", tone=QWEN3_AUDIO_FILES["tone.wav"])
     processor.feature_extractor, processor.n_window = media.extractor, sizes.family_arch["audio_n_window"]
     processor.replace_audio_token = lambda *args, **kw: Qwen3OmniMoeProcessor.replace_audio_token(processor, *args,
                                                                                                   **kw)
@@ -194,7 +195,7 @@ def test_config_refusals(change, expected):
     from tests.omni_fixtures import QWEN3_OMNI_SPECIALS, qwen3_omni_config
 
     config = qwen3_omni_config(_Vocabulary(QWEN3_OMNI_SPECIALS))
-    family = family_named("qwen3_omni")
+    family = family_named("qwen3_omni_moe")
     family.sizes(config)  # as built: maps
     sub, field, value = change
     setattr(getattr(config.thinker_config, sub), field, value)

@@ -13,7 +13,7 @@ from megatron_hetero.families.qwen3_vl import QWEN3_VL
 _HERE = "megatron_hetero.families.qwen3_omni"
 # Qwen3-VL's vision tower (its builder, CP over merge blocks, DeepStack) with an audio encoder and the thinker's keys
 QWEN3_OMNI = replace(
-    QWEN3_VL, name="qwen3_omni", architecture=hf.ARCHITECTURE, compared="Qwen3OmniMoeThinkerForConditionalGeneration",
+    QWEN3_VL, name=hf.NAME, architecture=hf.ARCHITECTURE, compared="Qwen3OmniMoeThinkerForConditionalGeneration",
     parts={"vision": hf.VISION_PART, "audio": hf.AUDIO_PART, "llm": hf.TEXT_PART},
     prefixes={"vision": (hf.VISION,), "audio": (hf.AUDIO,), "llm": (hf.TEXT, hf.LM_HEAD)},
     audio_builder=f"{_HERE}.audio:build_audio_encoder", media_builder=f"{_HERE}.media:build_media",
