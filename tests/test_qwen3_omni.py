@@ -38,6 +38,9 @@ LAYOUTS = {
     # each video's and image's merge blocks split over vision CP2, DeepStack rows with them
     "vcp2_adp2_ltp2": (2, _C + _E + "  vision: {role: encoder, cp: 2}\n  audio: {role: encoder, dp: 2}\n"
                                     "  llm: {role: llm, tp: 2, sp: true}\n"),
+    # the second DeepStack block crosses the LLM's stage boundary beside the audio's rows
+    "lpp2": (2, _C + _E + "  vision: {role: encoder, dp: 2}\n  audio: {role: encoder, dp: 2}\n"
+                          "  llm: {role: llm, pp: 2}\n"),
     "lep2": (2, _C + _E + "  vision: {role: encoder, tp: 2}\n  audio: {role: encoder, tp: 2}\n"
                           "  llm: {role: llm, dp: 2, ep: 2}\n"),
     "noncolocated": (3, "placement: non_colocated\n" + _E + "  vision: {role: encoder, ranks: 0-0}\n"
@@ -154,10 +157,11 @@ def test_transformers_names_round_trip(omni, tmp_path):
 
 
 @pytest.mark.families
-@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vcp2_adp2_ltp2", "lep2", "noncolocated"])
+@pytest.mark.parametrize("layout", ["vdp2_adp2_ltp2", "vcp2_adp2_ltp2", "lpp2", "lep2", "noncolocated"])
 def test_compare_under_layouts(omni, tmp_path, layout):
     """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2, vision CP2 (each video's and
-    image's merge blocks split) beside audio DP2 -> LLM TP2, both encoders at TP2 -> LLM EP2, and
+    image's merge blocks split) beside audio DP2 -> LLM TP2, both encoders at DP2 -> LLM PP2 (the
+    second DeepStack block's rows cross the stage boundary), both encoders at TP2 -> LLM EP2, and
     non-colocated on 3 processes (vision, audio, LLM): within 1e-4 on every sample."""
     compare_under(omni, tmp_path, layout, LAYOUTS[layout][0], SAMPLES)
 
