@@ -53,11 +53,11 @@ class Qwen3OmniAudioArch(OmniAudioArch):
         return int(output_lengths(torch.tensor(chunk), self.audio_n_window)) * (self.audio_n_window_infer // chunk)
 
 
-def _conv_bins(mel_bins: int) -> int:
-    """The mel bins left after the three stride-2 convolutions."""
+def _after_convs(size: int) -> int:
+    """What is left of `size` mel bins or frames after the three stride-2 convolutions."""
     for _ in range(3):
-        mel_bins = (mel_bins + 1) // 2
-    return mel_bins
+        size = (size + 1) // 2
+    return size
 
 
 class Qwen3OmniAudioEncoder(MegatronModule):
@@ -73,7 +73,7 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         self.conv2d1 = torch.nn.Conv2d(1, channels, 3, 2, padding=1, dtype=dtype)
         self.conv2d2 = torch.nn.Conv2d(channels, channels, 3, 2, padding=1, dtype=dtype)
         self.conv2d3 = torch.nn.Conv2d(channels, channels, 3, 2, padding=1, dtype=dtype)
-        self.conv_out = torch.nn.Linear(channels * _conv_bins(mel_bins), hidden, bias=False, dtype=dtype)
+        self.conv_out = torch.nn.Linear(channels * _after_convs(mel_bins), hidden, bias=False, dtype=dtype)
         self.register_buffer("positions", sinusoids(arch.audio_max_source_positions, hidden), persistent=False)
         self.decoder = TransformerBlock(config=config, spec=block_spec(vision_layer_spec(pg_collection, None), config,
                                                                         pg_collection, te=False),
@@ -89,7 +89,6 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         padded = torch.nn.utils.rnn.pad_sequence(features.split(chunks), batch_first=True)
         padded = F.pad(padded, (0, 0, 0, 2 * self.arch.audio_n_window - padded.shape[1]))
         x = padded.transpose(1, 2)[:, None]  # [chunks, 1, mel, frames]
-        alone = alone.to(x.device)
         for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
             x = F.gelu(conv(x))
             alone = (alone + 1) // 2  # each convolution's zero padding where the audio alone ends
@@ -97,7 +96,7 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         x = self.conv_out(x.permute(0, 3, 1, 2).flatten(2))
         return x + self.positions[: x.shape[1]].to(x.dtype)
 
-    def _windows(self, frames: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _windows(self, rows: torch.Tensor) -> torch.Tensor:
         """cu_seqlens of the attention windows: each audio's rows in windows of window_rows."""
         window = self.arch.window_rows
         lengths = [w for n in rows.tolist() for w in [window] * (n // window) + ([n % window] if n % window else [])]
@@ -108,12 +107,11 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         whole = 2 * self.arch.audio_n_window
         chunks = [min(whole, int(n) - at) for n in frames for at in range(0, int(n), whole)]
         alone = torch.tensor([min(whole, int(n)) for n in frames for _ in range(0, int(n), whole)])
-        kept = output_lengths(torch.tensor(chunks), self.arch.audio_n_window)
-        x = self._front(features, chunks, alone)
-        valid = (torch.arange(x.shape[1]) < kept[:, None]).flatten().nonzero()[:, 0]
-        segments, (valid,) = SegmentParams.of(self._windows(frames, output_lengths(frames, self.arch.audio_n_window)),
-                                              None, features.device, [valid])
-        x = x.flatten(0, 1).index_select(0, valid)
+        kept = output_lengths(torch.tensor(chunks), self.arch.audio_n_window)  # each chunk's own rows
+        valid = (torch.arange(_after_convs(whole)) < kept[:, None]).flatten().nonzero()[:, 0]
+        windows = self._windows(output_lengths(frames, self.arch.audio_n_window))
+        segments, (valid, alone) = SegmentParams.of(windows, None, features.device, [valid, alone])
+        x = self._front(features, chunks, alone).flatten(0, 1).index_select(0, valid)
         x = self.decoder(x[:, None], attention_mask=None, packed_seq_params=segments)[:, 0]
         rows = self.proj2(self.activation(self.proj1(self.ln_post(x))))
         return F.pad(rows, (0, self.zero_columns))
