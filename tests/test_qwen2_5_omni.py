@@ -8,6 +8,7 @@ audio DP2 -> LLM TP2 colocated; non-colocated) and 3 training steps under them e
 process's."""
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -138,15 +139,23 @@ def test_video_with_its_audio_is_the_processors(omni):
 
     _, _, dataset, names, processor = track_samples(omni, "qwen2_5_omni")
     processor.get_chunked_index = lambda *args: Qwen2_5OmniProcessor.get_chunked_index(processor, *args)
+    replace = partial(Qwen2_5OmniProcessor.replace_video_with_audio_token, processor, position_id_per_seconds=25,
+                      seconds_per_chunk=2)
+    for ours, theirs, (video, audio) in expansions(dataset, names, replace):
+        assert ours == f"<{theirs}>" and theirs.count("A") == audio.items.rows[0] > 50, ours
+
+
+def expansions(dataset, names: dict, replace):
+    """Per sample 0 and 2 of track_samples' (a video with its own audio): our tokens in letters,
+    the processor's expansion of the video's tag (replace(video inputs, 0, audio inputs, 0): its
+    replace_video_with_audio_token) and the two media sources."""
     for index in (0, 2):
         sample, sources = dataset.encode(index)
         assert [(s.kind, s.tagged) for s in sources] == [("video", True), ("audio", False)]
         video, audio = (s.items for s in sources)
-        theirs = Qwen2_5OmniProcessor.replace_video_with_audio_token(
-            processor, {"video_grid_thw": [video.grids[0]], "video_second_per_grid": [video.seconds_per_grid]}, 0,
-            {"num_audio_tokens": [audio.rows[0]]}, 0, position_id_per_seconds=25, seconds_per_chunk=2)
-        ours = "".join(names.get(token, "") for token in sample.input_ids.tolist())
-        assert ours == f"<{theirs}>" and theirs.count("A") == audio.rows[0] > 50, ours
+        theirs = replace({"video_grid_thw": [video.grids[0]], "video_second_per_grid": [video.seconds_per_grid]}, 0,
+                         {"num_audio_tokens": [audio.rows[0]]}, 0)
+        yield "".join(names.get(token, "") for token in sample.input_ids.tolist()), theirs, sources
 
 
 @pytest.mark.families

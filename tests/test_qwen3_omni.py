@@ -10,6 +10,7 @@ audio merged by time against the thinker's use_audio_in_video; the same comparis
 (vision DP2 and audio DP2 -> LLM TP2, vision CP2 on the videos, LLM EP2, non-colocated) and 3
 training steps under them equal to one process's; the transformers-names round trip."""
 
+from functools import partial
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from tests.test_qwen2_5_omni import (
     _tracks,
     assert_round_trip,
     compare_under,
+    expansions,
     imported,
     in_memory,
     track_samples,
@@ -100,20 +102,14 @@ def test_media_are_the_processors(omni):
     processor.feature_extractor, processor.n_window = media.extractor, sizes.family_arch["audio_n_window"]
     processor.replace_audio_token = lambda *args, **kw: Qwen3OmniMoeProcessor.replace_audio_token(processor, *args,
                                                                                                   **kw)
-    for index in (0, 2):
-        sample, sources = dataset.encode(index)
-        assert [(s.kind, s.tagged) for s in sources] == [("video", True), ("audio", False)]
-        video, audio = (s.items for s in sources)
-        theirs = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
-            processor, {"video_grid_thw": [video.grids[0]], "video_second_per_grid": [video.seconds_per_grid]}, 0,
-            {"num_audio_tokens": [audio.rows[0]]}, 0, position_id_per_seconds=13)
-        ours = "".join(names.get(token, "") for token in sample.input_ids.tolist())
-        assert ours == f"<{theirs}>" and theirs.count("A") == audio.rows[0] and "AV" in theirs, ours
-        waveform = read_audio(str(sources[1].source), media.extractor.sampling_rate)
+    replace = partial(Qwen3OmniMoeProcessor.replace_video_with_audio_token, processor, position_id_per_seconds=13)
+    for ours, theirs, (_, audio) in expansions(dataset, names, replace):
+        assert ours == f"<{theirs}>" and theirs.count("A") == audio.items.rows[0] and "AV" in theirs, ours
+        waveform = read_audio(str(audio.source), media.extractor.sampling_rate)
         features, _ = Qwen3OmniMoeProcessor._process_audio(processor, [waveform], **Qwen3OmniMoeProcessor.audio_kwargs)
         frames = int(features["feature_attention_mask"].sum())
-        assert audio.grids[0][2] == frames and audio.rows[0] == int(features["num_audio_tokens"][0])
-        assert torch.equal(media.audio_pixels(str(sources[1].source), audio),
+        assert audio.items.grids[0][2] == frames and audio.items.rows[0] == int(features["num_audio_tokens"][0])
+        assert torch.equal(media.audio_pixels(str(audio.source), audio.items),
                            torch.from_numpy(features["input_features"][0, :, :frames].T))
 
 

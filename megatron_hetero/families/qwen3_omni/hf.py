@@ -100,3 +100,8 @@ def finish(sizes: ModelSizes, config) -> ModelSizes:
                              f"differs from the text model's hidden_size {sizes.hidden_size}; the encoders' rows "
                              f"must be the LLM's width")
     return with_moe(qwen3_vl_hf.finish(sizes, thinker), thinker)
+
+
+def copies(sizes: ModelSizes) -> dict[str, str]:
+    """None: its embeddings are not tied (TEXT_FIXED)."""
+    return {}
