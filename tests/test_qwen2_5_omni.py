@@ -8,6 +8,7 @@ text alone, the bad audio skipped; the audio encoder under CP2 equal to the whol
 at CP2 -> LLM TP2; non-colocated) and 3 training steps under them equal to one process's."""
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -51,10 +52,16 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 def omni(tmp_path_factory):
     """The model directory, its audio conversation data and its import."""
     tmp = tmp_path_factory.mktemp("qwen2_5_omni")
-    _run_cli("import", "--model", qwen2_5_omni_dir(tmp / "hf"), "--save", tmp / "ckpt")
-    for name, (_, text) in LAYOUTS.items():
+    return imported(tmp, qwen2_5_omni_dir(tmp / "hf"), LAYOUTS), audio_conversations(tmp / "data")
+
+
+def imported(tmp: Path, model_dir: Path, layouts: dict) -> Path:
+    """`tmp`, where the model's import (ckpt) and the layout files <name>.yaml of `layouts` (name ->
+    (processes, text)) now are."""
+    _run_cli("import", "--model", model_dir, "--save", tmp / "ckpt")
+    for name, (_, text) in layouts.items():
         (tmp / f"{name}.yaml").write_text(text)
-    return tmp, audio_conversations(tmp / "data")
+    return tmp
 
 
 def _run_cli(*args) -> str:
@@ -92,22 +99,21 @@ def test_compare_one_process(omni):
     assert stdout.count("(corrupt_audio)") == 2 and "(missing_audio)" in stdout and "(missing_video)" in stdout
 
 
-def _tracks(tmp: Path) -> tuple[Path, Path]:
-    """The videos-with-audio data and a model.json that loads a video's own audio."""
-    data = track_conversations(tmp / "tracks")
+def _tracks(tmp: Path, **data) -> tuple[Path, Path]:
+    """The videos-with-audio data (track_conversations' `data` arguments) and a model.json that loads
+    a video's own audio."""
+    data = track_conversations(tmp / "tracks", **data)
     description = json.loads((tmp / "ckpt" / "model.json").read_text())
     description["processor"]["load_audio_from_video"] = True
     (tmp / "tracks_model.json").write_text(json.dumps(description))
     return data, tmp / "tracks_model.json"
 
 
-def test_video_with_its_audio_is_the_processors(omni):
-    """load_audio_from_video: a video's tag expands as Qwen2_5OmniProcessor expands it (its
-    replace_video_with_audio_token: the video's and its audio's tokens interleaved chunk by chunk of
-    2 s), the video's own audio track an audio item of its own."""
+def track_samples(omni: tuple[Path, Path], family: str, **data) -> tuple:
+    """The videos-with-audio samples (_tracks) of the import loading a video's own audio: (its sizes,
+    media processing, dataset, its tokens' letters: <|VIDEO|> V, <|AUDIO|> A, the vision start and
+    end < >, the audio's ( ), a processor stand-in writing the same letters)."""
     from types import SimpleNamespace
-
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 
     from megatron_hetero.data.chat import HFChatTokenizer
     from megatron_hetero.data.conversations import ConversationSamples, ConversationSpec
@@ -115,26 +121,44 @@ def test_video_with_its_audio_is_the_processors(omni):
     from megatron_hetero.spec.sizes import sizes_from_dict
 
     tmp, _ = omni
-    data, model_file = _tracks(tmp)
+    data, model_file = _tracks(tmp, **data)
     description = json.loads(model_file.read_text())
     sizes = sizes_from_dict(description["sizes"])
-    media = family_named("qwen2_5_omni").media(sizes, description["processor"], description["hf"]["config"])
+    media = family_named(family).media(sizes, description["processor"], description["hf"]["config"])
     dataset = ConversationSamples(ConversationSpec(str(data), str(data.parent), 512, media),
                                   HFChatTokenizer(str(tmp / "hf"), image_token=False), 1)
     names = {media.videos.pad: "V", media.audio_tokens.placeholder: "A", media.videos.start: "<",
              media.videos.end: ">", media.audio_tokens.prefix[0]: "(", media.audio_tokens.suffix[0]: ")"}
     processor = SimpleNamespace(audio_bos_token="(", audio_eos_token=")", video_token="V", audio_token="A",
                                 video_processor=SimpleNamespace(merge_size=sizes.family_arch["spatial_merge_size"]))
+    return sizes, media, dataset, names, processor
+
+
+def test_video_with_its_audio_is_the_processors(omni):
+    """load_audio_from_video: a video's tag expands as Qwen2_5OmniProcessor expands it (its
+    replace_video_with_audio_token: the video's and its audio's tokens interleaved chunk by chunk of
+    2 s), the video's own audio track an audio item of its own."""
+    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
+
+    _, _, dataset, names, processor = track_samples(omni, "qwen2_5_omni")
     processor.get_chunked_index = lambda *args: Qwen2_5OmniProcessor.get_chunked_index(processor, *args)
+    replace = partial(Qwen2_5OmniProcessor.replace_video_with_audio_token, processor, position_id_per_seconds=25,
+                      seconds_per_chunk=2)
+    for ours, theirs, (video, audio) in expansions(dataset, names, replace):
+        assert ours == f"<{theirs}>" and theirs.count("A") == audio.items.rows[0] > 50, ours
+
+
+def expansions(dataset, names: dict, replace):
+    """Per sample 0 and 2 of track_samples' (a video with its own audio): our tokens in letters,
+    the processor's expansion of the video's tag (replace(video inputs, 0, audio inputs, 0): its
+    replace_video_with_audio_token) and the two media sources."""
     for index in (0, 2):
         sample, sources = dataset.encode(index)
         assert [(s.kind, s.tagged) for s in sources] == [("video", True), ("audio", False)]
         video, audio = (s.items for s in sources)
-        theirs = Qwen2_5OmniProcessor.replace_video_with_audio_token(
-            processor, {"video_grid_thw": [video.grids[0]], "video_second_per_grid": [video.seconds_per_grid]}, 0,
-            {"num_audio_tokens": [audio.rows[0]]}, 0, position_id_per_seconds=25, seconds_per_chunk=2)
-        ours = "".join(names.get(token, "") for token in sample.input_ids.tolist())
-        assert ours == f"<{theirs}>" and theirs.count("A") == audio.rows[0] > 50, ours
+        theirs = replace({"video_grid_thw": [video.grids[0]], "video_second_per_grid": [video.seconds_per_grid]}, 0,
+                         {"num_audio_tokens": [audio.rows[0]]}, 0)
+        yield "".join(names.get(token, "") for token in sample.input_ids.tolist()), theirs, sources
 
 
 @pytest.mark.families
@@ -154,12 +178,18 @@ def test_transformers_names_round_trip(tmp_path):
     """The files in transformers 5's in-memory names (thinker.model.visual.*, ...) import and export
     back bit for bit."""
     src = qwen2_5_omni_dir(tmp_path / "hf")
+    assert_round_trip({in_memory(key): tensor for key, tensor in _tensors(src).items()}, src, tmp_path)
+
+
+def in_memory(key: str) -> str:
+    """An omni thinker's file key in transformers 5's in-memory spelling."""
     renames = (("thinker.visual.", "thinker.model.visual."), ("thinker.audio_tower.", "thinker.model.audio_tower."),
                ("thinker.model.", "thinker.model.language_model."))
-    tensors = {}
-    for key, tensor in _tensors(src).items():
-        file = next((key.replace(a, b, 1) for a, b in renames if key.startswith(a)), key)
-        tensors[file] = tensor
+    return next((key.replace(a, b, 1) for a, b in renames if key.startswith(a)), key)
+
+
+def assert_round_trip(tensors: dict[str, torch.Tensor], src: Path, tmp_path: Path) -> None:
+    """`tensors` as the model directory `src`'s weights import and export back bit for bit."""
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     _run_cli("import", "--model", src, "--save", tmp_path / "ckpt")
     _run_cli("export", "--load", tmp_path / "ckpt", "--out", tmp_path / "out")
@@ -173,12 +203,17 @@ def test_compare_under_layouts(omni, tmp_path, layout):
     """`hf compare --hetero-layout`: vision DP2 and audio DP2 -> LLM TP2 colocated on 2 processes,
     both encoders at TP2 beside LLM DP2, both at CP2 (each image, video and audio split over the
     two) -> LLM TP2, and non-colocated on 3 (vision, audio, LLM): within 1e-4 on every sample."""
+    compare_under(omni, tmp_path, layout, LAYOUTS[layout][0], SAMPLES)
+
+
+def compare_under(omni: tuple[Path, Path], tmp_path: Path, layout: str, world: int, samples: int) -> None:
+    """`hf compare` under the layout file <layout>.yaml of the import's directory on `world`
+    processes: every one of `samples` samples within TOL."""
     tmp, data = omni
-    world = LAYOUTS[layout][0]
     code, text = collect_distributed(_compare_worker, world, tmp_path, str(tmp), str(data), [layout])[0][layout]
     print(layout, text.strip().splitlines()[-1] if text.strip() else text)
-    per_sample, worst = _report(text, SAMPLES)
-    assert code == 0 and len(per_sample) == SAMPLES and worst <= TOL, text
+    per_sample, worst = _report(text, samples)
+    assert code == 0 and len(per_sample) == samples and worst <= TOL, text
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ REGISTRY = {
     "qwen3_vl": (("qwen3_vl",), "megatron_hetero.families.qwen3_vl:QWEN3_VL"),
     "qwen3_vl_moe": (("qwen3_vl_moe",), "megatron_hetero.families.qwen3_vl:QWEN3_VL_MOE"),
     "qwen2_5_omni": (("qwen2_5_omni",), "megatron_hetero.families.qwen2_5_omni:QWEN2_5_OMNI"),
+    "qwen3_omni_moe": (("qwen3_omni_moe",), "megatron_hetero.families.qwen3_omni:QWEN3_OMNI"),
 }
 BY_MODEL_TYPE = {model_type: name for name, (types, _) in REGISTRY.items() for model_type in types}
 

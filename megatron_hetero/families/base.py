@@ -194,7 +194,8 @@ class VLMFamily:
             mine = {n for rule in rules[name] for n in rule.hf}
             state = {k: t for k, t in hf_state.items() if k in mine}
             out[name] = apply_rules(rules[name], state, to_hf=False)
-        unread = sorted(set(hf_state) - copies - {n for module in rules.values() for rule in module for n in rule.hf})
+        read = {n for module in rules.values() for rule in module for n in rule.hf}
+        unread = sorted(k for k in set(hf_state) - copies - read if not self.is_kept(scheme.to_memory(k)))
         if unread:
             raise HFMappingError(f"{self.name}: tensor {unread[0]} has no counterpart in our modules")
         return out

@@ -29,7 +29,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="Hugging Face directories -> a Megatron checkpoint")
     imp.add_argument("--model", help="a whole VLM's model directory or Hub id (config.json model_type: "
-                                  "qwen2_5_vl, internvl, qwen3_vl, qwen3_vl_moe, qwen2_5_omni)")
+                                  "qwen2_5_vl, internvl, qwen3_vl, qwen3_vl_moe, qwen2_5_omni, qwen3_omni_moe)")
     imp.add_argument("--vision", help="a SigLIP or CLIP (vision) model directory or Hub id")
     imp.add_argument("--llm", help="a Llama, Qwen2 or Qwen3 model directory or Hub id")
     imp.add_argument("--save", required=True, help="the checkpoint directory to write")

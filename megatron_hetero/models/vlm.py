@@ -215,7 +215,10 @@ def llm_forward(
             # check guards that): one pass over the image rows, none over the text; into a copy where
             # the embedding is a view (WriteRows).
             decoder_input = write_rows(decoder_input, rows, at)
-            additions += dense_additions(blocks, at, decoder_input)
+            # several encoders' blocks (their rows at disjoint positions) into one addition per layer
+            if blocks:
+                additions = ([write_rows(a, block, at) for a, block in zip(additions, blocks)] if additions
+                             else dense_additions(blocks, at, decoder_input))
     else:
         hidden, *additions = hidden.split(width, dim=-1)
         llm.set_input_tensor(hidden.contiguous() if additions else hidden)

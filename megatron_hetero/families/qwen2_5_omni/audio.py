@@ -128,14 +128,20 @@ class OmniAudioEncoder(MegatronModule):
         return self.proj(self.ln_post((x[pool] + x[pool + 1]) / 2))
 
 
-def build_audio_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
-                        whole: bool = False, **config_overrides) -> OmniAudioEncoder:
-    """The audio module on this rank (one pipeline stage)."""
+def audio_config(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype, whole: bool,
+                 arch: OmniAudioArch, **config_overrides) -> TransformerConfig:
+    """The layers' config of a family's audio encoder on this rank, which runs as one pipeline stage."""
     from megatron_hetero.models.vlm import transformer_config
 
     if not whole and pgs.pp.size() > 1:
         raise ValueError(f"the {sizes.family} audio encoder runs as one pipeline stage; set the audio module's pp: 1")
+    return transformer_config(sizes.audio_hidden_size, sizes.audio_num_layers, sizes.audio_num_attention_heads,
+                              tp, dtype, arch=arch.transformer_arch(), **config_overrides)
+
+
+def build_audio_encoder(sizes, tp: int, pgs: ProcessGroupCollection, dtype: torch.dtype = torch.float32,
+                        whole: bool = False, **config_overrides) -> OmniAudioEncoder:
+    """The audio module on this rank (one pipeline stage)."""
     arch = OmniAudioArch.of(sizes)
-    config = transformer_config(sizes.audio_hidden_size, sizes.audio_num_layers, sizes.audio_num_attention_heads,
-                                tp, dtype, arch=arch.transformer_arch(), **config_overrides)
+    config = audio_config(sizes, tp, pgs, dtype, whole, arch, **config_overrides)
     return OmniAudioEncoder(config, arch, sizes.audio_mel_bins, pgs)

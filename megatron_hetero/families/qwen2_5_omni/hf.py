@@ -57,15 +57,24 @@ def vision_rules(sizes: ModelSizes) -> list:
 
 def audio_rules(sizes: ModelSizes) -> list:
     """The Whisper-like encoder: its key projection has no bias (ours is zero there: KeylessBias)."""
+    return [*same_params("conv1", f"{AUDIO}conv1"), *same_params("conv2", f"{AUDIO}conv2"),
+            *same_params("ln_post", f"{AUDIO}ln_post"), *same_params("proj", f"{AUDIO}proj"),
+            *audio_layer_rules(sizes, AUDIO)]
+
+
+def audio_layer_rules(sizes: ModelSizes, prefix: str, key_bias: bool = False) -> list:
+    """A Whisper-like encoder's layers under `prefix`; `key_bias`: its key projection has a bias
+    (Qwen3-Omni's), else ours is zero there (KeylessBias)."""
     heads = sizes.audio_num_attention_heads
-    rules = [*same_params("conv1", f"{AUDIO}conv1"), *same_params("conv2", f"{AUDIO}conv2"),
-             *same_params("ln_post", f"{AUDIO}ln_post"), *same_params("proj", f"{AUDIO}proj")]
+    rules = []
     for i in range(sizes.audio_num_layers):
-        ours, hf = f"decoder.layers.{i}.", f"{AUDIO}layers.{i}."
+        ours, hf = f"decoder.layers.{i}.", f"{prefix}layers.{i}."
         qkv = tuple(f"{hf}self_attn.{n}_proj." for n in "qkv")
+        bias = f"{ours}self_attention.linear_qkv.bias"
         rules += [*same_params(f"{ours}input_layernorm", f"{hf}self_attn_layer_norm"),
                   FusedQKV(f"{ours}self_attention.linear_qkv.weight", tuple(f"{x}weight" for x in qkv), heads, heads),
-                  KeylessBias(f"{ours}self_attention.linear_qkv.bias", (f"{qkv[0]}bias", f"{qkv[2]}bias"), heads),
+                  FusedQKV(bias, tuple(f"{x}bias" for x in qkv), heads, heads) if key_bias
+                  else KeylessBias(bias, (f"{qkv[0]}bias", f"{qkv[2]}bias"), heads),
                   *same_params(f"{ours}self_attention.linear_proj", f"{hf}self_attn.out_proj"),
                   *same_params(f"{ours}pre_mlp_layernorm", f"{hf}final_layer_norm"),
                   *same_params(f"{ours}mlp.linear_fc1", f"{hf}fc1"),

@@ -64,20 +64,25 @@ def token_ids(config: dict) -> dict:
     ids = {name: thinker.get(name, thinker.get(name.replace("_id", "_index")))
            for name in ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id",
                         "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")}
-    return {**ids, **{key: thinker[key] for key in ("position_id_per_seconds", "seconds_per_chunk")}}
+    return {**ids, **{key: thinker[key] for key in ("position_id_per_seconds", "seconds_per_chunk") if key in thinker}}
 
 
 class OmniVideos(QwenVideos):
     """Qwen2_5OmniProcessor's videos: the temporal step is position_id_per_seconds x temporal patch /
-    the video processor's fps setting (2 where it has none)."""
+    the video processor's fps setting (`default_fps` where it has none)."""
+
+    default_fps = 2.0
 
     def __init__(self, settings: VideoSettings, config: dict):
         super().__init__(settings, config)
         self.tokens_per_second = config["position_id_per_seconds"]
 
+    @property
+    def seconds_per_grid(self) -> float:
+        return self.settings.temporal_patch_size / (self.settings.fps or self.default_fps)
+
     def timing(self, info: VideoInfo, frames: list[int], grid: tuple[int, int, int]) -> dict:
-        s = self.settings
-        return {**super().timing(info, frames, grid), "seconds_per_grid": s.temporal_patch_size / (s.fps or 2.0)}
+        return {**super().timing(info, frames, grid), "seconds_per_grid": self.seconds_per_grid}
 
 
 @dataclass(frozen=True)
@@ -116,14 +121,16 @@ class OmniMedia(qwen_vl_media.QwenImages):
     its Hugging Face config."""
 
     media_kinds = ("image", "video", "audio")
+    videos_class = OmniVideos
+    # how the family's processor calls the feature extractor: padded to its 30 s, the valid frames kept
+    extractor_call = dict(padding="max_length")
 
     def __init__(self, arch: QwenVisionArch, settings: dict, config: dict):
         settings = dict(settings)
         features = settings.pop(FEATURES_KEY)
         self.load_audio_from_video = bool(settings.pop(LOAD_AUDIO_FROM_VIDEO, False))
-        ids = token_ids(config)
-        self.tokens_per_chunk = int(ids["position_id_per_seconds"] * ids["seconds_per_chunk"])
-        super().__init__(arch, settings, ids, OmniVideos)
+        self.ids = ids = token_ids(config)
+        super().__init__(arch, settings, ids, self.videos_class)
         self.extractor = _feature_extractor_class().from_dict(features)
         self.audio_tokens = ImageTokens((ids["audio_start_token_id"],), ids["audio_token_id"],
                                         (ids["audio_end_token_id"],))
@@ -132,10 +139,23 @@ class OmniMedia(qwen_vl_media.QwenImages):
     def audio_items(self, info: AudioInfo) -> ImageItems:
         """An audio's item: its feature frames (as the extractor's attention mask counts them, at most
         its 30 s) as the grid (1, 1, frames), output_lengths(frames) rows."""
-        frames = min(-(-info.samples // self.extractor.hop_length), self.extractor.nb_max_frames)
-        rows = int(output_lengths(torch.tensor(frames)))
+        frames = self.audio_frames(info.samples)
+        rows = self.audio_rows(frames)
         t = self.audio_tokens
         return ImageItems((rows,), (frames,), ((1, 1, frames),), ((*t.prefix, *[t.placeholder] * rows, *t.suffix),))
+
+    def audio_frames(self, samples: int) -> int:
+        """The feature frames of an audio of `samples` samples (the extractor's attention mask)."""
+        return min(-(-samples // self.extractor.hop_length), self.extractor.nb_max_frames)
+
+    def audio_rows(self, frames: int) -> int:
+        """The rows the audio encoder sends for an audio of `frames` feature frames."""
+        return int(output_lengths(torch.tensor(frames)))
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """The position ids of one chunk of a video with its audio (seconds_per_chunk)."""
+        return int(self.ids["position_id_per_seconds"] * self.ids["seconds_per_chunk"])
 
     def audio_info(self, source) -> AudioInfo:
         return AudioInfo(len(read_audio(source, self.extractor.sampling_rate)))
@@ -143,7 +163,7 @@ class OmniMedia(qwen_vl_media.QwenImages):
     def audio_pixels(self, source, items: ImageItems) -> torch.Tensor:
         """The audio's features [frames, mel bins]; raises AudioError."""
         waveform = read_audio(source, self.extractor.sampling_rate)
-        out = self.extractor(waveform, sampling_rate=self.extractor.sampling_rate, padding="max_length",
+        out = self.extractor(waveform, sampling_rate=self.extractor.sampling_rate, **self.extractor_call,
                              return_attention_mask=True, return_tensors="pt")
         frames = int(out["attention_mask"].sum())
         return out["input_features"][0, :, :frames].T.contiguous()
@@ -185,6 +205,10 @@ class OmniMedia(qwen_vl_media.QwenImages):
         grid = grid_positions(times, h, w, merge)
         if not isinstance(item, VideoWithAudio):
             return grid, 0, int(grid.max()) + 1
+        return self._interleaved_block(item, grid)
+
+    def _interleaved_block(self, item: "VideoWithAudio", grid: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """_block of a video with its audio: chunk by chunk (module docstring)."""
         audio = torch.arange(item.audio_rows).expand(3, -1)
         chunks = _chunks(grid[0], audio[0], self.tokens_per_chunk, _model_chunks)
         parts = [part[:, a:b] + 1 for (v, c) in chunks for part, (a, b) in ((grid, v), (audio, c)) if b > a]
@@ -200,11 +224,16 @@ class OmniMedia(qwen_vl_media.QwenImages):
         per_frame = h * w // merge**2
         times = np.repeat(np.arange(t), per_frame) * video.seconds_per_grid * self.videos.tokens_per_second
         rows = audio.rows[0]
-        chunks = _chunks(times, np.arange(rows), self.tokens_per_chunk, _processor_chunks)
-        pads = [token for v, c in chunks for token, (a, b) in ((self.videos.pad, v), (self.audio_tokens.placeholder, c))
-                for _ in range(b - a)]
+        pads = self._interleaved_pads(times, rows)
         ids = (self.videos.start, *self.audio_tokens.prefix, *pads, *self.audio_tokens.suffix, self.videos.end)
         return VideoWithAudio(**{**asdict(video), "expansion": (ids,)}, audio_rows=rows)
+
+    def _interleaved_pads(self, times: np.ndarray, rows: int) -> list[int]:
+        """The video's and its audio's placeholders in order, of video tokens at position ids `times`
+        and `rows` audio tokens: chunk by chunk, the video's then the audio's."""
+        chunks = _chunks(times, np.arange(rows), self.tokens_per_chunk, _processor_chunks)
+        return [token for v, c in chunks for token, (a, b) in ((self.videos.pad, v), (self.audio_tokens.placeholder, c))
+                for _ in range(b - a)]
 
     def audio_media(self, audios: list[ImageItems], positions: torch.Tensor) -> Media:
         grids = torch.tensor([g for a in audios for g in a.grids], dtype=torch.long).reshape(-1, 3)

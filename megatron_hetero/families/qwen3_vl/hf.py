@@ -3,6 +3,8 @@ mergers (vision.py) and a Qwen3 LLM (QK-norm) with interleaved M-RoPE (our GPTMo
 are in transformers 5's in-memory names (`model.visual.*`, `model.language_model.*`, `lm_head.*`),
 which the Hub's Qwen3-VL files use too. Qwen3-VL-MoE's LLM is in moe.py."""
 
+from dataclasses import dataclass
+
 from megatron_hetero.convert.family import Family, Field
 from megatron_hetero.convert.llm import ROPE, llm_rules
 from megatron_hetero.convert.rules import ConcatQKV, Flattened, HFMappingError, Same, same_params
@@ -26,28 +28,41 @@ TEXT_FIXED = {"text_config.attention_bias": False, "text_config.rope_parameters.
 TEXT_ARCH = dict(normalization="RMSNorm", gated_linear_unit=True, qk_norm=True, mrope_interleaved=True)
 
 
-def _merger_rules(ours: str, hf: str) -> list:
-    return [*same_params(f"{ours}.linear_fc1", f"{hf}.linear_fc1"), *same_params(f"{ours}.linear_fc2",
-                                                                                 f"{hf}.linear_fc2")]
+@dataclass(frozen=True)
+class MergerNames:
+    """How a Qwen3 tower's files name its mergers: the DeepStack mergers' list, and in each merger
+    its LayerNorm and its MLP's two linear layers (Qwen3-Omni's tower: `merger_list`, `ln_q`,
+    `mlp.0`, `mlp.2`)."""
+
+    deepstack: str = "deepstack_merger_list"
+    norm: str = "norm"
+    fc1: str = "linear_fc1"
+    fc2: str = "linear_fc2"
+
+    def rules(self, ours: str, hf: str) -> list:
+        """A merger's MLP (the projector's encoder, ours) under `hf`."""
+        return [*same_params(f"{ours}.linear_fc1", f"{hf}.{self.fc1}"),
+                *same_params(f"{ours}.linear_fc2", f"{hf}.{self.fc2}")]
 
 
-def vision_rules(sizes: ModelSizes) -> list:
+def vision_rules(sizes: ModelSizes, prefix: str = VISION, names: MergerNames = MergerNames()) -> list:
+    """The tower's rules, its keys under `prefix`, its mergers named as `names` says."""
     from megatron_hetero.families.qwen3_vl.vision import Qwen3VisionArch
 
     arch = Qwen3VisionArch.of(sizes)
     p = arch.patch_size
-    rules = [Flattened("input_embedding.weight", f"{VISION}patch_embed.proj.weight",
+    rules = [Flattened("input_embedding.weight", f"{prefix}patch_embed.proj.weight",
                        (sizes.enc_hidden_size, arch.in_channels, arch.temporal_patch_size, p, p)),
-             Same("input_embedding.bias", f"{VISION}patch_embed.proj.bias"),
-             Same("position_embedding.weight", f"{VISION}pos_embed.weight"),
-             *same_params("decoder.final_layernorm", f"{VISION}merger.norm"),
-             *_merger_rules("projector.encoder", f"{VISION}merger")]
+             Same("input_embedding.bias", f"{prefix}patch_embed.proj.bias"),
+             Same("position_embedding.weight", f"{prefix}pos_embed.weight"),
+             *same_params("decoder.final_layernorm", f"{prefix}merger.{names.norm}"),
+             *names.rules("projector.encoder", f"{prefix}merger")]
     for k in range(len(arch.deepstack_visual_indexes)):
-        hf = f"{VISION}deepstack_merger_list.{k}"
-        rules += [*same_params(f"deepstack.{k}.norm", f"{hf}.norm"), *_merger_rules(f"deepstack.{k}.projector.encoder",
-                                                                                    hf)]
+        hf = f"{prefix}{names.deepstack}.{k}"
+        rules += [*same_params(f"deepstack.{k}.norm", f"{hf}.{names.norm}"),
+                  *names.rules(f"deepstack.{k}.projector.encoder", hf)]
     for i in range(sizes.enc_num_layers):
-        ours, hf = f"decoder.layers.{i}.", f"{VISION}blocks.{i}."
+        ours, hf = f"decoder.layers.{i}.", f"{prefix}blocks.{i}."
         rules += [*same_params(f"{ours}input_layernorm", f"{hf}norm1"),
                   *(ConcatQKV(f"{ours}self_attention.linear_qkv.{x}", f"{hf}attn.qkv.{x}",
                               sizes.enc_num_attention_heads) for x in ("weight", "bias")),

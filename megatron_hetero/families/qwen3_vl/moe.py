@@ -32,10 +32,16 @@ MOE_FIXED = {**TEXT_FIXED, "text_config.decoder_sparse_step": 1, "text_config.ml
 def moe_rules(sizes: ModelSizes, transposed: bool = False) -> list:
     """The LLM's rules: Qwen3-VL's without the dense MLP, and per layer the router and the experts
     (`transposed`: the Hub's per-expert layout)."""
-    experts = range(sizes.llm_arch.moe.num_experts)
     rules = [rule for rule in text_rules(sizes) if ".mlp." not in rule.ours]  # the dense MLP's
+    return rules + fused_expert_rules(sizes, TEXT, transposed)
+
+
+def fused_expert_rules(sizes: ModelSizes, prefix: str, transposed: bool = False) -> list:
+    """Per layer of the LLM whose keys start with `prefix`, the router and the fused experts."""
+    experts = range(sizes.llm_arch.moe.num_experts)
+    rules = []
     for i in range(sizes.num_layers):
-        ours, hf = f"decoder.layers.{i}.mlp.", f"{TEXT}layers.{i}.mlp."
+        ours, hf = f"decoder.layers.{i}.mlp.", f"{prefix}layers.{i}.mlp."
         local = f"{ours}experts.local_experts."
         rules += [Same(f"{ours}router.weight", f"{hf}gate.weight"),
                   SplitExperts(tuple(f"{local}{e}.linear_fc1.weight" for e in experts), f"{hf}experts.gate_up_proj",
