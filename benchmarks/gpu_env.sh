@@ -8,7 +8,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # install_checkout DIR TARGET: the checkout at DIR built and installed into TARGET, offline; put TARGET
 # on PYTHONPATH to use it.
 install_checkout() {
-  rm -rf "$2" && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$2" "$1"
+  # One build at a time: pip builds a local tree in its own build/ folder, which scripts started side by
+  # side (SITE_TAG) would share.
+  rm -rf "$2" && flock /tmp/megatron_hetero_install.lock \
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$2" "$1"
 }
 # baseline_checkout REV: an A/B script's baseline installed beside this checkout: `base` its tree (BASE_DIR,
 # default .base, made here with `rm -rf .base && mkdir .base && git archive REV | tar -x -C .base`,
@@ -29,7 +32,7 @@ SITE=/tmp/megatron_hetero_site${SITE_TAG:+-$SITE_TAG}
 install_checkout "$PWD" "$SITE" || exit 1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl >/dev/null 2>&1; then  # once per machine: scripts side by side share it
-  [ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  [ -d /tmp/site/megatron ] || flock /tmp/megatron_hetero_install.lock python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
