@@ -10,7 +10,7 @@ import json
 import sys
 
 from megatron_hetero.cli.picture import draw_layout
-from megatron_hetero.families import encoder_cp_tokens, encoder_stage_problem, family_named
+from megatron_hetero.families import UnknownFamilyError, encoder_cp_tokens, encoder_stage_problem, family_named
 from megatron_hetero.models.kinds import UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout, load_layout
@@ -73,8 +73,13 @@ def _model_checks(layout: HeteroLayout, model_file: str) -> list[str]:
             sizes = sizes_from_dict(json.load(f)["sizes"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise LayoutError(f"--model-sizes {model_file}: {error}; give the model.json of hf import") from None
-    family = family_named(sizes.family) if sizes.family else None
-    problems = [rules.llm_freeze_problem(layout.llm), *_size_problems(layout.llm, sizes, "", model_file)]
+    try:
+        family = family_named(sizes.family) if sizes.family else None
+    except UnknownFamilyError as error:
+        raise LayoutError(f"--model-sizes {model_file}: {error}") from None
+    moe = sizes.llm_arch.moe
+    problems = [rules.llm_freeze_problem(layout.llm), *_size_problems(layout.llm, sizes, "", model_file),
+                rules.experts_problem(layout.llm, moe.num_experts if moe else None, moe.topk if moe else 1)]
     for module in layout.encoders:
         try:
             kind = encoder_kind(module)

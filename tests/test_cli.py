@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hetero.cli.main import COMMANDS, main
-from megatron_hetero.spec.sizes import ModelSizes, sizes_to_dict
+from megatron_hetero.spec.sizes import LLMArch, ModelSizes, MoEArch, sizes_to_dict
 from tests.distributed import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +104,10 @@ def _model_json(tmp_path, **sizes) -> str:
      "module vision: cp=2 does not divide an item's 9 encoder tokens"),
     ("  vision: {role: encoder, dp: 2}\n  llm: {role: llm, pp: 2}\n", {"num_layers": 3},
      "model.json's num_layers 3 is not divisible by module llm's pp=2"),
+    ("  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n", {"llm_arch": LLMArch(moe=MoEArch(num_experts=4))},
+     "module llm: an MoE llm with tp=2 needs sequence parallelism (megatron-core's MoE layer); set sp: true"),
+    ("  vision: {role: encoder, dp: 2}\n  llm: {role: llm, tp: 2}\n", {"family": "qwen9_vl"},
+     "model family 'qwen9_vl' is not one this version maps"),
 ])
 def test_layout_check_with_model_sizes_refuses_what_training_refuses(tmp_path, capsys, modules, sizes, error):
     """The same layout passes without --model-sizes (the boundary serves it) and is one error line with it."""
