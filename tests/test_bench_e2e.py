@@ -397,3 +397,17 @@ def test_the_planner_and_layout_check_take_the_omni_audio_encoder_under_cp():
     sizes = family_sizes(FAMILY_BENCH_WORKLOADS["qwen2_5_omni_tiny"])
     audio = ModuleLayout("audio", "encoder", cp=4)
     assert rules.encoder_cp_problem(audio, encoder_cp_tokens(audio, sizes)) is None
+
+
+def test_the_planner_plans_the_qwen3_omni_thinker_with_expert_parallelism_and_no_audio_cp():
+    """Qwen3-Omni-30B-A3B's thinker on 8 GPUs: the vision tower, the audio encoder and the MoE LLM,
+    whose experts fit only split over EP; the audio encoder, which the family runs without CP, takes
+    CP only replicated (the homogeneous baseline's)."""
+    from megatron_hetero.planner import Calibration, Cluster, plan
+
+    preset = PRESETS["qwen3_omni_30b_a3b"]
+    result = plan(preset.workload, Cluster(preset.gpus, 150.7), Calibration())
+    best = result.best().candidate
+    assert [layout.name for layout in best.layouts] == ["vision", "audio", "llm"] and best.llm.ep > 1
+    audio = [p.candidate.layouts[1] for p in result.ranked + result.over_memory]
+    assert all(layout.cp == 1 or layout.cp_replicated for layout in audio)
