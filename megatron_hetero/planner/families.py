@@ -18,9 +18,10 @@ video is one item of the native towers, its grid (t, h, w) of temporal patches e
 image of h x w patches does (transformers' cu_seqlens repeat each frame's). A preset whose config
 has an audio_config (an omni model's thinker) has a second encoder, `audio`, counted on its videos'
 own audio tracks by the AUDIO_SHAPES entry it names (`audio_shape`): Qwen2.5-Omni's Whisper-like
-encoder (qwen2_5_omni_audio) or Qwen3-Omni's with its 2D-convolution front end (qwen3_omni_audio). The LLM from text_config: grouped-query
-attention with its own head size (Qwen3's 128 need not be hidden / heads), SwiGLU, and for
-Qwen3-VL-MoE the top-k of its experts per token.
+encoder (qwen2_5_omni_audio) or Qwen3-Omni's with its 2D-convolution front end (qwen3_omni_audio).
+The LLM from text_config: grouped-query attention with its own head size (Qwen3's 128 need not be
+hidden / heads), SwiGLU, and for the MoE LLMs (Qwen3-VL-MoE's, Qwen3-Omni's) the top-k of its
+experts per token.
 
 Plain data and arithmetic (no transformers import): tests/test_family_flops.py checks each family's
 count against the matmul FLOPs of its model's forward, and the image grids and tiles against the
