@@ -85,7 +85,8 @@ class ModuleShape:
     attention_keys: float = 0.0
     # How the encoder's CP ranks split an item: "tokens" into equal parts, which cp must divide
     # (this project's encoders); "blocks" by whole merge blocks (rows), any item size (the Qwen
-    # towers; Qwen2.5-Omni's audio encoder); "none": they do not (InternVL's tower trains with cp 1).
+    # towers; Qwen2.5-Omni's audio encoder); "none": they do not (InternVL's tower and Qwen3-Omni's
+    # audio encoder train with cp 1).
     cp_split: str = "tokens"
 
     def __post_init__(self):
