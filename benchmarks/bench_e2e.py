@@ -44,6 +44,12 @@ microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest t
   rows) interleaved by 2-s chunks, at 10K, global batch 4 in microbatches of 1; --items-per-sample
   sets its videos per sample; qwen2_5_omni_tiny: its CPU-sized check. Layouts name three modules:
   vision, audio, llm (examples/layouts/*omni*.yaml).
+- qwen3_omni_30b_a3b: Qwen3-Omni-30B-A3B's thinker (families/qwen3_omni: Qwen3-VL's vision tower with
+  DeepStack, the audio encoder with its 2D-convolution front end, the Qwen3-MoE LLM of 128 experts,
+  top 8), every sample one 30-s 640 x 360 video sampled at 2 fps (30 temporal patches of 22 x 40
+  patches, 6600 rows) with its own audio track (3000 feature frames, 390 rows) merged by position
+  ids, at 8K, global batch 8 in microbatches of 1; qwen3_omni_tiny: its CPU-sized check. The same
+  three modules.
 Each run prints, besides its JSON line, its MFU against --peak, each module's model FLOPs and
 phase seconds (an encoder's forward and backward apart from the other's) and the order of the
 modules' work in a step as each rank ran it (`work_orders`: ranks -> order, from the phase timers).

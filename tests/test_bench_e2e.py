@@ -312,8 +312,8 @@ def test_sequence_and_images_overrides_resize_the_workload():
         sized_workload(BENCH_WORKLOADS["W1"], layout, image_size=230)
 
 
-# ---- Qwen2.5-Omni: a video with its audio track, two encoders ----------------------------------
-@pytest.mark.parametrize("name", ["qwen2_5_omni_tiny", "qwen2_5_omni_7b"])
+# ---- Qwen2.5-Omni and Qwen3-Omni: a video with its audio track, two encoders ---------------------
+@pytest.mark.parametrize("name", ["qwen2_5_omni_tiny", "qwen2_5_omni_7b", "qwen3_omni_tiny", "qwen3_omni_30b_a3b"])
 def test_omni_presets_videos_are_the_processors(name):
     """The Omni presets' videos: the patch grid the family's video processor makes of the video's
     size, length and rate under the preset's caps, and its audio track's feature frames the
@@ -357,15 +357,16 @@ def test_omni_batch_interleaves_the_audio_rows_in_the_video_tag():
     assert int(batch["loss_mask"][0].sum()) > 0
 
 
-def test_omni_workload_trains_on_cpu_and_states_the_order_of_its_encoders(tmp_path):
-    """bench_e2e on the CPU-sized Omni thinker (examples/layouts/single_omni.yaml): the record holds
+@pytest.mark.parametrize("name", ["qwen2_5_omni_tiny", "qwen3_omni_tiny"])
+def test_omni_workload_trains_on_cpu_and_states_the_order_of_its_encoders(tmp_path, name):
+    """bench_e2e on the CPU-sized Omni thinkers (examples/layouts/single_omni.yaml): the record holds
     each module's model FLOPs and phases, the vision tower's and the audio encoder's apart, and the
     order of their work as docs/guides/layouts.md states it (colocated, LLM pp 1: per microbatch each
     encoder's forward in layout order, the LLM's forward and one backward through all three)."""
     out = tmp_path / "bench.jsonl"
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    result = run_python([ROOT / "benchmarks" / "bench_e2e.py", "--workload", "qwen2_5_omni_tiny", "--hetero-layout",
+    result = run_python([ROOT / "benchmarks" / "bench_e2e.py", "--workload", name, "--hetero-layout",
                          LAYOUTS / "single_omni.yaml", "--out", out, "--warmup", "0", "--steps", "1"], env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -396,3 +397,17 @@ def test_the_planner_and_layout_check_take_the_omni_audio_encoder_under_cp():
     sizes = family_sizes(FAMILY_BENCH_WORKLOADS["qwen2_5_omni_tiny"])
     audio = ModuleLayout("audio", "encoder", cp=4)
     assert rules.encoder_cp_problem(audio, encoder_cp_tokens(audio, sizes)) is None
+
+
+def test_the_planner_plans_the_qwen3_omni_thinker_with_expert_parallelism_and_no_audio_cp():
+    """Qwen3-Omni-30B-A3B's thinker on 8 GPUs: the vision tower, the audio encoder and the MoE LLM,
+    whose experts fit only split over EP; the audio encoder, which the family runs without CP, takes
+    CP only replicated (the homogeneous baseline's)."""
+    from megatron_hetero.planner import Calibration, Cluster, plan
+
+    preset = PRESETS["qwen3_omni_30b_a3b"]
+    result = plan(preset.workload, Cluster(preset.gpus, 150.7), Calibration())
+    best = result.best().candidate
+    assert [layout.name for layout in best.layouts] == ["vision", "audio", "llm"] and best.llm.ep > 1
+    audio = [p.candidate.layouts[1] for p in result.ranked + result.over_memory]
+    assert all(layout.cp == 1 or layout.cp_replicated for layout in audio)

@@ -121,12 +121,14 @@ def test_the_presets_image_items_are_the_processors():
 
 def test_each_preset_sits_in_its_registered_familys_folder():
     """A family's presets come with the family: every presets.json entry names a registered family
-    (families.REGISTRY) whose module is the folder holding the file, and a vision shape the planner counts."""
+    (families.REGISTRY) whose module is the folder holding the file, a vision shape the planner counts
+    and, where the config has an audio encoder, an audio shape."""
     from megatron_hetero.families import REGISTRY
-    from megatron_hetero.planner.families import PRESET_FILES, VISION_SHAPES
+    from megatron_hetero.planner.families import AUDIO_SHAPES, PRESET_FILES, VISION_SHAPES
 
     for path in PRESET_FILES:
         for name, entry in json.loads(path.read_text()).items():
             module = REGISTRY[entry["model_type"]][1].partition(":")[0]
             assert module == f"megatron_hetero.families.{path.parent.name}", (path, name, module)
             assert entry["vision_shape"] in VISION_SHAPES, (path, name)
+            assert ("audio_config" in entry["config"]) == (entry.get("audio_shape") in AUDIO_SHAPES), (path, name)

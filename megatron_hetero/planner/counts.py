@@ -59,10 +59,10 @@ def projector_params(shape: ModuleShape, llm_hidden: int) -> int:
 
 def head_params(shape: ModuleShape, llm_hidden: int) -> int:
     """Weights outside the layers: the LLM's input embedding and output layer (untied); an
-    encoder's patch embedding, its projector and DeepStack's."""
+    encoder's patch embedding (or other front end), its projector and DeepStack's."""
     if shape.role == "llm":
         return 2 * shape.vocab * shape.hidden
-    return shape.row_width * projector_params(shape, llm_hidden) + shape.patch_dim * shape.hidden
+    return shape.row_width * projector_params(shape, llm_hidden) + shape.patch_dim * shape.hidden + shape.front_params
 
 
 def module_params(shape: ModuleShape, llm_hidden: int) -> int:
@@ -110,12 +110,13 @@ def layer_forward_flops_per_token(shape: ModuleShape) -> float:
 
 def head_forward_flops_per_sample(shape: ModuleShape, llm_hidden: int) -> float:
     """The LLM's output layer on every position (the input embedding is a lookup); an encoder's
-    patch embedding on every patch, its projectors (main and DeepStack) on every row it sends."""
+    patch embedding on every patch (or its other front end on every item), its projectors (main and
+    DeepStack) on every row it sends."""
     if shape.role == "llm":
         return 2 * shape.vocab * shape.hidden * shape.seq_length
     patches = shape.items_per_sample * shape.tokens_per_item
     return 2 * (shape.row_width * projector_params(shape, llm_hidden) * shape.rows_per_sample
-                + shape.patch_dim * shape.hidden * patches)
+                + shape.patch_dim * shape.hidden * patches + shape.front_macs_per_item * shape.items_per_sample)
 
 
 def module_forward_flops_per_sample(shape: ModuleShape, llm_hidden: int) -> float:

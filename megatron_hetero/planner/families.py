@@ -16,10 +16,12 @@ the vision shape that counts what its tower computes (`vision_shape`, VISION_SHA
 the Qwen towers split an image over CP by whole merge blocks, InternViT does not (cp_split); a
 video is one item of the native towers, its grid (t, h, w) of temporal patches each attending as an
 image of h x w patches does (transformers' cu_seqlens repeat each frame's). A preset whose config
-has an audio_config (Qwen2.5-Omni's thinker) has a second encoder, `audio`, counted by
-`qwen2_5_omni_audio` on its videos' own audio tracks. The LLM from text_config: grouped-query
-attention with its own head size (Qwen3's 128 need not be hidden / heads), SwiGLU, and for
-Qwen3-VL-MoE the top-k of its experts per token.
+has an audio_config (an omni model's thinker) has a second encoder, `audio`, counted on its videos'
+own audio tracks by the AUDIO_SHAPES entry it names (`audio_shape`): Qwen2.5-Omni's Whisper-like
+encoder (qwen2_5_omni_audio) or Qwen3-Omni's with its 2D-convolution front end (qwen3_omni_audio).
+The LLM from text_config: grouped-query attention with its own head size (Qwen3's 128 need not be
+hidden / heads), SwiGLU, and for the MoE LLMs (Qwen3-VL-MoE's, Qwen3-Omni's) the top-k of its
+experts per token.
 
 Plain data and arithmetic (no transformers import): tests/test_family_flops.py checks each family's
 count against the matmul FLOPs of its model's forward, and the image grids and tiles against the
@@ -61,6 +63,7 @@ class FamilyBench:
     plan: tuple[str, int] | None = None  # a plan_layout preset too: (its description, its GPUs)
     videos: dict = field(default_factory=dict)
     config_key: str = ""
+    audio_shape: str = ""
 
     def sample_images(self, count: int = 0) -> tuple[tuple[int, int], ...]:
         """A sample's images (width, height): the preset's, cycled to `count` (0: the preset's own)."""
@@ -87,7 +90,7 @@ class FamilyBench:
         encoders = (VISION_SHAPES[self.vision_shape](self.config, items),)
         tracks = [self.videos[size][1] for size in videos if self.videos[size][1]]
         if tracks:
-            encoders += (qwen2_5_omni_audio(self.config, tracks),)
+            encoders += (AUDIO_SHAPES[self.audio_shape](self.config, tracks),)
         llm = llm_shape(self.config["text_config"], llm_layers, seq_length or self.seq_length)
         return Workload(encoders, llm, global_batch=self.global_batch, micro_batch=self.micro_batch)
 
@@ -176,7 +179,43 @@ def qwen2_5_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
                        patch_dim=3 * hidden + 2 * 3 * a["num_mel_bins"], cp_split="blocks")
 
 
+def _halved(size: int) -> list[int]:
+    """`size` after each of three stride-2 convolutions (kernel 3, padding 1)."""
+    sizes = []
+    for _ in range(3):
+        size = (size + 1) // 2
+        sizes.append(size)
+    return sizes
+
+
+def qwen3_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
+    """Qwen3-Omni's audio encoder on audios of these feature frames (families/qwen3_omni/audio.py):
+    each cut into chunks of 2 x n_window frames, every chunk padded to a whole one through three
+    stride-2 3 x 3 convolutions over (mel, time) (1 -> C, C -> C, C -> C channels) and `conv_out` (C x
+    the mel bins left -> hidden) on each of its rows; the layers (GELU MLPs) on the rows an audio
+    keeps (a whole chunk's 13, a last chunk's by its own length), attending within windows of
+    n_window_infer / (2 x n_window) chunks' rows; `proj1` (hidden -> hidden) and `proj2` (hidden ->
+    the LLM's width) on every row. CP does not split an audio (the family refuses it)."""
+    a = config["audio_config"]
+    window, hidden, channels = 2 * a["n_window"], a["d_model"], a["downsample_hidden_size"]
+    mels, times = _halved(a["num_mel_bins"]), _halved(window)
+    chunk_macs = (9 * channels * (mels[0] * times[0] + channels * (mels[1] * times[1] + mels[2] * times[2]))
+                  + times[2] * channels * mels[2] * hidden)
+    rows = [n // window * times[2] + (_halved(n % window)[2] if n % window else 0) for n in frames]
+    window_rows = times[2] * (a["n_window_infer"] // window)
+    windows = [min(window_rows, n - at) for n in rows for at in range(0, n, window_rows)]
+    chunks = sum(-(-n // window) for n in frames)
+    return ModuleShape("audio", "encoder", hidden=hidden, layers=a["encoder_layers"],
+                       heads=a["encoder_attention_heads"], ffn=a["encoder_ffn_dim"],
+                       tokens_per_item=sum(rows) // len(rows), items_per_sample=len(frames),
+                       projector_ffn=hidden, projector_input=hidden,
+                       attention_keys=sum(w * w for w in windows) / sum(windows),
+                       front_params=9 * channels * (1 + 2 * channels) + channels * mels[2] * hidden,
+                       front_macs_per_item=chunks * chunk_macs / len(frames), cp_split="none")
+
+
 VISION_SHAPES = {"native_windowed": qwen2_5_vl_vision, "native": qwen3_vl_vision, "tiles": internvl_vision}
+AUDIO_SHAPES = {"whisper": qwen2_5_omni_audio, "conv2d": qwen3_omni_audio}
 # The families' presets files (families/<name>/presets.json), in folder order.
 PRESET_FILES = sorted((Path(__file__).parents[1] / "families").glob("*/presets.json"))
 
@@ -189,7 +228,8 @@ def _family_bench(entry: dict) -> FamilyBench:
     plan = entry.get("plan")
     return FamilyBench(entry["model_type"], entry["vision_shape"], entry["config"], entry["processor"], images,
                        entry["seq_length"], entry["global_batch"], entry["micro_batch"], entry.get("tokens", {}),
-                       (plan["description"], plan["gpus"]) if plan else None, videos, entry.get("config_key", ""))
+                       (plan["description"], plan["gpus"]) if plan else None, videos, entry.get("config_key", ""),
+                       entry.get("audio_shape", ""))
 
 
 FAMILY_BENCHES = {name: _family_bench(entry) for path in PRESET_FILES

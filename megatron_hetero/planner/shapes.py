@@ -48,7 +48,9 @@ class ModuleShape:
     side, hidden x tokens per row; an encoder that averages them into a row: its hidden);
     `class_tokens` more tokens per item run through the layers but not into the projector
     (InternViT's class token); `patch_dim` values per patch token feed the input embedding
-    (0: the embedding is left out); `deepstack` more projectors of the same shape run on every row
+    (0: the embedding is left out), or a front end other than one linear map per token feeds it:
+    `front_params` weights doing `front_macs_per_item` multiply-adds per item (Qwen3-Omni's audio
+    convolutions over whole chunks); `deepstack` more projectors of the same shape run on every row
     (Qwen3-VL's DeepStack mergers), whose rows cross the boundary beside the main ones. The LLM:
     `seq_length` tokens per sample, `vocab` output classes; with `experts` > 0 its MLPs are
     mixture-of-experts layers: `experts` MLPs of width `ffn` each, every token through `topk` of
@@ -75,13 +77,16 @@ class ModuleShape:
     head_dim: int = 0  # attention head size; 0: hidden / heads (Qwen3's 128 with hidden 2048, 32 heads differs)
     class_tokens: int = 0
     patch_dim: int = 0
+    front_params: int = 0
+    front_macs_per_item: float = 0.0
     deepstack: int = 0
     # Keys a query attends to, averaged over the tokens and layers (counts.window_attention_keys:
     # items of several sizes, windowed layers); 0: its whole item (encoders), half the sequence (the llm).
     attention_keys: float = 0.0
     # How the encoder's CP ranks split an item: "tokens" into equal parts, which cp must divide
     # (this project's encoders); "blocks" by whole merge blocks (rows), any item size (the Qwen
-    # towers; Qwen2.5-Omni's audio encoder); "none": they do not (InternVL's tower trains with cp 1).
+    # towers; Qwen2.5-Omni's audio encoder); "none": they do not (InternVL's tower and Qwen3-Omni's
+    # audio encoder train with cp 1).
     cp_split: str = "tokens"
 
     def __post_init__(self):
@@ -98,14 +103,16 @@ class ModuleShape:
                 raise ValueError(f"{where}: {key} must be a positive integer, got {getattr(self, key)!r}")
         for key in ("kv_heads", "tokens_per_item", "items_per_sample", "output_tokens_per_item",
                     "projector_ffn", "projector_input", "seq_length", "vocab", "experts", "topk", "head_dim",
-                    "class_tokens", "patch_dim", "deepstack"):
+                    "class_tokens", "patch_dim", "front_params", "deepstack"):
             value = getattr(self, key)
             if not (positive_int(value) or value == 0):
                 raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
         if self.cp_split not in CP_SPLITS:
             raise ValueError(f"{where}: cp_split {self.cp_split!r} is not one of {', '.join(CP_SPLITS)}")
-        if not (isinstance(self.attention_keys, (int, float)) and self.attention_keys >= 0):
-            raise ValueError(f"{where}: attention_keys must be a non-negative number, got {self.attention_keys!r}")
+        for key in ("attention_keys", "front_macs_per_item"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{where}: {key} must be a non-negative number, got {value!r}")
         if self.experts and not 1 <= self.topk <= self.experts:
             raise ValueError(f"{where}: topk {self.topk} must be between 1 and experts {self.experts}")
         if self.experts and self.role != "llm":
