@@ -10,7 +10,7 @@
 - which all-to-all dispatchers keep their token counts on the device (patches/moe_dispatch.py), and
   its identity sort.
 The layouts with expert and expert-tensor parallelism train through them in test_moe.py (CPUs run
-SequentialMLP's forward under auto); tools/gpu_experts_check.py checks the kernels on a GPU.
+SequentialMLP's forward under auto); `megatron-hetero kernels check experts` checks the kernels on a GPU.
 """
 
 import types
@@ -228,12 +228,11 @@ def test_dispatcher_keeps_counts_on_the_device_with_one_rank_dropless():
     assert out.flatten().tolist() == [3, 4, 5, 0, 1, 2] and out_probs.tolist() == [3, 4, 5, 0, 1, 2]
 
 
-# ---- the GPU check's judging (tools/gpu_experts_check.py, its correctness part on the CPU) ---------
+# ---- the GPU check's judging (cli/checks/experts.py, its correctness part on the CPU) ---------------
 def test_gpu_check_passes_grouped_experts_and_fails_a_wrong_gradient(monkeypatch):
     """The check's errors against fp32 (bf16 on torch's CPU grouped GEMM here) pass the grouped
     experts and fail them with fc2's weight gradients of the wrong expert."""
-    import gpu_experts_check as check
-
+    from megatron_hetero.cli.checks import experts as check
     from megatron_hetero.models import experts
 
     def accumulate(total_input, grad_output, main_grad):  # megatron's fusion in fp32, as on GPUs

@@ -1,6 +1,6 @@
 """`megatron-hetero kernels check`: is each fast kernel the layers may choose right on this GPU?
 
-    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|all] [--quick] [--record] [--out DIR]
+    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|all] [--quick] [--record] [--out DIR]
 
 The layers run flash-attn-4 only at head dims checked on that GPU model, and context parallelism's
 merged-chunk cuDNN attention only on GPU models checked for it (models/kernel_policy.py: the table
@@ -9,7 +9,8 @@ environment line that enables what passed (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS
 MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1), or with --record writes it into the user's table
 (~/.cache/megatron_hetero/kernel_checks.json, or the file MEGATRON_HETERO_KERNEL_CHECKS names),
 which the kernel policy reads from then on. The norms and MLP checks judge quack's kernels, which
-the default runs on sm90 and sm100 GPUs. Each check's module docstring (cli/checks/) says what it
+the default runs on sm90 and sm100 GPUs; the experts check torch's grouped GEMMs for MoE experts,
+which the default runs on sm90 GPUs. Each check's module docstring (cli/checks/) says what it
 measures. Exit status: 0 PASS, 1 FAIL, 2 no GPU or the kernels do not load (one line saying which).
 """
 
@@ -27,6 +28,7 @@ CHECKS = {
     "cp-chunks": ("megatron_hetero.cli.checks.cp_chunks", "context parallelism's merged-chunk cuDNN attention"),
     "norms": ("megatron_hetero.cli.checks.norms", "quack's LayerNorm and RMSNorm"),
     "mlp": ("megatron_hetero.cli.checks.mlp", "the MLP's fused GEMMs (quack's epilogues)"),
+    "experts": ("megatron_hetero.cli.checks.experts", "an MoE layer's grouped expert GEMMs and its host syncs"),
 }
 
 

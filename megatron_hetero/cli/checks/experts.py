@@ -2,7 +2,7 @@
 shape, faster than megatron-core's SequentialMLP, and is the MoE layer's forward and backward free
 of host syncs?
 
-    python3 tools/gpu_experts_check.py [--quick] [--out DIR]   (one GPU)
+    megatron-hetero kernels check experts [--quick] [--out DIR]   (one GPU)
 
 Per case (tokens routed top-8 to 128 experts of hidden 2048 and ffn 768, two experts receiving no
 token; an EP2 rank's 64 experts; expert TP2's halves): the output, the token and probability
@@ -16,11 +16,9 @@ grouped layer with the patch a sync or no fewer waits than without it: FAIL, exi
 JSON object per line) go to DIR/experts_check.jsonl; DIR defaults to $OUT or out/.
 """
 
-import argparse
 import functools
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -28,8 +26,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_ops import timed
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from megatron_hetero.cli.checks.common import timed
+from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
 
 TOLERANCE = 0.02  # SequentialMLP's own bf16 error against fp32 is ~0.005-0.01
 GRADS = ("out", "dx", "dprobs", "dw1", "dw2")
@@ -131,7 +131,7 @@ def host_syncs(kind: str, case: Case) -> tuple[int, int]:
 
     from megatron_hetero.models.experts import GroupedExperts
 
-    os.environ["MEGATRON_HETERO_EXPERTS_KERNEL"] = kind
+    os.environ[EXPERTS_KERNEL_ENV] = kind  # the kernel policy of the layers built next
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
@@ -158,7 +158,7 @@ def measure(case: Case, iters: int) -> dict:
 
     from megatron_hetero.models.experts import GroupedExperts
 
-    os.environ["MEGATRON_HETERO_EXPERTS_KERNEL"] = "grouped"
+    os.environ[EXPERTS_KERNEL_ENV] = "grouped"
     record = dict(case=case.name, tokens=case.tokens, experts=case.experts, ffn=case.ffn, topk=case.topk)
     for label, cls in (("sequential", SequentialMLP), ("grouped", GroupedExperts)):
         record.update({f"{label}_{n}_err": e for n, e in errors(cls, case).items()})
@@ -185,27 +185,30 @@ def sync_record(case: Case) -> dict:
     return record
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="an eighth of the tokens, fewer timing calls")
-    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
-    args = parser.parse_args()
+def main(quick: bool, out: str) -> int:
     from megatron_hetero.patches import grad_accum_fusion
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)  # groups of this process alone
     grad_accum_fusion.apply()  # main_grad accumulation without apex, as in training
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    records = [measure(case, 5 if args.quick else 20) for case in cases(args.quick)]
-    records.append(sync_record(cases(args.quick)[0]))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(args.out) / "experts_check.jsonl", "a") as f:
+    previous = os.environ.get(EXPERTS_KERNEL_ENV)  # the cases set it; the caller's is restored
+    try:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        records = [measure(case, 5 if quick else 20) for case in cases(quick)]
+        records.append(sync_record(cases(quick)[0]))
+    finally:
+        dist.destroy_process_group()
+        os.environ.pop(EXPERTS_KERNEL_ENV, None)
+        if previous is not None:
+            os.environ[EXPERTS_KERNEL_ENV] = previous
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with open(Path(out) / "experts_check.jsonl", "a") as f:
         for r in records:
             print(json.dumps(r), flush=True)
             f.write(json.dumps(dict(r, device=torch.cuda.get_device_name(), torch=torch.__version__)) + "\n")
-    ok = all(r["ok"] for r in records)
-    print("PASS" if ok else f"FAIL: grouped errors above {TOLERANCE} of fp32, or host syncs in the grouped MoE layer")
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if all(r["ok"] for r in records):
+        print(f"PASS: the grouped experts are right here (the default, auto, runs them on sm90 GPUs; elsewhere "
+              f"export {EXPERTS_KERNEL_ENV}=grouped)")
+        return 0
+    print(f"FAIL: grouped errors above {TOLERANCE} of fp32, or host syncs in the grouped MoE layer; keep "
+          f"megatron-core's SequentialMLP: export {EXPERTS_KERNEL_ENV}=sequential")
+    return 1
