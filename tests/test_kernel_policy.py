@@ -154,3 +154,17 @@ def test_the_users_table_is_merged_over_the_shipped_one(tmp_path, monkeypatch):
     user.write_text('{"fa4_checked_head_dims": [')
     with pytest.raises(KernelPolicyError, match="kernel_checks.json: not a kernel checks table"):
         kernel_policy.load_checks(kernel_policy.CHECKS_FILE, user)
+
+
+def test_a_corrupt_user_table_is_one_line_when_the_arguments_are_checked(tmp_path, monkeypatch):
+    """A user's table that is not one does not stop the import: the shipped table serves, and the
+    arguments' check (build) stops with the line naming the file."""
+    bad = tmp_path / "checks.json"
+    bad.write_text("{bad")
+    (dims, merged), problem = kernel_policy._tables({kernel_policy.USER_CHECKS_ENV: str(bad)})
+    assert (dims, merged) == kernel_policy.load_checks(kernel_policy.CHECKS_FILE)
+    assert problem.startswith(f"{bad}: not a kernel checks table") and "\n" not in problem
+    monkeypatch.setattr(kernel_policy, "USER_CHECKS_PROBLEM", problem)
+    with pytest.raises(KernelPolicyError, match="not a kernel checks table"):
+        kernel_policy.build()
+

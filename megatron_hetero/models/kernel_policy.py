@@ -88,7 +88,17 @@ def load_checks(*paths: Path) -> tuple[dict[str, tuple[int, ...]], tuple[str, ..
     return dims, tuple(merged)
 
 
-CHECKED_HEAD_DIMS, CUDNN_MERGE_CHECKED = load_checks(CHECKS_FILE, user_checks_file())
+def _tables(environ=os.environ) -> tuple[tuple[dict, tuple], str | None]:
+    """The shipped table with the user's merged over it, and None; where the user's is not a table,
+    the shipped one alone and the problem, which `build` reports as one line when the arguments are
+    checked (not as an import error)."""
+    try:
+        return load_checks(CHECKS_FILE, user_checks_file(environ)), None
+    except KernelPolicyError as error:
+        return load_checks(CHECKS_FILE), str(error)
+
+
+(CHECKED_HEAD_DIMS, CUDNN_MERGE_CHECKED), USER_CHECKS_PROBLEM = _tables()
 
 
 def record_check(gpu: str, fa4_head_dims: tuple[int, ...] | None = None, cudnn_merge: bool = False,
@@ -193,7 +203,9 @@ def of(config, environ=os.environ) -> KernelPolicy:
 def build(attention_backend="auto", flash_attention_version=None, transformer_impl="transformer_engine",
           environ=os.environ) -> KernelPolicy:
     """The policy of these flags and overrides, checked as flags; KernelPolicyError (one line) for a
-    bad value."""
+    bad value (a corrupt table of the user's checked kernels too)."""
+    if USER_CHECKS_PROBLEM:
+        raise KernelPolicyError(USER_CHECKS_PROBLEM)
     if str(getattr(attention_backend, "name", attention_backend)) == "local":
         raise KernelPolicyError("--attention-backend local is Megatron's switch to its --spec local models; for "
                                 "torch SDPA in these layers use --attention-backend unfused")
