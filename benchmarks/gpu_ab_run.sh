@@ -8,7 +8,7 @@
 #   WORKLOADS="qwen3_vl_30b_a3b qwen3_vl_4b" benchmarks/gpu_ab_run.sh
 # Out ($OUT): hardware.txt, A.jsonl, B.jsonl, ab.log, summary.md, profile_B_<workload>.md.
 # Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0]
-#        [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=200] [BUDGET_S=480] [FA4_SITE=DIR]
+#        [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
 #        benchmarks/gpu_ab_run.sh
 set -uo pipefail
 start=$SECONDS
@@ -29,7 +29,7 @@ e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   [ -f "$dir/$bench" ] || bench=tools/bench_e2e.py
   echo "== $(date +%T) $1 $2 ${arm_env}" >> "$out/ab.log"
   # shellcheck disable=SC2086  # the arm's assignments, one word each
-  (cd "$dir" && env $arm_env CUDA_VISIBLE_DEVICES=${CARD:-0} PYTHONPATH=$path timeout "${RUN_S:-200}" torchrun --standalone \
+  (cd "$dir" && env $arm_env CUDA_VISIBLE_DEVICES=${CARD:-0} PYTHONPATH=$path timeout "${RUN_S:-300}" torchrun --standalone \
     --nproc-per-node 1 "$bench" --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
     --warmup 2 --steps "${STEPS:-5}" --out "$out/$1.jsonl" "${@:3}") >> "$out/ab.log" 2>&1
   echo "$1 $2: exit $? at $((SECONDS - start)) s"

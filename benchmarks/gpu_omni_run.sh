@@ -12,7 +12,8 @@
 #   qwen2_5_omni_7b --gpus 4 --layouts examples/layouts/gpu4_omni_*.yaml` ranks them), the distributed
 #   optimizer, each with the recomputation the planner says fits ("layout:N": the first N layers of
 #   every module, "full": all), 1 warm-up and STEPS timed steps.
-# No run starts after BUDGET_S seconds from the start; each is killed after RUN_TIMEOUT.
+# No run starts after BUDGET_S seconds from the start; each is killed after RUN_TIMEOUT (default 300 s: a
+# 7B-scale model takes two minutes and more to reach its first step).
 # Out ($OUT): hardware.txt, omni.jsonl, omni.log, table.md (the runs, then MFU, each module's FLOPs and
 # phases, and the order of the work).
 # Usage: [PART=1|2|both] [LAYERS1=N] [CARD=0 (part 1's)] [MEM80=1] [STEPS=10] [RUNS="layout:recompute ..."] [BUDGET_S=270] [PEAK=989]
@@ -32,7 +33,7 @@ recompute_flags() {  # full | 0 | N
 bench() {  # gpus, layout, recompute, LLM layers, steps
   if [ $((SECONDS - start)) -gt "${BUDGET_S:-270}" ]; then echo "$2 [$3, $4 layers]: skipped (time)"; return 2; fi
   echo "== $(date +%T) $2: $1 GPU(s), LLM $4 layers, recompute $3" | tee -a "$out/omni.log"
-  timeout -s KILL "${RUN_TIMEOUT:-150}" torchrun --standalone --nproc-per-node "$1" benchmarks/bench_e2e.py --workload $W \
+  timeout -s KILL "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "$1" benchmarks/bench_e2e.py --workload $W \
     --llm-layers "$4" --global-batch 4 --micro-batch 1 --warmup 1 --steps "$5" --hetero-layout "examples/layouts/$2.yaml" \
     --flags="$(recompute_flags "$3")" --peak "${PEAK:-989}" --out "$out/omni.jsonl" "${cap[@]}" >> "$out/omni.log" 2>&1
   local rc=$?
