@@ -37,6 +37,7 @@ from pathlib import Path
 
 from megatron_hetero.planner.counts import item_attention_keys, window_attention_keys
 from megatron_hetero.planner.shapes import ModuleShape, Workload
+from megatron_hetero.spec.sizes import stride2_sizes
 
 
 @dataclass(frozen=True)
@@ -179,15 +180,6 @@ def qwen2_5_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
                        patch_dim=3 * hidden + 2 * 3 * a["num_mel_bins"], cp_split="blocks")
 
 
-def _halved(size: int) -> list[int]:
-    """`size` after each of three stride-2 convolutions (kernel 3, padding 1)."""
-    sizes = []
-    for _ in range(3):
-        size = (size + 1) // 2
-        sizes.append(size)
-    return sizes
-
-
 def qwen3_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
     """Qwen3-Omni's audio encoder on audios of these feature frames (families/qwen3_omni/audio.py):
     each cut into chunks of 2 x n_window frames, every chunk padded to a whole one through three
@@ -198,10 +190,10 @@ def qwen3_omni_audio(config: dict, frames: list[int]) -> ModuleShape:
     the LLM's width) on every row. CP does not split an audio (the family refuses it)."""
     a = config["audio_config"]
     window, hidden, channels = 2 * a["n_window"], a["d_model"], a["downsample_hidden_size"]
-    mels, times = _halved(a["num_mel_bins"]), _halved(window)
+    mels, times = stride2_sizes(a["num_mel_bins"], 3), stride2_sizes(window, 3)
     chunk_macs = (9 * channels * (mels[0] * times[0] + channels * (mels[1] * times[1] + mels[2] * times[2]))
                   + times[2] * channels * mels[2] * hidden)
-    rows = [n // window * times[2] + (_halved(n % window)[2] if n % window else 0) for n in frames]
+    rows = [n // window * times[2] + (stride2_sizes(n % window, 3)[2] if n % window else 0) for n in frames]
     window_rows = times[2] * (a["n_window_infer"] // window)
     windows = [min(window_rows, n - at) for n in rows for at in range(0, n, window_rows)]
     chunks = sum(-(-n // window) for n in frames)

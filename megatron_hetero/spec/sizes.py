@@ -120,6 +120,16 @@ class ModelSizes:
         return self.audio_frames // AUDIO_FRAMES_PER_TOKEN
 
 
+def stride2_sizes(size: int, convolutions: int) -> list[int]:
+    """`size` after each of `convolutions` stride-2 convolutions of kernel 3 and padding 1 (an
+    audio front end's mel bins or frames, e.g. Qwen3-Omni's three)."""
+    sizes = []
+    for _ in range(convolutions):
+        size = (size + 1) // 2
+        sizes.append(size)
+    return sizes
+
+
 def padded_vocab_size(sizes: ModelSizes, tp: int = 1) -> int:
     """Rows of the LLM's embedding and output layer under TP size `tp`: the vocabulary rounded up to a
     multiple of lcm(vocab_multiple, tp) (every TP rank holds whole rows). The rows past the

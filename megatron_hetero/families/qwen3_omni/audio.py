@@ -36,6 +36,7 @@ from megatron_hetero.families.qwen2_5_vl.vision import vision_layer_spec
 from megatron_hetero.families.qwen3_omni.media import output_lengths
 from megatron_hetero.models.specs import block_spec
 from megatron_hetero.models.varlen import SegmentParams
+from megatron_hetero.spec.sizes import stride2_sizes
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,6 @@ class Qwen3OmniAudioArch(OmniAudioArch):
         return int(output_lengths(torch.tensor(chunk), self.audio_n_window)) * (self.audio_n_window_infer // chunk)
 
 
-def _after_convs(size: int) -> int:
-    """What is left of `size` mel bins or frames after the three stride-2 convolutions."""
-    for _ in range(3):
-        size = (size + 1) // 2
-    return size
-
-
 class Qwen3OmniAudioEncoder(MegatronModule):
     """features [frames, mel bins] of audios with grids [n, 3] (1, 1, frames) -> rows (module docstring)."""
 
@@ -73,7 +67,7 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         self.conv2d1 = torch.nn.Conv2d(1, channels, 3, 2, padding=1, dtype=dtype)
         self.conv2d2 = torch.nn.Conv2d(channels, channels, 3, 2, padding=1, dtype=dtype)
         self.conv2d3 = torch.nn.Conv2d(channels, channels, 3, 2, padding=1, dtype=dtype)
-        self.conv_out = torch.nn.Linear(channels * _after_convs(mel_bins), hidden, bias=False, dtype=dtype)
+        self.conv_out = torch.nn.Linear(channels * stride2_sizes(mel_bins, 3)[-1], hidden, bias=False, dtype=dtype)
         self.register_buffer("positions", sinusoids(arch.audio_max_source_positions, hidden), persistent=False)
         self.decoder = TransformerBlock(config=config, spec=block_spec(vision_layer_spec(pg_collection, None), config,
                                                                         pg_collection, te=False),
@@ -108,7 +102,7 @@ class Qwen3OmniAudioEncoder(MegatronModule):
         chunks = [min(whole, int(n) - at) for n in frames for at in range(0, int(n), whole)]
         alone = torch.tensor([min(whole, int(n)) for n in frames for _ in range(0, int(n), whole)])
         kept = output_lengths(torch.tensor(chunks), self.arch.audio_n_window)  # each chunk's own rows
-        valid = (torch.arange(_after_convs(whole)) < kept[:, None]).flatten().nonzero()[:, 0]
+        valid = (torch.arange(stride2_sizes(whole, 3)[-1]) < kept[:, None]).flatten().nonzero()[:, 0]
         windows = self._windows(output_lengths(frames, self.arch.audio_n_window))
         segments, (valid, alone) = SegmentParams.of(windows, None, features.device, [valid, alone])
         x = self._front(features, chunks, alone).flatten(0, 1).index_select(0, valid)
