@@ -226,13 +226,15 @@ def global_microbatches(samples: list[Sample], size: int) -> list[dict]:
 class Trainer:
     """megatron.training set up for one workload: the model (one HeteroModel chunk), its optimizer
     (megatron-core's MimoOptimizer, whose step counts as phase "optimizer"), the learning-rate
-    scheduler, and the workload's global microbatches, over and over."""
+    scheduler, and the workload's global microbatches, over and over; setup_s: the seconds
+    setup_model_and_optimizer took (the model's build and initialization, DDP, the optimizer)."""
 
     args: object
     model: list
     optimizer: object
     scheduler: object
     batches: object
+    setup_s: float = 0.0
 
     @property
     def hetero(self):
@@ -323,8 +325,10 @@ def megatron_trainer(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         run = args.hetero_run  # out of GPU memory, its line adds the planner's answer for the workload
         run.handles.memory_advice = lambda: planner_answer(w, run.layout.world_size, _gpu_memory_gb())
         set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
+        started = time.perf_counter()
         model, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder,
                                                                 model_provider_func=model_provider)
+        setup_s = time.perf_counter() - started
         hetero = model[0]
         hetero.train()
         hetero.config.grad_scale_func = optimizer.scale_loss
@@ -334,7 +338,7 @@ def megatron_trainer(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         if torch.cuda.is_available():  # as megatron.training's loader (pin_memory=True) yields them
             micro = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro]
         yield Trainer(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
-                      RerunDataIterator(itertools.cycle(micro)))
+                      RerunDataIterator(itertools.cycle(micro)), setup_s)
     finally:
         destroy_rerun_state_machine()
         destroy_model_parallel()
@@ -425,7 +429,7 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     from megatron_hetero.models.specs import KERNEL_KINDS, kernel_summaries  # imports megatron-core
 
     kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
-    mine = dict(rank=run.rank, stage=_stage_name(run), peak_gb=peak_gb, outside_allocator_gib=_outside_allocator_gib(),
+    mine = dict(rank=run.rank, stage=_stage_name(run), setup_s=trainer.setup_s, peak_gb=peak_gb, outside_allocator_gib=_outside_allocator_gib(),
                 waiting_s=waiting_s, phases=phases, module_phases=by_module, work_order=order,
                 **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
                 losses=losses)
@@ -442,6 +446,7 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
         encoder_flops_share=1 - flops["llm"] / sum(flops.values()),
         module_tflops={name: f / 1e12 for name, f in flops.items()},
         peak_gb_max=max(r["peak_gb"] for r in gathered),
+        setup_s_max=max(r["setup_s"] for r in gathered),
         outside_allocator_gib_max=max(r["outside_allocator_gib"] for r in gathered),
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,

@@ -53,6 +53,7 @@ TARGETS = [
     "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
     "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
     "megatron.core.transformer.moe.token_dispatcher.sort_chunks_by_idxs",
+    "megatron.core.tensor_parallel.layers._initialize_affine_weight_cpu",
 ]
 CPU_TARGETS = [
     *(f"torch.cuda.{name}" for name in ("current_device", "current_stream", "default_stream", "Stream", "Event",
@@ -374,6 +375,48 @@ def test_grad_norm_reads_nothing_on_the_host():
     assert clip_grads.l2_norm_impl(0, None, [on_meta], False)[0].shape == (1,)
     with pytest.raises(RuntimeError, match="item"):
         local_multi_tensor_l2_norm(0, None, [on_meta], False)
+
+
+def test_device_drawn_weights_are_one_full_tensor_sliced():
+    """An init method marked DeviceDrawn: megatron-core's CPU initialization draws the full master weight
+    on that device (here the CPU, the code path a GPU takes) from a generator seeded by one draw of the
+    default CPU generator; every TP rank keeps its slice of that one tensor (layout-independent), the
+    run's seed decides it, and the CPU stream advances by that one draw. Another init method gets
+    upstream's draws bit for bit."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_hetero.models.init import DeviceDrawn
+    from megatron_hetero.patches import device_init
+
+    def init(weight):
+        return torch.nn.init.normal_(weight, std=0.02)
+    apply()
+    marked = DeviceDrawn(init, torch.device("cpu"))
+
+    def slices(init_method, world_size, dim=0):
+        torch.manual_seed(7)
+        shape = [12, 6]
+        shape[dim] //= world_size
+        out = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(world_size)]
+        for rank, weight in enumerate(out):
+            torch.manual_seed(7)
+            layers._initialize_affine_weight_cpu(weight, 12, 6, shape[dim], dim, init_method, params_dtype=torch.bfloat16,
+                                                 rank=rank, world_size=world_size)
+        return torch.cat(out, dim), torch.randint(2**30, ())
+
+    whole, after = slices(marked, 1)
+    torch.manual_seed(7)
+    seed = int(torch.randint(device_init.SEED_RANGE, ()))
+    assert after == torch.randint(2**30, ())  # one draw of the CPU stream
+    reference = torch.empty(12, 6)
+    with device_init.seeded(torch.device("cpu"), seed):
+        init(reference)
+    assert torch.equal(whole, reference.bfloat16())
+    for dim in (0, 1):
+        assert torch.equal(slices(marked, 2, dim)[0], whole)
+    upstream, _ = slices(init, 1)
+    torch.manual_seed(7)
+    assert torch.equal(upstream, init(torch.empty(12, 6)).bfloat16()) and not torch.equal(upstream, whole)
 
 
 def _accumulate_in_linear_layers(rank, world_size):

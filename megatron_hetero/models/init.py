@@ -8,15 +8,43 @@ and copies the stage's part out of it. The whole module is built from the same p
 config whose pipeline size is 1 (megatron-core then builds every layer at offset 0 whatever
 `pg_collection.pp` says) and an expert-parallel group of this rank alone (groups.ModuleGroups), so
 no extra process group is needed and TP ranks keep their own slice.
+
+On a GPU the full-size tensors are drawn there (`DeviceDrawn`): megatron-core's CPU initialization
+draws, casts and slices every full weight on the host, single-threaded, about two minutes per rank
+for a 7B model.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 M = TypeVar("M", bound=torch.nn.Module)
+
+
+@dataclass(frozen=True)
+class DeviceDrawn:
+    """An init method whose full-size master weights megatron-core's CPU initialization
+    (`_initialize_affine_weight_cpu`) builds on `device` (patches/device_init.py): each weight from its
+    own seed, one draw of the default CPU generator, so the weights stay layout-independent (every TP
+    rank draws the same full tensor and keeps its slice) and follow the run's seed. Called directly, or
+    without the patch, it is `init`."""
+
+    init: Callable[[torch.Tensor], object]
+    device: torch.device
+
+    def __call__(self, tensor: torch.Tensor):
+        return self.init(tensor)
+
+
+def on_device(init: Callable) -> Callable:
+    """`init` as a DeviceDrawn on this process's GPU; `init` itself where there is none (the CPU's
+    draws are then upstream's, bit for bit)."""
+    if not torch.cuda.is_available():
+        return init
+    return DeviceDrawn(init, torch.device("cuda", torch.cuda.current_device()))
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

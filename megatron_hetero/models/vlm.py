@@ -21,6 +21,7 @@ from megatron_hetero.models import specs
 from megatron_hetero.models.attention import packed_seq_params
 from megatron_hetero.models.audio import AudioEncoder
 from megatron_hetero.models.deepstack import InterleavedMRoPE, added_after_layers, dense_additions, split_rows
+from megatron_hetero.models.init import on_device
 from megatron_hetero.models.specs import block_spec, llm_layer_spec
 from megatron_hetero.models.vision import VisionEncoder
 from megatron_hetero.models.vocab import first_rows_init, pad_vocab
@@ -72,7 +73,10 @@ def transformer_config(hidden, layers, heads, tp: int, dtype: torch.dtype, pp: i
         apply_rope_fusion=False,
         bias_dropout_fusion=False,
     )
-    return TransformerConfig(**{**fields, **overrides})
+    config = TransformerConfig(**{**fields, **overrides})
+    for field in ("init_method", "output_layer_init_method", "embedding_init_method"):
+        setattr(config, field, on_device(getattr(config, field)))
+    return config
 
 
 def _stage(pgs: ProcessGroupCollection, whole: bool) -> tuple[int, bool, bool]:
@@ -137,7 +141,7 @@ def build_llm(
     num_experts = arch.moe.num_experts if arch.moe else None
     te = specs.llm_uses_te(config, packed)
     whole_rows = padded_vocab_size(sizes)  # the padding's own initial weights do not depend on tp
-    config.embedding_init_method = first_rows_init(config.embedding_init_method, whole_rows)
+    config.embedding_init_method = on_device(first_rows_init(config.embedding_init_method, whole_rows))
     spec = transformer_layer_spec or block_spec(llm_layer_spec(pgs, num_experts, te, arch.qk_norm), config, pgs, te)
     llm = GPTModel(
         config=config,
