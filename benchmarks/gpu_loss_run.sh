@@ -6,27 +6,33 @@
 # megatron-core's MLP and norms on torch, upstream's eager RoPE), for two seeds of the initial weights.
 # bench_e2e repeats one global batch at a constant learning rate ($LR), so the loss falls as the model
 # learns that batch. The noise: each seed's unfused run twice (what bf16 and the kernels' own
-# non-determinism make of one configuration). Six runs on cards 0-3, timing not the point.
+# non-determinism make of one configuration). Six runs, timing not the point, spread over the lanes of
+# $CARDS (default "0 1 2 3": one lane per card; "0 0 0": three lanes side by side on card 0), each lane
+# running its runs one after another.
 # Out: hardware.txt, <run>.jsonl (bench_e2e's record, every step's loss), loss.log, compare.md.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 W=${WORKLOAD:-qwen2_5_vl_7b}
 unfused=(env MEGATRON_HETERO_MLP_KERNEL=torch MEGATRON_HETERO_NORM_KERNEL=torch MEGATRON_HETERO_EAGER_ROPE=1)
-run() {  # card, name (fused|unfused)_s<seed>[_<repeat>]
-  local card=$1 name=$2 seed=${2#*_s} backend=auto
+run() {  # lane, card, name (fused|unfused)_s<seed>[_<repeat>]
+  local lane=$1 card=$2 name=$3 seed=${3#*_s} backend=auto
   seed=${seed%%_*}
   local prefix=(env)
   [[ $name == unfused* ]] && prefix=("${unfused[@]}") backend=unfused
   CUDA_VISIBLE_DEVICES=$card "${prefix[@]}" timeout -s KILL "${RUN_S:-280}" torchrun --nproc-per-node 1 \
-    --master-port $((29800 + card)) benchmarks/bench_e2e.py --workload "$W" --llm-layers "${LLM_LAYERS:-2}" \
+    --master-port $((29800 + lane)) benchmarks/bench_e2e.py --workload "$W" --llm-layers "${LLM_LAYERS:-2}" \
     --items-per-sample "${ITEMS:-4}" --global-batch "${GB:-2}" --hetero-layout examples/layouts/single.yaml \
     --warmup 0 --steps "${STEPS:-200}" --out "$out/$name.jsonl" \
     --flags="--seed $seed --lr ${LR:-2e-5} --attention-backend $backend" > "/tmp/loss_$name.log" 2>&1
   echo "$name on card $card: exit $?; $(grep -E '^(attention|mlp|norms):' "/tmp/loss_$name.log" | sort -u | tr '\n' ' ')" \
     | tee -a "$out/loss.log"
 }
-{ run 0 unfused_s1_a; run 0 fused_s1; } & { run 1 unfused_s1_b; run 1 fused_s2; } &
-run 2 unfused_s2_a & run 3 unfused_s2_b & wait
+read -r -a cards <<< "${CARDS:-0 1 2 3}"
+runs=(unfused_s1_a unfused_s1_b unfused_s2_a unfused_s2_b fused_s1 fused_s2)
+for lane in "${!cards[@]}"; do
+  (for ((i = lane; i < ${#runs[@]}; i += ${#cards[@]})); do run "$lane" "${cards[$lane]}" "${runs[$i]}"; done) &
+done
+wait
 python3 - "$out" > "$out/compare.md" <<'PY'
 import json, sys
 from pathlib import Path
