@@ -429,7 +429,8 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     from megatron_hetero.models.specs import KERNEL_KINDS, kernel_summaries  # imports megatron-core
 
     kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
-    mine = dict(rank=run.rank, stage=_stage_name(run), setup_s=trainer.setup_s, peak_gb=peak_gb, outside_allocator_gib=_outside_allocator_gib(),
+    mine = dict(rank=run.rank, stage=_stage_name(run), setup_s=trainer.setup_s, peak_gb=peak_gb,
+                outside_allocator_gib=_outside_allocator_gib(),
                 waiting_s=waiting_s, phases=phases, module_phases=by_module, work_order=order,
                 **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
                 losses=losses)

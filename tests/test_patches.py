@@ -400,8 +400,8 @@ def test_device_drawn_weights_are_one_full_tensor_sliced():
         out = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(world_size)]
         for rank, weight in enumerate(out):
             torch.manual_seed(7)
-            layers._initialize_affine_weight_cpu(weight, 12, 6, shape[dim], dim, init_method, params_dtype=torch.bfloat16,
-                                                 rank=rank, world_size=world_size)
+            layers._initialize_affine_weight_cpu(weight, 12, 6, shape[dim], dim, init_method,
+                                                 params_dtype=torch.bfloat16, rank=rank, world_size=world_size)
         return torch.cat(out, dim), torch.randint(2**30, ())
 
     whole, after = slices(marked, 1)
