@@ -1,6 +1,7 @@
 """The layout planner's cost model (pure, no processes): FLOP and parameter counts by hand,
 enumeration against the layout rules, memory exclusion, the written layout file, monotonic sanity,
-the default calibration against its one measurement, and the CLI."""
+the default calibration against its one measurement, the grouped MoE experts' transient against
+the tensors their backward builds on the CPU, and the CLI."""
 
 import json
 from dataclasses import replace
