@@ -1,6 +1,7 @@
 """The layout planner's cost model (pure, no processes): FLOP and parameter counts by hand,
 enumeration against the layout rules, memory exclusion, the written layout file, monotonic sanity,
-the default calibration against its one measurement, and the CLI."""
+the default calibration against its one measurement, the grouped MoE experts' transient against
+the tensors their backward builds on the CPU, and the CLI."""
 
 import json
 from dataclasses import replace
@@ -30,7 +31,11 @@ from megatron_hetero.planner import (
 )
 from megatron_hetero.planner.calibration import CALIBRATIONS, LayerKey
 from megatron_hetero.planner.candidates import Recompute, encoder_batchings, encoder_layouts
-from megatron_hetero.planner.counts import layer_forward_flops_per_token, layer_params
+from megatron_hetero.planner.counts import (
+    grouped_experts_transient_bytes,
+    layer_forward_flops_per_token,
+    layer_params,
+)
 from megatron_hetero.spec.layout import AXES, ModuleLayout, load_layout, parse_layout
 from tests.tool_cli import run_tool
 
@@ -439,6 +444,91 @@ def test_plan_ranks_moe_layouts_by_expert_parallelism():
     best = result.best()
     written = parse_layout(yaml.safe_load(layout_yaml(best, MOE, cluster)), 8)
     assert written.llm.ep == best.candidate.llm.ep
+
+
+def test_grouped_experts_add_their_weight_gradient_to_the_peak_once():
+    """Grouped experts (the trainer's default on Hopper in bf16) hold fc1's weight gradient of every
+    local expert and its fp32 copies at once: at Qwen3-30B-A3B's shape on EP 8, 16 experts x 1536 x
+    2048 x (2 + 4) bytes on top of SequentialMLP's peak, once (one layer at a time) whatever the
+    depth, placement or microbatches in flight; none where SequentialMLP runs (one local expert,
+    fp32 weights)."""
+    vision = ModuleLayout("vision", "encoder", dp=8)
+    candidates = [Candidate("colocated", (vision, ModuleLayout("llm", "llm", dp=8, ep=8)), 1),
+                  Candidate("colocated", (ModuleLayout("vision", "encoder", dp=4),
+                                          ModuleLayout("llm", "llm", dp=4, pp=2, ep=4)), 1),
+                  Candidate("homogeneous", (ModuleLayout("vision", "encoder", tp=2, dp=2, pp=2),
+                                            ModuleLayout("llm", "llm", tp=2, dp=2, pp=2, ep=2)), 1)]
+
+    def extra_bytes(workload, candidate):
+        memory = [CostModel(replace(workload, grouped_experts=grouped), Cluster(8, 150), Calibration())
+                  .predict(candidate).memory_gb for grouped in (True, False)]
+        return (memory[0] - memory[1]) * 1e9
+
+    for candidate in candidates:
+        llm = candidate.llm
+        local, fc1_rows = 128 // llm.ep, 2 * 768 // llm.tp
+        assert extra_bytes(MOE, candidate) == pytest.approx(local * fc1_rows * 2048 * 6, rel=1e-9)
+        shallow = replace(MOE, llm=replace(MOE.llm, layers=24))
+        assert extra_bytes(shallow, candidate) == pytest.approx(extra_bytes(MOE, candidate), rel=1e-9)
+    assert grouped_experts_transient_bytes(MOE.llm, 1, 1, 2) / 1e9 == pytest.approx(2.42, abs=0.01)
+    one_each = Candidate("colocated", (vision, ModuleLayout("llm", "llm", dp=8, ep=8)), 1)
+    assert extra_bytes(replace(MOE, llm=replace(MOE.llm, experts=8)), one_each) == 0
+    assert extra_bytes(replace(MOE, weight_bytes=4), candidates[0]) == 0
+
+
+def test_grouped_experts_transient_is_what_their_backward_allocates(monkeypatch):
+    """The count against the tensors a tiny GroupedExperts builds on the CPU in bf16 under
+    gradient-accumulation fusion, its weights placed apart (as by the distributed optimizer): when
+    fc1's weight gradients are added to main_grad, the grouped GEMM's [experts, 2 ffn, hidden]
+    weight gradient and its fp32 copies are alive, as many bytes as the planner counts; the stacked
+    weight copies are smaller."""
+    import torch
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_hetero.models.experts import GROUPED, GroupedExperts
+    from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
+    from tests.test_experts import COUNTS, FFN, HIDDEN, _config, _experts, _run
+    from tests.test_mlp_kernels import _accumulating, tp_layers
+
+    class Transients(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.weight_grads, self.at_add, self.stacks = [], [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._foreach_add_.List:
+                alive = sum(n for ref, n in self.weight_grads if not ref.expired())
+                self.at_add.append(alive + sum(t.numel() * t.element_size() for t in args[1]))
+            out = func(*args, **(kwargs or {}))
+            nbytes = out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0
+            if func is torch.ops.aten._grouped_mm.default and out.dim() == 3:
+                self.weight_grads.append((StorageWeakRef(out.untyped_storage()), nbytes))
+            if func is torch.ops.aten.stack.default:
+                self.stacks.append(nbytes)
+            return out
+
+    _accumulating(monkeypatch)
+    monkeypatch.setattr(tp_layers, "_grad_accum_fusion_available", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setenv(EXPERTS_KERNEL_ENV, GROUPED)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        experts = _experts(GroupedExperts, _config(torch.bfloat16, gradient_accumulation_fusion=True))
+        for weight in experts.parameters():
+            weight.data = weight.data.clone()  # apart: each in its own tensor
+            weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+            weight.grad_added_to_main_grad = False
+        with Transients() as seen:
+            _run(experts, torch.bfloat16)
+    finally:
+        dist.destroy_process_group()
+    shape = ModuleShape("llm", "llm", hidden=HIDDEN, layers=1, heads=1, ffn=FFN, gated_mlp=True, seq_length=8,
+                        experts=len(COUNTS), topk=2)
+    assert len(seen.at_add) == 2 and max(seen.at_add) == grouped_experts_transient_bytes(shape, 1, 1, 2)
+    assert len(seen.stacks) == 4 and max(seen.stacks) < max(seen.at_add)
 
 
 

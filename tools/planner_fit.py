@@ -84,6 +84,7 @@ class Run:
     flags: tuple[str, ...] = ()  # Megatron's flags the run added
     weight_bytes: int = 2  # bf16 weights (Megatron's --bf16); 4: fp32 weights (records without `precision`)
     fused_mlp: bool = False  # the MLPs ran GELU in quack's GEMMs (the record's `mlp`: models/mlp.py)
+    grouped_experts: bool = False  # the MoE experts ran grouped GEMMs (the record's `experts`: models/experts.py)
     attention: tuple = ()  # (module, kernel, head dim it ran at): the record's `attention` (record_attention)
 
     @property
@@ -103,7 +104,7 @@ class Run:
         """The group's workload at this run's micro batch size and optimizer."""
         return replace(workload, micro_batch=self.micro_batch, weight_bytes=self.weight_bytes,
                        distributed_optimizer="--use-distributed-optimizer" in self.flags, fused_mlp=self.fused_mlp,
-                       attention=self.attention)
+                       grouped_experts=self.grouped_experts, attention=self.attention)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,9 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
                record["tokens_per_s"], record["peak_gb_max"], record["phases"], flags,
                2 if record.get("precision", "").startswith("bf16 weights") else 4,
-               any(kernel.startswith("quack") for kernel in record.get("mlp", {}).values()), record_attention(record))
+               any(kernel.startswith("quack") for kernel in record.get("mlp", {}).values()),
+               any(kernel.startswith("grouped") for kernel in record.get("experts", {}).values()),
+               record_attention(record))
 
 
 # bench_e2e's attention summary of a module (models/attention_kernels.py KernelChoice.summary): the
@@ -438,7 +441,7 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
             if run is None:
                 continue
             key = (record["workload"], record["llm_layers"], record.get("global_batch"), record.get("micro_batch"),
-                   run.name, record.get("device"), run.attention, run.fused_mlp)
+                   run.name, record.get("device"), run.attention, run.fused_mlp, run.grouped_experts)
             if key not in latest or latest[key][1].get("date", "") <= record.get("date", ""):
                 latest[key] = (path, record)
     return list(latest.values())

@@ -25,7 +25,7 @@ megatron_hetero.planner.presets. A workload file is JSON:
 
 (further shape keys: kv_heads, gated_mlp, output_tokens_per_item, frozen, experts and topk (an
 MoE LLM: experts MLPs of width ffn, topk per token); workload keys:
-micro_batch, dtype_bytes, distributed_optimizer, allow_recompute, fused_mlp).
+micro_batch, dtype_bytes, distributed_optimizer, allow_recompute, fused_mlp, grouped_experts).
 """
 
 import argparse
@@ -146,6 +146,11 @@ def parse_args(argv, prog=None):
                            help="dense MLPs (GELU; the LLM's SwiGLU) keep no activation output (quack's GEMM "
                                 "epilogues: Hopper/Blackwell with the fa4 extra), the calls auto runs so "
                                 "(MLP_MIN_MACS, spec/sizes.py)")
+    overrides.add_argument("--grouped-experts", action=argparse.BooleanOptionalAction, default=None,
+                           help="an MoE LLM's experts on torch's grouped GEMMs where auto runs them so (Hopper, "
+                                "bf16, aligned widths; the trainer's default): their weight-gradient GEMM's "
+                                "transient counted; --no-grouped-experts: SequentialMLP "
+                                "(MEGATRON_HETERO_EXPERTS_KERNEL=sequential)")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
     parser.add_argument("--write-yaml", metavar="FILE", help="write the best layout here")
@@ -172,7 +177,8 @@ def load_workload(args) -> tuple[Workload, str, int]:
     llm_changes = {key: value for key, value in (("seq_length", args.seq_length), ("layers", args.llm_layers))
                    if value is not None}
     changes["llm"] = replace(workload.llm, **llm_changes)
-    for key in ("global_batch", "micro_batch", "distributed_optimizer", "allow_recompute", "fused_mlp"):
+    for key in ("global_batch", "micro_batch", "distributed_optimizer", "allow_recompute", "fused_mlp",
+                "grouped_experts"):
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)
     return replace(workload, **changes), description, gpus

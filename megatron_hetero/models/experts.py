@@ -21,9 +21,10 @@ another copy of every layer's experts until its backward).
 
 Where (the kernel policy's `experts`, MEGATRON_HETERO_EXPERTS_KERNEL): auto runs grouped on Hopper
 GPUs (sm90) in bf16 with hidden and per-rank ffn widths that are multiples of 8 (torch's grouped
-GEMM reads 16-byte-aligned rows), sequential elsewhere; grouped runs it on every device (CPUs: torch's
-grouped GEMM in float32 / bf16, and in other dtypes the same Function with a per-expert loop of
-megatron's linear's matmuls, which the tests compare with SequentialMLP); sequential pins
+GEMM reads 16-byte-aligned rows; spec/sizes.grouped_experts_problem, which the planner shares),
+sequential elsewhere; grouped runs it on every device (CPUs: torch's grouped GEMM in float32 / bf16,
+and in other dtypes the same Function with a per-expert loop of megatron's linear's matmuls, which
+the tests compare with SequentialMLP); sequential pins
 SequentialMLP's forward. Configurations the grouped forward does not compute (another activation,
 expert biases, FP8, delayed weight gradients, one local expert) keep SequentialMLP's forward.
 """
@@ -40,13 +41,10 @@ from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention_kernels import Device, current_device
 from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
 from megatron_hetero.models.mlp_kernels import main_grad_placeholder
+from megatron_hetero.spec.sizes import GROUPED_EXPERTS_ALIGNMENT, grouped_experts_problem
 
 GROUPED, SEQUENTIAL = "grouped", "sequential"
 HAVE_GROUPED_MM = hasattr(torch, "_grouped_mm")  # torch 2.8 and later
-# Hopper (sm90): where auto runs torch's grouped GEMM. On sm100 it has given experts without tokens
-# nonzero weight gradients (pytorch/pytorch#172439).
-GROUPED_ARCH_MAJOR = 9
-ALIGNMENT = 8  # elements: 16-byte rows at 2 bytes per element
 
 
 @dataclass(frozen=True)
@@ -93,19 +91,16 @@ def choose_experts(mode: str, config, num_local_experts: int, widths: tuple[int,
         return ExpertsChoice(SEQUENTIAL, "no GPU")
     if not HAVE_GROUPED_MM:
         return ExpertsChoice(SEQUENTIAL, f"torch {torch.__version__} has no grouped GEMM")
-    if device.capability[0] != GROUPED_ARCH_MAJOR:
-        return ExpertsChoice(SEQUENTIAL, f"torch's grouped GEMM is checked on sm90 GPUs, not {device.name}")
-    if config.params_dtype != torch.bfloat16:
-        return ExpertsChoice(SEQUENTIAL, f"{config.params_dtype} weights: torch's grouped GEMM runs bf16")
-    if any(width % ALIGNMENT for width in widths):
-        return ExpertsChoice(SEQUENTIAL, f"widths {widths} per rank: not multiples of {ALIGNMENT}")
+    problem = grouped_experts_problem(device.capability[0], config.params_dtype == torch.bfloat16, widths)
+    if problem:
+        return ExpertsChoice(SEQUENTIAL, f"{device.name}, {config.params_dtype} weights: {problem}")
     return ExpertsChoice(GROUPED)
 
 
 def aligned(*operands: torch.Tensor) -> bool:
     """Whether each 2-byte operand's rows (or columns, transposed: the larger of its last two strides)
     start 16 bytes apart, as torch's CUDA grouped GEMM requires."""
-    return all(max(t.stride()[-2:]) % ALIGNMENT == 0 for t in operands)
+    return all(max(t.stride()[-2:]) % GROUPED_EXPERTS_ALIGNMENT == 0 for t in operands)
 
 
 def grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -26,7 +26,8 @@ The model, per training step:
   moments (18 bytes per trainable parameter; the distributed optimizer shards the 12 optimizer
   bytes over DP x CP; a frozen module keeps its 2-byte weights only), plus activations (times a
   factor fitted to measured peaks, by module role and attention kernel where the workload names
-  the kernel) for the microbatches 1F1B keeps in flight, and the LLM's logits as the loss holds them;
+  the kernel) for the microbatches 1F1B keeps in flight, the LLM's logits as the loss holds them, and
+  once (one layer at a time) an MoE LLM's grouped experts' weight gradient with its fp32 copies;
 - recomputation (Megatron's block method, where the workload allows it): the first k layers of each
   stage keep only their input and run their forward again in the backward; the search takes the
   fewest k that fit.

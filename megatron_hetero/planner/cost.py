@@ -13,6 +13,8 @@ from megatron_hetero.planner.counts import (
     LOGIT_BYTES,
     activation_bytes_per_token_layer,
     expert_layer_params,
+    experts_run_grouped,
+    grouped_experts_transient_bytes,
     head_forward_flops_per_sample,
     head_params,
     layer_forward_flops_per_token,
@@ -278,6 +280,14 @@ class CostModel:
         logits = tokens * shape.vocab / layout.tp * LOGIT_BYTES if shape.role == "llm" else 0.0
         return kept_bytes * self.calibration.activation_factor(shape.role, kernel) + logits
 
+    def transient_bytes(self, shape: ModuleShape, layout: ModuleLayout) -> float:
+        """Short-lived tensors of one layer at a time on top of a stage's activations, once per GPU
+        (not per layer or microbatch): an MoE LLM's grouped experts' (counts.grouped_experts_transient_bytes)."""
+        workload = self.workload
+        if not experts_run_grouped(shape, layout.etp, layout.ep, workload.weight_bytes, workload.grouped_experts):
+            return 0.0
+        return grouped_experts_transient_bytes(shape, layout.etp, layout.ep, workload.dtype_bytes)
+
     def rows_bytes(self, samples: float, encoder: ModuleShape | None = None) -> float:
         """Boundary rows of `samples` samples: `encoder`'s (None: every encoder's) rows at the LLM
         hidden size, DeepStack rows beside the main ones."""
@@ -393,7 +403,8 @@ class CostModel:
         busy[llm.name] = m * stage + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
         idle = (llm.pp - 1) * stage.total  # the LLM's 1F1B fill and drain
         in_flight = min(llm.pp, m)
-        llm_activations = in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)
+        llm_activations = (in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)
+                           + self.transient_bytes(llm_shape, llm))
         # With pp > 1 the encoders' rows for every microbatch wait for the LLM pipeline; the
         # encoders' activations exist only during their recompute, after it.
         rows = m * self.rows_bytes(candidate.micro_batch * llm.dp) / self.cluster.gpus if llm.pp > 1 else 0.0
@@ -416,7 +427,7 @@ class CostModel:
         busy[llm.name] = m * (forward + backward) + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
         idle = pipeline - m * stages[0]
         in_flight = min(llm.pp, m)
-        memory = (static + self.static_bytes(llm_shape, llm)
+        memory = (static + self.static_bytes(llm_shape, llm) + self.transient_bytes(llm_shape, llm)
                   + in_flight * (encoder_activations
                                  + self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)))
         return busy, idle, {llm.name: stage, "first stage": stages[0]}, memory
@@ -427,8 +438,8 @@ class CostModel:
         llm_forward, llm_backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         llm_stage = llm_forward + llm_backward
         stage_s = {llm.name: llm_stage.total}
-        memory = self.static_bytes(llm_shape, llm) + min(llm.pp, m) * self.activation_bytes(
-            llm_shape, llm, candidate.micro_batch, recomputed)
+        memory = self.static_bytes(llm_shape, llm) + self.transient_bytes(llm_shape, llm) + min(llm.pp, m) * (
+            self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed))
         encoder_depth, dp_sync = 0.0, self.dp_sync_s(llm_shape, llm)
         for layout in candidate.encoders:
             shape = self.shapes[layout.name]

@@ -3,8 +3,8 @@ LLM's layers hold every expert and compute with the `topk` each token goes to)."
 
 from __future__ import annotations
 
-from megatron_hetero.planner.shapes import ModuleShape, Workload
-from megatron_hetero.spec.sizes import MLP_MIN_MACS
+from megatron_hetero.planner.shapes import GPU_ARCH_MAJOR, ModuleShape, Workload
+from megatron_hetero.spec.sizes import MLP_MIN_MACS, grouped_experts_problem
 
 # Bytes per parameter kept on a GPU under Megatron's --bf16 (the trainer on GPUs since 2026-11-24):
 # bf16 weights in the model, fp32 gradients reduced in fp32, fp32 main params and AdamW moments in the
@@ -144,6 +144,29 @@ def mlp_runs_fused(shape: ModuleShape, tokens: float, tp: int, fused_mlp: bool) 
         return False
     fc1_width = shape.ffn * (2 if shape.gated_mlp else 1) / tp
     return tokens * shape.hidden * fc1_width >= MLP_MIN_MACS[0]
+
+
+def experts_run_grouped(shape: ModuleShape, tp: int, ep: int, weight_bytes: int, grouped_experts: bool) -> bool:
+    """Whether an MoE layer's experts run on torch's grouped GEMMs (models/experts.py) where the
+    workload's do (`grouped_experts`): SwiGLU experts, more than one on each EP rank, and the kernel
+    policy's auto rule (spec/sizes.grouped_experts_problem) on the planner's GPUs, for the workload's
+    weights and the per-rank GEMM widths (split over expert TP, `tp`)."""
+    if not (grouped_experts and shape.experts and shape.gated_mlp and shape.experts // ep > 1):
+        return False
+    widths = (shape.hidden, 2 * shape.ffn // tp, shape.ffn // tp)
+    return grouped_experts_problem(GPU_ARCH_MAJOR, weight_bytes == WEIGHT_BYTES, widths) is None
+
+
+def grouped_experts_transient_bytes(shape: ModuleShape, tp: int, ep: int, dtype_bytes: int) -> int:
+    """The most bytes one MoE layer's grouped experts hold at once beyond SequentialMLP's, on one GPU:
+    in fc1's backward (models/experts.py, _GroupedLinear.backward) the weight gradient of every local
+    expert from one grouped GEMM ([experts / ep, 2 ffn / tp, hidden] in the activations' dtype) and,
+    under gradient-accumulation fusion (the trainer's default), its copies in main_grad's fp32, made
+    before they are added, alive together. The rest is smaller and freed before: fc2's, the stacked
+    weight copies of the forward and the input-gradient GEMM (where the distributed optimizer places
+    the parameters apart: one weight-dtype copy), DDP's placeholders after the add. SequentialMLP's
+    transients, one expert at a time, are left out as every linear's are."""
+    return (shape.experts // ep) * (2 * shape.ffn // tp) * shape.hidden * (dtype_bytes + GRADIENT_BYTES)
 
 
 def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtype_bytes: int,

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 # 81559 MiB), which bench_e2e records as device_memory_gib: runs before and after that field group as one.
 H200_MEMORY_GB = 150.7
 H100_MEMORY_GB = 85.0
+# The GPUs the planner models (H100 and H200: its calibrations) are Hopper, compute capability 9.x.
+GPU_ARCH_MAJOR = 9
 
 
 def load_json(path: str, what: str, build):
@@ -192,6 +194,10 @@ class Workload:
     # MLPs run with the activation in quack's GEMM epilogues (models/mlp.py, on Hopper/Blackwell GPUs
     # with the `fa4` extra) where auto runs them so (counts.mlp_runs_fused): no activation output kept.
     fused_mlp: bool = False
+    # An MoE LLM's experts on torch's grouped GEMMs where the kernel policy's auto runs them so
+    # (counts.experts_run_grouped): the trainer's default. False: SequentialMLP
+    # (MEGATRON_HETERO_EXPERTS_KERNEL=sequential, and runs from before the grouped experts).
+    grouped_experts: bool = True
     # The attention kernel each module runs, where known: (module name, kernel, head dim it runs at),
     # kernel "fa4" or "sdpa" (models/attention_kernels.py; fa4 runs an unchecked head dim zero-padded
     # to a checked one). A module not listed: not known, the planner's default (no padding).
@@ -215,7 +221,7 @@ class Workload:
         if not (positive_int(self.micro_batch) or self.micro_batch == 0):
             raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), "
                              f"got {self.micro_batch!r}")
-        for key in ("distributed_optimizer", "allow_recompute", "fused_mlp"):
+        for key in ("distributed_optimizer", "allow_recompute", "fused_mlp", "grouped_experts"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
         for key in ("dtype_bytes", "weight_bytes"):
@@ -249,7 +255,7 @@ class Workload:
     def from_dict(cls, data: dict) -> Workload:
         """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
         optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute,
-        fused_mlp, attention}."""
+        fused_mlp, grouped_experts, attention}."""
         if not isinstance(data, dict):
             raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}

@@ -18,6 +18,26 @@ ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu")
 # planner (pure, below models) counts the same calls fused.
 MLP_MIN_MACS = (2**36, "multiply-adds")
 
+# Under MEGATRON_HETERO_EXPERTS_KERNEL=auto an MoE layer's experts run on torch's grouped GEMMs
+# (models/experts.py) on Hopper GPUs (sm90; on sm100 it has given experts without tokens nonzero
+# weight gradients, pytorch/pytorch#172439) in bf16 with per-rank GEMM widths that are multiples of 8
+# elements (torch's grouped GEMM reads 16-byte-aligned rows). Here so that the planner (pure, below
+# models) counts their memory where they run.
+GROUPED_EXPERTS_ARCH_MAJOR = 9
+GROUPED_EXPERTS_ALIGNMENT = 8
+
+
+def grouped_experts_problem(arch_major: int, bf16: bool, widths: tuple[int, ...]) -> str | None:
+    """Why auto does not run an MoE layer's experts on torch's grouped GEMMs on a GPU of this compute
+    capability major, in bf16 weights or not, with these per-rank GEMM widths; None where it does."""
+    if arch_major != GROUPED_EXPERTS_ARCH_MAJOR:
+        return f"torch's grouped GEMM is checked on sm{GROUPED_EXPERTS_ARCH_MAJOR}0 GPUs"
+    if not bf16:
+        return "torch's grouped GEMM runs bf16"
+    if any(width % GROUPED_EXPERTS_ALIGNMENT for width in widths):
+        return f"per-rank widths {widths} not multiples of {GROUPED_EXPERTS_ALIGNMENT}"
+    return None
+
 
 @dataclass(frozen=True)
 class TransformerArch:
