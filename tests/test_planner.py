@@ -578,3 +578,22 @@ def test_planner_takes_the_microbatches_a_pass_that_fit():
     tight = (predictions[0].memory_gb + predictions[2].memory_gb) / 2 / Calibration().usable_memory_fraction
     tight_model = CostModel(model.workload, Cluster(4, tight), Calibration())
     assert best_micro_batch(tight_model, candidates).candidate.encoders[0].microbatches < 4
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_4b", "qwen3_vl_8b", "qwen2_5_omni_7b", "internvl3_8b"])
+def test_planner_counts_a_tied_output_layer_once(name):
+    """The planner's LLM ties its output layer to its input embedding where the family's own config
+    reader (the model that trains) does, and then counts one vocabulary matrix of weights, not two."""
+    from transformers import AutoConfig
+
+    from megatron_hetero.families import family_of_config
+    from megatron_hetero.planner.counts import head_params
+    from megatron_hetero.planner.families import FAMILY_BENCHES
+
+    bench = FAMILY_BENCHES[name]
+    config = AutoConfig.for_model(bench.model_type, **bench.hf_config(4))
+    sizes = family_of_config(config).sizes(config)
+    llm = bench.workload(llm_layers=4).llm
+    assert llm.tied_embeddings == sizes.llm_arch.tied_embeddings
+    assert head_params(llm, llm.hidden) == (1 if sizes.llm_arch.tied_embeddings else 2) * llm.vocab * llm.hidden
+    assert name != "qwen3_vl_4b" or llm.tied_embeddings  # the one tied preset among them

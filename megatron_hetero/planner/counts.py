@@ -58,10 +58,10 @@ def projector_params(shape: ModuleShape, llm_hidden: int) -> int:
 
 
 def head_params(shape: ModuleShape, llm_hidden: int) -> int:
-    """Weights outside the layers: the LLM's input embedding and output layer (untied); an
-    encoder's patch embedding (or other front end), its projector and DeepStack's."""
+    """Weights outside the layers: the LLM's input embedding and output layer (one matrix where they
+    are tied); an encoder's patch embedding (or other front end), its projector and DeepStack's."""
     if shape.role == "llm":
-        return 2 * shape.vocab * shape.hidden
+        return (1 if shape.tied_embeddings else 2) * shape.vocab * shape.hidden
     return shape.row_width * projector_params(shape, llm_hidden) + shape.patch_dim * shape.hidden + shape.front_params
 
 

@@ -92,7 +92,10 @@ class FamilyBench:
         tracks = [self.videos[size][1] for size in videos if self.videos[size][1]]
         if tracks:
             encoders += (AUDIO_SHAPES[self.audio_shape](self.config, tracks),)
-        llm = llm_shape(self.config["text_config"], llm_layers, seq_length or self.seq_length)
+        text = self.config["text_config"]
+        # Qwen3-VL's config keeps the flag at its top, Qwen2.5-Omni's thinker in its text config.
+        tied = bool(text.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+        llm = llm_shape(text, llm_layers, seq_length or self.seq_length, tied)
         return Workload(encoders, llm, global_batch=self.global_batch, micro_batch=self.micro_batch)
 
 
@@ -107,9 +110,10 @@ def _frames(grids: list[tuple[int, ...]]) -> list[tuple[int, int]]:
     return [g[-2:] for g in grids for _ in range(g[0] if len(g) == 3 else 1)]
 
 
-def llm_shape(text: dict, layers: int, seq_length: int) -> ModuleShape:
+def llm_shape(text: dict, layers: int, seq_length: int, tied_embeddings: bool = False) -> ModuleShape:
     """A Qwen2 / Qwen3 / Qwen3-MoE text config's LLM (SwiGLU, GQA, head_dim where given)."""
     return ModuleShape("llm", "llm", hidden=text["hidden_size"], layers=layers or text["num_hidden_layers"],
+                       tied_embeddings=tied_embeddings,
                        heads=text["num_attention_heads"], kv_heads=text["num_key_value_heads"],
                        ffn=text.get("moe_intermediate_size", text["intermediate_size"]), gated_mlp=True,
                        seq_length=seq_length, vocab=text["vocab_size"], experts=text.get("num_experts", 0),

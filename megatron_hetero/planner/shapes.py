@@ -54,7 +54,8 @@ class ModuleShape:
     `front_params` weights doing `front_macs_per_item` multiply-adds per item (Qwen3-Omni's audio
     convolutions over whole chunks); `deepstack` more projectors of the same shape run on every row
     (Qwen3-VL's DeepStack mergers), whose rows cross the boundary beside the main ones. The LLM:
-    `seq_length` tokens per sample, `vocab` output classes; with `experts` > 0 its MLPs are
+    `seq_length` tokens per sample, `vocab` output classes (`tied_embeddings`: its output layer is
+    its input embedding, one matrix of weights); with `experts` > 0 its MLPs are
     mixture-of-experts layers: `experts` MLPs of width `ffn` each, every token through `topk` of
     them. Attention heads are `head_dim` wide where given (else hidden / heads)."""
 
@@ -73,6 +74,7 @@ class ModuleShape:
     projector_input: int = 0
     seq_length: int = 0
     vocab: int = 0
+    tied_embeddings: bool = False
     frozen: bool = False
     experts: int = 0  # 0: a dense MLP
     topk: int = 0
@@ -95,7 +97,7 @@ class ModuleShape:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"module name must be a non-empty string, got {self.name!r}")
         where = f"module {self.name}"
-        for key in ("gated_mlp", "frozen"):
+        for key in ("gated_mlp", "frozen", "tied_embeddings"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{where}: {key} must be true or false, got {getattr(self, key)!r}")
         if self.role not in ("encoder", "llm"):
