@@ -7,7 +7,8 @@
 # bench_e2e repeats one global batch at a constant learning rate ($LR), so the loss falls as the model
 # learns that batch. The noise: each seed's unfused run twice (what bf16 and the kernels' own
 # non-determinism make of one configuration). Six runs, timing not the point, spread over the lanes of
-# $CARDS (default "0 1 2 3": one lane per card; "0 0 0": three lanes side by side on card 0), each lane
+# $CARDS (default: one lane per card, two on a one-GPU machine; "0 0 0": three lanes side by side on
+# card 0, where at LLM_LAYERS=2 ITEMS=2 GB=1 on an H200 two of the six runs ran out of memory), each lane
 # running its runs one after another.
 # Out: hardware.txt, <run>.jsonl (bench_e2e's record, every step's loss), loss.log, compare.md.
 set -uo pipefail
@@ -27,7 +28,9 @@ run() {  # lane, card, name (fused|unfused)_s<seed>[_<repeat>]
   echo "$name on card $card: exit $?; $(grep -E '^(attention|mlp|norms):' "/tmp/loss_$name.log" | sort -u | tr '\n' ' ')" \
     | tee -a "$out/loss.log"
 }
-read -r -a cards <<< "${CARDS:-0 1 2 3}"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+default_cards=$(seq -s ' ' 0 $((gpus - 1))); [ "$gpus" -le 1 ] && default_cards="0 0"
+read -r -a cards <<< "${CARDS:-$default_cards}"
 runs=(unfused_s1_a unfused_s1_b unfused_s2_a unfused_s2_b fused_s1 fused_s2)
 for lane in "${!cards[@]}"; do
   (for ((i = lane; i < ${#runs[@]}; i += ${#cards[@]})); do run "$lane" "${cards[$lane]}" "${runs[$i]}"; done) &
