@@ -22,6 +22,17 @@ from megatron_hetero.patches._patch import replace
 SEED_RANGE = 2**62  # a weight's seed: one draw of the CPU generator
 
 
+def drawing(init_method) -> contextlib.AbstractContextManager:
+    """Where upstream's initialization of a weight with `init_method` runs: a DeviceDrawn's on its device,
+    from a seed drawn now; any other's as it is."""
+    if not isinstance(init_method, DeviceDrawn):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(seeded(init_method.device, int(torch.randint(SEED_RANGE, ()))))
+    stack.enter_context(torch.device(init_method.device))
+    return stack
+
+
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int):
     """The default generator of `device` seeded with `seed` inside the block, its state restored after."""
@@ -38,11 +49,7 @@ def seeded(device: torch.device, seed: int):
 def _on_device(original):
     def initialize_affine_weight_cpu(weight, output_size, input_size, per_partition_size, partition_dim,
                                      init_method, *args, **kwargs):
-        if not isinstance(init_method, DeviceDrawn):
-            return original(weight, output_size, input_size, per_partition_size, partition_dim, init_method,
-                            *args, **kwargs)
-        seed = int(torch.randint(SEED_RANGE, ()))
-        with seeded(init_method.device, seed), torch.device(init_method.device):
+        with drawing(init_method):
             return original(weight, output_size, input_size, per_partition_size, partition_dim, init_method,
                             *args, **kwargs)
     return initialize_affine_weight_cpu
