@@ -567,7 +567,7 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
         syncs = host_syncs(trainer, forward_backward_func)
     if dist.get_rank() == 0:
         matmuls = matmul_lines(shapes.key_averages(group_by_input_shape=True), matmul_calls(shapes.events()))
-        lines = _profile_lines(prof, kernels, summary) + matmuls
+        lines = _profile_lines(prof, kernels, summary) + matmuls + op_lines(shapes.events())
         Path(path).write_text("\n".join(lines + _sync_lines(syncs)) + "\n")
         if trace:
             prof.export_chrome_trace(trace)
@@ -633,6 +633,32 @@ def matmul_lines(events, calls: dict | None = None, top: int = 20) -> list[str]:
                     f"{e.flops / e.device_time_total / 1e6:.0f} |"
                     + (_spread(calls, (e.key, str(e.input_shapes))) if calls is not None else "")
                     for e in rows[:top]]
+
+
+def _caller(event) -> str:
+    """The autograd node (backward) or the nearest ATen op above `event` that launched no kernel itself:
+    what called the op (e.g. a pad's copy, a split's backward)."""
+    parent = event.cpu_parent
+    while parent is not None and not (parent.name.startswith("autograd::engine") or parent.kernels
+                                      or parent.cpu_parent is None):
+        parent = parent.cpu_parent
+    return "" if parent is None else parent.name.removeprefix("autograd::engine::evaluate_function: ")[:40]
+
+
+def op_lines(events, top: int = 40) -> list[str]:
+    """The `top` non-matmul ATen ops by the GPU time of the kernels each launched itself, per (op, its
+    caller, input shapes): which of the step's elementwise, copy and reduction kernels come from where."""
+    rows: dict[tuple[str, str, str], list[float]] = {}
+    for e in events:
+        if e.kernels and e.name not in MATMUL_OPS:
+            row = rows.setdefault((e.name, _caller(e), str(e.input_shapes)[:90]), [0, 0.0])
+            row[0] += 1
+            row[1] += sum(k.duration for k in e.kernels) / 1e3
+    lines = ["", "The costliest other ops (kernels each launched itself, by op, caller and input shapes):", "",
+             "| op | caller | input shapes | calls | GPU ms | ms per call |", "| --- | --- | --- | --- | --- | --- |"]
+    ranked = sorted(rows.items(), key=lambda item: item[1][1], reverse=True)[:top]
+    return lines + [f"| {op} | {caller} | {shapes} | {n} | {ms:.1f} | {ms / n:.3f} |"
+                    for (op, caller, shapes), (n, ms) in ranked]
 
 
 def host_syncs(trainer: Trainer, forward_backward_func=None) -> list[tuple[str, int]]:

@@ -3,12 +3,14 @@
 # card $CARD (default 0), then the medians (benchmarks/ab_summary.py) and one profiled step of B. A is the
 # baseline checkout BASE_REV (benchmarks/gpu_env.sh's baseline_checkout), or this one where BASE_REV is
 # unset; B is this checkout; A_ENV / B_ENV: environment assignments for each arm's runs (kernel policy
-# overrides, models/kernel_policy.py), e.g. the MoE's experts on SequentialMLP against grouped GEMMs:
+# overrides, models/kernel_policy.py); FLAGS: Megatron flags for both arms' runs (bench_e2e's --flags), e.g.
+# FLAGS="--attention-backend auto --cross-entropy-loss-fusion"; e.g. the MoE's experts on SequentialMLP
+# against grouped GEMMs:
 #   A_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=sequential B_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=grouped \
 #   WORKLOADS="qwen3_vl_30b_a3b qwen3_vl_4b" benchmarks/gpu_ab_run.sh
 # Out ($OUT): hardware.txt, A.jsonl, B.jsonl, ab.log, summary.md, profile_B_<workload>.md.
 # Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0]
-#        [WORKLOADS="qwen2_5_vl_7b"] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
+#        [WORKLOADS="qwen2_5_vl_7b"] [FLAGS="..."] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
 #        benchmarks/gpu_ab_run.sh
 set -uo pipefail
 start=$SECONDS
@@ -35,11 +37,12 @@ e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   echo "$1 $2: exit $? at $((SECONDS - start)) s"
 }
 read -r -a workloads <<< "${WORKLOADS:-qwen2_5_vl_7b}"
+flags=(); [ -n "${FLAGS:-}" ] && flags=("--flags=$FLAGS")
 for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
   for w in "${workloads[@]}"; do
-    e2e A "$w"
+    e2e A "$w" "${flags[@]}"
     extra=(); [ "$round" = "${ROUNDS:-2}" ] && extra=(--profile "$out/profile_B_$w.md")
-    e2e B "$w" "${extra[@]}"
+    e2e B "$w" "${flags[@]}" "${extra[@]}"
   done
 done
 grep -E "^(attention|mlp|norms|experts):|^error|out of memory" "$out/ab.log" | sort | uniq -c | head -12

@@ -2,8 +2,9 @@
 # Do the fused kernels learn as the unfused ones do? $STEPS steps (default 200) of a family's whole step
 # ($WORKLOAD, default qwen2_5_vl_7b at $LLM_LAYERS LLM layers, $ITEMS images per sample, global batch $GB)
 # on one card each, bf16: the fused path (the kernel policy's auto: flash-attn-4 and quack where FA4_SITE
-# carries them, the aligned SwiGLU MLP, the fused RoPE) against the unfused one (SDPA attention,
-# megatron-core's MLP and norms on torch, upstream's eager RoPE), for two seeds of the initial weights.
+# carries them, the aligned SwiGLU MLP, the fused RoPE and the packed ViT's fused attention input,
+# megatron-core's fused cross entropy) against the unfused one (SDPA attention, megatron-core's MLP,
+# norms, attention and cross entropy on torch, upstream's eager RoPE), for two seeds of the initial weights.
 # bench_e2e repeats one global batch at a constant learning rate ($LR), so the loss falls as the model
 # learns that batch. The noise: each seed's unfused run twice (what bf16 and the kernels' own
 # non-determinism make of one configuration). Six runs, timing not the point, spread over the lanes of
@@ -18,13 +19,13 @@ unfused=(env MEGATRON_HETERO_MLP_KERNEL=torch MEGATRON_HETERO_NORM_KERNEL=torch 
 run() {  # lane, card, name (fused|unfused)_s<seed>[_<repeat>]
   local lane=$1 card=$2 name=$3 seed=${3#*_s} backend=auto
   seed=${seed%%_*}
-  local prefix=(env)
-  [[ $name == unfused* ]] && prefix=("${unfused[@]}") backend=unfused
+  local prefix=(env) fused=--cross-entropy-loss-fusion
+  [[ $name == unfused* ]] && prefix=("${unfused[@]}") backend=unfused fused=
   CUDA_VISIBLE_DEVICES=$card "${prefix[@]}" timeout -s KILL "${RUN_S:-280}" torchrun --nproc-per-node 1 \
     --master-port $((29800 + lane)) benchmarks/bench_e2e.py --workload "$W" --llm-layers "${LLM_LAYERS:-2}" \
     --items-per-sample "${ITEMS:-4}" --global-batch "${GB:-2}" --hetero-layout examples/layouts/single.yaml \
     --warmup 0 --steps "${STEPS:-200}" --out "$out/$name.jsonl" \
-    --flags="--seed $seed --lr ${LR:-2e-5} --attention-backend $backend" > "/tmp/loss_$name.log" 2>&1
+    --flags="--seed $seed --lr ${LR:-2e-5} --attention-backend $backend $fused" > "/tmp/loss_$name.log" 2>&1
   echo "$name on card $card: exit $?; $(grep -E '^(attention|mlp|norms):' "/tmp/loss_$name.log" | sort -u | tr '\n' ' ')" \
     | tee -a "$out/loss.log"
 }

@@ -168,3 +168,21 @@ def test_a_corrupt_user_table_is_one_line_when_the_arguments_are_checked(tmp_pat
     with pytest.raises(KernelPolicyError, match="not a kernel checks table"):
         kernel_policy.build()
 
+
+
+def test_cross_entropy_fusion_reaches_the_configs_with_bf16_only():
+    """Megatron's --cross-entropy-loss-fusion reaches every module's config (the LLM's loss reads it);
+    its native kernel's gradient is bf16 whatever the logits' dtype, so without --bf16 it is one line."""
+    from megatron_hetero.training.args import parse_script_args
+    from megatron_hetero.training.layout_args import ArgsError, check_kernels
+    from megatron_hetero.training.providers import megatron_config_fields
+
+    args = parse_script_args(["--cross-entropy-loss-fusion"], validate=False)
+    fields = megatron_config_fields(args)
+    assert fields["cross_entropy_loss_fusion"] and fields["cross_entropy_fusion_impl"] == "native"
+    with pytest.raises(ArgsError, match="^--cross-entropy-loss-fusion rounds the logits' gradient to bf16 .*"
+                                        "trains in float32: add --bf16 or drop --cross-entropy-loss-fusion$"):
+        check_kernels(args, dict)
+    args.bf16 = True
+    check_kernels(args, dict)
+    assert not megatron_config_fields(parse_script_args([], validate=False))["cross_entropy_loss_fusion"]

@@ -281,7 +281,7 @@ def test_overlapped_reduction_of_missing_gradients():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rope_is_upstreams_rope(dtype):
-    """patches/rope.py's rotation (compiled on GPUs) is upstream's rotary embedding bit for bit when
+    """models/rope.py's rotation (compiled on GPUs by patches/rope.py) is upstream's rotary embedding bit for bit when
     run eagerly, whole head rotated, frequencies shaped as megatron-core's RotaryEmbedding makes them
     ([s, 1, 1, d]); on CPUs the patched function gives upstream's."""
     from types import SimpleNamespace
@@ -290,7 +290,7 @@ def test_fused_rope_is_upstreams_rope(dtype):
     from megatron.core.transformer import attention
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_hetero.patches import rope
+    from megatron_hetero.models import rope
 
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(24, 2, 4, 16, generator=gen).to(dtype)

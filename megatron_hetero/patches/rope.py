@@ -12,10 +12,7 @@ bf16 rounding (the fused kernel rounds once). On CPUs upstream's formula runs, b
 copy of the whole head into a `torch.cat` with the empty part that does not rotate. Where the layer's
 kernel policy says eager_rope (MEGATRON_HETERO_EAGER_ROPE=1, to compare), upstream's own function runs.
 
-Every layer, and the queries and keys of each, rotate by the same frequencies tensor (megatron-core's
-blocks pass one table to all their layers; a packed ViT its table per forward): its cos and sin are
-computed once, kept on the tensor itself while it lives (until its values change), not once per
-call: 4 to 6 elementwise kernels fewer per query and per key of every layer.
+The rotation and the cached cos and sin are models/rope.py's.
 """
 
 import functools
@@ -23,35 +20,8 @@ import functools
 import torch
 
 from megatron_hetero.models import kernel_policy
+from megatron_hetero.models.rope import cached_cos_sin, rotate
 from megatron_hetero.patches._patch import replace
-
-
-def cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """upstream's cos and sin of the frequencies [s, 1, 1, d], scaled, in the activations' dtype.
-    Computed apart from the rotation: compiled together, the fused kernel recomputes both for
-    every element of t (batch x heads times over), which made it run at a seventh of HBM speed."""
-    return tuple((f(freqs) * mscale).to(dtype) for f in (torch.cos, torch.sin))
-
-
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """upstream's t * cos + rotate_half(t) * sin, half by half: [x1 c1 - x2 s1, x2 c2 + x1 s2]."""
-    x1, x2 = t.chunk(2, dim=-1)
-    (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
-    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
-
-
-def cached_cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos_sin(freqs, mscale, dtype), computed once per frequencies tensor (module docstring): kept
-    on the tensor, by mscale, dtype and the tensor's version (an in-place change computes them anew)."""
-    if (freqs.requires_grad or freqs.is_inference()  # a learnt table's stay in its graph; no version here
-            or (freqs.is_cuda and torch.cuda.is_current_stream_capturing())):  # a CUDA graph replays its own
-        return cos_sin(freqs, mscale, dtype)
-    key = (mscale, dtype, freqs._version)
-    cached = getattr(freqs, "_hetero_cos_sin", None)
-    if cached is None or cached[0] != key:
-        cached = (key, cos_sin(freqs, mscale, dtype))
-        freqs._hetero_cos_sin = cached
-    return cached[1]
 
 
 def fuses(config, head_dim: int, rotated: int, cu_seqlens=None, mla_rotary_interleaved=False) -> bool:

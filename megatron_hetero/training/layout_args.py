@@ -110,10 +110,16 @@ def _checkpoint_flags(args) -> None:
 def check_kernels(args, head_dims: Callable[[], dict[str, int]]) -> kernel_policy.KernelPolicy:
     """The run's kernel policy from Megatron's --attention-backend, --flash-attention-version and
     --transformer-impl and the overrides (models/kernel_policy.py), checked against each module's
-    attention head dim (head_dims(): module name -> head dim); ArgsError in one line for a bad value."""
+    attention head dim (head_dims(): module name -> head dim); ArgsError in one line for a bad value.
+    Megatron's --cross-entropy-loss-fusion (native) too: its kernel hands the logits a bf16 gradient
+    whatever their dtype (megatron-core 0.19), so it runs with --bf16 only."""
     import torch
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if getattr(args, "cross_entropy_loss_fusion", False) and dtype != torch.bfloat16:
+        raise ArgsError(f"--cross-entropy-loss-fusion rounds the logits' gradient to bf16 (megatron-core's native "
+                        f"kernel); the model trains in {str(dtype).removeprefix('torch.')}: add --bf16 or drop "
+                        f"--cross-entropy-loss-fusion")
     try:
         policy = kernel_policy.build(args.attention_backend, args.flash_attention_version, args.transformer_impl)
         check_policy(policy, head_dims, dtype)

@@ -25,9 +25,13 @@ def megatron_config_fields(args) -> dict:
     core_transformer_config_from_args would: --gradient-accumulation-fusion (weight gradients
     accumulate into DDP's main_grad in the GEMM, for parts DDP wraps), activation recomputation
     (--recompute-granularity full|selective, --recompute-method uniform|block,
-    --recompute-num-layers, --recompute-modules) and the flags of the layers' kernel policy
-    (--attention-backend, --flash-attention-version, --transformer-impl: models/kernel_policy.py)."""
+    --recompute-num-layers, --recompute-modules), the LLM's loss (--cross-entropy-loss-fusion,
+    --cross-entropy-fusion-impl: megatron-core's fused vocabulary-parallel cross entropy) and the
+    flags of the layers' kernel policy (--attention-backend, --flash-attention-version,
+    --transformer-impl: models/kernel_policy.py)."""
     return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+                cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+                cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
                 recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules,
                 attention_backend=args.attention_backend, flash_attention_version=args.flash_attention_version,

@@ -32,6 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.models.packed_attention import PackedSelfAttention
 from megatron_hetero.models.specs import block_spec, with_our_layers
 from megatron_hetero.models.varlen import CPSplit, SegmentAttention, SegmentParams, permute
 
@@ -75,8 +76,10 @@ class QwenVisionArch(QwenPatchArch):
 
 
 def vision_layer_spec(pg_collection: ProcessGroupCollection, full_layers: frozenset) -> ModuleSpec:
-    """megatron-core's ViT layer on our norms, its core attention within items / windows."""
+    """megatron-core's ViT layer on our norms, its core attention within items / windows, the work
+    between its attention GEMMs fused (PackedSelfAttention)."""
     layer = with_our_layers(get_vit_layer_with_local_spec(), pg_collection)
+    layer.submodules.self_attention.module = PackedSelfAttention
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=SegmentAttention, params={"full_layers": full_layers})
     return layer
