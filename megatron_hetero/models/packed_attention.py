@@ -9,9 +9,9 @@ and key's RoPE gradients and the split's concatenation of the three gradients (o
 them). After the core attention the padded columns are cut off (a strided copy; backward a fill and
 a copy). In Qwen2.5-VL-7B's profiled step on one H200 (SDPA; 32 layers x 4 microbatches) the bias adds
 took 32 ms, the concatenation 35 ms and RoPE 27 ms. Here the bias, the split, the rotation and the
-padding are one function compiled on GPUs (torch.compile: forward one pass reading the QKV output once
-and writing the heads at the width the kernel runs; backward one pass writing the QKV gradient, with
-the bias gradient's reduction), and the cut another.
+padding are one function compiled on GPUs (torch.compile; on an H200 three kernels each way, the QKV
+gradient written directly, the bias gradient's reduction among them), and the cut another: together
+70 ms of that step with flash-attn-4 at head dim 80 padded to 96 (the A/B: docs/results.md, section 3).
 
 The module is SelfAttention (same parameters, names, checkpoints, TP and sequence-parallel layout):
 the QKV linear leaves its bias to the fused function (skip_bias_add; the bias gradient is the same
