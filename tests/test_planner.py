@@ -32,6 +32,8 @@ from megatron_hetero.planner import (
 from megatron_hetero.planner.calibration import CALIBRATIONS, LayerKey
 from megatron_hetero.planner.candidates import Recompute, encoder_batchings, encoder_layouts
 from megatron_hetero.planner.counts import (
+    FUSED_LOGIT_BYTES,
+    LOGIT_BYTES,
     grouped_experts_transient_bytes,
     layer_forward_flops_per_token,
     layer_params,
@@ -474,6 +476,29 @@ def test_grouped_experts_add_their_weight_gradient_to_the_peak_once():
     one_each = Candidate("colocated", (vision, ModuleLayout("llm", "llm", dp=8, ep=8)), 1)
     assert extra_bytes(replace(MOE, llm=replace(MOE.llm, experts=8)), one_each) == 0
     assert extra_bytes(replace(MOE, weight_bytes=4), candidates[0]) == 0
+
+
+def test_the_fused_cross_entropy_adds_one_fp32_copy_of_the_logits():
+    """Megatron's --cross-entropy-loss-fusion (megatron-core's native fused loss) holds one more fp32
+    copy of the LLM's logits while the loss runs: tokens x vocab / tp x 4 bytes on top of the unfused
+    loss's peak, on the LLM's GPUs of every placement (CP splits the tokens; one microbatch in flight
+    without PP), and nothing to an encoder's activations."""
+    picked = {("colocated", "vision tp2 dp4 | llm dp8", 2), ("colocated", "vision dp8 | llm tp2 cp2 dp2 sp", 1),
+              ("homogeneous", "vision tp4 dp2 | llm tp4 dp2 sp", 1),
+              ("non_colocated", "vision dp4 @0-3 | llm tp2 dp2 sp @4-7", 1)}
+    candidates = [c for group in enumerate_candidates(W1, Cluster(8, 150)) for c in group
+                  if (c.placement, c.describe(), c.micro_batch) in picked]
+    assert len(candidates) == len(picked)
+    fused, unfused = (CostModel(replace(W1, fused_cross_entropy=on), Cluster(8, 150), Calibration())
+                      for on in (True, False))
+    assert FUSED_LOGIT_BYTES - LOGIT_BYTES == 4 and not W1.fused_cross_entropy
+    for candidate in candidates:
+        llm = candidate.llm
+        extra = (fused.predict(candidate).memory_gb - unfused.predict(candidate).memory_gb) * 1e9
+        tokens = candidate.micro_batch * W1.llm.seq_length / llm.cp
+        assert extra == pytest.approx(tokens * W1.llm.vocab / llm.tp * 4, rel=1e-9)
+    vision, layout = W1.encoders[0], candidates[0].encoders[0]
+    assert fused.activation_bytes(vision, layout, 2, 0) == unfused.activation_bytes(vision, layout, 2, 0) > 0
 
 
 def test_grouped_experts_transient_is_what_their_backward_allocates(monkeypatch):

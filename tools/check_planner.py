@@ -142,6 +142,7 @@ def check_memory(paths: list[Path]) -> int:
         outside += not inside
         kernels = ", ".join(f"{kernel} {dim}" for _, kernel, dim in run.attention)
         kernels += ", fused MLP" if run.fused_mlp else ""
+        kernels += ", fused cross entropy" if run.fused_cross_entropy else ""
         print(f"| {path} | {record['workload']}, {record['llm_layers']} | {run.label} | {record_gpu(record)} "
               f"| {kernels} | {measured:.1f} | {predicted:.1f} | {predicted - measured:+.1f}"
               f"{'' if inside else ' (outside)'} |")

@@ -97,14 +97,20 @@ class Run:
             notes.append(f"recompute {values.get('--recompute-num-layers')} layers" if block else "full recompute")
         return RUN_NAME.fullmatch(self.name)["stem"] + (f" [{', '.join(notes)}]" if notes else "")
 
+    @property
+    def fused_cross_entropy(self) -> bool:
+        """The loss ran on megatron-core's native fused cross entropy (Megatron's flag)."""
+        return "--cross-entropy-loss-fusion" in self.flags
+
     def recompute(self, workload: Workload) -> Recompute | None:
         return megatron_recompute(self.flags, workload.llm.layers // self.layout.llm.pp)
 
     def workload(self, workload: Workload) -> Workload:
-        """The group's workload at this run's micro batch size and optimizer."""
+        """The group's workload at this run's micro batch size, optimizer and loss."""
         return replace(workload, micro_batch=self.micro_batch, weight_bytes=self.weight_bytes,
                        distributed_optimizer="--use-distributed-optimizer" in self.flags, fused_mlp=self.fused_mlp,
-                       grouped_experts=self.grouped_experts, attention=self.attention)
+                       grouped_experts=self.grouped_experts, fused_cross_entropy=self.fused_cross_entropy,
+                       attention=self.attention)
 
 
 @dataclass(frozen=True)
@@ -423,7 +429,7 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
     with the files they came from: bf16 weights, kernels named (the records of the current trainer),
     a layout the planner models; not an A/B pair's baseline (`*_A.jsonl`: the older checkout), nor a
     Qwen2.5-VL record whose ViT MLP ran megatron-core's unfused gated path (before its padded MLP);
-    of one configuration (workload, depth, batch sizes, layout and flags, GPU model, kernels) the
+    of one configuration (workload, depth, batch sizes, layout and flags, GPU model, kernels, loss) the
     latest record (its date, then the files' order)."""
     latest = {}
     for path in paths:
@@ -441,7 +447,8 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
             if run is None:
                 continue
             key = (record["workload"], record["llm_layers"], record.get("global_batch"), record.get("micro_batch"),
-                   run.name, record.get("device"), run.attention, run.fused_mlp, run.grouped_experts)
+                   run.name, record.get("device"), run.attention, run.fused_mlp, run.grouped_experts,
+                   run.fused_cross_entropy)
             if key not in latest or latest[key][1].get("date", "") <= record.get("date", ""):
                 latest[key] = (path, record)
     return list(latest.values())

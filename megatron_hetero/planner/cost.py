@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Candidate
 from megatron_hetero.planner.counts import (
+    FUSED_LOGIT_BYTES,
     GRADIENT_BYTES,
     LOGIT_BYTES,
     activation_bytes_per_token_layer,
@@ -264,8 +265,9 @@ class CostModel:
         frozen module, which runs without a graph): a recomputed layer keeps its input, the others
         their full activations (with every layer recomputed, one layer's full activations while it
         runs backward), times the calibration's measured factor for the module's role and attention
-        kernel. The LLM adds its logits as the loss holds them (counts.LOGIT_BYTES, a count the
-        factor does not scale; counted on every stage: conservative for the first)."""
+        kernel. The LLM adds its logits as the loss holds them (counts.LOGIT_BYTES, or
+        FUSED_LOGIT_BYTES under the workload's fused_cross_entropy; a count the factor does not scale;
+        counted on every stage: conservative for the first)."""
         if shape.frozen:
             return 0.0
         tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
@@ -277,7 +279,8 @@ class CostModel:
         kept = max(layers - recomputed, 1 if recomputed else 0)
         layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
         kept_bytes = tokens * (recomputed * layer_input + kept * per_token)
-        logits = tokens * shape.vocab / layout.tp * LOGIT_BYTES if shape.role == "llm" else 0.0
+        logit_bytes = FUSED_LOGIT_BYTES if self.workload.fused_cross_entropy else LOGIT_BYTES
+        logits = tokens * shape.vocab / layout.tp * logit_bytes if shape.role == "llm" else 0.0
         return kept_bytes * self.calibration.activation_factor(shape.role, kernel) + logits
 
     def transient_bytes(self, shape: ModuleShape, layout: ModuleLayout) -> float:

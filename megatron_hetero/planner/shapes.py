@@ -200,6 +200,9 @@ class Workload:
     # (counts.experts_run_grouped): the trainer's default. False: SequentialMLP
     # (MEGATRON_HETERO_EXPERTS_KERNEL=sequential, and runs from before the grouped experts).
     grouped_experts: bool = True
+    # The loss on megatron-core's native fused cross entropy (Megatron's --cross-entropy-loss-fusion,
+    # off by default): the logits at counts.FUSED_LOGIT_BYTES each.
+    fused_cross_entropy: bool = False
     # The attention kernel each module runs, where known: (module name, kernel, head dim it runs at),
     # kernel "fa4" or "sdpa" (models/attention_kernels.py; fa4 runs an unchecked head dim zero-padded
     # to a checked one). A module not listed: not known, the planner's default (no padding).
@@ -223,7 +226,8 @@ class Workload:
         if not (positive_int(self.micro_batch) or self.micro_batch == 0):
             raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), "
                              f"got {self.micro_batch!r}")
-        for key in ("distributed_optimizer", "allow_recompute", "fused_mlp", "grouped_experts"):
+        for key in ("distributed_optimizer", "allow_recompute", "fused_mlp", "grouped_experts",
+                    "fused_cross_entropy"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
         for key in ("dtype_bytes", "weight_bytes"):
@@ -257,7 +261,7 @@ class Workload:
     def from_dict(cls, data: dict) -> Workload:
         """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
         optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute,
-        fused_mlp, grouped_experts, attention}."""
+        fused_mlp, grouped_experts, fused_cross_entropy, attention}."""
         if not isinstance(data, dict):
             raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
