@@ -57,7 +57,6 @@ def _pad_heads(tower, fa4) -> None:
         if isinstance(module, PackedSelfAttention):
             head_dim = module.hidden_size_per_attention_head
             module.core_attention.kernel = KernelChoice(FA4, head_dim, head_dim + 8)
-            module.run_head_dim = head_dim + 8
 
 
 def _check_fused_equals_megatrons(rank, world_size, name, padded):

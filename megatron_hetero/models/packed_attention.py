@@ -74,7 +74,11 @@ class PackedSelfAttention(SelfAttention):
         self.fused = fuses_heads(self.config)
         if self.fused:
             self.linear_qkv.skip_bias_add = True  # packed_heads adds it
-        self.run_head_dim = self.core_attention.kernel.run_head_dim
+
+    @property
+    def run_head_dim(self) -> int:
+        """The head dim the core attention's kernel runs at (its KernelChoice's)."""
+        return self.core_attention.kernel.run_head_dim
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
