@@ -89,6 +89,25 @@ def test_fused_heads_equal_megatrons_attention_under_tp2():
     run_distributed(_check_fused_equals_megatrons, 2, "qwen2_5_vl_tiny", True)
 
 
+def test_fused_only_where_nothing_runs_between_the_gemms(monkeypatch):
+    """Query/key norms, an output gate, interleaved or TE-fused RoPE, or the policy's eager RoPE keep
+    megatron-core's forward."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hetero.models import kernel_policy
+    from megatron_hetero.models.packed_attention import fuses_heads
+
+    monkeypatch.delenv(kernel_policy.EAGER_ROPE_ENV, raising=False)
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+    assert fuses_heads(config)
+    for field in ("qk_layernorm", "attention_output_gate", "rotary_interleaved", "apply_rope_fusion"):
+        changed = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+        object.__setattr__(changed, field, True)
+        assert not fuses_heads(changed), field
+    monkeypatch.setenv(kernel_policy.EAGER_ROPE_ENV, "1")
+    assert not fuses_heads(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4))
+
+
 def test_fused_heads_refuse_inference():
     """Inference (a KV cache) is megatron-core's forward's business: one line, not a wrong answer."""
     from megatron_hetero.models.packed_attention import PackedSelfAttention

@@ -60,9 +60,11 @@ def _compiled(fn):
 
 
 def fuses_heads(config) -> bool:
-    """Whether the packed encoder layers of `config` take the fused path: RoPE neither interleaved nor
-    Transformer Engine's, and the config's kernel policy not asking for upstream's."""
-    return not (config.rotary_interleaved or config.apply_rope_fusion or kernel_policy.of(config).eager_rope)
+    """Whether the packed encoder layers of `config` take the fused path: no query/key norms or output
+    gate between the GEMMs (packed_heads has none), RoPE neither interleaved nor Transformer Engine's,
+    and the config's kernel policy not asking for upstream's."""
+    return not (config.qk_layernorm or config.attention_output_gate or config.rotary_interleaved
+                or config.apply_rope_fusion or kernel_policy.of(config).eager_rope)
 
 
 class PackedSelfAttention(SelfAttention):
