@@ -34,10 +34,15 @@ from megatron_hetero.planner.candidates import Recompute, encoder_batchings, enc
 from megatron_hetero.planner.counts import (
     FUSED_LOGIT_BYTES,
     LOGIT_BYTES,
+    QKV_VIEW_COPIES,
+    activation_bytes_per_token_layer,
     grouped_experts_transient_bytes,
     layer_forward_flops_per_token,
     layer_params,
+    packed_sdpa_copies,
+    window_lengths,
 )
+from megatron_hetero.planner.families import FAMILY_BENCHES
 from megatron_hetero.spec.layout import AXES, ModuleLayout, load_layout, parse_layout
 from tests.tool_cli import run_tool
 
@@ -448,10 +453,12 @@ def test_plan_ranks_moe_layouts_by_expert_parallelism():
     assert written.llm.ep == best.candidate.llm.ep
 
 
-def test_grouped_experts_add_their_weight_gradient_to_the_peak_once():
+def test_grouped_experts_add_their_weight_gradient_beyond_the_logits_once():
     """Grouped experts (the trainer's default on Hopper in bf16) hold fc1's weight gradient of every
-    local expert and its fp32 copies at once: at Qwen3-30B-A3B's shape on EP 8, 16 experts x 1536 x
-    2048 x (2 + 4) bytes on top of SequentialMLP's peak, once (one layer at a time) whatever the
+    local expert and its fp32 copies at once, in the backward, after the loss has freed the logits:
+    on top of SequentialMLP's peak what they hold beyond a microbatch's logits (Qwen3-30B-A3B's shape
+    with a 1024-token vocabulary on EP 8: 16 experts x 1536 x 2048 x (2 + 4) bytes less 8192 x 1024 x 6;
+    nothing with its own 151936, whose logits are larger), once (one layer at a time) whatever the
     depth, placement or microbatches in flight; none where SequentialMLP runs (one local expert,
     fp32 weights)."""
     vision = ModuleLayout("vision", "encoder", dp=8)
@@ -466,16 +473,85 @@ def test_grouped_experts_add_their_weight_gradient_to_the_peak_once():
                   .predict(candidate).memory_gb for grouped in (True, False)]
         return (memory[0] - memory[1]) * 1e9
 
+    small = replace(MOE, llm=replace(MOE.llm, vocab=1024))
     for candidate in candidates:
         llm = candidate.llm
         local, fc1_rows = 128 // llm.ep, 2 * 768 // llm.tp
-        assert extra_bytes(MOE, candidate) == pytest.approx(local * fc1_rows * 2048 * 6, rel=1e-9)
-        shallow = replace(MOE, llm=replace(MOE.llm, layers=24))
-        assert extra_bytes(shallow, candidate) == pytest.approx(extra_bytes(MOE, candidate), rel=1e-9)
+        logits = 8192 * 1024 / llm.tp * LOGIT_BYTES
+        assert extra_bytes(small, candidate) == pytest.approx(local * fc1_rows * 2048 * 6 - logits, rel=1e-9)
+        shallow = replace(small, llm=replace(small.llm, layers=24))
+        assert extra_bytes(shallow, candidate) == pytest.approx(extra_bytes(small, candidate), rel=1e-9)
+        assert extra_bytes(MOE, candidate) == 0
     assert grouped_experts_transient_bytes(MOE.llm, 1, 1, 2) / 1e9 == pytest.approx(2.42, abs=0.01)
     one_each = Candidate("colocated", (vision, ModuleLayout("llm", "llm", dp=8, ep=8)), 1)
-    assert extra_bytes(replace(MOE, llm=replace(MOE.llm, experts=8)), one_each) == 0
-    assert extra_bytes(replace(MOE, weight_bytes=4), candidates[0]) == 0
+    assert extra_bytes(replace(small, llm=replace(small.llm, experts=8)), one_each) == 0
+    assert extra_bytes(replace(small, weight_bytes=4), candidates[0]) == 0
+
+
+def test_packed_attention_keeps_the_copies_its_segments_make():
+    """SDPA's packed path (models/varlen.py) keeps one more output copy where the segments take several
+    calls (several lengths) and, where no permutation copies Q, K and V (the segments already lie by
+    length), the QKV GEMM's output that V's view holds: the families' samples list their images from
+    the smallest up, so Qwen3-VL's every layer keeps 1 + 2 q-wide tensors more, Qwen2.5-VL's 4 full
+    layers of 32 as many and its windowed ones (windows of several sizes, out of order) the output
+    copy; flash-attn-4 at the true head dim takes Q, K and V unpermuted (the held QKV output), padded
+    it copies them (counted as the padded tensors)."""
+    assert packed_sdpa_copies([[4, 4]]) == QKV_VIEW_COPIES
+    assert packed_sdpa_copies([[4, 8]]) == 1 + QKV_VIEW_COPIES
+    assert packed_sdpa_copies([[8, 4], [4, 8]]) == (1 + 1 + QKV_VIEW_COPIES) / 2
+    # Windows of 4 patches cut a 6 x 5 item by rows: 4 x 4, 4 x 1, then 2 x 4, 2 x 1.
+    assert window_lengths([(6, 5), (2, 2)], 4) == [16, 4, 8, 2, 4]
+    qwen3, qwen2_5 = (FAMILY_BENCHES[name].workload(4).encoders[0] for name in ("qwen3_vl_8b", "qwen2_5_vl_7b"))
+    assert qwen3.packed_sdpa_copies == 1 + QKV_VIEW_COPIES
+    assert qwen2_5.packed_sdpa_copies == (4 * (1 + QKV_VIEW_COPIES) + 28) / 32
+    for shape in (qwen3, qwen2_5):
+        assert shape.packed_fa4_copies == QKV_VIEW_COPIES
+        plain = activation_bytes_per_token_layer(shape, 1, False, 2)
+        sdpa = activation_bytes_per_token_layer(shape, 1, False, 2, kernel="sdpa")
+        fa4 = activation_bytes_per_token_layer(shape, 1, False, 2, run_head_dim=shape.head_size, kernel="fa4")
+        padded = activation_bytes_per_token_layer(shape, 1, False, 2, run_head_dim=96, kernel="fa4")
+        assert sdpa - plain == pytest.approx(2 * shape.packed_sdpa_copies * shape.q_dim)
+        assert fa4 - plain == 2 * QKV_VIEW_COPIES * shape.q_dim
+        assert padded == activation_bytes_per_token_layer(shape, 1, False, 2, run_head_dim=96)
+    internvl = FAMILY_BENCHES["internvl3_8b"].workload(4).encoders[0]
+    assert activation_bytes_per_token_layer(internvl, 1, False, 2, kernel="sdpa") == (
+        activation_bytes_per_token_layer(internvl, 1, False, 2))
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_8b", "qwen2_5_vl_7b"])
+def test_packed_copies_read_the_trainers_plan(name):
+    """The segments the planner reads from a family's sample are the trainer's: its VarlenPlan of
+    the images (and of Qwen2.5-VL's windows, by transformers' window index) has several shapes, and
+    no permutation, where packed_sdpa_copies counts them."""
+    import torch
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    from megatron_hetero.models.varlen import VarlenPlan
+
+    bench = FAMILY_BENCHES[name]
+    v = bench.config["vision_config"]
+    grids = torch.tensor([[1, *bench.images[size]] for size in bench.sample_images()])
+    cu_seqlens = [get_vision_cu_seqlens(grids)]
+    if "window_size" in v:
+        cu_seqlens.append(get_vision_window_index(grids, v["spatial_merge_size"], v["window_size"], v["patch_size"])[1])
+    plans = [VarlenPlan.of(cu) for cu in cu_seqlens]
+    full = len(v.get("fullatt_block_indexes", range(v["depth"])))
+    kept = [(len(plan.groups) > 1) + QKV_VIEW_COPIES * (plan.order_q is None) for plan in plans]
+    layers = [kept[0]] * full + kept[1:] * (v["depth"] - full)
+    assert bench.workload(4).encoders[0].packed_sdpa_copies == pytest.approx(sum(layers) / len(layers))
+
+
+def test_layer_scale_keeps_the_outputs_it_scales():
+    """InternViT's layer scale multiplies the attention and MLP outputs by a trained per-channel scale,
+    whose gradient needs them: 2 x hidden more per token and layer, split by TP under sequence
+    parallelism only, as the norms' tensors."""
+    internvl = FAMILY_BENCHES["internvl3_8b"].workload(4).encoders[0]
+    unscaled = replace(internvl, layer_scale=False)
+    assert internvl.layer_scale
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        extra = (activation_bytes_per_token_layer(internvl, tp, sp, 2)
+                 - activation_bytes_per_token_layer(unscaled, tp, sp, 2))
+        assert extra == 2 * 2 * internvl.hidden / (tp if sp else 1)
 
 
 def test_the_fused_cross_entropy_adds_one_fp32_copy_of_the_logits():
@@ -613,7 +689,6 @@ def test_planner_counts_a_tied_output_layer_once(name):
 
     from megatron_hetero.families import family_of_config
     from megatron_hetero.planner.counts import head_params
-    from megatron_hetero.planner.families import FAMILY_BENCHES
 
     bench = FAMILY_BENCHES[name]
     config = AutoConfig.for_model(bench.model_type, **bench.hf_config(4))

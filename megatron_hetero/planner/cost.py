@@ -274,22 +274,31 @@ class CostModel:
         dtype = self.workload.dtype_bytes
         fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp)
         kernel, head_dim = self.workload.attention_of(shape.name)
-        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, fused, head_dim)
+        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, fused, head_dim, kernel)
         layers = shape.layers // layout.pp
         kept = max(layers - recomputed, 1 if recomputed else 0)
         layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
         kept_bytes = tokens * (recomputed * layer_input + kept * per_token)
-        logit_bytes = FUSED_LOGIT_BYTES if self.workload.fused_cross_entropy else LOGIT_BYTES
-        logits = tokens * shape.vocab / layout.tp * logit_bytes if shape.role == "llm" else 0.0
+        logits = self.logit_bytes(shape, layout, samples)
         return kept_bytes * self.calibration.activation_factor(shape.role, kernel) + logits
 
-    def transient_bytes(self, shape: ModuleShape, layout: ModuleLayout) -> float:
+    def logit_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
+        """The logits of one microbatch as the loss holds them (the LLM's; 0 for an encoder)."""
+        if shape.role != "llm":
+            return 0.0
+        per_logit = FUSED_LOGIT_BYTES if self.workload.fused_cross_entropy else LOGIT_BYTES
+        return samples * shape.tokens_per_sample / split_cp(shape, layout) * shape.vocab / layout.tp * per_logit
+
+    def transient_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
         """Short-lived tensors of one layer at a time on top of a stage's activations, once per GPU
-        (not per layer or microbatch): an MoE LLM's grouped experts' (counts.grouped_experts_transient_bytes)."""
+        (not per layer or microbatch): an MoE LLM's grouped experts' (counts.grouped_experts_transient_bytes),
+        which run in the backward, after the loss has freed the logits the activations count
+        (`samples` a microbatch's): only what they hold beyond those adds to the peak."""
         workload = self.workload
         if not experts_run_grouped(shape, layout.etp, layout.ep, workload.weight_bytes, workload.grouped_experts):
             return 0.0
-        return grouped_experts_transient_bytes(shape, layout.etp, layout.ep, workload.dtype_bytes)
+        transient = grouped_experts_transient_bytes(shape, layout.etp, layout.ep, workload.dtype_bytes)
+        return max(0.0, transient - self.logit_bytes(shape, layout, samples))
 
     def rows_bytes(self, samples: float, encoder: ModuleShape | None = None) -> float:
         """Boundary rows of `samples` samples: `encoder`'s (None: every encoder's) rows at the LLM
@@ -407,7 +416,7 @@ class CostModel:
         idle = (llm.pp - 1) * stage.total  # the LLM's 1F1B fill and drain
         in_flight = min(llm.pp, m)
         llm_activations = (in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)
-                           + self.transient_bytes(llm_shape, llm))
+                           + self.transient_bytes(llm_shape, llm, candidate.micro_batch))
         # With pp > 1 the encoders' rows for every microbatch wait for the LLM pipeline; the
         # encoders' activations exist only during their recompute, after it.
         rows = m * self.rows_bytes(candidate.micro_batch * llm.dp) / self.cluster.gpus if llm.pp > 1 else 0.0
@@ -430,7 +439,8 @@ class CostModel:
         busy[llm.name] = m * (forward + backward) + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
         idle = pipeline - m * stages[0]
         in_flight = min(llm.pp, m)
-        memory = (static + self.static_bytes(llm_shape, llm) + self.transient_bytes(llm_shape, llm)
+        memory = (static + self.static_bytes(llm_shape, llm)
+                  + self.transient_bytes(llm_shape, llm, candidate.micro_batch)
                   + in_flight * (encoder_activations
                                  + self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)))
         return busy, idle, {llm.name: stage, "first stage": stages[0]}, memory
@@ -441,8 +451,8 @@ class CostModel:
         llm_forward, llm_backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         llm_stage = llm_forward + llm_backward
         stage_s = {llm.name: llm_stage.total}
-        memory = self.static_bytes(llm_shape, llm) + self.transient_bytes(llm_shape, llm) + min(llm.pp, m) * (
-            self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed))
+        memory = (self.static_bytes(llm_shape, llm) + self.transient_bytes(llm_shape, llm, candidate.micro_batch)
+                  + min(llm.pp, m) * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed))
         encoder_depth, dp_sync = 0.0, self.dp_sync_s(llm_shape, llm)
         for layout in candidate.encoders:
             shape = self.shapes[layout.name]

@@ -95,9 +95,31 @@ def window_attention_keys(grids: list[tuple[int, int]], window: int, merge: int,
     windows cut the grid of merge x merge blocks, so `window` is a multiple of `merge`): sum over
     segments of length^2, over the tokens."""
     tokens = sum(h * w for h, w in grids)
-    windowed = sum((a * b) ** 2 for h, w in grids
-                   for a in _window_sides(h, window) for b in _window_sides(w, window))
+    windowed = sum(n * n for n in window_lengths(grids, window))
     return (full_layers * item_attention_keys(grids) + (layers - full_layers) * windowed / tokens) / layers
+
+
+def window_lengths(grids: list[tuple[int, int]], window: int) -> list[int]:
+    """The tokens of each window of a windowed layer, in the layers' order: the windows of window x
+    window patches of each item (h, w) by rows (Qwen2.5-VL's window index; the last of a row or
+    column shorter)."""
+    return [a * b for h, w in grids for a in _window_sides(h, window) for b in _window_sides(w, window)]
+
+
+# Q-wide tensors a packed RoPE tower's attention keeps where V reaches the kernel as a view of the QKV
+# GEMM's output (no padding, no permutation copies it): that output whole, its Q and K parts beside
+# the rotated Q and K (as many key as query heads, as in the Qwen towers).
+QKV_VIEW_COPIES = 2
+
+
+def packed_sdpa_copies(layer_segments: list[list[int]]) -> float:
+    """Q-wide tensors a packed encoder layer on SDPA (models/varlen.py, _varlen_sdpa) keeps beyond Q,
+    K, V and its output, averaged over the layers, each given as its segments' token counts in the
+    layers' order: where the segments have several lengths (one call each), the output projection's
+    input is a copy of the calls' outputs (1); where they already lie by length, no permutation copies
+    Q, K and V (QKV_VIEW_COPIES)."""
+    kept = [(len(set(lengths)) > 1) + QKV_VIEW_COPIES * (lengths == sorted(lengths)) for lengths in layer_segments]
+    return sum(kept) / len(kept)
 
 
 def item_attention_keys(grids: list[tuple[int, int]]) -> float:
@@ -174,7 +196,7 @@ def grouped_experts_transient_bytes(shape: ModuleShape, tp: int, ep: int, dtype_
 
 
 def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtype_bytes: int,
-                                     fused: bool = False, run_head_dim: int = 0) -> float:
+                                     fused: bool = False, run_head_dim: int = 0, kernel: str = "") -> float:
     """Activations one layer keeps per token for its backward, on one GPU, without recomputation
     (Korthikanti et al. 2022, "Reducing Activation Recomputation", with dropout off and a fused
     attention kernel that keeps no seq x seq scores):
@@ -185,15 +207,23 @@ def activation_bytes_per_token_layer(shape: ModuleShape, tp: int, sp: bool, dtyp
       recomputes it: models/mlp.py);
     - attention run at a zero-padded head dim (`run_head_dim` above the shape's: flash-attn-4 at an
       unchecked one) keeps Q, K, V and its output padded, and the output projection an unpadded copy;
+    - attention in a packed encoder: the shape's `packed_sdpa_copies` on SDPA (`kernel` "sdpa"), its
+      `packed_fa4_copies` on flash-attn-4 at the true head dim;
+    - layer scale (`layer_scale`): the attention and MLP outputs it scales (2 x hidden, as the norms'
+      tensors split by sequence parallelism only);
     - an MoE layer: its topk experts' MLP tensors, and the dispatcher's topk copies of each token
       (the experts' fc1 inputs, kept for their weight gradients) and of the experts' outputs (kept
       by the unpermutation's weighting with the router's probabilities)."""
-    replicated = 4 * shape.hidden
+    replicated = (6 if shape.layer_scale else 4) * shape.hidden
     mlp_tensors = (3 if shape.gated_mlp else 2) - fused
     topk = max(shape.topk, 1)
     attention = 2 * shape.q_dim + 2 * shape.kv_dim
     if run_head_dim > shape.head_size:
         attention = 2 * (shape.heads + shape.kv_groups) * run_head_dim + shape.q_dim
+    if kernel == "sdpa":
+        attention += shape.packed_sdpa_copies * shape.q_dim
+    elif kernel == "fa4" and run_head_dim <= shape.head_size:
+        attention += shape.packed_fa4_copies * shape.q_dim
     dispatched = 2 * shape.topk * shape.hidden
     split = attention + mlp_tensors * shape.ffn * topk + dispatched
     return dtype_bytes * ((replicated / tp if sp else replicated) + split / tp)

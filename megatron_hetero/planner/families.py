@@ -35,7 +35,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_hetero.planner.counts import item_attention_keys, window_attention_keys
+from megatron_hetero.planner.counts import (
+    QKV_VIEW_COPIES,
+    item_attention_keys,
+    packed_sdpa_copies,
+    window_attention_keys,
+    window_lengths,
+)
 from megatron_hetero.planner.shapes import ModuleShape, Workload
 from megatron_hetero.spec.sizes import stride2_sizes
 
@@ -120,10 +126,11 @@ def llm_shape(text: dict, layers: int, seq_length: int, tied_embeddings: bool = 
                        topk=text.get("num_experts_per_tok", 0), head_dim=text.get("head_dim", 0))
 
 
-def _native_vision(v: dict, grids: list[tuple[int, ...]], gated: bool, keys: float, deepstack: int) -> ModuleShape:
+def _native_vision(v: dict, grids: list[tuple[int, ...]], gated: bool, keys: float, deepstack: int,
+                   segments: list[list[int]]) -> ModuleShape:
     """A native-resolution Qwen tower: each image's h*w patches (a video's t*h*w; C x T x P x P
     values each) through the layers, h*w / merge^2 rows through the merger's MLP (width merge^2 x
-    hidden)."""
+    hidden); `segments`: each layer's attention segments (counts.packed_sdpa_copies)."""
     # Whole rows per item on average (so that a count of items other than the preset's averages to
     # whole merged rows), each of merge^2 patches.
     merge = v["spatial_merge_size"]
@@ -133,23 +140,26 @@ def _native_vision(v: dict, grids: list[tuple[int, ...]], gated: bool, keys: flo
                        items_per_sample=len(grids), output_tokens_per_item=tokens // merge**2,
                        projector_ffn=v["hidden_size"] * merge**2, attention_keys=keys,
                        patch_dim=3 * v["temporal_patch_size"] * v["patch_size"] ** 2, deepstack=deepstack,
-                       cp_split="blocks")
+                       cp_split="blocks", packed_sdpa_copies=packed_sdpa_copies(segments),
+                       packed_fa4_copies=QKV_VIEW_COPIES)
 
 
 def qwen2_5_vl_vision(config: dict, grids: list) -> ModuleShape:
     """Qwen2.5-VL's tower on images (and videos) of these patch grids: SwiGLU, windows of window_size
     px in all but the full-attention layers."""
-    v = config["vision_config"]
-    keys = window_attention_keys(_frames(grids), v["window_size"] // v["patch_size"], v["spatial_merge_size"],
-                                 len(v["fullatt_block_indexes"]), v["depth"])
-    return _native_vision(v, grids, True, keys, 0)
+    v, frames = config["vision_config"], _frames(grids)
+    window, full = v["window_size"] // v["patch_size"], len(v["fullatt_block_indexes"])
+    keys = window_attention_keys(frames, window, v["spatial_merge_size"], full, v["depth"])
+    segments = [[h * w for h, w in frames]] * full + [window_lengths(frames, window)] * (v["depth"] - full)
+    return _native_vision(v, grids, True, keys, 0, segments)
 
 
 def qwen3_vl_vision(config: dict, grids: list) -> ModuleShape:
     """Qwen3-VL's tower on images of these patch grids: GELU MLPs, each image attending within
     itself, DeepStack mergers."""
-    v = config["vision_config"]
-    return _native_vision(v, grids, False, item_attention_keys(_frames(grids)), len(v["deepstack_visual_indexes"]))
+    v, frames = config["vision_config"], _frames(grids)
+    return _native_vision(v, grids, False, item_attention_keys(frames), len(v["deepstack_visual_indexes"]),
+                          [[h * w for h, w in frames]])
 
 
 def internvl_vision(config: dict, tiles: list) -> ModuleShape:
@@ -162,7 +172,7 @@ def internvl_vision(config: dict, tiles: list) -> ModuleShape:
                        heads=v["num_attention_heads"], ffn=v["intermediate_size"], tokens_per_item=patches,
                        class_tokens=1, items_per_sample=sum(tiles),
                        output_tokens_per_item=patches // shuffle**2, projector_ffn=config["text_config"]["hidden_size"],
-                       patch_dim=3 * v["patch_size"] ** 2, cp_split="none")
+                       patch_dim=3 * v["patch_size"] ** 2, cp_split="none", layer_scale=True)
 
 
 def qwen2_5_omni_audio(config: dict, frames: list[int]) -> ModuleShape:

@@ -92,12 +92,20 @@ class ModuleShape:
     # towers; Qwen2.5-Omni's audio encoder); "none": they do not (InternVL's tower and Qwen3-Omni's
     # audio encoder train with cp 1).
     cp_split: str = "tokens"
+    # The attention and MLP outputs scaled per channel before the residual add (InternViT's layer
+    # scale), whose backward keeps each of them.
+    layer_scale: bool = False
+    # Q-wide tensors a packed layer keeps beyond Q, K, V and the output, averaged over the layers, on
+    # SDPA (counts.packed_sdpa_copies) and on flash-attn-4 at the true head dim (the native-resolution
+    # towers: the QKV GEMM's output, which V's view holds beside the rotated Q and K).
+    packed_sdpa_copies: float = 0.0
+    packed_fa4_copies: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"module name must be a non-empty string, got {self.name!r}")
         where = f"module {self.name}"
-        for key in ("gated_mlp", "frozen", "tied_embeddings"):
+        for key in ("gated_mlp", "frozen", "tied_embeddings", "layer_scale"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{where}: {key} must be true or false, got {getattr(self, key)!r}")
         if self.role not in ("encoder", "llm"):
@@ -113,7 +121,7 @@ class ModuleShape:
                 raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
         if self.cp_split not in CP_SPLITS:
             raise ValueError(f"{where}: cp_split {self.cp_split!r} is not one of {', '.join(CP_SPLITS)}")
-        for key in ("attention_keys", "front_macs_per_item"):
+        for key in ("attention_keys", "front_macs_per_item", "packed_sdpa_copies", "packed_fa4_copies"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
                 raise ValueError(f"{where}: {key} must be a non-negative number, got {value!r}")
