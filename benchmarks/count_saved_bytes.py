@@ -16,12 +16,11 @@ keeps fp32 copies that the GPU's fused kernel does not.
 
 import argparse
 import collections
-import os
 import re
 import sys
 
 import torch
-from count_vit_ops import family_sizes, groups
+from count_vit_ops import family_sizes, groups, one_process
 
 SIZES = {"sorted": [(4, 4), (8, 8), (12, 6), (7, 11)], "shuffled": [(8, 8), (7, 11), (12, 6), (4, 4)]}
 
@@ -77,15 +76,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     opts = parser.parse_args()
 
-    import megatron_hetero.patches
-    from megatron_hetero.parallel.groups import init_distributed
-    from megatron_hetero.parallel.parallel_state import init_outside_training
-
-    os.environ.update({k: v for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29534"), ("RANK", "0"),
-                                         ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")) if k not in os.environ})
-    megatron_hetero.patches.apply()
-    init_distributed("gloo")
-    init_outside_training(1234, tp_rank=0)
+    one_process(29534)
     tokens, kept = saved_bytes(opts.family, opts.layers, opts.order, getattr(torch, opts.dtype))
     for (module, saved_dtype), nbytes in sorted(kept.items()):
         print(f"{module:40s} {saved_dtype:15s} {nbytes / tokens / opts.layers:9.1f} bytes per token and layer")

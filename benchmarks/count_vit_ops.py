@@ -292,6 +292,19 @@ def print_table(result: dict) -> None:
               f"{row['sync']:5} {row['host read']:6} {row['view']:6}")
 
 
+def one_process(port: int) -> None:
+    """This script as a one-process gloo job: the plugin's patches applied, Megatron's state initialized."""
+    import megatron_hetero.patches
+    from megatron_hetero.parallel.groups import init_distributed
+    from megatron_hetero.parallel.parallel_state import init_outside_training
+
+    os.environ.update({k: v for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+                                         ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")) if k not in os.environ})
+    megatron_hetero.patches.apply()
+    init_distributed("gloo")
+    init_outside_training(1234, tp_rank=0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", nargs="+", default=["qwen2_5_vl_7b", "qwen3_vl_8b"],
@@ -302,15 +315,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the counts here")
     opts = parser.parse_args()
 
-    import megatron_hetero.patches
-    from megatron_hetero.parallel.groups import init_distributed
-    from megatron_hetero.parallel.parallel_state import init_outside_training
-
-    os.environ.update({k: v for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"),
-                                         ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")) if k not in os.environ})
-    megatron_hetero.patches.apply()
-    init_distributed("gloo")
-    init_outside_training(1234, tp_rank=0)
+    one_process(29533)
     results = [count(name, opts.layers) for name in opts.family]
     results += [count_llm(name, opts.layers) for name in opts.family if opts.llm]
     for result in results:
