@@ -8,8 +8,11 @@
 # against grouped GEMMs:
 #   A_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=sequential B_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=grouped \
 #   WORKLOADS="qwen3_vl_30b_a3b qwen3_vl_4b" benchmarks/gpu_ab_run.sh
-# Out ($OUT): hardware.txt, A.jsonl, B.jsonl, ab.log, summary.md, profile_B_<workload>.md.
-# Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0]
+# C_FLAGS: a third arm C, this checkout with FLAGS and then these (the last of a repeated flag wins), e.g.
+# C_FLAGS="--no-bias-dropout-fusion" to tell one change of B from the rest; ARMS: the arms each round runs
+# (default "A B", "A B C" with C_FLAGS).
+# Out ($OUT): hardware.txt, A.jsonl, B.jsonl (C.jsonl), ab.log, summary.md, profile_B_<workload>.md.
+# Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0] [C_FLAGS="..."] [ARMS="A B C"]
 #        [WORKLOADS="qwen2_5_vl_7b"] [FLAGS="..."] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
 #        benchmarks/gpu_ab_run.sh
 set -uo pipefail
@@ -37,14 +40,19 @@ e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   echo "$1 $2: exit $? at $((SECONDS - start)) s"
 }
 read -r -a workloads <<< "${WORKLOADS:-qwen2_5_vl_7b}"
+default_arms="A B"; [ -n "${C_FLAGS:-}" ] && default_arms="A B C"
+read -r -a arms <<< "${ARMS:-$default_arms}"
 flags=(); [ -n "${FLAGS:-}" ] && flags=("--flags=$FLAGS")
 for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
   for w in "${workloads[@]}"; do
-    e2e A "$w" "${flags[@]}"
-    extra=(); [ "$round" = "${ROUNDS:-2}" ] && extra=(--profile "$out/profile_B_$w.md")
-    e2e B "$w" "${flags[@]}" "${extra[@]}"
+    for arm in "${arms[@]}"; do
+      extra=(); [ "$arm" = B ] && [ "$round" = "${ROUNDS:-2}" ] && extra=(--profile "$out/profile_B_$w.md")
+      arm_flags=("${flags[@]}"); [ "$arm" = C ] && arm_flags=("--flags=${FLAGS:-} ${C_FLAGS:-}")
+      e2e "$arm" "$w" "${arm_flags[@]}" "${extra[@]}"
+    done
   done
 done
 grep -E "^(attention|mlp|norms|experts):|^error|out of memory" "$out/ab.log" | sort | uniq -c | head -12
-python3 benchmarks/ab_summary.py A="$out/A.jsonl" B="$out/B.jsonl" | tee "$out/summary.md"
+summary=(); for arm in "${arms[@]}"; do [ -f "$out/$arm.jsonl" ] && summary+=("$arm=$out/$arm.jsonl"); done
+python3 benchmarks/ab_summary.py "${summary[@]}" | tee "$out/summary.md"
 echo "done at $((SECONDS - start)) s"

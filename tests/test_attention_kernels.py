@@ -30,10 +30,13 @@ from megatron_hetero.models.attention import (
 from megatron_hetero.models.attention_kernels import (
     FA4,
     SDPA,
+    SHORT_SEGMENTS,
+    TORCH_FLASH,
     AttentionKernelError,
     Device,
     Fa4,
     KernelChoice,
+    TorchFlash,
     checked_head_dims,
     choose_kernel,
     run_fa4,
@@ -85,6 +88,25 @@ def test_packed_calls_are_padded_under_auto(head_dim, padded):
     assert _choose("auto", 256, packed=True).kernel == SDPA
     assert _choose("sdpa", head_dim, packed=True).kernel == SDPA
     assert attention_kernels.kernel_for(KernelPolicy(), head_dim, torch.bfloat16, packed=True).kernel == SDPA
+
+
+def test_short_packed_segments_take_torch_flash_at_the_true_head_dim():
+    """Windows (packed calls whose segments are all short) run torch's varlen flash-attention unpadded
+    under auto where it runs; whole items, flash, the SDPA backends, CPUs and what the kernel does not
+    take keep the choice above."""
+    mode, short = "auto", dict(packed=True, longest=SHORT_SEGMENTS, torch_flash=True)
+    choice = _choose(mode, 80, **short)
+    assert choice == KernelChoice(TORCH_FLASH, 80, 80, f"segments of at most {SHORT_SEGMENTS} tokens")
+    assert str(choice) == f"torch flash varlen (head dim 80: segments of at most {SHORT_SEGMENTS} tokens)"
+    assert _choose(mode, 80, **dict(short, longest=SHORT_SEGMENTS + 1)) == _choose(mode, 80, packed=True)
+    assert _choose("flash", 80, **short) == KernelChoice(FA4, 80, 96)
+    assert _choose(SDPA, 80, **short) == _choose(SDPA, 80, packed=True)
+    for device, kwargs in ((Device("cpu"), {}), (Device("NVIDIA T4", (7, 5)), {}), (H100, {"torch_flash": False}),
+                           (H100, {"dtype": torch.float32}), (H100, {"dropout": 0.1})):
+        assert _choose(mode, 80, device, **{**short, **kwargs}).kernel != TORCH_FLASH
+    for head_dim in (36, 264):  # the kernel's head dims: multiples of 8 up to 256
+        assert _choose(mode, head_dim, **short).kernel != TORCH_FLASH
+    assert attention_kernels.kernel_for(KernelPolicy(), 80, torch.bfloat16, packed=True, longest=64).kernel == SDPA
 
 
 def test_sdpa_backends_never_take_fa4():
@@ -181,7 +203,25 @@ def fake_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return torch.cat(outs), None
 
 
+def fake_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug_mask, *, scale):
+    """aten._flash_attention_forward's varlen call: (out, lse, rng state, unused, debug mask)."""
+    assert dropout_p == 0 and not return_debug_mask
+    out = fake_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                           softmax_scale=scale, causal=causal)[0]
+    return out, torch.zeros(q.shape[1], q.shape[0]), torch.zeros(2), torch.zeros(()), torch.zeros(0)
+
+
+def fake_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, unused, *, scale):
+    """aten._flash_attention_backward: dq, dk, dv."""
+    assert out.shape == dout.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and dout.is_contiguous()
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        forward = fake_flash_fwd(*leaves, cu_q, cu_k, max_q, max_k, dropout_p, causal, False, scale=scale)[0]
+        return torch.autograd.grad(forward, leaves, dout)
+
+
 FAKE = Fa4(fake_fwd, fake_bwd, fake_varlen_func)
+FAKE_TORCH_FLASH = TorchFlash(fake_flash_fwd, fake_flash_bwd)
 SD = KernelChoice(SDPA, 8, 8)
 
 
@@ -319,6 +359,9 @@ def test_varlen_attention_sdpa_and_fa4_paths(causal):
                                            max_seqlen_k=7, softmax_scale=0.3, causal=causal)[0], leaves)
     _assert_same(_grads(lambda: varlen_attention(*leaves, plan, SD, 0.3, causal), leaves), want)
     _assert_same(_grads(lambda: varlen_attention(*leaves, plan, KernelChoice(FA4, 8, 16), 0.3, causal, fa4=FAKE),
+                        leaves), want)
+    torch_flash = KernelChoice(TORCH_FLASH, 8, 8)
+    _assert_same(_grads(lambda: varlen_attention(*leaves, plan, torch_flash, 0.3, causal, torch_flash=FAKE_TORCH_FLASH),
                         leaves), want)
 
 

@@ -186,3 +186,20 @@ def test_cross_entropy_fusion_reaches_the_configs_with_bf16_only():
     args.bf16 = True
     check_kernels(args, dict)
     assert not megatron_config_fields(parse_script_args([], validate=False))["cross_entropy_loss_fusion"]
+
+
+def test_bias_dropout_add_fusion_stays_on_gpus_only():
+    """Megatron's --bias-dropout-fusion (default on) is megatron-core's torch.compile'd kernel, not apex's
+    or TE's: kept where a GPU runs it and carried into every module's config; off on CPUs, with the
+    fusions that need apex or TE."""
+    from megatron_hetero.patches import startup
+    from megatron_hetero.training.args import parse_script_args
+    from megatron_hetero.training.providers import megatron_config_fields
+
+    for gpus in (True, False):
+        args = parse_script_args([], validate=False)
+        for flag in (*startup.FUSION_FLAGS, *startup.COMPILED_FUSION_FLAGS):
+            setattr(args, flag, True)
+        startup.disable_unavailable_fusions(args, gpus=gpus)
+        assert megatron_config_fields(args)["bias_dropout_fusion"] is gpus
+        assert not any(getattr(args, flag) for flag in startup.FUSION_FLAGS) and args.no_persist_layer_norm

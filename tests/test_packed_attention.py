@@ -46,21 +46,27 @@ def _outputs_and_grads(tower, patches, grids):
     return [out.detach(), patches.grad] + [p.grad for _, p in sorted(tower.named_parameters())]
 
 
-def _pad_heads(tower, fa4) -> None:
-    """Every attention of the tower on the flash-attn-4 path, its head dim zero-padded by 8."""
+def _pad_heads(tower, fa4, short_segments: int) -> None:
+    """Every attention of the tower on the flash-attn-4 path, its head dim zero-padded by 8; calls whose
+    segments are all `short_segments` tokens or fewer on torch's varlen flash-attention (stand-ins)."""
     from megatron_hetero.models import varlen
-    from megatron_hetero.models.attention_kernels import FA4, KernelChoice
+    from megatron_hetero.models.attention_kernels import FA4, TORCH_FLASH, KernelChoice, torch_flash_varlen
     from megatron_hetero.models.packed_attention import PackedSelfAttention
+    from tests.test_attention_kernels import FAKE_TORCH_FLASH
 
     varlen.load_fa4 = lambda: (fa4, None)
+    varlen.torch_flash_varlen = lambda *args: torch_flash_varlen(*args[:-1], FAKE_TORCH_FLASH)
+    varlen.SHORT_SEGMENTS = short_segments
     for module in tower.modules():
         if isinstance(module, PackedSelfAttention):
             head_dim = module.hidden_size_per_attention_head
             module.core_attention.kernel = KernelChoice(FA4, head_dim, head_dim + 8)
+            module.core_attention.short_kernel = KernelChoice(TORCH_FLASH, head_dim, head_dim)
 
 
-def _check_fused_equals_megatrons(rank, world_size, name, padded):
+def _check_fused_equals_megatrons(rank, world_size, name, kernels):
     from megatron_hetero.models.packed_attention import PackedSelfAttention
+    from megatron_hetero.models.varlen import SegmentAttention
     from tests.test_attention_kernels import FAKE
 
     towers = {fused: _tower(name, world_size, fused, _env) for fused in (True, False)}
@@ -71,22 +77,52 @@ def _check_fused_equals_megatrons(rank, world_size, name, padded):
                    if isinstance(m, PackedSelfAttention))
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in upstream.named_parameters()]
     upstream.load_state_dict(fused.state_dict())
-    if padded:
+    if kernels != "sdpa":
+        # "windows": the windows' calls short (torch's flash, unpadded), the whole images' long (FA4, padded)
+        windows = max(batch_windows(fused, batch) or [0])
         for tower in (fused, upstream):
-            _pad_heads(tower, FAKE)
+            _pad_heads(tower, FAKE, windows if kernels == "windows" else 0)
+    calls = []
+
+    def kernel_of_call(module, args, kwargs, out):
+        calls.append(module.plan(kwargs["packed_seq_params"])[1].kernel)
+
+    for module in fused.modules():
+        if isinstance(module, SegmentAttention):
+            module.register_forward_hook(kernel_of_call, with_kwargs=True)
     got, want = (_outputs_and_grads(t, *batch) for t in (fused, upstream))
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
+    if kernels == "windows" and name == "qwen2_5_vl_tiny":
+        assert {"torch-flash", "fa4"} == set(calls)
+
+
+def batch_windows(tower, batch) -> list[int]:
+    """The window lengths of the tower's packed batch (none for a tower without windows)."""
+    from megatron_hetero.models.varlen import SegmentAttention
+
+    found = []
+    def hook(module, args, kwargs, out):
+        windows = kwargs["packed_seq_params"].windows
+        if windows is not None:
+            found.append(windows.max_q)
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in tower.modules()
+               if isinstance(m, SegmentAttention)]
+    with torch.no_grad():
+        tower(batch[0].double(), batch[1])
+    for handle in handles:
+        handle.remove()
+    return found
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("padded", [False, True], ids=["sdpa", "fa4_padded"])
-def test_fused_heads_equal_megatrons_attention(name, padded):
-    run_distributed(_check_fused_equals_megatrons, 1, name, padded)
+@pytest.mark.parametrize("kernels", ["sdpa", "fa4_padded", "windows"])
+def test_fused_heads_equal_megatrons_attention(name, kernels):
+    run_distributed(_check_fused_equals_megatrons, 1, name, kernels)
 
 
 def test_fused_heads_equal_megatrons_attention_under_tp2():
-    run_distributed(_check_fused_equals_megatrons, 2, "qwen2_5_vl_tiny", True)
+    run_distributed(_check_fused_equals_megatrons, 2, "qwen2_5_vl_tiny", "windows")
 
 
 def test_fused_only_where_nothing_runs_between_the_gemms(monkeypatch):

@@ -280,6 +280,9 @@ def attention_summary(module: torch.nn.Module) -> str:
         if name.endswith("core_attention"):
             if hasattr(sub, "kernel"):  # ours; a packed encoder's (varlen.SegmentAttention) runs no CP
                 found.append(sub.kernel.describe(getattr(sub, "cp", 1)))
+                short = getattr(sub, "short_kernel", sub.kernel)
+                if getattr(sub, "windowed", False) and short != sub.kernel:
+                    found.append(f"windows: {short}")
             else:
                 found.append(type(sub).__name__)
     return "; ".join(dict.fromkeys(found)) or "none"

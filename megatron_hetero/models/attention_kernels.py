@@ -20,6 +20,9 @@ it in their own sense where they are used instead of ours):
   saying why (AttentionKernelError), never a silent fallback.
 - fused, unfused, local: torch SDPA (torch picks its cuDNN, flash or memory-efficient kernel).
 `--flash-attention-version` 2 or 3 pins a generation we do not run: no FA4.
+Under auto, a packed call whose segments are all short (SHORT_SEGMENTS: Qwen2.5-VL's windows) runs
+torch's own varlen flash-attention (FA2, part of torch's CUDA builds) at its true head dim where that
+kernel runs (torch_flash_runs): one launch, nothing padded, no tokens permuted.
 
 The choice is pure (choose_kernel: device, import status, dtype, head dim in, a KernelChoice out),
 so that it is tested without a GPU; kernel_for(policy, ...) feeds it a layer's kernel policy
@@ -38,6 +41,7 @@ from megatron_hetero.models.kernel_policy import CHECKED_HEAD_DIMS, AttentionKer
 
 FA4 = "fa4"
 SDPA = "sdpa"
+TORCH_FLASH = "torch-flash"  # torch's own varlen flash-attention (FA2, built into torch's CUDA wheels)
 
 # CHECKED_HEAD_DIMS (kernel_policy.py, from kernel_checks.json): head dims whose flash-attn-4 gradients
 # (dq, dk, dv against fp32 math attention, max |diff| / max |ref| as small as cuDNN's: 0.003-0.005) were
@@ -50,6 +54,14 @@ SDPA = "sdpa"
 FA4_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_INSTALL = "pip install 'megatron-hetero[fa4]'"
+# Packed calls whose segments are all this short (one 128-row tile: Qwen2.5-VL's 112-px windows hold at most
+# 64 patches) run torch's varlen flash-attention at the true head dim, one launch, nothing padded or
+# permuted. On one H200 (tools/gpu_vit_probe.py, 2026-12-04), the bench's 419 windows x 16 heads x 80:
+# 0.88 ms forward+backward against 1.90 on flash-attn-4 padded to 96 and 2.02 on SDPA grouped by shape;
+# whole images (up to 9,216 patches) ran slower on it: 12.2 ms against 6.6 and 8.2.
+SHORT_SEGMENTS = 128
+TORCH_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+TORCH_FLASH_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -60,8 +72,9 @@ class Device:
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """kernel: FA4 or SDPA; head_dim: the module's; run_head_dim: what the kernel computes at (FA4 at
-    an unchecked head dim: the checked one it is zero-padded to); reason: why not FA4; merged_chunks:
+    """kernel: FA4, TORCH_FLASH or SDPA; head_dim: the module's; run_head_dim: what the kernel computes
+    at (FA4 at an unchecked head dim: the checked one it is zero-padded to); reason: why not FA4
+    (TORCH_FLASH: which calls it takes); merged_chunks:
     on SDPA, a causal query chunk behind a longer key prefix (CP's later chunks) runs as two merged
     calls (chunk_attention.py: CPUs, and GPUs where checked) instead of SDPA's bottom-right mask."""
 
@@ -72,6 +85,8 @@ class KernelChoice:
     merged_chunks: bool = False
 
     def __str__(self) -> str:
+        if self.kernel == TORCH_FLASH:
+            return f"torch flash varlen (head dim {self.head_dim}: {self.reason})"
         if self.kernel == SDPA:
             return f"sdpa (head dim {self.head_dim}{': ' + self.reason if self.reason else ''})"
         if self.run_head_dim != self.head_dim:
@@ -112,15 +127,29 @@ def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, 
     return None
 
 
+def torch_flash_runs(device: Device, available: bool, dtype: torch.dtype, dropout: float, head_dim: int) -> bool:
+    """Whether torch's varlen flash-attention runs this call: built into this torch (`available`:
+    torch.backends.cuda.is_flash_attention_available()), an Ampere or later GPU, bf16 / fp16, no dropout, a head
+    dim that is a multiple of 8 up to 256 (the kernel's own limits)."""
+    return (available and device.capability is not None and device.capability >= (8, 0) and dtype in TORCH_FLASH_DTYPES
+            and dropout == 0 and head_dim % 8 == 0 and head_dim <= TORCH_FLASH_MAX_HEAD_DIM)
+
+
 def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: str | None = None,
                   dtype: torch.dtype = torch.bfloat16, dropout: float = 0.0,
                   flash_attention_version: int | None = None, checked: tuple[int, ...] = (),
-                  packed: bool = False, merge_checked: bool = False) -> KernelChoice:
+                  packed: bool = False, merge_checked: bool = False, longest: int | None = None,
+                  torch_flash: bool = False) -> KernelChoice:
     """The kernel of a module with this head dim under `mode` (backend_mode); `checked`: the head dims
     checked on `device` (checked_head_dims); packed: the module attends within the segments of a
-    packed sequence (varlen: padded under auto too); merge_checked: merged chunks were checked on
-    this GPU at this dtype and head dim (chunk_attention.cudnn_merge_checked). Raises
+    packed sequence (varlen: padded under auto too), `longest` of them at most (None: unbounded;
+    SHORT_SEGMENTS or fewer: under auto torch's varlen flash-attention where `torch_flash` says it
+    is built in and torch_flash_runs); merge_checked: merged chunks were checked on this
+    GPU at this dtype and head dim (chunk_attention.cudnn_merge_checked). Raises
     AttentionKernelError where mode "flash" cannot be served exactly."""
+    short = packed and longest is not None and longest <= SHORT_SEGMENTS
+    if short and mode == "auto" and torch_flash_runs(device, torch_flash, dtype, dropout, head_dim):
+        return KernelChoice(TORCH_FLASH, head_dim, head_dim, f"segments of at most {SHORT_SEGMENTS} tokens")
     merged = dropout == 0 and (device.capability is None or merge_checked)
     if mode == SDPA:
         return KernelChoice(SDPA, head_dim, head_dim, "chosen by --attention-backend", merged)
@@ -176,6 +205,45 @@ class _Dense(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _TorchFlashVarlen(torch.autograd.Function):
+    """torch's own varlen flash-attention on packed q [total_q, heads, d], k, v [total_k, kv heads, d].
+
+    forward: out = softmax(q k^T * scale [causal]) v within each segment of cu_q / cu_k
+    (aten._flash_attention_forward, the entry torch.nn.attention.varlen calls for short segments);
+    backward: dq, dk, dv from aten._flash_attention_backward. Called through aten because the public
+    varlen_attn hands longer segments to cuDNN, whose varlen gradients were wrong on torch 2.11
+    (tools/gpu_vit_probe.py: dq off by 1e35 on the bench's images)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, ops):
+        out, lse, rng, unused, _ = ops.fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.max_q, ctx.max_k, ctx.scale, ctx.causal, ctx.bwd = max_q, max_k, scale, causal, ops.bwd
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
+        dq, dk, dv = ctx.bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, ctx.causal,
+                             rng, unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+class TorchFlash(NamedTuple):
+    """torch's varlen flash-attention entries, aten._flash_attention_forward and _backward (stand-ins
+    with their signatures in tests)."""
+
+    fwd: Callable
+    bwd: Callable
+
+
+def torch_flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                       ops: TorchFlash | None = None) -> torch.Tensor:
+    """Attention within packed segments on torch's varlen flash-attention (differentiable)."""
+    ops = ops or TorchFlash(torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward)
+    return _TorchFlashVarlen.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, ops)
+
+
 class Fa4(NamedTuple):
     """flash-attn-4's entries: its dense kernels' forward and backward (`_flash_attn_fwd`,
     `_flash_attn_bwd`), and varlen_func([total, h, d] x3, ...)."""
@@ -207,10 +275,10 @@ def load_fa4() -> tuple[Fa4 | None, str | None]:
 
 
 def kernel_for(policy: KernelPolicy, head_dim: int, dtype: torch.dtype, dropout: float = 0.0,
-               packed: bool = False) -> KernelChoice:
+               packed: bool = False, longest: int | None = None) -> KernelChoice:
     """choose_kernel for a module on this process's GPU under `policy` (its attention mode, Megatron's
     --flash-attention-version and the overrides): the module's head dim, compute dtype (config_dtype),
-    dropout and whether it runs packed (varlen) calls."""
+    dropout, whether it runs packed (varlen) calls and the longest segment they may have."""
     device = current_device()
     import_problem = None
     if policy.attention != SDPA and device.capability is not None:
@@ -219,7 +287,8 @@ def kernel_for(policy: KernelPolicy, head_dim: int, dtype: torch.dtype, dropout:
     return choose_kernel(policy.attention, head_dim, device, import_problem=import_problem, dtype=dtype,
                          dropout=dropout, flash_attention_version=policy.flash_attention_version,
                          checked=checked_head_dims(device.name, policy) if gpu else (), packed=packed,
-                         merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim, policy))
+                         merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim, policy),
+                         longest=longest, torch_flash=gpu and torch.backends.cuda.is_flash_attention_available())
 
 
 def check_policy(policy: KernelPolicy, head_dims: Callable[[], dict[str, int]], dtype: torch.dtype) -> None:

@@ -15,10 +15,11 @@ gradient written directly, the bias gradient's reduction among them), and the cu
 
 The module is SelfAttention (same parameters, names, checkpoints, TP and sequence-parallel layout):
 the QKV linear leaves its bias to the fused function (skip_bias_add; the bias gradient is the same
-sum), the core attention takes the heads already at its kernel's width (KernelChoice.run_head_dim)
-and returns them so. The same numbers up to bf16 rounding on GPUs (the fused kernels round once),
-megatron-core's bit for bit on CPUs (eager, nothing padded). Where the layer's kernel policy asks for
-upstream's RoPE (MEGATRON_HETERO_EAGER_ROPE=1, to compare), megatron-core's forward runs instead.
+sum), the core attention takes the heads already at the width of the kernel that runs the call's
+segments (SegmentAttention.plan: windows and whole items may differ) and returns them so. The same
+numbers up to bf16 rounding on GPUs (the fused kernels round once), megatron-core's bit for bit on
+CPUs (eager, nothing padded). Where the layer's kernel policy asks for upstream's RoPE
+(MEGATRON_HETERO_EAGER_ROPE=1, to compare), megatron-core's forward runs instead.
 """
 
 import functools
@@ -41,12 +42,11 @@ def packed_heads(mixed: torch.Tensor, bias: torch.Tensor | None, rotary: tuple |
     x = mixed if bias is None else mixed + bias
     x = x.view(x.shape[0], groups, per_group + 2, head_dim)
     q, k, v = x[:, :, :per_group].flatten(1, 2), x[:, :, per_group], x[:, :, per_group + 1]
-    if rotary is not None:
-        cos_q, sin_q, cos_k, sin_k = (t.flatten(1, 2) for t in rotary)  # [tokens, 1, head_dim]
-        q, k = rotate(q, cos_q, sin_q), rotate(k, cos_k, sin_k)
-    if run_dim > head_dim:
-        q, k, v = (F.pad(t, (0, run_dim - head_dim)) for t in (q, k, v))
-    return q, k, v
+    pad = run_dim - head_dim
+    if rotary is None:
+        return tuple(F.pad(t, (0, pad)) if pad else t for t in (q, k, v))
+    cos_q, sin_q, cos_k, sin_k = (t.flatten(1, 2) for t in rotary)  # [tokens, 1, head_dim]
+    return rotate(q, cos_q, sin_q, pad), rotate(k, cos_k, sin_k, pad), F.pad(v, (0, pad)) if pad else v
 
 
 def cut_heads(out: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -77,11 +77,6 @@ class PackedSelfAttention(SelfAttention):
         if self.fused:
             self.linear_qkv.skip_bias_add = True  # packed_heads adds it
 
-    @property
-    def run_head_dim(self) -> int:
-        """The head dim the core attention's kernel runs at (its KernelChoice's)."""
-        return self.core_attention.kernel.run_head_dim
-
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
@@ -101,14 +96,15 @@ class PackedSelfAttention(SelfAttention):
             rotary = tuple(t for table in tables for t in cached_cos_sin(table, self._yarn_concentration_factor,
                                                                             mixed.dtype))
         groups = self.num_query_groups_per_partition
-        shape = (groups, self.num_attention_heads_per_partition // groups, head_dim, self.run_head_dim)
+        run_dim = self.core_attention.plan(packed_seq_params)[1].run_head_dim  # the kernel of this call's segments
+        shape = (groups, self.num_attention_heads_per_partition // groups, head_dim, run_dim)
         heads = _compiled(packed_heads) if mixed.is_cuda else packed_heads
         q, k, v = (t[:, None] for t in heads(mixed, bias, rotary, *shape))
         if self.checkpoint_core_attention and self.training:
             out = self._checkpointed_attention_forward(q, k, v, attention_mask, packed_seq_params=packed_seq_params)
         else:
             out = self.core_attention(q, k, v, attention_mask, packed_seq_params=packed_seq_params)
-        if self.run_head_dim > head_dim:
+        if run_dim > head_dim:
             cut = _compiled(cut_heads) if out.is_cuda else cut_heads
             out = cut(out, self.num_attention_heads_per_partition, head_dim)
         return self.linear_proj(out)

@@ -14,11 +14,14 @@ def cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[tor
     return tuple((f(freqs) * mscale).to(dtype) for f in (torch.cos, torch.sin))
 
 
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """upstream's t * cos + rotate_half(t) * sin, half by half: [x1 c1 - x2 s1, x2 c2 + x1 s2]."""
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """upstream's t * cos + rotate_half(t) * sin, half by half: [x1 c1 - x2 s1, x2 c2 + x1 s2], with
+    `pad` zero columns after it (written by the same concatenation: compiled, one kernel, where a pad
+    after it was another pass on GPUs)."""
     x1, x2 = t.chunk(2, dim=-1)
     (c1, c2), (s1, s2) = cos.chunk(2, dim=-1), sin.chunk(2, dim=-1)
-    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+    zeros = (t.new_zeros(*t.shape[:-1], pad),) if pad else ()
+    return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, *zeros), dim=-1)
 
 
 def cached_cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,9 @@ Qwen2.5-VL-7B's ViT showed ~320 pageable copies, 32 synchronizations and ~660 fi
 when each layer planned its own segments).
 
 `varlen_attention` runs flash-attn-4's varlen entry (one launch for every segment) where the module's
-kernel choice allows it, else torch SDPA: the tokens permuted once so that the segments of each
-shape lie together (one gather each way, forward and backward), one batched call per shape on views.
+kernel choice allows it, torch's own varlen flash-attention for calls of short segments only (windows:
+attention_kernels.SHORT_SEGMENTS), else torch SDPA: the tokens permuted once so that the segments of
+each shape lie together (one gather each way, forward and backward), one batched call per shape on views.
 
 `SegmentAttention` is a megatron-core core attention (DotProductAttention's constructor and forward)
 that runs `varlen_attention` over the segments its layer uses: whole items, or windows in a windowed
@@ -35,7 +36,19 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention import causal_attention
-from megatron_hetero.models.attention_kernels import FA4, Fa4, KernelChoice, config_dtype, kernel_for, load_fa4, run_fa4
+from megatron_hetero.models.attention_kernels import (
+    FA4,
+    SHORT_SEGMENTS,
+    TORCH_FLASH,
+    Fa4,
+    KernelChoice,
+    TorchFlash,
+    config_dtype,
+    kernel_for,
+    load_fa4,
+    run_fa4,
+    torch_flash_varlen,
+)
 from megatron_hetero.models.transfer import to_device
 
 
@@ -147,14 +160,18 @@ def _varlen_sdpa(q, k, v, plan: VarlenPlan, scale, causal, merged) -> torch.Tens
 
 
 def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_scale: float | None = None,
-                     causal: bool = False, fa4: Fa4 | None = None) -> torch.Tensor:
+                     causal: bool = False, fa4: Fa4 | None = None,
+                     torch_flash: TorchFlash | None = None) -> torch.Tensor:
     """Attention within the segments of packed sequences, flash-attention's varlen convention:
     q [total_q, heads, d], k, v [total_k, kv heads, d]; segment i's queries q[cu_q[i]:cu_q[i+1]]
     attend to its keys k[cu_k[i]:cu_k[i+1]] (causal: bottom-right aligned, the j-th query of a
     segment sees keys up to len_k - len_q + j); plan: their VarlenPlan on q's device. kernel:
     kernel_for(the module's policy, head dim, dtype, packed=True): FA4's varlen entry (fa4: its
-    stand-in in tests), else torch SDPA per segment shape. Returns [total_q, heads, d]."""
+    stand-in in tests), torch's varlen flash-attention (short segments; torch_flash: its stand-in),
+    else torch SDPA per segment shape. Returns [total_q, heads, d]."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if kernel.kernel == TORCH_FLASH:
+        return torch_flash_varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, causal, torch_flash)
     if kernel.kernel == FA4:
         return run_fa4((fa4 or load_fa4()[0]).varlen_func, kernel, q, k, v, cu_seqlens_q=plan.cu_q,
                        cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,
@@ -257,7 +274,8 @@ class SegmentAttention(MegatronModule):
     """Drop-in for megatron-core's DotProductAttention in an encoder layer: [t, 1, heads, d] in,
     [t, 1, heads * d] out, each token attending to its segment of `packed_seq_params`
     (SegmentParams): the whole item, or in a layer not in `full_layers` (0-based global layer
-    indices; None: all) its window."""
+    indices; None: all) its window. `kernel` runs a call's segments, `short_kernel` those of a call
+    whose segments are all SHORT_SEGMENTS tokens or fewer (windows; kernel_for's `longest`)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -267,16 +285,27 @@ class SegmentAttention(MegatronModule):
             raise ValueError("SegmentAttention has no attention dropout; set attention_dropout 0")
         self.windowed = full_layers is not None and layer_number - 1 not in full_layers
         self.softmax_scale = config.kv_channels**-0.5 if softmax_scale is None else softmax_scale
-        self.kernel = kernel_for(kernel_policy.of(config), config.kv_channels, config_dtype(config), packed=True)
+        policy, dtype = kernel_policy.of(config), config_dtype(config)
+        self.kernel = kernel_for(policy, config.kv_channels, dtype, packed=True)
+        self.short_kernel = kernel_for(policy, config.kv_channels, dtype, packed=True, longest=SHORT_SEGMENTS)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params: SegmentParams | None = None) -> torch.Tensor:
-        if not isinstance(packed_seq_params, SegmentParams) or query.shape[1] != 1:
+    def plan(self, packed_seq_params: "SegmentParams") -> tuple[VarlenPlan, KernelChoice]:
+        """The segments this layer attends within (the items', or a windowed layer's windows) and the
+        kernel that runs them."""
+        if not isinstance(packed_seq_params, SegmentParams):
             raise ValueError("SegmentAttention takes a packed sequence [t, 1, ...] and its SegmentParams")
         plan = packed_seq_params.items
         if self.windowed and packed_seq_params.windows is not None:
             plan = packed_seq_params.windows
+        short = max(plan.max_q, plan.max_k) <= SHORT_SEGMENTS
+        return plan, self.short_kernel if short else self.kernel
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: SegmentParams | None = None) -> torch.Tensor:
+        if query.shape[1] != 1:
+            raise ValueError("SegmentAttention takes a packed sequence [t, 1, ...] and its SegmentParams")
+        plan, kernel = self.plan(packed_seq_params)
         # squeeze, not [:, 0]: a view both ways (indexing's backward fills zeros and copies, per tensor)
         key, value = (packed_seq_params.gathered(t.squeeze(1)) for t in (key, value))
-        out = varlen_attention(query.squeeze(1), key, value, plan, self.kernel, self.softmax_scale)
+        out = varlen_attention(query.squeeze(1), key, value, plan, kernel, self.softmax_scale)
         return out.flatten(1)[:, None]

@@ -3,9 +3,11 @@
 - `_compile_dependencies` runs `make` in megatron/core/datasets, which the wheel ships without a
   Makefile but with the compiled `helpers_cpp`: use it when it imports;
 - `initialize_megatron` asserts CUDA unless `allow_no_cuda`: allowed when no GPU is present;
-- the local spec's fused kernels (persistent layer norm, bias-gelu/swiglu/dropout fusion, masked
-  softmax) need apex or TE: without them the flags default off (gradient-accumulation fusion stays:
-  grad_accum_fusion.py runs it on torch's GEMM);
+- the local spec's fused kernels (persistent layer norm, bias-gelu/swiglu fusion, masked softmax) need
+  apex or TE: without them the flags default off (gradient-accumulation fusion stays:
+  grad_accum_fusion.py runs it on torch's GEMM); the bias-dropout-add fusion is megatron-core's own
+  torch.compile'd function and stays on GPUs (on CPUs it would build C++ kernels per layer shape for
+  no speed: off there);
 - CLIPViTModel builds `ln_pre` from torch's LayerNorm when TE is absent and passes it `config=`:
   megatron-core's WrappedTorchNorm takes that signature;
 - megatron.training's validate_args stops every run with TP or CP on GPUs before Blackwell unless
@@ -22,8 +24,8 @@ import torch
 from megatron_hetero.models.accelerators import has_apex, has_te
 from megatron_hetero.patches._patch import PASS_THROUGH, replace
 
-FUSION_FLAGS = ("persist_layer_norm", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
-                "masked_softmax_fusion")
+FUSION_FLAGS = ("persist_layer_norm", "bias_gelu_fusion", "bias_swiglu_fusion", "masked_softmax_fusion")
+COMPILED_FUSION_FLAGS = ("bias_dropout_fusion",)  # megatron-core's torch.compile'd kernels: GPUs only
 
 
 CUDA_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -63,15 +65,17 @@ def _initialize_megatron(original):
     return initialize_megatron
 
 
-def disable_unavailable_fusions(args) -> None:
-    """Fused kernels that need apex or TE default off without them (the user's flags are kept
-    where the kernels exist)."""
-    if has_apex() or has_te():
-        return
-    for flag in FUSION_FLAGS:
+def disable_unavailable_fusions(args, gpus: bool | None = None) -> None:
+    """Fused kernels that need apex or TE default off without them, torch.compile'd ones without a GPU
+    (the user's flags are kept where the kernels exist)."""
+    flags = () if has_apex() or has_te() else FUSION_FLAGS
+    if not (torch.cuda.is_available() if gpus is None else gpus):
+        flags += COMPILED_FUSION_FLAGS
+    for flag in flags:
         if getattr(args, flag, False):
             setattr(args, flag, False)
-    args.no_persist_layer_norm = True
+    if "persist_layer_norm" in flags:
+        args.no_persist_layer_norm = True
 
 
 def _clip_init(original):

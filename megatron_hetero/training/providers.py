@@ -26,10 +26,13 @@ def megatron_config_fields(args) -> dict:
     accumulate into DDP's main_grad in the GEMM, for parts DDP wraps), activation recomputation
     (--recompute-granularity full|selective, --recompute-method uniform|block,
     --recompute-num-layers, --recompute-modules), the LLM's loss (--cross-entropy-loss-fusion,
-    --cross-entropy-fusion-impl: megatron-core's fused vocabulary-parallel cross entropy) and the
-    flags of the layers' kernel policy (--attention-backend, --flash-attention-version,
-    --transformer-impl: models/kernel_policy.py)."""
+    --cross-entropy-fusion-impl: megatron-core's fused vocabulary-parallel cross entropy), the bias,
+    dropout and residual add after each attention and MLP as one compiled kernel (on by default,
+    --no-bias-dropout-fusion; off without a GPU: patches/startup.py) and the flags of the layers'
+    kernel policy (--attention-backend, --flash-attention-version, --transformer-impl:
+    models/kernel_policy.py)."""
     return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+                bias_dropout_fusion=args.bias_dropout_fusion,
                 cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
                 cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
                 recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,

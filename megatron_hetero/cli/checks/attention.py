@@ -16,12 +16,13 @@
    W1's LLM (2 x 32 heads x 16384 x 128, causal: the trainer's micro batch of 2, whose [s, b] memory
    order the dense FA4 call writes its output in), W1's ViT (32 images x 729 x 16 x 72), W4's ViT
    (8 x 1024 x 25 x 128), a Qwen2.5-VL-like packed ViT call (8 images of 256-9216 patches, 16 x 80,
-   varlen), GQA 28/4 x 128 causal at 16K, the CP2 halves of W1's LLM (both ranks' chunks against the
-   gathered keys), packed documents (varlen, with and without CP2). One line per shape and backend:
-   the kernel chosen, max relative errors of output and dq/dk/dv against fp32 attention (max |diff|
-   / max |ref|), forward and forward+backward ms and TFLOPS (causal counted as half of full;
-   backward as 2.5 x forward, FlashAttention's convention: x 3/3.5 for the project's model-FLOPs
-   count). Any chosen path above the tolerance: FAIL, exit status 1.
+   varlen), Qwen2.5-VL-7B's windowed call (the bench images' 419 windows of 16-64 patches: torch's
+   varlen flash-attention under auto), GQA 28/4 x 128 causal at 16K, the CP2 halves of W1's
+   LLM (both ranks' chunks against the gathered keys), packed documents (varlen, with and without
+   CP2). One line per shape and backend: the kernel chosen, max relative errors of output and
+   dq/dk/dv against fp32 attention (max |diff| / max |ref|), forward and forward+backward ms and
+   TFLOPS (causal counted as half of full; backward as 2.5 x forward, FlashAttention's convention:
+   x 3/3.5 for the project's model-FLOPs count). Any chosen path above the tolerance: FAIL, exit status 1.
 3. A negative control: auto with head dims 72 and 80 listed as if checked, at W1's and Qwen2.5-VL's
    ViT shapes: raw flash-attn-4 4.0.0b36 must fail there (GPU-KERNELS.md), showing the check catches it.
 Records (one JSON object per line) go to DIR/fa4_check.jsonl.
@@ -50,6 +51,7 @@ from megatron_hetero.models.attention_kernels import (
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.kernel_policy import CHECKED_ENV, record_check
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
+from megatron_hetero.planner.families import FAMILY_BENCHES
 
 TOLERANCE = 0.02  # cuDNN's bf16 gradients are 0.003-0.005 off fp32 attention, the broken ones ~1
 RAW_HEAD_DIMS = (64, 72, 80, 96, 128)
@@ -61,11 +63,12 @@ DEVICE = "cuda"  # tests/test_attention_kernels.py runs the measuring on CPU wit
 class Case:
     """An attention shape: q, k, v leaves [s, b, h, d] as megatron-core's attention hands them over
     (varlen: [total, h, d]), `run(kernel, q, k, v)` our call with a kernel choice, `reference(q, k, v)`
-    in fp32, and its forward FLOPs; packed: a varlen call (the kernel is chosen as for one)."""
+    in fp32, and its forward FLOPs; packed: a varlen call (the kernel is chosen as for one), whose
+    segments have at most `longest` tokens."""
 
-    def __init__(self, name, q_shape, kv_shape, head_dim, run, reference, flops, packed=False):
+    def __init__(self, name, q_shape, kv_shape, head_dim, run, reference, flops, packed=False, longest=None):
         self.name, self.head_dim, self.run, self.reference, self.flops = name, head_dim, run, reference, flops
-        self.packed = packed
+        self.packed, self.longest = packed, longest
         g = torch.Generator(device=DEVICE).manual_seed(0)
         self.leaves = [torch.randn(shape, generator=g, device=DEVICE, dtype=BF16).requires_grad_()
                        for shape in (q_shape, kv_shape, kv_shape)]
@@ -146,17 +149,26 @@ def varlen_case(name, lengths, h, d) -> Case:
 
     total = sum(lengths)
     return Case(name, (total, h, d), (total, h, d), d, run, reference, sum(4 * h * n * n * d for n in lengths),
-                packed=True)
+                packed=True, longest=max(lengths))
+
+
+def qwen_windows() -> list[int]:
+    """The window lengths of Qwen2.5-VL-7B's bench images (112-px windows), in its layers' order."""
+    from transformers.vision_utils import get_vision_window_index
+
+    grids = torch.tensor([[1, *grid] for grid in FAMILY_BENCHES["qwen2_5_vl_7b"].images.values()])
+    return get_vision_window_index(grids, 2, 112, 14)[1].diff().tolist()
 
 
 def workload_cases(quick: bool) -> list[Case]:
     s = 4096 if quick else 16384
-    qwen = [256, 1024, 4096, 9216, 576, 2304, 784, 6400]
+    qwen, windows = [256, 1024, 4096, 9216, 576, 2304, 784, 6400], qwen_windows()
     return [
         dense_case(f"W1 LLM 2x32x{s}x128 causal", 2, s, 32, 32, 128, True),
         dense_case("W1 ViT 32 images x 729 x 16 x 72", 32, 729, 16, 16, 72, False),
         dense_case("W4 ViT 8 x 1024 x 25 x 128", 8, 1024, 25, 25, 128, False),
         varlen_case(f"Qwen2.5-VL ViT varlen {len(qwen)} images 16 x 80", qwen[:4] if quick else qwen, 16, 80),
+        varlen_case(f"Qwen2.5-VL-7B ViT's {len(windows)} windows 16 x 80", windows, 16, 80),
         dense_case(f"GQA 28/4 x 128 causal {s}", 1, s, 28, 4, 128, True),
         cp_case(f"CP2 halves 1x32x{s}x128", 1, s, 32, 32, 128, 2),
         cp_case("packed docs 2x8192 GQA 32/8 x 128", 2, 8192, 32, 8, 128, 1,
@@ -261,7 +273,9 @@ def workload_check(records: list, checked: tuple[int, ...], quick: bool, iters: 
     for case in workload_cases(quick):
         for mode in (SDPA, "auto", "flash"):
             try:
-                kernel = choose_kernel(mode, case.head_dim, device, checked=checked, packed=case.packed)
+                kernel = choose_kernel(mode, case.head_dim, device, checked=checked, packed=case.packed,
+                                       longest=case.longest,
+                                       torch_flash=torch.backends.cuda.is_flash_attention_available())
             except AttentionKernelError as error:
                 print(f"{case.name} | {mode}: not run: {error}", flush=True)
                 continue
