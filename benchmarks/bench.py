@@ -13,6 +13,7 @@ import collections
 import itertools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -403,8 +404,8 @@ def _steps(trainer: Trainer, n: int, forward_backward_func, losses: list | None 
 def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
             forward_backward_func=None, memory_cap_gib: float | None = None) -> dict:
     """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
-    record), then PHASE_STEPS with the phase timers on; returns the record (rank 0 also appends it
-    to `out` and prints it). memory_cap_gib: the allocator's cap the caller set, recorded."""
+    record), then PHASE_STEPS with the phase timers on (each phase's median over them); returns the
+    record (rank 0 also appends it to `out` and prints it). memory_cap_gib: the allocator's cap the caller set, recorded."""
     hetero, world = trainer.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
     losses: list[float] = []  # every step's, from the first: a change that keeps the values keeps these
@@ -417,12 +418,16 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     waiting_s = (hetero.clock.waiting_s - waited) / steps
     hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
     hetero.timers.enabled = True  # the breakdown pass: phases synchronized
-    phase_steps = min(steps, PHASE_STEPS)
-    _steps(trainer, 1, forward_backward_func)
-    order = work_order(hetero.timers.opened)
-    _steps(trainer, phase_steps - 1, forward_backward_func)
-    phases = {k: v / phase_steps for k, v in hetero.timers.seconds.items()}
-    by_module = module_phases(hetero.timers.spans, phase_steps)
+    each, each_module, order = [], [], []
+    for _ in range(min(steps, PHASE_STEPS)):
+        _steps(trainer, 1, forward_backward_func)
+        order = order or work_order(hetero.timers.opened)
+        each.append(dict(hetero.timers.seconds))
+        each_module.append(module_phases(hetero.timers.spans, 1))
+        hetero.timers.reset()
+    phases = median_phases(each)
+    modules = dict.fromkeys(m for step in each_module for m in step)
+    by_module = {m: median_phases([step.get(m, {}) for step in each_module]) for m in modules}
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(w), frozen)
@@ -467,6 +472,13 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
             f.write(json.dumps(record) + "\n")
         print(json.dumps({k: v for k, v in record.items() if k != "ranks"}))
     return record
+
+
+def median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median seconds over steps (phase -> seconds per step; a phase a step lacks: 0):
+    one slow step of the few the timers run (a recompilation, a stall) does not move it."""
+    names = dict.fromkeys(name for step in steps for name in step)
+    return {name: statistics.median(step.get(name, 0.0) for step in steps) for name in names}
 
 
 def module_phases(spans: list, steps: int) -> dict[str, dict[str, float]]:

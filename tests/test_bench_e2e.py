@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bench import global_microbatches, sized_workload, synthetic_batch, workload_args
+from bench import global_microbatches, median_phases, sized_workload, synthetic_batch, workload_args
 
 import megatron_hetero.patches
 from megatron_hetero.data.tokenizer import CaptionTokenizer
@@ -86,6 +86,14 @@ def test_the_script_accepts_every_bench_workload(name):
     assert len(micro) == b // (w.micro_batch * layout.llm.dp)
     for key in ("images", "vision_counts", "vision_positions", "input_ids"):
         assert torch.equal(torch.cat([m[key] for m in micro]), batch[key]), key
+
+
+def test_phases_are_medians_over_the_timed_steps():
+    """One slow step of the phase-timed ones (a recompilation, a stall) does not move a phase; a phase
+    a step did not run counts 0 there."""
+    steps = [{"encoder-forward": 0.4, "llm-forward": 0.2}, {"encoder-forward": 1.5, "llm-forward": 0.2},
+             {"encoder-forward": 0.41, "optimizer": 0.1}]
+    assert median_phases(steps) == {"encoder-forward": 0.41, "llm-forward": 0.2, "optimizer": 0.0}
 
 
 def test_nested_phases_count_once_and_switch_relabels():
