@@ -405,7 +405,8 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
             forward_backward_func=None, memory_cap_gib: float | None = None) -> dict:
     """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
     record), then PHASE_STEPS with the phase timers on (each phase's median over them); returns the
-    record (rank 0 also appends it to `out` and prints it). memory_cap_gib: the allocator's cap the caller set, recorded."""
+    record (rank 0 also appends it to `out` and prints it). memory_cap_gib: the allocator's cap the
+    caller set, recorded."""
     hetero, world = trainer.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
     losses: list[float] = []  # every step's, from the first: a change that keeps the values keeps these
