@@ -36,6 +36,11 @@ def split_cp(shape: ModuleShape, layout: ModuleLayout) -> int:
     return layout.sequence_cp
 
 
+def gpu_tokens(shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
+    """The module's tokens of `samples` samples on one GPU of its layout (its sequence split by CP)."""
+    return samples * shape.tokens_per_sample / split_cp(shape, layout)
+
+
 def layer_key(shape: ModuleShape, layout: ModuleLayout) -> LayerKey:
     """The key of a measured time for this module's layers under this layout."""
     return LayerKey.of(shape, layout.tp, split_cp(shape, layout))
@@ -215,8 +220,8 @@ class CostModel:
         forward, backward = self.microbatch_pass(shape, layout, samples, recomputed)
         if layout.pp == 1:
             return forward, backward
-        tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
-        nbytes = tokens * shape.hidden * self.workload.dtype_bytes / (layout.tp if layout.sp else 1)
+        nbytes = (gpu_tokens(shape, layout, samples) * shape.hidden * self.workload.dtype_bytes
+                  / (layout.tp if layout.sp else 1))
         send = Seconds(p2p=self.send_s(nbytes, layout.tp * layout.cp * layout.dp))
         return forward * (1 / layout.pp) + send, backward * (1 / layout.pp) + send
 
@@ -270,7 +275,7 @@ class CostModel:
         counted on every stage: conservative for the first)."""
         if shape.frozen:
             return 0.0
-        tokens = samples * shape.tokens_per_sample / split_cp(shape, layout)
+        tokens = gpu_tokens(shape, layout, samples)
         dtype = self.workload.dtype_bytes
         fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp)
         kernel, head_dim = self.workload.attention_of(shape.name)
@@ -287,7 +292,7 @@ class CostModel:
         if shape.role != "llm":
             return 0.0
         per_logit = FUSED_LOGIT_BYTES if self.workload.fused_cross_entropy else LOGIT_BYTES
-        return samples * shape.tokens_per_sample / split_cp(shape, layout) * shape.vocab / layout.tp * per_logit
+        return gpu_tokens(shape, layout, samples) * shape.vocab / layout.tp * per_logit
 
     def transient_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
         """Short-lived tensors of one layer at a time on top of a stage's activations, once per GPU
