@@ -29,22 +29,17 @@ import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+from transformers.vision_utils import get_vision_cu_seqlens
 
+from megatron_hetero.cli.checks.attention import qwen_bench_grids, qwen_windows
 from megatron_hetero.cli.checks.common import timed
 from megatron_hetero.models.attention_kernels import FA4, SDPA, TORCH_FLASH, KernelChoice, TorchFlash, load_fa4
 from megatron_hetero.models.packed_attention import packed_heads
 from megatron_hetero.models.rope import rotate
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
-from megatron_hetero.planner.families import FAMILY_BENCHES
 
 DEVICE, BF16 = "cuda", torch.bfloat16
 HEADS, HEAD_DIM, HIDDEN, FFN = 16, 80, 1280, 3424
-
-
-def bench_grids() -> torch.Tensor:
-    """The bench's 8 images as patch grids [n, 3] (t, h, w)."""
-    return torch.tensor([[1, *grid] for grid in FAMILY_BENCHES["qwen2_5_vl_7b"].images.values()])
 
 
 def _cudnn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug_mask, *, scale):
@@ -203,9 +198,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = parser.parse_args()
-    grids = bench_grids()
-    _, windows = get_vision_window_index(grids, 2, 112, 14)
-    rows = attention_rows("windows", windows.cpu().int(), args.iters)
+    grids = qwen_bench_grids()
+    windows = F.pad(torch.tensor(qwen_windows()).cumsum(0), (1, 0)).int()
+    rows = attention_rows("windows", windows, args.iters)
     rows += attention_rows("images", get_vision_cu_seqlens(grids).cpu().int(), args.iters)
     rows += glue_rows(int(grids.prod(1).sum()), args.iters)
     Path(args.out).mkdir(parents=True, exist_ok=True)

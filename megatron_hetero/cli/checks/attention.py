@@ -152,12 +152,20 @@ def varlen_case(name, lengths, h, d) -> Case:
                 packed=True, longest=max(lengths))
 
 
+def qwen_bench_grids() -> torch.Tensor:
+    """The patch grids [images, 3] (t, h, w) of Qwen2.5-VL-7B's bench images (its presets.json)."""
+    return torch.tensor([[1, *grid] for grid in FAMILY_BENCHES["qwen2_5_vl_7b"].images.values()])
+
+
 def qwen_windows() -> list[int]:
-    """The window lengths of Qwen2.5-VL-7B's bench images (112-px windows), in its layers' order."""
+    """The window lengths of Qwen2.5-VL-7B's bench images, in its layers' order (transformers' window
+    index, at the preset's window, patch and merge sizes)."""
     from transformers.vision_utils import get_vision_window_index
 
-    grids = torch.tensor([[1, *grid] for grid in FAMILY_BENCHES["qwen2_5_vl_7b"].images.values()])
-    return get_vision_window_index(grids, 2, 112, 14)[1].diff().tolist()
+    vision = FAMILY_BENCHES["qwen2_5_vl_7b"].config["vision_config"]
+    windows = get_vision_window_index(qwen_bench_grids(), vision["spatial_merge_size"], vision["window_size"],
+                                      vision["patch_size"])[1]
+    return windows.diff().tolist()
 
 
 def workload_cases(quick: bool) -> list[Case]:
