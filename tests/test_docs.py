@@ -75,7 +75,7 @@ def test_history_pattern(text, found):
     ("docs/runs/gpu2/call15_w6_h100/bench_e2e.log", True), ("benchmarks/gpu_issue27_run.sh", True),
     ("docs/runs/planner/check_gpu2_calls9-12.txt", True), ("docs/runs/fa4_h200/ab_quack_norm/call_a/x.md", True),
     ("docs/runs/gpu2/w6_h100_pair/bench_e2e.log", False), ("docs/runs/fa4_h200/ab_short_call/run_a/x.log", False),
-    ("ISSUE_TEXT", False), ("megatron_hetero/runtime/items.py", False)])
+    ("CHANGELOG.md", False), ("megatron_hetero/runtime/items.py", False)])
 def test_file_name_pattern(name, found):
     """File names are read as prose once spelled out; record names stay clear of it."""
     assert bool(HISTORY.search(_spelled_out(name)) or LETTERED_CALL.search(name)) == found
