@@ -431,9 +431,9 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
     a layout the planner models; not an A/B pair's baseline (`*_A.jsonl`: the older checkout), nor a
     Qwen2.5-VL record whose ViT MLP ran megatron-core's unfused gated path (before its padded MLP);
     of one configuration (workload, depth, batch sizes, layout and flags, GPU model, kernels, loss) the
-    latest record (its date, then the files' order)."""
+    latest record (its date, then the files' sorted paths: the answer does not depend on the order given)."""
     latest = {}
-    for path in paths:
+    for path in sorted(paths):
         if path.name.endswith("_A.jsonl"):
             continue
         for line in path.read_text().splitlines():
