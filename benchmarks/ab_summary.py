@@ -1,5 +1,6 @@
 """Medians of alternating A/B benchmark runs (bench_e2e JSON lines), and each variant against the
-first one of its workload: the numbers a speed change is judged by, one table.
+first one of its workload: the numbers a speed change is judged by, one table (with each encoder's
+MFU by itself where the records measured it: bench_e2e's encoders_alone).
 
     python benchmarks/ab_summary.py bench_e2e.jsonl [--peak 989] > summary.md
     python benchmarks/ab_summary.py A=base.jsonl B=new.jsonl    # two checkouts' runs, same flags
@@ -29,9 +30,24 @@ def grouped(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return groups
 
 
+def alone_tflops_per_gpu(r: dict, module: str) -> float:
+    """An encoder's model TFLOPS per GPU by itself (a record's encoders_alone: its slowest rank's seconds
+    over the GPUs that ran it)."""
+    alone = r["encoders_alone"][module]
+    return r["module_tflops"][module] / alone["seconds"] / alone["gpus"]
+
+
+def alone_cell(runs: list[dict], peak: float) -> str:
+    """Each encoder's MFU by itself, the median over the runs that measured it ("-": none did)."""
+    names = dict.fromkeys(name for r in runs for name in r.get("encoders_alone", {}))
+    return ", ".join(f"{name} {100 * statistics.median(alone_tflops_per_gpu(r, name) for r in runs
+                                                        if name in r.get('encoders_alone', {})) / peak:.1f}%"
+                     for name in names) or "-"
+
+
 def table(records: list[dict], peak: float) -> list[str]:
-    lines = ["| workload | variant | runs | TFLOPS/GPU (median; each) | MFU | step s (median) | vs baseline |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| workload | variant | runs | TFLOPS/GPU (median; each) | MFU | step s (median) | encoders alone, MFU "
+             "| vs baseline |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     baseline: dict[tuple[str, str], float] = {}
     for (workload, variant), runs in grouped(records).items():
         tflops = [r["tflops_per_gpu"] for r in runs]
@@ -39,7 +55,8 @@ def table(records: list[dict], peak: float) -> list[str]:
         base = baseline.setdefault((workload, variant.split(" ")[0]), median)  # the layout alone
         each = " / ".join(f"{t:.1f}" for t in tflops)
         lines.append(f"| {workload} | {variant} | {len(runs)} | {median:.1f} ({each}) | {100 * median / peak:.1f}% | "
-                     f"{statistics.median(r['step_s'] for r in runs):.3f} | {100 * (median / base - 1):+.1f}% |")
+                     f"{statistics.median(r['step_s'] for r in runs):.3f} | {alone_cell(runs, peak)} | "
+                     f"{100 * (median / base - 1):+.1f}% |")
     return lines
 
 

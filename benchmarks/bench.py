@@ -19,7 +19,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,6 +46,8 @@ from megatron_hetero.training.args import ArgsError, parse_script_args
 
 # Steps of the synchronized breakdown pass (after the free-running ones): phases vary little.
 PHASE_STEPS = 3
+# Back-to-back replays of a step's encoder work in the encoders-alone pass (each a whole step's).
+ALONE_REPEATS = 3
 # Megatron's --bf16: bf16 weights, fp32 main params and Adam in megatron-core's optimizer (the
 # records before the move to megatron.training kept fp32 weights under bf16 autocast).
 PRECISION = {True: "bf16 weights, fp32 main params (megatron-core optimizer)", False: "fp32"}
@@ -383,6 +385,65 @@ class _BackwardPhases:
         return self.adapter.llm_forward(module, call, share, media, hidden)
 
 
+class _EncoderCalls:
+    """The model's adapter, keeping the calls of the encoders' forward a step makes (module, share)
+    where one call is the whole encoder (unpipelined): what encoders_alone replays."""
+
+    def __init__(self, adapter):
+        self.adapter, self.calls = adapter, []
+
+    def __getattr__(self, name):
+        return getattr(self.adapter, name)
+
+    def encoder_forward(self, module, share, hidden):
+        if module.first_stage and module.last_stage:
+            self.calls.append((module, share))
+        return self.adapter.encoder_forward(module, share, hidden)
+
+
+def encoders_alone(trainer: Trainer, forward_backward_func, repeats: int = ALONE_REPEATS) -> dict[str, float]:
+    """Seconds per step of each unpipelined encoder on this rank by itself: one training step's calls
+    of its forward (captured) replayed `repeats` times back to back, each followed by its backward
+    from a gradient of ones (a frozen encoder: forward only), the GPU synchronized only before and
+    after, so that the host runs ahead as in a free-running step. What the step's synchronized phases
+    cannot give: there each phase starts on an idle GPU, and an encoder's forward, the first work
+    of a microbatch, is timed with the host's launches. The gradients land in the modules' buffers under DDP's
+    no_sync (no reduction: a step's last backward reduces them), from zero, and are zeroed after."""
+    hetero = trainer.hetero
+    adapter = hetero.adapter
+    hetero.adapter = capture = _EncoderCalls(adapter)
+    try:
+        _steps(trainer, 1, forward_backward_func)
+    finally:
+        hetero.adapter = adapter
+    seconds = {}
+    for name in dict.fromkeys(module.name for module, _ in capture.calls):
+        module = hetero.run.modules[name]
+        shares = [share for m, share in capture.calls if m.name == name] * repeats
+        trainable = module.ddp is not None
+        _zero_grads(trainer)
+        with module.ddp.no_sync() if trainable else nullcontext():
+            seconds[name] = _timed(lambda: _encoder_passes(adapter, module, shares, trainable), barrier=False) / repeats
+    _zero_grads(trainer)
+    return seconds
+
+
+def _zero_grads(trainer: Trainer) -> None:
+    """As train_step begins: the gradient buffers zeroed and the parameters' .grad unset (after an
+    fp32 optimizer's step .grad is a view of the buffer, into which autograd would add)."""
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+
+
+def _encoder_passes(adapter, module, shares: list, trainable: bool) -> None:
+    for share in shares:
+        with torch.set_grad_enabled(trainable):
+            rows = adapter.encoder_forward(module, share, None)
+        if trainable:
+            rows.backward(torch.ones_like(rows))
+
+
 def _steps(trainer: Trainer, n: int, forward_backward_func, losses: list | None = None) -> list[float]:
     """Seconds of each of n training steps (the GPU synchronized at each step's end: the host runs
     ahead by at most one step's launches, which the next synchronization absorbs); each step's
@@ -403,10 +464,10 @@ def _steps(trainer: Trainer, n: int, forward_backward_func, losses: list | None 
 
 def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, steps: int, out: str,
             forward_backward_func=None, memory_cap_gib: float | None = None) -> dict:
-    """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread in the
-    record), then PHASE_STEPS with the phase timers on (each phase's median over them); returns the
-    record (rank 0 also appends it to `out` and prints it). memory_cap_gib: the allocator's cap the
-    caller set, recorded."""
+    """Train the workload's batch: `warmup` steps, `steps` timed one by one (their spread and peak
+    memory in the record), each encoder alone (encoders_alone), then PHASE_STEPS with the phase timers
+    on (each phase's median over them); returns the record (rank 0 also appends it to `out` and prints
+    it). memory_cap_gib: the allocator's cap the caller set, recorded."""
     hetero, world = trainer.hetero, dist.get_world_size()
     run, cuda = hetero.run, torch.cuda.is_available()
     losses: list[float] = []  # every step's, from the first: a change that keeps the values keeps these
@@ -417,6 +478,8 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     step_times = _steps(trainer, steps, forward_backward_func, losses)
     step_s = sum(step_times) / len(step_times)
     waiting_s = (hetero.clock.waiting_s - waited) / steps
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    alone = encoders_alone(trainer, forward_backward_func)
     hetero.adapter = _BackwardPhases(hetero.adapter, hetero.timers)
     hetero.timers.enabled = True  # the breakdown pass: phases synchronized
     each, each_module, order = [], [], []
@@ -429,7 +492,6 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     phases = median_phases(each)
     modules = dict.fromkeys(m for step in each_module for m in step)
     by_module = {m: median_phases([step.get(m, {}) for step in each_module]) for m in modules}
-    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     frozen = any(m.freeze for m in run.layout.encoders)
     flops = model_flops(w, trainer_vocab_size(w), frozen)
     from megatron_hetero.models.specs import KERNEL_KINDS, kernel_summaries  # imports megatron-core
@@ -437,7 +499,7 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
     mine = dict(rank=run.rank, stage=_stage_name(run), setup_s=trainer.setup_s, peak_gb=peak_gb,
                 outside_allocator_gib=_outside_allocator_gib(),
-                waiting_s=waiting_s, phases=phases, module_phases=by_module, work_order=order,
+                waiting_s=waiting_s, phases=phases, module_phases=by_module, work_order=order, encoders_alone=alone,
                 **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
                 losses=losses)
     gathered = [None] * world
@@ -458,7 +520,7 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         module_phases=_slowest_module_phases([r["module_phases"] for r in gathered]),
-        work_orders=_work_orders(gathered),
+        work_orders=_work_orders(gathered), encoders_alone=_slowest_alone([r["encoders_alone"] for r in gathered]),
         **{kind: {name: kernel for r in gathered for name, kernel in r[kind].items()} for kind in KERNEL_KINDS},
         losses=next((r["losses"] for r in gathered if r["losses"]), []),
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
@@ -514,6 +576,13 @@ def _slowest_module_phases(ranks: list[dict]) -> dict[str, dict[str, float]]:
             for phase, seconds in phases.items():
                 out.setdefault(module, {})[phase] = max(out.get(module, {}).get(phase, 0.0), seconds)
     return out
+
+
+def _slowest_alone(ranks: list[dict]) -> dict[str, dict]:
+    """Each encoder's seconds alone on its slowest rank and the number of ranks that ran it."""
+    names = dict.fromkeys(name for mine in ranks for name in mine)
+    return {name: dict(seconds=max(mine[name] for mine in ranks if name in mine),
+                       gpus=sum(name in mine for mine in ranks)) for name in names}
 
 
 def work_order(opened: list) -> list[str]:
@@ -717,15 +786,18 @@ def run_reporting_errors(run_fn, opts) -> int:
     return 0
 
 
-def _timed(fn) -> float:
-    dist.barrier()
+def _timed(fn, barrier: bool = True) -> float:
+    """Seconds `fn` takes with the GPU work it queues (the slowest rank's with `barrier`)."""
+    if barrier:
+        dist.barrier()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    dist.barrier()
+    if barrier:
+        dist.barrier()
     return time.perf_counter() - start
 
 

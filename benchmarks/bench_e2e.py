@@ -10,7 +10,10 @@ TFLOPS per GPU (FLOPs counted per module: encoder and projector, LLM with attent
 for a trained module's forward and backward, x1 for a frozen one), a step-time breakdown from phase
 timers in a separate pass (encoder forward/backward, boundary, LLM forward/backward, optimizer,
 waiting: each phase synchronized, so the breakdown sums to more than the free-running step; each
-phase's slowest rank is reported), and peak memory per GPU. On GPUs the weights are bf16 with fp32 main
+phase's slowest rank is reported), each unpipelined encoder alone (`encoders_alone`: one step's
+calls of its forward replayed back to back, each followed by its backward, synchronized only at the
+ends, as the free-running step runs them: seconds per step on its slowest rank), and peak memory per
+GPU (of the timed steps). On GPUs the weights are bf16 with fp32 main
 params in megatron-core's optimizer (Megatron's --bf16; the record's `precision` says so; records
 from before the move to megatron.training kept fp32 weights under bf16 autocast); --fp32 and CPUs:
 fp32. Colocated layouts with LLM pp>1 run under --colocated-schedule (recompute, three-phase,
@@ -51,7 +54,8 @@ microbatches of 2, or --global-batch N and --micro-batch N, 0 for the smallest t
   ids, at 8K, global batch 8 in microbatches of 1; qwen3_omni_tiny: its CPU-sized check. The same
   three modules.
 Each run prints, besides its JSON line, its MFU against --peak, each module's model FLOPs and
-phase seconds (an encoder's forward and backward apart from the other's) and the order of the
+phase seconds (an encoder's forward and backward apart from the other's), each encoder's TFLOPS/GPU
+and MFU by itself (its FLOPs over its seconds alone) and the order of the
 modules' work in a step as each rank ran it (`work_orders`: ranks -> order, from the phase timers).
 The MLPs are 4x hidden (SigLIP's is 4304 = 3.7x) and the vocabulary is the demo's (128 padded):
 stated so that FLOPs can be compared with other counts.
@@ -65,6 +69,7 @@ import sys
 from pathlib import Path
 
 import torch
+from ab_summary import alone_tflops_per_gpu
 from bench import (
     PHASES,
     measure,
@@ -140,6 +145,10 @@ def module_lines(r: dict, peak: float) -> list[str]:
         phases = r.get("module_phases", {}).get(module, {})
         timed = ", ".join(f"{p.rpartition('-')[2]} {s:.3f} s" for p, s in phases.items())
         lines.append(f"  {module}: {tflop:.1f} TFLOP per step{f'; {timed}' if timed else ''}")
+        if module in r.get("encoders_alone", {}):
+            seconds, tflops = r["encoders_alone"][module]["seconds"], alone_tflops_per_gpu(r, module)
+            lines.append(f"  {module} alone (its forward and backward back to back): {seconds:.3f} s per step, "
+                         f"{tflops:.1f} TFLOPS/GPU, MFU {100 * tflops / peak:.1f}%")
     for ranks, order in ((ranks, order) for ranks, order in r.get("work_orders", {}).items() if order):
         lines.append(f"  order of the work in a step, ranks {ranks}: {repeats(order)}")
     return lines

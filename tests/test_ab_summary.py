@@ -47,3 +47,20 @@ def test_named_files_are_variants_the_first_the_baseline(tmp_path):
     assert rows[1].endswith(f"| {100 * (525.0 / 505.0 - 1):+.1f}% |")
     missing = run_tool("ab_summary", f"A={tmp_path / 'none.jsonl'}")
     assert missing.returncode == 1 and missing.stderr.strip().startswith("error: no records in"), missing.stderr
+
+
+def test_each_encoders_mfu_by_itself_is_the_median_of_the_runs_that_measured_it(tmp_path):
+    """bench_e2e's encoders_alone: an encoder's FLOPs per step over its seconds alone and the GPUs
+    that ran it; runs from before it (none recorded) show "-"."""
+    def alone(seconds: float, gpus: int) -> dict:
+        return {**record("single", 4, 500.0, workload="qwen2_5_vl_7b"), "module_tflops": {"vision": 400.0},
+                "encoders_alone": {"vision": {"seconds": seconds, "gpus": gpus}}}
+
+    path = tmp_path / "bench_e2e.jsonl"
+    runs = [alone(1.0, 1), alone(0.8, 1), alone(0.5, 2), record("single", 16, 500.0, workload="qwen2_5_vl_7b")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    result = run_tool("ab_summary", str(path), "--peak", "1000")
+    assert result.returncode == 0, result.stderr
+    gb4, gb16 = result.stdout.splitlines()[2:]
+    assert gb4.endswith(f"| vision {statistics.median([40.0, 50.0, 40.0]):.1f}% | +0.0% |"), gb4
+    assert gb16.endswith("| - | +0.0% |"), gb16

@@ -133,6 +133,45 @@ def test_trainer_parameter_shapes_are_the_built_models(tmp_path):
     assert built == trainer_parameter_shapes(BENCH_WORKLOADS["tiny"], trainer_vocab_size())
 
 
+def _alone_and_at_once(rank, world_size):
+    """The gradients encoders_alone leaves in the ViT's buffers (one replay, taken as it zeroes them)
+    and those of one forward of all the step's images at once, the sum of its rows backpropagated;
+    the seconds it reports."""
+    from bench import _EncoderCalls, encoders_alone, megatron_trainer
+
+    megatron_hetero.patches.apply()
+    w = FAMILY_BENCH_WORKLOADS["qwen2_5_vl_tiny"]
+    with megatron_trainer(w, str(LAYOUTS / "single.yaml"), bf16=False) as trainer:
+        hetero = trainer.hetero
+        vision, adapter = hetero.run.modules["vision"], hetero.adapter
+        hetero.adapter = capture = _EncoderCalls(adapter)
+        trainer.train_step()
+        hetero.adapter = adapter
+        taken, zero = [], vision.ddp.zero_grad_buffer
+        vision.ddp.zero_grad_buffer = lambda: (taken.append([p.main_grad.clone() for p in vision.part.parameters()]),
+                                               zero())
+        seconds = encoders_alone(trainer, None, repeats=1)
+        vision.ddp.zero_grad_buffer = zero
+        left = [p.main_grad.clone() for p in vision.part.parameters()]
+        with vision.ddp.no_sync():
+            adapter.encoder_forward(vision, [s for _, share in capture.calls for s in share], None).sum().backward()
+        return seconds, len(capture.calls), taken[-1], [p.main_grad.clone() for p in vision.part.parameters()], left
+
+
+def test_an_encoder_alone_replays_the_steps_encoder_work(tmp_path):
+    """bench_e2e's encoders-alone pass (bench.encoders_alone) runs the step's encoder work: on the
+    Qwen2.5-VL twin (global batch 4, one sample per microbatch: four calls of the ViT) its replayed
+    calls' gradients equal those of one call on all the step's images (each row's gradient one),
+    and it leaves the gradient buffers zeroed."""
+    from tests.distributed import collect_distributed
+
+    ((seconds, calls, replayed, at_once, left),) = collect_distributed(_alone_and_at_once, 1, tmp_path)
+    assert set(seconds) == {"vision"} and seconds["vision"] > 0 and calls == 4
+    assert all(g.abs().sum() > 0 for g in at_once) and not any(g.abs().sum() > 0 for g in left)
+    for got, want in zip(replayed, at_once, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 # ---- a VLM family's workload (Qwen2.5-VL) ------------------------------------------------------
 def test_family_workload_counts_the_vit_as_it_runs():
     """The Qwen2.5-VL presets' attention keys are what the model's own window layout (transformers'
