@@ -12,18 +12,28 @@
 # $CARDS (default: one lane per card, two on a one-GPU machine; "0 0 0": three lanes side by side on
 # card 0, where at LLM_LAYERS=2 ITEMS=2 GB=1 on an H200 two of the six runs ran out of memory), each lane
 # running its runs one after another.
-# RUNS: a subset of the six (e.g. RUNS="fused_s1 fused_s2" after a change of the fused path only; put the
-# unfused runs' records beside them in $OUT to compare: compare.md reads <run>.jsonl there).
+# RUNS: names <arm>_s<seed>[_<repeat>] (default the six: each seed's unfused run twice, its fused run
+# once); arms: unfused, fused, fused-nobda (the fused path with --no-bias-dropout-fusion), fused-flash
+# (the fused path under --attention-backend flash: the windows on flash-attn-4 too). E.g. RUNS="fused_s1
+# fused_s2" after a change of the fused path only (put the unfused runs' records beside them in $OUT:
+# compare.md reads every <run>.jsonl there), or "fused_s1_b fused-nobda_s1 fused-flash_s1" to tell
+# which change moves a seed's curve.
 # Out: hardware.txt, <run>.jsonl (bench_e2e's record, every step's loss), loss.log, compare.md.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 W=${WORKLOAD:-qwen2_5_vl_7b}
 unfused=(env MEGATRON_HETERO_MLP_KERNEL=torch MEGATRON_HETERO_NORM_KERNEL=torch MEGATRON_HETERO_EAGER_ROPE=1)
-run() {  # lane, card, name (fused|unfused)_s<seed>[_<repeat>]
-  local lane=$1 card=$2 name=$3 seed=${3#*_s} backend=auto
+run() {  # lane, card, name <arm>_s<seed>[_<repeat>]
+  local lane=$1 card=$2 name=$3 arm=${3%%_s*} seed=${3#*_s} backend=auto
   seed=${seed%%_*}
   local prefix=(env) fused=--cross-entropy-loss-fusion
-  [[ $name == unfused* ]] && prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion
+  case $arm in
+    unfused) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion ;;
+    fused) ;;
+    fused-nobda) fused="$fused --no-bias-dropout-fusion" ;;
+    fused-flash) backend=flash ;;
+    *) echo "$name: no arm $arm (unfused, fused, fused-nobda, fused-flash)" | tee -a "$out/loss.log"; return ;;
+  esac
   CUDA_VISIBLE_DEVICES=$card "${prefix[@]}" timeout -s KILL "${RUN_S:-280}" torchrun --nproc-per-node 1 \
     --master-port $((29800 + lane)) benchmarks/bench_e2e.py --workload "$W" --llm-layers "${LLM_LAYERS:-2}" \
     --items-per-sample "${ITEMS:-4}" --global-batch "${GB:-2}" --hetero-layout examples/layouts/single.yaml \
@@ -41,27 +51,37 @@ for lane in "${!cards[@]}"; do
 done
 wait
 python3 - "$out" > "$out/compare.md" <<'PY'
-import json, sys
+import json, re, sys
 from pathlib import Path
 
-def losses(name):
-    path = Path(sys.argv[1]) / f"{name}.jsonl"
-    return json.loads(path.read_text().splitlines()[-1])["losses"] if path.exists() else None
+runs = {}  # seed -> {name: losses}
+for path in sorted(Path(sys.argv[1]).glob("*.jsonl")):
+    match = re.fullmatch(r"([a-z-]+)_s(\d+)(_\w+)?", path.stem)
+    if match and path.read_text().strip():
+        runs.setdefault(int(match[2]), {})[path.stem] = json.loads(path.read_text().splitlines()[-1])["losses"]
 
-def worst(a, b, steps):  # the largest relative difference over these steps
+def relative(a, b, steps):  # the largest relative difference of a from b over these steps
     return max(abs(a[i] - b[i]) / abs(b[i]) for i in steps)
 
-print("| seed | steps | first / last loss (unfused) | unfused repeat vs unfused, largest | fused vs unfused, largest |"
-      " fused vs unfused, mean of the last 50 / repeats' |\n| --- | --- | --- | --- | --- | --- |")
-for seed in (1, 2):
-    a, b, f = losses(f"unfused_s{seed}_a"), losses(f"unfused_s{seed}_b"), losses(f"fused_s{seed}")
-    if not (a and b and f):
-        print(f"| {seed} | missing runs | | | | |")
+print("Each run against its seed's first unfused run: the largest relative difference over all steps and from"
+      " step 51, that of the means of the last 50 steps, the largest absolute difference. The unfused repeats'"
+      " rows are the noise (bf16 and the kernels' own non-determinism).\n")
+print("| seed | run | steps | largest, all steps | largest, from step 51 | last 50 steps' means | largest absolute |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for seed, mine in sorted(runs.items()):
+    reference = next((n for n in sorted(mine) if n.startswith("unfused_")), None)
+    if reference is None:
+        print(f"| {seed} | no unfused run | | | | | |")
         continue
-    n = min(len(a), len(b), len(f))
-    tail = range(max(0, n - 50), n)
-    mean = lambda x: sum(x[i] for i in tail) / len(tail)
-    print(f"| {seed} | {n} | {a[0]:.4f} / {a[n - 1]:.4f} | {worst(b, a, range(n)):.2e} | {worst(f, a, range(n)):.2e} | "
-          f"{abs(mean(f) - mean(a)) / mean(a):.2e} / {abs(mean(b) - mean(a)) / mean(a):.2e} |")
+    ref = mine[reference]
+    for name, losses in sorted(mine.items(), key=lambda item: (not item[0].startswith("unfused_"), item[0])):
+        if name == reference:
+            continue
+        n = min(len(ref), len(losses))
+        tail = range(max(0, n - 50), n)
+        mean = lambda x: sum(x[i] for i in tail) / len(tail)
+        print(f"| {seed} | {name} vs {reference} | {n} | {relative(losses, ref, range(n)):.2e} | "
+              f"{relative(losses, ref, range(min(50, n), n)) if n > 50 else float('nan'):.2e} | "
+              f"{abs(mean(losses) - mean(ref)) / mean(ref):.2e} | {max(abs(losses[i] - ref[i]) for i in range(n)):.2e} |")
 PY
 cat "$out/compare.md"
