@@ -387,7 +387,9 @@ class _BackwardPhases:
 
 class _EncoderCalls:
     """The model's adapter, keeping the calls of the encoders' forward a step makes (module, share)
-    where one call is the whole encoder (unpipelined): what encoders_alone replays."""
+    where one call is the whole encoder (unpipelined) and it is the forward that is trained (a
+    trainable encoder's, with autograd on; not the colocated recompute schedule's first pass without
+    a graph) or the frozen encoder's: what encoders_alone replays."""
 
     def __init__(self, adapter):
         self.adapter, self.calls = adapter, []
@@ -396,7 +398,7 @@ class _EncoderCalls:
         return getattr(self.adapter, name)
 
     def encoder_forward(self, module, share, hidden):
-        if module.first_stage and module.last_stage:
+        if module.first_stage and module.last_stage and (torch.is_grad_enabled() or module.ddp is None):
             self.calls.append((module, share))
         return self.adapter.encoder_forward(module, share, hidden)
 
@@ -406,9 +408,9 @@ def encoders_alone(trainer: Trainer, forward_backward_func, repeats: int = ALONE
     of its forward (captured) replayed `repeats` times back to back, each followed by its backward
     from a gradient of ones (a frozen encoder: forward only), the GPU synchronized only before and
     after, so that the host runs ahead as in a free-running step. What the step's synchronized phases
-    cannot give: there each phase starts on an idle GPU, and an encoder's forward, the first work
-    of a microbatch, is timed with the host's launches. The gradients land in the modules' buffers under DDP's
-    no_sync (no reduction: a step's last backward reduces them), from zero, and are zeroed after."""
+    cannot give: there each phase starts on an idle GPU, and an encoder's forward, the first work of
+    a microbatch, is timed with the host's launches. The gradients land in the modules' buffers under
+    DDP's no_sync (no reduction: a step's last backward reduces them), from zero, and are zeroed after."""
     hetero = trainer.hetero
     adapter = hetero.adapter
     hetero.adapter = capture = _EncoderCalls(adapter)

@@ -158,6 +158,30 @@ def _alone_and_at_once(rank, world_size):
         return seconds, len(capture.calls), taken[-1], [p.main_grad.clone() for p in vision.part.parameters()], left
 
 
+def test_the_encoder_calls_kept_are_the_trained_forwards():
+    """What encoders_alone replays: a trainable encoder's forward with autograd on (not the recompute
+    schedule's first pass without a graph), a frozen encoder's forward, no pipelined stage's."""
+    from types import SimpleNamespace
+
+    from bench import _EncoderCalls
+
+    class Adapter:
+        def encoder_forward(self, module, share, hidden):
+            return share
+
+    def module(name, ddp=object(), stages=(True, True)):
+        return SimpleNamespace(name=name, ddp=ddp, first_stage=stages[0], last_stage=stages[1])
+
+    trained, frozen, staged = module("vision"), module("audio", ddp=None), module("video", stages=(True, False))
+    calls = _EncoderCalls(Adapter())
+    with torch.no_grad():
+        assert calls.encoder_forward(trained, "rows without a graph", None) == "rows without a graph"
+        calls.encoder_forward(frozen, "frozen", None)
+    for m in (trained, staged):
+        calls.encoder_forward(m, m.name, None)
+    assert calls.calls == [(frozen, "frozen"), (trained, "vision")]
+
+
 def test_an_encoder_alone_replays_the_steps_encoder_work(tmp_path):
     """bench_e2e's encoders-alone pass (bench.encoders_alone) runs the step's encoder work: on the
     Qwen2.5-VL twin (global batch 4, one sample per microbatch: four calls of the ViT) its replayed
