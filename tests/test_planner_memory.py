@@ -39,7 +39,7 @@ def _calibration(record: dict) -> Calibration:
 
 def _band():
     return [(path.relative_to(RUNS).as_posix(), record) for path, record in
-            band_records(sorted(RUNS.rglob("*.jsonl")), LAYOUTS)]
+            band_records(list(RUNS.rglob("*.jsonl")), LAYOUTS)]
 
 
 def test_recorded_peaks_within_the_band():

@@ -34,7 +34,7 @@ from transformers.vision_utils import get_vision_cu_seqlens
 from megatron_hetero.cli.checks.attention import qwen_bench_grids, qwen_windows
 from megatron_hetero.cli.checks.common import timed
 from megatron_hetero.models.attention_kernels import FA4, SDPA, TORCH_FLASH, KernelChoice, TorchFlash, load_fa4
-from megatron_hetero.models.packed_attention import packed_heads
+from megatron_hetero.models.packed_attention import packed_heads, split_heads
 from megatron_hetero.models.rope import rotate
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 
@@ -101,8 +101,7 @@ def attention_rows(name: str, cu: torch.Tensor, iters: int) -> list[dict]:
 # ---- the glue -----------------------------------------------------------------------------------
 def heads_then_pad(mixed, bias, rotary, groups, per_group, head_dim, run_dim):
     """packed_heads with the rotation's concatenation padded afterwards (another pass on GPUs)."""
-    x = (mixed + bias).view(mixed.shape[0], groups, per_group + 2, head_dim)
-    q, k, v = x[:, :, :per_group].flatten(1, 2), x[:, :, per_group], x[:, :, per_group + 1]
+    q, k, v = split_heads(mixed, bias, groups, per_group, head_dim)
     cos_q, sin_q, cos_k, sin_k = (t.flatten(1, 2) for t in rotary)
     q, k = rotate(q, cos_q, sin_q), rotate(k, cos_k, sin_k)
     return tuple(F.pad(t, (0, run_dim - head_dim)) for t in (q, k, v))
@@ -110,8 +109,7 @@ def heads_then_pad(mixed, bias, rotary, groups, per_group, head_dim, run_dim):
 
 def heads_roll(mixed, bias, rotary, groups, per_group, head_dim, run_dim):
     """packed_heads with the rotation as t * cos + roll(t) * signed sin (no concatenation)."""
-    x = (mixed + bias).view(mixed.shape[0], groups, per_group + 2, head_dim)
-    q, k, v = x[:, :, :per_group].flatten(1, 2), x[:, :, per_group], x[:, :, per_group + 1]
+    q, k, v = split_heads(mixed, bias, groups, per_group, head_dim)
     cos_q, sin_q, cos_k, sin_k = (t.flatten(1, 2) for t in rotary)
     half = head_dim // 2
     sign = 1 - 2 * (torch.arange(head_dim, device=mixed.device) < half).to(mixed.dtype)

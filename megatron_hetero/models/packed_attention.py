@@ -32,6 +32,15 @@ from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.rope import cached_cos_sin, rotate
 
 
+def split_heads(mixed: torch.Tensor, bias: torch.Tensor | None, groups: int, per_group: int,
+                head_dim: int) -> tuple[torch.Tensor, ...]:
+    """The QKV linear's output plus its bias as query [tokens, groups * per_group, head_dim], key and
+    value [tokens, groups, head_dim]: views of megatron-core's layout (packed_heads)."""
+    x = mixed if bias is None else mixed + bias
+    x = x.view(x.shape[0], groups, per_group + 2, head_dim)
+    return x[:, :, :per_group].flatten(1, 2), x[:, :, per_group], x[:, :, per_group + 1]
+
+
 def packed_heads(mixed: torch.Tensor, bias: torch.Tensor | None, rotary: tuple | None, groups: int,
                  per_group: int, head_dim: int, run_dim: int) -> tuple[torch.Tensor, ...]:
     """The QKV linear's output [tokens, 1, groups * (per_group + 2) * head_dim] (megatron-core's layout:
@@ -39,9 +48,7 @@ def packed_heads(mixed: torch.Tensor, bias: torch.Tensor | None, rotary: tuple |
     query [tokens, groups * per_group, run_dim], key and value [tokens, groups, run_dim]: query and key
     rotated by rotary ((cos_q, sin_q, cos_k, sin_k), each [tokens, 1, 1, head_dim]; None: no RoPE), all
     three zero-padded from head_dim to run_dim."""
-    x = mixed if bias is None else mixed + bias
-    x = x.view(x.shape[0], groups, per_group + 2, head_dim)
-    q, k, v = x[:, :, :per_group].flatten(1, 2), x[:, :, per_group], x[:, :, per_group + 1]
+    q, k, v = split_heads(mixed, bias, groups, per_group, head_dim)
     pad = run_dim - head_dim
     if rotary is None:
         return tuple(F.pad(t, (0, pad)) if pad else t for t in (q, k, v))
