@@ -523,7 +523,7 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         module_phases=_slowest_module_phases([r["module_phases"] for r in gathered]),
         work_orders=_work_orders(gathered), encoders_alone=_slowest_alone([r["encoders_alone"] for r in gathered]),
-        **{kind: {name: kernel for r in gathered for name, kernel in r[kind].items()} for kind in KERNEL_KINDS},
+        **{kind: _kernels_by_module(gathered, kind) for kind in KERNEL_KINDS},
         losses=next((r["losses"] for r in gathered if r["losses"]), []),
         date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if cuda else "cpu",
         torch=torch.__version__, bf16=bf16, precision=PRECISION[bf16],
@@ -578,6 +578,17 @@ def _slowest_module_phases(ranks: list[dict]) -> dict[str, dict[str, float]]:
             for phase, seconds in phases.items():
                 out.setdefault(module, {})[phase] = max(out.get(module, {}).get(phase, 0.0), seconds)
     return out
+
+
+def _kernels_by_module(ranks: list[dict], kind: str) -> dict[str, str]:
+    """Each module's kernels of `kind` as its ranks report them (kernel_summaries); a stage without
+    that kind of layer ("none": the loss before the LLM's last stage) does not hide another's."""
+    merged = {}
+    for r in ranks:
+        for name, kernel in r[kind].items():
+            if kernel != "none" or name not in merged:
+                merged[name] = kernel
+    return merged
 
 
 def _slowest_alone(ranks: list[dict]) -> dict[str, dict]:

@@ -148,9 +148,9 @@ def test_the_users_table_is_merged_over_the_shipped_one(tmp_path, monkeypatch):
     h100 = "NVIDIA H100 80GB HBM3"
     assert kernel_policy.record_check("NVIDIA B200", fa4_head_dims=(96,), cudnn_merge=True) == user
     kernel_policy.record_check(h100, fa4_head_dims=(64, 128, 80))
-    dims, merged = kernel_policy.load_checks(kernel_policy.CHECKS_FILE, user)
+    dims, lists = kernel_policy.load_checks(kernel_policy.CHECKS_FILE, user)
     assert dims == {**CHECKED_HEAD_DIMS, "NVIDIA B200": (96,), h100: (64, 80, 128)}
-    assert merged == (*CUDNN_MERGE_CHECKED, "NVIDIA B200")
+    assert lists["cudnn_merge_checked"] == (*CUDNN_MERGE_CHECKED, "NVIDIA B200")
     user.write_text('{"fa4_checked_head_dims": [')
     with pytest.raises(KernelPolicyError, match="kernel_checks.json: not a kernel checks table"):
         kernel_policy.load_checks(kernel_policy.CHECKS_FILE, user)
@@ -161,8 +161,8 @@ def test_a_corrupt_user_table_is_one_line_when_the_arguments_are_checked(tmp_pat
     arguments' check (build) stops with the line naming the file."""
     bad = tmp_path / "checks.json"
     bad.write_text("{bad")
-    (dims, merged), problem = kernel_policy._tables({kernel_policy.USER_CHECKS_ENV: str(bad)})
-    assert (dims, merged) == kernel_policy.load_checks(kernel_policy.CHECKS_FILE)
+    tables, problem = kernel_policy._tables({kernel_policy.USER_CHECKS_ENV: str(bad)})
+    assert tables == kernel_policy.load_checks(kernel_policy.CHECKS_FILE)
     assert problem.startswith(f"{bad}: not a kernel checks table") and "\n" not in problem
     monkeypatch.setattr(kernel_policy, "USER_CHECKS_PROBLEM", problem)
     with pytest.raises(KernelPolicyError, match="not a kernel checks table"):

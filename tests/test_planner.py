@@ -35,7 +35,9 @@ from megatron_hetero.planner.counts import (
     FUSED_LOGIT_BYTES,
     LOGIT_BYTES,
     QKV_VIEW_COPIES,
+    QUACK_LOGIT_BYTES,
     activation_bytes_per_token_layer,
+    bytes_per_logit,
     grouped_experts_transient_bytes,
     layer_forward_flops_per_token,
     layer_params,
@@ -575,6 +577,25 @@ def test_the_fused_cross_entropy_adds_one_fp32_copy_of_the_logits():
         assert extra == pytest.approx(tokens * W1.llm.vocab / llm.tp * 4, rel=1e-9)
     vision, layout = W1.encoders[0], candidates[0].encoders[0]
     assert fused.activation_bytes(vision, layout, 2, 0) == unfused.activation_bytes(vision, layout, 2, 0) > 0
+
+
+def test_quacks_cross_entropy_holds_the_logits_and_their_gradient_where_it_runs():
+    """quack's cross entropy in place of the fused loss keeps 4 bytes per logit (the bf16 logits and their
+    gradient) where the vocabulary is whole on a rank; under TP megatron-core's fused loss runs, 10."""
+    assert bytes_per_logit(True, True, 1) == QUACK_LOGIT_BYTES == 4
+    assert bytes_per_logit(True, True, 2) == bytes_per_logit(True, False, 1) == FUSED_LOGIT_BYTES
+    assert bytes_per_logit(False, False, 1) == LOGIT_BYTES
+    with pytest.raises(ValueError, match="set fused_cross_entropy true as well"):
+        replace(W1, quack_cross_entropy=True)
+    fused = replace(W1, fused_cross_entropy=True)
+    models = {quack: CostModel(replace(fused, quack_cross_entropy=quack), Cluster(8, 150), Calibration())
+              for quack in (True, False)}
+    llm = W1.llm
+    for tp, per_logit in ((1, QUACK_LOGIT_BYTES), (2, FUSED_LOGIT_BYTES)):
+        layout = ModuleLayout("llm", "llm", tp=tp, dp=8 // tp)
+        tokens = 2 * llm.tokens_per_sample
+        assert models[True].logit_bytes(llm, layout, 2) == tokens * llm.vocab / tp * per_logit
+        assert models[False].logit_bytes(llm, layout, 2) == tokens * llm.vocab / tp * FUSED_LOGIT_BYTES
 
 
 def test_grouped_experts_transient_is_what_their_backward_allocates(monkeypatch):

@@ -143,6 +143,7 @@ def check_memory(paths: list[Path]) -> int:
         kernels = ", ".join(f"{kernel} {dim}" for _, kernel, dim in run.attention)
         kernels += ", fused MLP" if run.fused_mlp else ""
         kernels += ", fused cross entropy" if run.fused_cross_entropy else ""
+        kernels += " (quack's)" if run.fused_cross_entropy and run.quack_loss else ""
         print(f"| {path} | {record['workload']}, {record['llm_layers']} | {run.label} | {record_gpu(record)} "
               f"| {kernels} | {measured:.1f} | {predicted:.1f} | {predicted - measured:+.1f}"
               f"{'' if inside else ' (outside)'} |")

@@ -86,6 +86,7 @@ class Run:
     fused_mlp: bool = False  # the MLPs ran GELU in quack's GEMMs (the record's `mlp`: models/mlp.py)
     grouped_experts: bool = False  # the MoE experts ran grouped GEMMs (the record's `experts`: models/experts.py)
     attention: tuple = ()  # (module, kernel, head dim it ran at): the record's `attention` (record_attention)
+    quack_loss: bool = False  # the loss ran quack's cross entropy (the record's `loss`: models/loss_kernels.py)
 
     @property
     def label(self) -> str:
@@ -110,7 +111,7 @@ class Run:
         return replace(workload, micro_batch=self.micro_batch, weight_bytes=self.weight_bytes,
                        distributed_optimizer="--use-distributed-optimizer" in self.flags, fused_mlp=self.fused_mlp,
                        grouped_experts=self.grouped_experts, fused_cross_entropy=self.fused_cross_entropy,
-                       attention=self.attention)
+                       quack_cross_entropy=self.fused_cross_entropy and self.quack_loss, attention=self.attention)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def record_run(record: dict, layouts: Path) -> Run | None:
                2 if record.get("precision", "").startswith("bf16 weights") else 4,
                any(kernel.startswith("quack") for kernel in record.get("mlp", {}).values()),
                any(kernel.startswith("grouped") for kernel in record.get("experts", {}).values()),
-               record_attention(record))
+               record_attention(record), any(kernel.startswith("quack") for kernel in record.get("loss", {}).values()))
 
 
 # bench_e2e's attention summary of a module (models/attention_kernels.py KernelChoice.summary): the
@@ -449,7 +450,7 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
                 continue
             key = (record["workload"], record["llm_layers"], record.get("global_batch"), record.get("micro_batch"),
                    run.name, record.get("device"), run.attention, run.fused_mlp, run.grouped_experts,
-                   run.fused_cross_entropy)
+                   run.fused_cross_entropy, run.quack_loss)
             if key not in latest or latest[key][1].get("date", "") <= record.get("date", ""):
                 latest[key] = (path, record)
     return list(latest.values())

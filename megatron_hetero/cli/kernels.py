@@ -1,12 +1,13 @@
 """`megatron-hetero kernels check`: is each fast kernel the layers may choose right on this GPU?
 
-    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|all] [--quick] [--record] [--out DIR]
+    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|loss|all] [--quick] [--record] [--out DIR]
 
 The layers run flash-attn-4 only at head dims checked on that GPU model, and context parallelism's
-merged-chunk cuDNN attention only on GPU models checked for it (models/kernel_policy.py: the table
-shipped with the package, and the user's). On another GPU, run the check there: it prints the
-environment line that enables what passed (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=...,
-MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1), or with --record writes it into the user's table
+merged-chunk cuDNN attention and quack's cross entropy for the loss only on GPU models checked for
+them (models/kernel_policy.py: the table shipped with the package, and the user's). On another GPU,
+run the check there: it prints the environment line that enables what passed
+(MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=..., MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1,
+MEGATRON_HETERO_LOSS_KERNEL=quack), or with --record writes it into the user's table
 (~/.cache/megatron_hetero/kernel_checks.json, or the file MEGATRON_HETERO_KERNEL_CHECKS names),
 which the kernel policy reads from then on. The norms and MLP checks judge quack's kernels, which
 the default runs on sm90 and sm100 GPUs; the experts check torch's grouped GEMMs for MoE experts,
@@ -29,6 +30,7 @@ CHECKS = {
     "norms": ("megatron_hetero.cli.checks.norms", "quack's LayerNorm and RMSNorm"),
     "mlp": ("megatron_hetero.cli.checks.mlp", "the MLP's fused GEMMs (quack's epilogues)"),
     "experts": ("megatron_hetero.cli.checks.experts", "an MoE layer's grouped expert GEMMs and its host syncs"),
+    "loss": ("megatron_hetero.cli.checks.loss", "quack's cross entropy for the LLM's loss"),
 }
 
 
@@ -42,7 +44,7 @@ def parse_args(argv=None, prog=None) -> argparse.Namespace:
                        help="; ".join(f"{name}: {what}" for name, (_, what) in CHECKS.items()) + " (default: all)")
     check.add_argument("--quick", action="store_true", help="smaller shapes, fewer timing calls")
     check.add_argument("--record", action="store_true",
-                       help="write what passed (attention, cp-chunks) into the user's table of checked kernels")
+                       help="write what passed (attention, cp-chunks, loss) into the user's table of checked kernels")
     check.add_argument("--workload-only", action="store_true",
                        help="attention: skip the raw kernel per head dim (needs a table entry for this GPU)")
     check.add_argument("--out", default=os.environ.get("OUT", "out"),
@@ -57,6 +59,8 @@ def run_check(name: str, args: argparse.Namespace) -> int:
         return module.main(args.quick, args.out, args.record, args.workload_only)
     if name == "cp-chunks":
         return module.main(args.quick, args.record)
+    if name == "loss":
+        return module.main(args.quick, args.out, args.record)
     return module.main(args.quick, args.out)
 
 

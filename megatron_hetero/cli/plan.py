@@ -26,7 +26,7 @@ megatron_hetero.planner.presets. A workload file is JSON:
 (further shape keys: kv_heads, gated_mlp, output_tokens_per_item, frozen, experts and topk (an
 MoE LLM: experts MLPs of width ffn, topk per token); workload keys:
 micro_batch, dtype_bytes, distributed_optimizer, allow_recompute, fused_mlp, grouped_experts,
-fused_cross_entropy).
+fused_cross_entropy, quack_cross_entropy).
 """
 
 import argparse
@@ -156,6 +156,10 @@ def parse_args(argv, prog=None):
                            help="the loss on megatron-core's native fused cross entropy (Megatron's "
                                 "--cross-entropy-loss-fusion): one more fp32 copy of the logits while it runs, "
                                 "10 bytes per logit instead of 6")
+    overrides.add_argument("--quack-cross-entropy", action=argparse.BooleanOptionalAction, default=None,
+                           help="that fused loss on quack's cross entropy where it runs (the vocabulary not "
+                                "split over TP; GPUs where `megatron-hetero kernels check loss` passed): "
+                                "4 bytes per logit")
     parser.add_argument("--top", type=int, default=5, metavar="N", help="layouts to print (default 5)")
     parser.add_argument("--layouts", nargs="+", metavar="FILE", help="also predict these layout files")
     parser.add_argument("--write-yaml", metavar="FILE", help="write the best layout here")
@@ -183,7 +187,7 @@ def load_workload(args) -> tuple[Workload, str, int]:
                    if value is not None}
     changes["llm"] = replace(workload.llm, **llm_changes)
     for key in ("global_batch", "micro_batch", "distributed_optimizer", "allow_recompute", "fused_mlp",
-                "grouped_experts", "fused_cross_entropy"):
+                "grouped_experts", "fused_cross_entropy", "quack_cross_entropy"):
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)
     return replace(workload, **changes), description, gpus

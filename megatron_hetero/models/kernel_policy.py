@@ -10,13 +10,16 @@ Overrides (environment variables):
 - MEGATRON_HETERO_NORM_KERNEL, MEGATRON_HETERO_MLP_KERNEL: auto (default), torch or quack;
 - MEGATRON_HETERO_EXPERTS_KERNEL: auto (default), grouped or sequential: an MoE layer's experts on
   grouped GEMMs or megatron-core's SequentialMLP loop (models/experts.py);
+- MEGATRON_HETERO_LOSS_KERNEL: auto (default), torch or quack: the LLM's fused loss on quack's cross
+  entropy (auto: on GPUs whose `megatron-hetero kernels check loss` passed) or megatron-core's
+  (models/loss_kernels.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
   `megatron-hetero kernels check attention`, added to the table;
 - MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1: this GPU passed `megatron-hetero kernels check cp-chunks`;
 - MEGATRON_HETERO_EAGER_ROPE=1: upstream's unfused RoPE (patches/rope.py), to compare;
 - MEGATRON_HETERO_KERNEL_CHECKS: the user's table file (default ~/.cache/megatron_hetero/kernel_checks.json).
 
-The checked tables (FA4 head dims and merged-chunk GPUs by torch.cuda.get_device_name()) are
+The checked tables (FA4 head dims, merged-chunk GPUs and quack-loss GPUs by torch.cuda.get_device_name()) are
 kernel_checks.json beside this file, shipped with the package, with the user's table merged over it:
 the kernel checks write their passing results there (`--record`: record_check), since an installed
 package's own files may be read-only and a reinstall replaces them.
@@ -38,6 +41,7 @@ HAVE_TE = imports("transformer_engine")
 NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
 MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
 EXPERTS_KERNEL_ENV = "MEGATRON_HETERO_EXPERTS_KERNEL"
+LOSS_KERNEL_ENV = "MEGATRON_HETERO_LOSS_KERNEL"
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
@@ -59,7 +63,9 @@ class AttentionKernelError(KernelPolicyError):
 
 CHECKS_FILE = Path(__file__).with_name("kernel_checks.json")
 USER_CHECKS_ENV = "MEGATRON_HETERO_KERNEL_CHECKS"
-_EMPTY = '{"fa4_checked_head_dims": {}, "cudnn_merge_checked": []}'
+# The tables' lists of GPU models on which a kernel passed its check: context parallelism's merged-chunk
+# cuDNN attention (`kernels check cp-chunks`), quack's cross entropy for the loss (`kernels check loss`).
+GPU_LISTS = ("cudnn_merge_checked", "quack_loss_checked")
 
 
 def user_checks_file(environ=os.environ) -> Path:
@@ -68,27 +74,29 @@ def user_checks_file(environ=os.environ) -> Path:
 
 
 def _read(path: Path) -> dict:
-    """A table file (empty where the file does not exist); KernelPolicyError (one line) for another."""
+    """A table file (empty where the file does not exist; a list a table written before it existed
+    empty); KernelPolicyError (one line) for another."""
     try:
-        checks = json.loads(path.read_text() if path.is_file() else _EMPTY)
+        checks = json.loads(path.read_text()) if path.is_file() else {"fa4_checked_head_dims": {}}
         return dict(fa4_checked_head_dims=dict(checks["fa4_checked_head_dims"]),
-                    cudnn_merge_checked=list(checks["cudnn_merge_checked"]))
-    except (ValueError, KeyError, TypeError) as error:
+                    **{key: list(checks.get(key, [])) for key in GPU_LISTS})
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise KernelPolicyError(f"{path}: not a kernel checks table ({error}); fix or delete it "
                                 f"(`megatron-hetero kernels check --record` writes it)") from None
 
 
-def load_checks(*paths: Path) -> tuple[dict[str, tuple[int, ...]], tuple[str, ...]]:
-    """(FA4 head dims by GPU, merged-chunk GPUs) of the tables in `paths` merged in order: a later
-    table's entry for a GPU replaces an earlier one's; the merged-chunk GPUs of every table."""
-    dims, merged = {}, []
+def load_checks(*paths: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[str, ...]]]:
+    """(FA4 head dims by GPU, each of GPU_LISTS' GPUs) of the tables in `paths` merged in order: a later
+    table's entry for a GPU replaces an earlier one's; a list's GPUs of every table."""
+    dims, lists = {}, {key: [] for key in GPU_LISTS}
     for checks in map(_read, paths):
         dims.update((gpu, tuple(entry)) for gpu, entry in checks["fa4_checked_head_dims"].items())
-        merged += [gpu for gpu in checks["cudnn_merge_checked"] if gpu not in merged]
-    return dims, tuple(merged)
+        for key, gpus in lists.items():
+            gpus += [gpu for gpu in checks[key] if gpu not in gpus]
+    return dims, {key: tuple(gpus) for key, gpus in lists.items()}
 
 
-def _tables(environ=os.environ) -> tuple[tuple[dict, tuple], str | None]:
+def _tables(environ=os.environ) -> tuple[tuple[dict, dict], str | None]:
     """The shipped table with the user's merged over it, and None; where the user's is not a table,
     the shipped one alone and the problem, which `build` reports as one line when the arguments are
     checked (not as an import error)."""
@@ -98,20 +106,23 @@ def _tables(environ=os.environ) -> tuple[tuple[dict, tuple], str | None]:
         return load_checks(CHECKS_FILE), str(error)
 
 
-(CHECKED_HEAD_DIMS, CUDNN_MERGE_CHECKED), USER_CHECKS_PROBLEM = _tables()
+(CHECKED_HEAD_DIMS, _GPU_LISTS), USER_CHECKS_PROBLEM = _tables()
+CUDNN_MERGE_CHECKED = _GPU_LISTS["cudnn_merge_checked"]
+QUACK_LOSS_CHECKED = _GPU_LISTS["quack_loss_checked"]
 
 
 def record_check(gpu: str, fa4_head_dims: tuple[int, ...] | None = None, cudnn_merge: bool = False,
-                 path: Path | None = None) -> Path:
+                 quack_loss: bool = False, path: Path | None = None) -> Path:
     """A kernel check's passing result into a table (the user's, unless `path`): `gpu`'s FA4 head dims
-    (`kernels check attention`), `gpu` among the merged-chunk GPUs (`kernels check cp-chunks`). The
-    file written."""
+    (`kernels check attention`), `gpu` among the merged-chunk GPUs (`kernels check cp-chunks`), among
+    the quack-loss GPUs (`kernels check loss`). The file written."""
     path = path or user_checks_file()
     checks = _read(path)
     if fa4_head_dims is not None:
         checks["fa4_checked_head_dims"][gpu] = sorted(fa4_head_dims)
-    if cudnn_merge and gpu not in checks["cudnn_merge_checked"]:
-        checks["cudnn_merge_checked"].append(gpu)
+    for key, passed in zip(GPU_LISTS, (cudnn_merge, quack_loss)):
+        if passed and gpu not in checks[key]:
+            checks[key].append(gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(checks, indent=2) + "\n")
     return path
@@ -155,7 +166,7 @@ class KernelPolicy:
     only where None or 4); transformer_impl: Megatron's flag (local: no Transformer Engine layers
     even where it imports); norm, mlp: KERNEL_MODES; fa4_head_dims: head dims added to CHECKED_HEAD_DIMS;
     cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
-    EXPERTS_MODES."""
+    EXPERTS_MODES; loss: KERNEL_MODES."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -166,6 +177,7 @@ class KernelPolicy:
     cudnn_merge: bool = False
     eager_rope: bool = False
     experts: str = "auto"
+    loss: str = "auto"
 
     @property
     def te(self) -> bool:
@@ -175,10 +187,11 @@ class KernelPolicy:
     def __str__(self) -> str:
         return (f"attention {self.attention}, norms {self.norm}, MLPs {self.mlp}, "
                 f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
-                f"experts {self.experts}")
+                f"experts {self.experts}, loss {self.loss}")
 
 
-OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV)
+OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV,
+                 LOSS_KERNEL_ENV)
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,7 +202,8 @@ def _policy(attention_backend, flash_attention_version, transformer_impl, overri
                         transformer_impl, kernel_mode(NORM_KERNEL_ENV, environ),
                         kernel_mode(MLP_KERNEL_ENV, environ), extra_head_dims(environ),
                         _flag(environ, CUDNN_MERGE_ENV), _flag(environ, EAGER_ROPE_ENV),
-                        experts=kernel_mode(EXPERTS_KERNEL_ENV, environ, EXPERTS_MODES))
+                        experts=kernel_mode(EXPERTS_KERNEL_ENV, environ, EXPERTS_MODES),
+                        loss=kernel_mode(LOSS_KERNEL_ENV, environ))
 
 
 def of(config, environ=os.environ) -> KernelPolicy:

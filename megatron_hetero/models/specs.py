@@ -29,6 +29,7 @@ from megatron.core.utils import get_pg_rank
 from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention import SDPAttention, attention_summary
 from megatron_hetero.models.experts import GroupedExperts, experts_summary
+from megatron_hetero.models.loss_kernels import loss_summary
 from megatron_hetero.models.mlp import EpilogueMLP, mlp_summary
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
 
@@ -119,11 +120,11 @@ def block_spec(
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=_norm_spec(pg_collection))
 
 
-KERNEL_KINDS = ("attention", "norms", "mlp", "experts")  # the start-up lines' and benchmark records' keys
+KERNEL_KINDS = ("attention", "norms", "mlp", "experts", "loss")  # the start-up lines' and benchmark records' keys
 
 
 def kernel_summaries(part) -> dict[str, str]:
     """What our layers of a model part run, by KERNEL_KINDS (e.g. {"attention": "fa4 (head dim 128)",
-    "norms": "quack", "mlp": "quack (gelu_erf)"})."""
+    "norms": "quack", "mlp": "quack (gelu_erf)"}); the loss: the LLM's last stage's."""
     return dict(zip(KERNEL_KINDS, (attention_summary(part), norm_summary(part), mlp_summary(part),
-                                   experts_summary(part))))
+                                   experts_summary(part), loss_summary(part))))

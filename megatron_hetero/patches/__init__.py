@@ -25,6 +25,9 @@ without a layout too, as defaults, each for its reason:
   the same numbers up to bf16 rounding; MEGATRON_HETERO_EAGER_ROPE=1 for upstream's);
 - grad_accum_fusion: without apex, --gradient-accumulation-fusion (Megatron's default) on torch's
   GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/runs/benchmarks.md);
+- loss: on GPUs where its check passed, the LLM's fused loss (--cross-entropy-loss-fusion, whole
+  vocabulary on one rank) on quack's one-pass cross entropy instead of megatron-core's five compiled
+  kernels over fp32 copies of the logits (models/loss_kernels.py);
 - moe_dispatch: megatron-core's all-to-all MoE dispatcher keeps its token counts on the GPU where
   one rank holds every expert (dropless): no host sync per MoE layer, no identity sort of the tokens;
 - device_init: on GPUs, our models' full-size initial weights drawn on the device, not the host
@@ -61,6 +64,7 @@ from megatron_hetero.patches import (  # noqa: E402
     hetero_optimizer,
     hetero_schedule,
     layer_specs,
+    loss,
     metrics,
     moe_dispatch,
     rerun,
@@ -90,6 +94,7 @@ def apply() -> None:
     rerun.apply()
     layer_specs.apply()
     rope.apply()
+    loss.apply()
     grad_accum_fusion.apply()
     grad_norm.apply()
     fused_adam.apply()

@@ -9,10 +9,9 @@ from dataclasses import dataclass, fields
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Candidate
 from megatron_hetero.planner.counts import (
-    FUSED_LOGIT_BYTES,
     GRADIENT_BYTES,
-    LOGIT_BYTES,
     activation_bytes_per_token_layer,
+    bytes_per_logit,
     expert_layer_params,
     experts_run_grouped,
     grouped_experts_transient_bytes,
@@ -270,8 +269,8 @@ class CostModel:
         frozen module, which runs without a graph): a recomputed layer keeps its input, the others
         their full activations (with every layer recomputed, one layer's full activations while it
         runs backward), times the calibration's measured factor for the module's role and attention
-        kernel. The LLM adds its logits as the loss holds them (counts.LOGIT_BYTES, or
-        FUSED_LOGIT_BYTES under the workload's fused_cross_entropy; a count the factor does not scale;
+        kernel. The LLM adds its logits as the loss holds them (counts.bytes_per_logit: megatron-core's
+        cross entropy, its fused one or quack's as the workload says; a count the factor does not scale;
         counted on every stage: conservative for the first)."""
         if shape.frozen:
             return 0.0
@@ -291,7 +290,7 @@ class CostModel:
         """The logits of one microbatch as the loss holds them (the LLM's; 0 for an encoder)."""
         if shape.role != "llm":
             return 0.0
-        per_logit = FUSED_LOGIT_BYTES if self.workload.fused_cross_entropy else LOGIT_BYTES
+        per_logit = bytes_per_logit(self.workload.fused_cross_entropy, self.workload.quack_cross_entropy, layout.tp)
         return gpu_tokens(shape, layout, samples) * shape.vocab / layout.tp * per_logit
 
     def transient_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:

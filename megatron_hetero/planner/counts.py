@@ -28,6 +28,18 @@ LOGIT_BYTES = 6
 # torch.compile) holds one more fp32 copy of the logits while the loss runs: measured on one H200, the
 # peak grows by 4 bytes per logit (4.6 GiB at 8192 tokens of a 152064 vocabulary).
 FUSED_LOGIT_BYTES = LOGIT_BYTES + 4
+# quack's cross entropy in its place (models/loss_kernels.py, the whole vocabulary on one rank) keeps the
+# bf16 logits and, while its backward writes it, their bf16 gradient: 4 bytes per logit at the start of
+# the backward, when every activation is still held (by its allocations, not yet a measured peak).
+QUACK_LOGIT_BYTES = 4
+
+
+def bytes_per_logit(fused: bool, quack: bool, tp: int) -> int:
+    """Bytes per logit the loss holds: megatron-core's cross entropy (`fused`: its native fused one) or,
+    with `quack` where it runs (the vocabulary not split over TP), quack's."""
+    if quack and tp == 1:
+        return QUACK_LOGIT_BYTES
+    return FUSED_LOGIT_BYTES if fused else LOGIT_BYTES
 
 
 def mlp_params(shape: ModuleShape) -> int:

@@ -211,6 +211,9 @@ class Workload:
     # The loss on megatron-core's native fused cross entropy (Megatron's --cross-entropy-loss-fusion,
     # off by default): the logits at counts.FUSED_LOGIT_BYTES each.
     fused_cross_entropy: bool = False
+    # That loss on quack's cross entropy where it runs (models/loss_kernels.py: the vocabulary not split
+    # over TP; elsewhere megatron-core's fused one): the logits at counts.QUACK_LOGIT_BYTES each.
+    quack_cross_entropy: bool = False
     # The attention kernel each module runs, where known: (module name, kernel, head dim it runs at),
     # kernel "fa4" or "sdpa" (models/attention_kernels.py; fa4 runs an unchecked head dim zero-padded
     # to a checked one). A module not listed: not known, the planner's default (no padding).
@@ -235,9 +238,12 @@ class Workload:
             raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), "
                              f"got {self.micro_batch!r}")
         for key in ("distributed_optimizer", "allow_recompute", "fused_mlp", "grouped_experts",
-                    "fused_cross_entropy"):
+                    "fused_cross_entropy", "quack_cross_entropy"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        if self.quack_cross_entropy and not self.fused_cross_entropy:
+            raise ValueError("quack_cross_entropy replaces the fused loss: set fused_cross_entropy true as well "
+                             "(Megatron's --cross-entropy-loss-fusion)")
         for key in ("dtype_bytes", "weight_bytes"):
             if getattr(self, key) not in (2, 4):
                 raise ValueError(f"{key} must be 2 (bf16) or 4 (fp32), got {getattr(self, key)!r}")
@@ -269,7 +275,7 @@ class Workload:
     def from_dict(cls, data: dict) -> Workload:
         """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
         optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute,
-        fused_mlp, grouped_experts, fused_cross_entropy, attention}."""
+        fused_mlp, grouped_experts, fused_cross_entropy, quack_cross_entropy, attention}."""
         if not isinstance(data, dict):
             raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}

@@ -50,10 +50,15 @@ def model_provider(pre_process=True, post_process=True, config=None, pg_collecti
 
 
 def report_kernels(run, parts: dict) -> None:
-    """Start-up lines per module, from its first rank: the attention, norm and MLP kernels it runs."""
+    """Start-up lines per module, from its first rank: the kernels its layers run (attention, norms,
+    MLPs, experts); the loss's from the first rank of the LLM's last stage, which computes it."""
     for name, part in parts.items():
-        if not any(run.modules[name].coords().values()):
-            for kind, summary in kernel_summaries(part).items():
+        module = run.modules[name]
+        coords = module.coords()
+        if any(value for axis, value in coords.items() if axis != "pp"):
+            continue
+        for kind, summary in kernel_summaries(part).items():
+            if (module.last_stage and summary != "none") if kind == "loss" else coords["pp"] == 0:
                 print(f"{kind}: {name}: {summary}", flush=True)
 
 

@@ -1,0 +1,120 @@
+"""The LLM's loss on quack's cross entropy, where megatron-core runs its native fused one (Megatron's
+--cross-entropy-loss-fusion with --cross-entropy-fusion-impl native, the default implementation).
+
+Why: megatron-core's fused cross entropy is its vocabulary-parallel algorithm compiled (torch.compile)
+into five kernels over fp32 copies of the logits. In the Qwen2.5-VL-7B-shaped step on one H200 (4 LLM
+layers, global batch 4; docs/runs/h200_one_card/windows_flash/ab/profile_B_qwen2_5_vl_7b.md) they took
+59 ms of the step's 1,678 for 4 microbatches of 8,192 tokens x 152,064 logits, and the loss holds 10
+bytes per logit while it runs, the step's peak (planner/counts.py). quack's kernel reads the bf16
+logits once forward (each token's loss and log-sum-exp, in fp32) and once backward (writing the bf16
+gradient): about three passes over the logits' bytes in all, holding the logits and, while it is
+written, their gradient (QUACK_LOGIT_BYTES).
+
+The same function: loss = log-sum-exp(logits) - logits[label] per token, in fp32 from the logits'
+dtype, and the gradient (softmax - one-hot) x the loss's gradient, rounded to the logits' dtype, as
+megatron-core's (which differs by the order of its sums). A label outside the vocabulary (none in
+this project's data: masked tokens keep real ids, the loss mask drops them) counts 0 here, where
+megatron-core counts the log-sum-exp less the largest logit; the loss mask drops either.
+
+Where: the whole vocabulary on one rank (quack's kernel has no reduction over a vocabulary split by
+tensor parallelism: under TP megatron-core's), on GPUs quack targets, as the layer's kernel policy
+(MEGATRON_HETERO_LOSS_KERNEL) says: auto on GPU models whose `megatron-hetero kernels check loss`
+passed (kernel_policy.QUACK_LOSS_CHECKED: the shipped table and the user's), quack on every one,
+torch never. The choice is pure (choose_loss_kernel), tested without a GPU.
+"""
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from megatron_hetero.models import kernel_policy
+from megatron_hetero.models.attention_kernels import current_device, import_failure
+from megatron_hetero.models.kernel_policy import LOSS_KERNEL_ENV, QUACK_LOSS_CHECKED, KernelPolicy
+from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, quack_kernel_for
+
+IGNORED = -100  # quack's label of a token whose loss and gradient are 0: a label outside the vocabulary
+
+
+class QuackCrossEntropy(NamedTuple):
+    """quack's cross entropy kernels (quack.cross_entropy): forward(logits [M, V], labels [M],
+    ignore_index=, return_lse=True) -> (loss [M], lse [M]) in fp32; backward(logits, labels, dloss [M],
+    lse, ignore_index=) -> dlogits [M, V] in the logits' dtype."""
+
+    forward: Callable
+    backward: Callable
+
+
+@functools.cache
+def load_quack_cross_entropy() -> tuple[QuackCrossEntropy | None, str | None]:
+    """(quack's cross entropy kernels, None), or (None, why they do not load)."""
+    try:
+        from quack.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
+    except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
+        return None, import_failure("quack", error)
+    return QuackCrossEntropy(cross_entropy_fwd, cross_entropy_bwd), None
+
+
+def choose_loss_kernel(base: QuackChoice, tp: int, device_name: str, mode: str,
+                       checked: tuple[str, ...]) -> QuackChoice:
+    """The loss's kernel from quack's rule for the policy's loss mode on this GPU (`base`), the
+    vocabulary's TP split and the GPU models where quack's cross entropy passed its check."""
+    if base.kernel != QUACK:
+        return base
+    if tp > 1:
+        return QuackChoice(TORCH, f"vocabulary split over TP {tp}: megatron-core's")
+    if mode == "auto" and device_name not in checked:
+        return QuackChoice(TORCH, f"not checked on {device_name}: megatron-hetero kernels check loss --record")
+    return QuackChoice(QUACK, "cross entropy")
+
+
+def loss_kernel_for(policy: KernelPolicy, tp: int) -> QuackChoice:
+    """The kernel of the fused loss under `policy` (its loss mode) on this process's GPU, the vocabulary
+    split over `tp` ranks."""
+    base = quack_kernel_for(LOSS_KERNEL_ENV, policy.loss, load_quack_cross_entropy)
+    return choose_loss_kernel(base, tp, current_device().name, policy.loss, QUACK_LOSS_CHECKED)
+
+
+def fused_loss_choice(config, tp: int) -> QuackChoice:
+    """The kernel of the loss of a model of `config` (a TransformerConfig) whose vocabulary is split over
+    `tp` ranks: quack's only in place of megatron-core's native fused cross entropy."""
+    if not config.cross_entropy_loss_fusion:
+        return QuackChoice(TORCH, "megatron-core's; --cross-entropy-loss-fusion off")
+    if config.cross_entropy_fusion_impl != "native":
+        return QuackChoice(TORCH, f"--cross-entropy-fusion-impl {config.cross_entropy_fusion_impl}")
+    return loss_kernel_for(kernel_policy.of(config), tp)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """forward: each token's loss, logsumexp(logits) - logits[label], in fp32 (quack's kernel, one pass);
+    backward: (softmax - one-hot) x dloss in the logits' dtype (one pass, from the saved log-sum-exp)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, kernels):
+        loss, lse = kernels.forward(logits, labels, ignore_index=IGNORED, return_lse=True)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.kernels = kernels
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        logits, labels, lse = ctx.saved_tensors
+        return ctx.kernels.backward(logits, labels, dloss.contiguous(), lse, ignore_index=IGNORED), None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, kernels: QuackCrossEntropy) -> torch.Tensor:
+    """Each token's loss (fp32, labels' shape) of `logits` [..., V] (the whole vocabulary) on `kernels`."""
+    vocab = logits.shape[-1]
+    labels = labels.reshape(-1)
+    labels = torch.where((labels >= 0) & (labels < vocab), labels, IGNORED)
+    return _CrossEntropy.apply(logits.reshape(-1, vocab), labels, kernels).view(logits.shape[:-1])
+
+
+def loss_summary(module: torch.nn.Module) -> str:
+    """What a model part's loss runs (e.g. "quack (cross entropy)", "torch (vocabulary split over TP 2:
+    megatron-core's)"), for the start-up line and benchmark records; "none" for a part without a loss."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    found = [str(fused_loss_choice(sub.config, sub.pg_collection.tp.size())) for sub in module.modules()
+             if isinstance(sub, LanguageModule) and getattr(sub, "post_process", False)]
+    return "; ".join(dict.fromkeys(found)) or "none"
