@@ -51,6 +51,7 @@ TARGETS = [
     "megatron.core.models.vision.vit_layer_specs.get_vit_layer_with_local_spec",
     "megatron.core.transformer.attention.apply_rotary_pos_emb",
     "megatron.core.models.common.language_module.language_module.LanguageModule.compute_language_model_loss",
+    "megatron.core.tensor_parallel.layers.F",
     "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
     "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
     "megatron.core.transformer.moe.token_dispatcher.sort_chunks_by_idxs",

@@ -13,6 +13,8 @@ Overrides (environment variables):
 - MEGATRON_HETERO_LOSS_KERNEL: auto (default), torch or quack: the LLM's fused loss on quack's cross
   entropy (auto: on GPUs whose `megatron-hetero kernels check loss` passed) or megatron-core's
   (models/loss_kernels.py);
+- MEGATRON_HETERO_EMBEDDING_GRAD: auto (default) or torch: the input embedding's weight gradient added
+  into main_grad by its backward on GPUs, or upstream's dense gradient (models/embedding.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
   `megatron-hetero kernels check attention`, added to the table;
 - MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1: this GPU passed `megatron-hetero kernels check cp-chunks`;
@@ -42,11 +44,13 @@ NORM_KERNEL_ENV = "MEGATRON_HETERO_NORM_KERNEL"
 MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
 EXPERTS_KERNEL_ENV = "MEGATRON_HETERO_EXPERTS_KERNEL"
 LOSS_KERNEL_ENV = "MEGATRON_HETERO_LOSS_KERNEL"
+EMBEDDING_GRAD_ENV = "MEGATRON_HETERO_EMBEDDING_GRAD"
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
 KERNEL_MODES = ("auto", "torch", "quack")
 EXPERTS_MODES = ("auto", "grouped", "sequential")
+EMBEDDING_GRAD_MODES = ("auto", "torch")
 
 
 class KernelPolicyError(ValueError):
@@ -166,7 +170,7 @@ class KernelPolicy:
     only where None or 4); transformer_impl: Megatron's flag (local: no Transformer Engine layers
     even where it imports); norm, mlp: KERNEL_MODES; fa4_head_dims: head dims added to CHECKED_HEAD_DIMS;
     cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
-    EXPERTS_MODES; loss: KERNEL_MODES."""
+    EXPERTS_MODES; loss: KERNEL_MODES; embedding_grad: EMBEDDING_GRAD_MODES."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -178,6 +182,7 @@ class KernelPolicy:
     eager_rope: bool = False
     experts: str = "auto"
     loss: str = "auto"
+    embedding_grad: str = "auto"
 
     @property
     def te(self) -> bool:
@@ -187,11 +192,11 @@ class KernelPolicy:
     def __str__(self) -> str:
         return (f"attention {self.attention}, norms {self.norm}, MLPs {self.mlp}, "
                 f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
-                f"experts {self.experts}, loss {self.loss}")
+                f"experts {self.experts}, loss {self.loss}, embedding gradient {self.embedding_grad}")
 
 
 OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV,
-                 LOSS_KERNEL_ENV)
+                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV)
 
 
 @functools.lru_cache(maxsize=64)
@@ -203,7 +208,8 @@ def _policy(attention_backend, flash_attention_version, transformer_impl, overri
                         kernel_mode(MLP_KERNEL_ENV, environ), extra_head_dims(environ),
                         _flag(environ, CUDNN_MERGE_ENV), _flag(environ, EAGER_ROPE_ENV),
                         experts=kernel_mode(EXPERTS_KERNEL_ENV, environ, EXPERTS_MODES),
-                        loss=kernel_mode(LOSS_KERNEL_ENV, environ))
+                        loss=kernel_mode(LOSS_KERNEL_ENV, environ),
+                        embedding_grad=kernel_mode(EMBEDDING_GRAD_ENV, environ, EMBEDDING_GRAD_MODES))
 
 
 def of(config, environ=os.environ) -> KernelPolicy:

@@ -25,6 +25,8 @@ without a layout too, as defaults, each for its reason:
   the same numbers up to bf16 rounding; MEGATRON_HETERO_EAGER_ROPE=1 for upstream's);
 - grad_accum_fusion: without apex, --gradient-accumulation-fusion (Megatron's default) on torch's
   GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/runs/benchmarks.md);
+- embedding_grad: on GPUs, the input embedding's weight gradient added into its main_grad by the
+  lookup's backward, not written as a dense [vocabulary, hidden] table and added by DDP's hook;
 - loss: on GPUs where its check passed, the LLM's fused loss (--cross-entropy-loss-fusion, whole
   vocabulary on one rank) on quack's one-pass cross entropy instead of megatron-core's five compiled
   kernels over fp32 copies of the logits (models/loss_kernels.py);
@@ -53,6 +55,7 @@ from megatron_hetero.patches import (  # noqa: E402
     checkpointing,
     cpu,
     device_init,
+    embedding_grad,
     faults,
     fused_adam,
     grad_accum_fusion,
@@ -96,6 +99,7 @@ def apply() -> None:
     rope.apply()
     loss.apply()
     grad_accum_fusion.apply()
+    embedding_grad.apply()
     grad_norm.apply()
     fused_adam.apply()
     moe_dispatch.apply()
