@@ -7,6 +7,7 @@
 - the checked GPUs' list in the kernel checks table (the planner's bytes per logit: test_planner.py).
 The real kernels are checked on a GPU by `megatron-hetero kernels check loss`."""
 
+import inspect
 import json
 from types import SimpleNamespace
 
@@ -125,7 +126,7 @@ def test_the_loss_on_quack_equals_megatron_cores(one_rank, monkeypatch):
     logits = torch.randn(s, b, vocab, generator=g) * 3
     labels = torch.randint(0, vocab, (b, s), generator=g)
     dloss = torch.rand(b, s, generator=g)
-    upstream = LanguageModule.compute_language_model_loss
+    upstream = inspect.unwrap(LanguageModule.compute_language_model_loss)  # whether or not patched here
     ours = _loss_and_grad(_loss(upstream), _module(_config()), logits, labels, dloss)
     unfused = _loss_and_grad(upstream, _module(_config(fusion=False)), logits, labels, dloss)
     fused = _loss_and_grad(upstream, _module(_config()), logits, labels, dloss)
