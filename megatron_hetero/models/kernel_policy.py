@@ -78,8 +78,8 @@ def user_checks_file(environ=os.environ) -> Path:
 
 
 def _read(path: Path) -> dict:
-    """A table file (empty where the file does not exist; a list a table written before it existed
-    empty); KernelPolicyError (one line) for another."""
+    """A table file (empty where the file does not exist; a GPU list that an older table lacks, empty);
+    KernelPolicyError (one line) for another."""
     try:
         checks = json.loads(path.read_text()) if path.is_file() else {"fa4_checked_head_dims": {}}
         return dict(fa4_checked_head_dims=dict(checks["fa4_checked_head_dims"]),

@@ -27,6 +27,7 @@ import functools
 from typing import Callable, NamedTuple
 
 import torch
+from megatron.core.models.common.language_module.language_module import LanguageModule
 
 from megatron_hetero.models import kernel_policy
 from megatron_hetero.models.attention_kernels import current_device, import_failure
@@ -113,8 +114,6 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, kernels: QuackCros
 def loss_summary(module: torch.nn.Module) -> str:
     """What a model part's loss runs (e.g. "quack (cross entropy)", "torch (vocabulary split over TP 2:
     megatron-core's)"), for the start-up line and benchmark records; "none" for a part without a loss."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
     found = [str(fused_loss_choice(sub.config, sub.pg_collection.tp.size())) for sub in module.modules()
              if isinstance(sub, LanguageModule) and getattr(sub, "post_process", False)]
     return "; ".join(dict.fromkeys(found)) or "none"

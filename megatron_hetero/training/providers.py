@@ -58,7 +58,8 @@ def report_kernels(run, parts: dict) -> None:
         if any(value for axis, value in coords.items() if axis != "pp"):
             continue
         for kind, summary in kernel_summaries(part).items():
-            if (module.last_stage and summary != "none") if kind == "loss" else coords["pp"] == 0:
+            loss_here = kind == "loss" and module.last_stage and summary != "none"
+            if loss_here or (kind != "loss" and coords["pp"] == 0):
                 print(f"{kind}: {name}: {summary}", flush=True)
 
 
