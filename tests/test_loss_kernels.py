@@ -83,7 +83,7 @@ def _forward(x, target, ignore_index=-100, return_lse=False):
 
 def _backward(x, target, dloss, lse, ignore_index=-100):
     """quack.cross_entropy.cross_entropy_bwd's: (softmax - one-hot) x dloss in x's dtype, 0 where ignored."""
-    assert dloss.dim() == 1 and dloss.is_contiguous()
+    assert dloss.dim() == 1 and dloss.is_contiguous() and dloss.dtype == torch.float32
     probabilities = torch.exp(x.to(lse.dtype) - lse.unsqueeze(1))
     probabilities.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
     return (probabilities * (dloss * (target != ignore_index)).unsqueeze(1)).to(x.dtype)

@@ -100,7 +100,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         logits, labels, lse = ctx.saved_tensors
-        return ctx.kernels.backward(logits, labels, dloss.contiguous(), lse, ignore_index=IGNORED), None, None
+        # quack's backward reads the losses' gradient as fp32 [M]
+        return ctx.kernels.backward(logits, labels, dloss.float().contiguous(), lse, ignore_index=IGNORED), None, None
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, kernels: QuackCrossEntropy) -> torch.Tensor:
