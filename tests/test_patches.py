@@ -86,10 +86,12 @@ NO_APEX_TARGETS = [
 
 def _expected() -> list[str]:
     """What apply() changes here, sorted (a target changed by two patches appears twice)."""
-    from megatron_hetero.patches import cpu
+    from megatron_hetero.patches import cpu, fa4_backward
 
     cpu_targets = [*CPU_TARGETS, cpu.MODE] if not torch.cuda.is_available() else []
-    return sorted(TARGETS + cpu_targets + (NO_APEX_TARGETS if importlib.util.find_spec("apex") is None else []))
+    fa4_targets = [fa4_backward.KERNEL] if fa4_backward.applies() else []  # where flash-attn-4 is installed
+    return sorted(TARGETS + cpu_targets + fa4_targets
+                  + (NO_APEX_TARGETS if importlib.util.find_spec("apex") is None else []))
 
 
 def _wraps(function, original) -> bool:
@@ -152,9 +154,9 @@ def test_patch_table_lists_every_target():
     megatron's prefix)."""
     internals = (Path(__file__).parent.parent / "docs" / "developers" / "internals.md").read_text()
     table = internals.split("| patch | upstream")[1].split("\n\n")[0]
-    from megatron_hetero.patches import cpu
+    from megatron_hetero.patches import cpu, fa4_backward
 
-    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS
+    missing = [t for t in TARGETS + CPU_TARGETS + NO_APEX_TARGETS + [fa4_backward.KERNEL]
                if t.removeprefix("megatron.") not in table and t != cpu.MODE]
     assert not missing, f"the patch table in docs/developers/internals.md lacks {missing}"
 

@@ -25,6 +25,9 @@ without a layout too, as defaults, each for its reason:
   the same numbers up to bf16 rounding; MEGATRON_HETERO_EAGER_ROPE=1 for upstream's);
 - grad_accum_fusion: without apex, --gradient-accumulation-fusion (Megatron's default) on torch's
   GEMM instead of off, +1.5-2.0% TFLOPS on W1/W3 together with fused_adam (docs/runs/benchmarks.md);
+- fa4_backward: where flash-attn-4 is installed, its Hopper backward's dQ at head dims that are not
+  multiples of 32 (72, 80) as its upstream fix computes it; the layers still run flash-attn-4 at a
+  head dim only once `kernels check attention` passed it on that GPU model;
 - embedding_grad: on GPUs, the input embedding's weight gradient added into its main_grad by the
   lookup's backward, not written as a dense [vocabulary, hidden] table and added by DDP's hook;
 - loss: on GPUs where its check passed, the LLM's fused loss (--cross-entropy-loss-fusion, whole
@@ -56,6 +59,7 @@ from megatron_hetero.patches import (  # noqa: E402
     cpu,
     device_init,
     embedding_grad,
+    fa4_backward,
     faults,
     fused_adam,
     grad_accum_fusion,
@@ -100,6 +104,7 @@ def apply() -> None:
     loss.apply()
     grad_accum_fusion.apply()
     embedding_grad.apply()
+    fa4_backward.apply()
     grad_norm.apply()
     fused_adam.apply()
     moe_dispatch.apply()

@@ -3,14 +3,14 @@
     megatron-hetero kernels check attention [--quick] [--workload-only] [--record] [--out DIR]
     (one GPU, flash-attn-4 importable: the fa4 extra)
 
-1. The kernel itself (no padding), per head dim (64, 72, 80, 96, 128; full, causal, GQA, varlen):
-   dq/dk/dv against fp32 attention. The head dims where every case passes are this GPU's checked
-   list: printed as the MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS line that lets the layers run
-   flash-attn-4 there, and written to DIR/fa4_checked_head_dims.txt; --record writes them as this
-   GPU's entry of the user's table (models/kernel_policy.py), which the kernel policy reads from then on.
-   A head dim the table lists that fails here: FAIL. Where the table has no entry for this GPU,
-   part 2 uses the dims that passed here. --workload-only skips this part (minutes of compiles and
-   timing) for a GPU the table lists.
+1. The kernel itself (no padding; its Hopper backward as patches/fa4_backward.py leaves it, as in
+   training), per head dim (64, 72, 80, 96, 128; full, causal, GQA, varlen): dq/dk/dv against fp32
+   attention. The head dims where every case passes are this GPU's checked list: printed as the
+   MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS line that lets the layers run flash-attn-4 there, and written
+   to DIR/fa4_checked_head_dims.txt; --record writes them as this GPU's entry of the user's table
+   (models/kernel_policy.py), which the kernel policy reads from then on. A head dim the table lists
+   that fails here: FAIL. Where the table has no entry for this GPU, part 2 uses the dims that passed
+   here. --workload-only skips this part (minutes of compiles and timing) for a GPU the table lists.
 2. Our dispatched attention (models/attention.py `attend`, `varlen_attention`, the kernel that
    --attention-backend auto / flash chooses, SDPA forced as the baseline) at the workloads' shapes:
    W1's LLM (2 x 32 heads x 16384 x 128, causal: the trainer's micro batch of 2, whose [s, b] memory
@@ -24,7 +24,8 @@
    TFLOPS (causal counted as half of full; backward as 2.5 x forward, FlashAttention's convention:
    x 3/3.5 for the project's model-FLOPs count). Any chosen path above the tolerance: FAIL, exit status 1.
 3. A negative control: auto with head dims 72 and 80 listed as if checked, at W1's and Qwen2.5-VL's
-   ViT shapes: raw flash-attn-4 4.0.0b36 must fail there (GPU-KERNELS.md), showing the check catches it.
+   ViT shapes: raw flash-attn-4 4.0.0b36 failed there (GPU-KERNELS.md), showing the check catches it;
+   with the backward's fix (patches/fa4_backward.py) it may pass, which the line says.
 Records (one JSON object per line) go to DIR/fa4_check.jsonl.
 """
 
@@ -51,6 +52,7 @@ from megatron_hetero.models.attention_kernels import (
 from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.kernel_policy import CHECKED_ENV, record_check
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
+from megatron_hetero.patches import fa4_backward
 from megatron_hetero.planner.families import FAMILY_BENCHES
 
 TOLERANCE = 0.02  # cuDNN's bf16 gradients are 0.003-0.005 off fp32 attention, the broken ones ~1
@@ -305,7 +307,8 @@ def negative_control(records: list, checked: tuple[int, ...]) -> None:
         caught = not records[-1]["ok"]
         print(f"negative control at head dim {case.head_dim}: " + (
             "the check fails this path, as it must" if caught else
-            "raw flash-attn-4 passes here (a fixed wheel?): the control did not trigger"), flush=True)
+            "raw flash-attn-4 passes here (a fixed wheel, or patches/fa4_backward.py's fix): the control did not "
+            "trigger"), flush=True)
 
 
 def _next_step(device_name: str, passing: tuple[int, ...], recorded: Path | None) -> str:
@@ -319,6 +322,7 @@ def _next_step(device_name: str, passing: tuple[int, ...], recorded: Path | None
 
 
 def main(quick: bool, out: str, record: bool, workload_only: bool) -> int:
+    fa4_backward.apply()  # flash-attn-4's backward as training runs it
     device = current_device()
     if load_fa4()[0] is None or device.capability is None:
         print(f"error: {load_fa4()[1] or 'no GPU visible'}")
