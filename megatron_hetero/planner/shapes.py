@@ -243,7 +243,7 @@ class Workload:
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.quack_cross_entropy and not self.fused_cross_entropy:
             raise ValueError("quack_cross_entropy replaces the fused loss: set fused_cross_entropy true as well "
-                             "(Megatron's --cross-entropy-loss-fusion)")
+                             "(plan --fused-cross-entropy; Megatron's --cross-entropy-loss-fusion)")
         for key in ("dtype_bytes", "weight_bytes"):
             if getattr(self, key) not in (2, 4):
                 raise ValueError(f"{key} must be 2 (bf16) or 4 (fp32), got {getattr(self, key)!r}")
