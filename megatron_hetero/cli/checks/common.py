@@ -1,5 +1,6 @@
-"""What the GPU kernel checks share: CUDA-event timing; for the quack checks (norms.py, mlp.py) the
-table of each path's errors against fp32 and its times, the records and the verdict.
+"""What the GPU kernel checks share: CUDA-event timing; a case's record of two paths' errors against
+fp32 and their times (measure_paths: norms.py, mlp.py, experts.py, loss.py); for the quack checks
+(norms.py, mlp.py, loss.py) the table of those records, the records' file and the verdict.
 
 A quack check's `measure(case, iters)` returns a record with `case`, a size field, `torch_*_err` and
 `quack_*_err` (max |diff| / max |ref| against fp32), with iters `torch_fwd_ms`, `torch_fwd_bwd_ms`,
@@ -24,6 +25,21 @@ def timed(fn, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def measure_paths(record: dict, case, paths: dict[str, Callable], errors: Callable, speed: Callable, iters: int,
+                  judged: str, tolerance: float) -> dict:
+    """`record` (the case's fields) with each of `paths` (label -> path) measured on `case`:
+    errors(path, case) -> {name: max |diff| / max |ref| against fp32} as `{label}_{name}_err`; with
+    iters, speed(path, case, iters) -> (forward ms, forward+backward ms) as `{label}_fwd_ms`,
+    `{label}_fwd_bwd_ms`; ok: every error of the `judged` path within tolerance."""
+    for label, path in paths.items():
+        record.update({f"{label}_{name}_err": e for name, e in errors(path, case).items()})
+        if iters:
+            record[f"{label}_fwd_ms"], record[f"{label}_fwd_bwd_ms"] = speed(path, case, iters)
+    record["ok"] = all(e <= tolerance for key, e in record.items()
+                       if key.startswith(f"{judged}_") and key.endswith("_err"))
+    return record
 
 
 def _errs(record: dict, label: str) -> str:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_hetero.cli.checks.common import timed
+from megatron_hetero.cli.checks.common import measure_paths, timed
 from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
 
 TOLERANCE = 0.02  # SequentialMLP's own bf16 error against fp32 is ~0.005-0.01
@@ -160,12 +160,8 @@ def measure(case: Case, iters: int) -> dict:
 
     os.environ[EXPERTS_KERNEL_ENV] = "grouped"
     record = dict(case=case.name, tokens=case.tokens, experts=case.experts, ffn=case.ffn, topk=case.topk)
-    for label, cls in (("sequential", SequentialMLP), ("grouped", GroupedExperts)):
-        record.update({f"{label}_{n}_err": e for n, e in errors(cls, case).items()})
-        if iters:
-            record[f"{label}_fwd_ms"], record[f"{label}_fwd_bwd_ms"] = speed(cls, case, iters)
-    record["ok"] = all(record[f"grouped_{n}_err"] <= TOLERANCE for n in GRADS)
-    return record
+    return measure_paths(record, case, {"sequential": SequentialMLP, "grouped": GroupedExperts}, errors, speed,
+                         iters, "grouped", TOLERANCE)
 
 
 def sync_record(case: Case) -> dict:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_hetero.cli.checks.common import QuackCheck, run_table, timed
+from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import LOSS_KERNEL_ENV, record_check
 from megatron_hetero.models.loss_kernels import cross_entropy, load_quack_cross_entropy
 
@@ -95,13 +95,8 @@ def speed(loss_fn, case: Case, iters: int) -> tuple[float, float]:
 
 def measure(case: Case, iters: int) -> dict:
     """Both paths' errors and times; ok: quack's errors within TOLERANCE."""
-    record = dict(case=case.name, tokens=case.tokens, vocab=case.vocab)
-    for label, loss_fn in (("torch", megatron_loss), ("quack", quack_loss)):
-        record.update({f"{label}_{n}_err": e for n, e in errors(loss_fn, case).items()})
-        if iters:
-            record[f"{label}_fwd_ms"], record[f"{label}_fwd_bwd_ms"] = speed(loss_fn, case, iters)
-    record["ok"] = all(record[f"quack_{n}_err"] <= TOLERANCE for n in ERRORS)
-    return record
+    return measure_paths(dict(case=case.name, tokens=case.tokens, vocab=case.vocab), case,
+                         {"torch": megatron_loss, "quack": quack_loss}, errors, speed, iters, "quack", TOLERANCE)
 
 
 def main(quick: bool, out: str, record: bool) -> int:

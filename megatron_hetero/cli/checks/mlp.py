@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_hetero.cli.checks.common import QuackCheck, run_table, timed
+from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
 from megatron_hetero.patches import grad_accum_fusion
@@ -86,10 +86,11 @@ def _grads(mlp, case: Case, dtype, main_grads: bool) -> list[torch.Tensor]:
     return [out.detach().float(), *(g.float() if g is not None else None for g in grads)]
 
 
-def errors(mlp, case: Case, main_grads: bool) -> dict[str, float]:
-    """Max |diff| / max |ref| of out, dx, dw1, (db1,) dw2 of mlp at bf16 against fp32 torch."""
+def errors(mlp, case: Case) -> dict[str, float]:
+    """Max |diff| / max |ref| of out, dx, dw1, (db1,) dw2 of mlp at bf16 against fp32 torch (the fused
+    path's weight gradients accumulated into main_grad, as in training)."""
     reference = _grads(torch_mlp, case, torch.float32, False)
-    got = _grads(mlp, case, torch.bfloat16, main_grads)
+    got = _grads(mlp, case, torch.bfloat16, mlp is fused_mlp)
     return {name: float((a - r).abs().max() / r.abs().max())
             for name, a, r in zip(GRADS, got, reference) if r is not None}
 
@@ -108,12 +109,8 @@ def measure(case: Case, iters: int) -> dict:
     """Both paths' errors and times; ok: the fused path's errors within TOLERANCE."""
     record = dict(case=case.name, tokens=case.tokens, hidden=case.hidden, ffn=case.ffn, bias=case.bias,
                   activation=case.activation)
-    for label, mlp, main_grads in (("torch", torch_mlp, False), ("quack", fused_mlp, True)):
-        record.update({f"{label}_{n}_err": e for n, e in errors(mlp, case, main_grads).items()})
-        if iters:
-            record[f"{label}_fwd_ms"], record[f"{label}_fwd_bwd_ms"] = speed(mlp, case, iters)
-    record["ok"] = all(record[k] <= TOLERANCE for k in record if k.startswith("quack_") and k.endswith("_err"))
-    return record
+    return measure_paths(record, case, {"torch": torch_mlp, "quack": fused_mlp}, errors, speed, iters, "quack",
+                         TOLERANCE)
 
 
 def main(quick: bool, out: str) -> int:

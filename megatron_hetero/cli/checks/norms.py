@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from megatron_hetero.cli.checks.common import QuackCheck, run_table, timed
+from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import NORM_KERNEL_ENV
 from megatron_hetero.models.norm_kernels import load_quack, quack_norm
 
@@ -72,12 +72,13 @@ def _grads(norm, case: Case, x, weight, bias, dout, dtype):
     return [out.float(), *(t.grad.float() for t in leaves if t is not None)]
 
 
-def errors(norm, case: Case) -> list[float]:
+def errors(norm, case: Case) -> dict[str, float]:
     """Max |diff| / max |ref| of out, dx, dw (and db) of norm at bf16 against fp32 torch."""
     x, weight, bias, dout = inputs(case)
     reference = _grads(_torch_norm, case, x, weight, bias, dout, torch.float32)
     got = _grads(norm, case, x, weight, bias, dout, torch.bfloat16)
-    return [float((a - r).abs().max() / r.abs().max()) for a, r in zip(got, reference)]
+    names = ["out", "dx", "dw"] + ([] if case.rms else ["db"])
+    return {name: float((a - r).abs().max() / r.abs().max()) for name, a, r in zip(names, got, reference)}
 
 
 def speed(norm, case: Case, iters: int) -> tuple[float, float]:
@@ -92,13 +93,8 @@ def speed(norm, case: Case, iters: int) -> tuple[float, float]:
 def measure(case: Case, iters: int) -> dict:
     """Both paths' errors and times; ok: quack's errors within TOLERANCE."""
     record = dict(case=case.name, rms=case.rms, hidden=case.hidden, rows=case.rows)
-    names = ["out", "dx", "dw"] + ([] if case.rms else ["db"])
-    for label, norm in (("torch", _torch_norm), ("quack", _quack_norm)):
-        record.update({f"{label}_{n}_err": e for n, e in zip(names, errors(norm, case))})
-        if iters:
-            record[f"{label}_fwd_ms"], record[f"{label}_fwd_bwd_ms"] = speed(norm, case, iters)
-    record["ok"] = all(record[f"quack_{n}_err"] <= TOLERANCE for n in names)
-    return record
+    return measure_paths(record, case, {"torch": _torch_norm, "quack": _quack_norm}, errors, speed, iters, "quack",
+                         TOLERANCE)
 
 
 def main(quick: bool, out: str) -> int:
