@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 os.environ["MEGATRON_HETERO_KERNEL_CHECKS"] = os.devnull
 for folder in ("benchmarks", "tools"):
@@ -26,3 +28,16 @@ for folder in ("benchmarks", "tools"):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "families: the VLM families' full layout matrix (make test-families)")
+
+
+@pytest.fixture
+def one_rank():
+    """torch's fake process group of this process alone (megatron-core's layers and losses ask their
+    groups' sizes and reduce over them); torch imported here, after the environment above is set."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

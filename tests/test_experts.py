@@ -26,7 +26,6 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_hetero.models.attention_kernels import Device
 from megatron_hetero.models.experts import (
@@ -50,13 +49,7 @@ COUNTS = [3, 0, 5, 2, 0, 6]  # tokens per local expert, two receiving none
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
 
 
-@pytest.fixture(autouse=True)
-def one_rank():
-    """torch's fake process group of this process alone: megatron's linears ask a TP group's size."""
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")  # megatron's linears ask a TP group's size
 
 
 def _config(dtype=torch.float64, **fields) -> TransformerConfig:

@@ -11,12 +11,10 @@ import inspect
 import json
 from types import SimpleNamespace
 
-import pytest
 import torch
 import torch.distributed as dist
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.enums import AttnBackend
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_hetero.models import kernel_policy, loss_kernels
 from megatron_hetero.models.attention_kernels import Device
@@ -31,15 +29,6 @@ from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choo
 from megatron_hetero.patches.loss import _loss
 
 H200 = "NVIDIA H200"
-
-
-@pytest.fixture
-def one_rank():
-    """torch's fake process group of this process alone: megatron-core's loss reduces over its TP group."""
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 # ---- the choice ----------------------------------------------------------------------------------
