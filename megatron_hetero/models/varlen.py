@@ -270,6 +270,10 @@ class SegmentParams(PackedSeqParams):
         return every.index_select(0, self.key_index)
 
 
+# What SegmentAttention takes; plan() and forward() check a part each.
+PACKED_INPUT = "SegmentAttention takes a packed sequence [t, 1, ...] and its SegmentParams"
+
+
 class SegmentAttention(MegatronModule):
     """Drop-in for megatron-core's DotProductAttention in an encoder layer: [t, 1, heads, d] in,
     [t, 1, heads * d] out, each token attending to its segment of `packed_seq_params`
@@ -293,7 +297,7 @@ class SegmentAttention(MegatronModule):
         """The segments this layer attends within (the items', or a windowed layer's windows) and the
         kernel that runs them."""
         if not isinstance(packed_seq_params, SegmentParams):
-            raise ValueError("SegmentAttention takes a packed sequence [t, 1, ...] and its SegmentParams")
+            raise ValueError(PACKED_INPUT)
         plan = packed_seq_params.items
         if self.windowed and packed_seq_params.windows is not None:
             plan = packed_seq_params.windows
@@ -303,7 +307,7 @@ class SegmentAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params: SegmentParams | None = None) -> torch.Tensor:
         if query.shape[1] != 1:
-            raise ValueError("SegmentAttention takes a packed sequence [t, 1, ...] and its SegmentParams")
+            raise ValueError(PACKED_INPUT)
         plan, kernel = self.plan(packed_seq_params)
         # squeeze, not [:, 0]: a view both ways (indexing's backward fills zeros and copies, per tensor)
         key, value = (packed_seq_params.gathered(t.squeeze(1)) for t in (key, value))
