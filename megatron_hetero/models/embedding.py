@@ -5,8 +5,9 @@ dense [vocabulary, hidden] gradient in the weight's dtype (zeros but for the mic
 megatron's DDP hook then adds to the fp32 main_grad: two passes over the whole table per microbatch. In
 the Qwen2.5-VL-7B-shaped step on one H200 (152,064 x 3,584, 4 microbatches; docs/runs/h200_one_card/
 windows_flash/ab/profile_B_qwen2_5_vl_7b.md) the add alone took 8.9 ms and a copy of the table 3.5 ms.
-Here the backward adds each token's gradient row into main_grad at its id (index_put_ accumulating, in
-main_grad's fp32: duplicates sum there, not first in bf16) and hands autograd the placeholder megatron's
+Here the backward adds each token's gradient row into main_grad at its id (index_add_, in main_grad's
+fp32: duplicates sum there, not first in bf16; atomic adds, or torch's deterministic kernel under
+--deterministic-mode; index_put_ accumulating took 5.1 ms per microbatch there) and hands autograd the placeholder megatron's
 DDP expects from a layer that did so itself (grad_added_to_main_grad), as megatron-core's linear layers
 do under gradient-accumulation fusion.
 
@@ -32,7 +33,7 @@ def into_main_grad(weight: torch.Tensor) -> bool:
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
     """forward: weight[ids] (F.embedding);
-    backward: weight.main_grad[ids] += grad (accumulated in main_grad's dtype), a placeholder returned."""
+    backward: weight.main_grad[ids] += grad (added in main_grad's dtype), a placeholder returned."""
 
     @staticmethod
     def forward(ctx, ids, weight):
@@ -43,7 +44,7 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad):
         ids, weight = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1]).to(weight.main_grad.dtype)
-        weight.main_grad.index_put_((ids.reshape(-1),), rows, accumulate=True)
+        weight.main_grad.index_add_(0, ids.reshape(-1), rows)
         return None, main_grad_placeholder(weight, grad.dtype, grad.device)
 
 

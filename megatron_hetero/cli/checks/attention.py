@@ -9,8 +9,8 @@
    MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS line that lets the layers run flash-attn-4 there, and written
    to DIR/fa4_checked_head_dims.txt; --record writes them as this GPU's entry of the user's table
    (models/kernel_policy.py), which the kernel policy reads from then on. A head dim the table lists
-   that fails here: FAIL. Where the table has no entry for this GPU, part 2 uses the dims that passed
-   here. --workload-only skips this part (minutes of compiles and timing) for a GPU the table lists.
+   that fails here: FAIL. Part 2 uses the table's dims and those that passed here, as the policy will
+   once they are recorded. --workload-only skips this part (minutes of compiles and timing) for a GPU the table lists.
 2. Our dispatched attention (models/attention.py `attend`, `varlen_attention`, the kernel that
    --attention-backend auto / flash chooses, SDPA forced as the baseline) at the workloads' shapes:
    W1's LLM (2 x 32 heads x 16384 x 128, causal: the trainer's micro batch of 2, whose [s, b] memory
@@ -339,7 +339,8 @@ def main(quick: bool, out: str, record: bool, workload_only: bool) -> int:
         (Path(out) / "fa4_checked_head_dims.txt").write_text(",".join(map(str, passing)) + "\n")
         if record:
             recorded = record_check(device.name, fa4_head_dims=passing)
-    checked = CHECKED_HEAD_DIMS.get(device.name) or passing
+    # What the policy runs once part 1 is recorded: the table's head dims and those passing here.
+    checked = tuple(sorted({*CHECKED_HEAD_DIMS.get(device.name, ()), *passing}))
     ok = workload_check(records, checked, quick, 3 if quick else 10)
     negative_control(records, checked)
     with open(Path(out) / "fa4_check.jsonl", "a") as f:
