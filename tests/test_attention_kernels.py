@@ -45,6 +45,7 @@ from megatron_hetero.models.context_parallel import cp_positions
 from megatron_hetero.models.kernel_policy import CHECKED_ENV, KernelPolicy, backend_mode, build
 from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
+from tests.test_fa4_backward import Patched, Release
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
 H100_DIMS = attention_kernels.CHECKED_HEAD_DIMS[H100.name]
@@ -52,7 +53,7 @@ H100_DIMS = attention_kernels.CHECKED_HEAD_DIMS[H100.name]
 
 # ---- the choice (pure) ----------------------------------------------------------------------------
 def _choose(mode, head_dim, device=H100, **kwargs):
-    kwargs.setdefault("checked", checked_head_dims(device.name, KernelPolicy()) if device.capability else ())
+    kwargs.setdefault("checked", checked_head_dims(device, KernelPolicy()) if device.capability else ())
     return choose_kernel(mode, head_dim, device, **kwargs)
 
 
@@ -138,11 +139,29 @@ def test_flash_refuses_a_head_dim_above_every_checked_one():
 
 
 def test_checked_head_dims_table_and_environment():
-    assert checked_head_dims(H100.name, build(environ={})) == H100_DIMS
-    assert checked_head_dims("NVIDIA B200", build(environ={})) == ()
-    assert checked_head_dims("NVIDIA B200", build(environ={CHECKED_ENV: "128,64"})) == (64, 128)
-    assert checked_head_dims(H100.name, build(environ={CHECKED_ENV: "80"})) == tuple(sorted({*H100_DIMS, 80}))
-    assert _choose("auto", 128, Device("NVIDIA B200", (10, 0)), checked=(64, 128)).kernel == FA4
+    b200 = Device("NVIDIA B200", (10, 0))
+    assert checked_head_dims(H100, build(environ={})) == H100_DIMS
+    assert checked_head_dims(b200, build(environ={})) == ()
+    assert checked_head_dims(b200, build(environ={CHECKED_ENV: "128,64"})) == (64, 128)
+    assert checked_head_dims(H100, build(environ={CHECKED_ENV: "80"})) == tuple(sorted({*H100_DIMS, 80}))
+    assert _choose("auto", 128, b200, checked=(64, 128)).kernel == FA4
+
+
+def test_hopper_drops_72_and_80_where_its_backward_is_unfixed(monkeypatch):
+    """A check passed 72 and 80 with patches/fa4_backward.py's fix; where the installed Hopper backward
+    rounds to 16 unwrapped (the patch could not apply), they are not taken on Hopper; Blackwell's backward
+    is another kernel."""
+    policy = build(environ={CHECKED_ENV: "72,80"})
+    b200 = Device("NVIDIA B200", (10, 0))
+    monkeypatch.setattr(attention_kernels, "sm90_backward_class", lambda: Release)
+    assert attention_kernels.sm90_dq_wrong_off_32()
+    assert checked_head_dims(H100, policy) == tuple(d for d in sorted({*H100_DIMS, 72, 80}) if d % 32 == 0)
+    assert checked_head_dims(b200, policy) == (72, 80)
+    monkeypatch.setattr(attention_kernels, "sm90_backward_class", lambda: Patched)  # wrapped, as replace() does
+    assert not attention_kernels.sm90_dq_wrong_off_32()
+    assert checked_head_dims(H100, policy) == tuple(sorted({*H100_DIMS, 72, 80}))
+    monkeypatch.setattr(attention_kernels, "sm90_backward_class", lambda: None)  # no flash-attn-4
+    assert not attention_kernels.sm90_dq_wrong_off_32()
 
 
 def test_kernel_for_on_cpu_is_sdpa_whatever_the_flag():

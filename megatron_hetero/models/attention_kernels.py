@@ -30,6 +30,8 @@ so that it is tested without a GPU; kernel_for(policy, ...) feeds it a layer's k
 """
 
 import functools
+import importlib.util
+import inspect
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -47,11 +49,17 @@ TORCH_FLASH = "torch-flash"  # torch's own varlen flash-attention (FA2, built in
 # (dq, dk, dv against fp32 math attention, max |diff| / max |ref| as small as cuDNN's: 0.003-0.005) were
 # checked, by GPU model as torch.cuda.get_device_name() names it. Source: a gradient check against fp32,
 # one H100, 2026-11-25, flash-attn-4 4.0.0b36 (hd 72 and 80 failed there: 0.98 and 1.29); the H200's from
-# `megatron-hetero kernels check attention` (cli/checks/attention.py), 2026-11-26, which re-checks every
-# listed dim and prints the head dims that pass on the GPU it runs on: add a GPU (or a wheel version)
-# only from its output. The policy's
+# `megatron-hetero kernels check attention` (cli/checks/attention.py), 2026-11-26, and its 72 and 80 on
+# 2026-12-05 with patches/fa4_backward.py's fix (0.0018-0.0062 of fp32), which re-checks every listed
+# dim and prints the head dims that pass on the GPU it runs on: add a GPU (or a wheel version) only
+# from its output. The policy's
 # fa4_head_dims (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS) add to it, never remove.
 FA4_ARCH_MAJORS = (9, 10)  # sm90 (H100, H200), sm100 (B200, GB200)
+# flash-attn-4's Hopper backward kernel class in its releases up to 4.0.0b40 rounds its tiles' head dim
+# to 16 (this line of its __init__) while the interface rounds the dQ accumulator to DQ_MULTIPLE: dQ is
+# wrong at head dims 72 and 80 unless fixed (upstream's pull request 2896, patches/fa4_backward.py).
+UNFIXED_SM90_ROUNDING = "64 if dKV_swapAB else 16"
+DQ_MULTIPLE = 32
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_INSTALL = "pip install 'megatron-hetero[fa4]'"
 # Packed calls whose segments are all this short (one 128-row tile: Qwen2.5-VL's 112-px windows hold at most
@@ -101,9 +109,42 @@ class KernelChoice:
         return f"{self}, CP chunks {chunks}"
 
 
-def checked_head_dims(device_name: str, policy: KernelPolicy) -> tuple[int, ...]:
-    """CHECKED_HEAD_DIMS's entry for the GPU, with the policy's fa4_head_dims added."""
-    return tuple(sorted({*CHECKED_HEAD_DIMS.get(device_name, ()), *policy.fa4_head_dims}))
+def rounds_to_16(init) -> bool:
+    """Whether a Hopper backward kernel class's __init__ rounds the tiles' head dim to 16 (False where its
+    source cannot be read)."""
+    try:
+        return UNFIXED_SM90_ROUNDING in inspect.getsource(init)
+    except (OSError, TypeError):
+        return False
+
+
+def sm90_backward_class():
+    """flash-attn-4's Hopper backward kernel class, or None where flash-attn-4 does not load."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+    except Exception:  # the CuTe DSL failing to load its libraries: load_fa4 says why
+        return None
+    return FlashAttentionBackwardSm90
+
+
+def sm90_dq_wrong_off_32() -> bool:
+    """Whether this install's Hopper backward still gets dQ wrong at head dims that are not multiples of
+    DQ_MULTIPLE: a release's rounding, not wrapped by patches/fa4_backward.py (which keeps the original as
+    __wrapped__; it cannot apply while flash-attn-4's disk cache of kernels is on)."""
+    kernel = sm90_backward_class()
+    return kernel is not None and not hasattr(kernel.__init__, "__wrapped__") and rounds_to_16(kernel.__init__)
+
+
+def checked_head_dims(device: Device, policy: KernelPolicy) -> tuple[int, ...]:
+    """CHECKED_HEAD_DIMS's entry for the GPU, with the policy's fa4_head_dims added; on Hopper, without
+    the head dims that are not multiples of DQ_MULTIPLE where its backward is unfixed here (a check
+    passed them with the fix)."""
+    dims = {*CHECKED_HEAD_DIMS.get(device.name, ()), *policy.fa4_head_dims}
+    if device.capability is not None and device.capability[0] == 9 and sm90_dq_wrong_off_32():
+        dims = {d for d in dims if d % DQ_MULTIPLE == 0}
+    return tuple(sorted(dims))
 
 
 def fa4_problem(device: Device, import_problem: str | None, dtype: torch.dtype, dropout: float,
@@ -286,7 +327,7 @@ def kernel_for(policy: KernelPolicy, head_dim: int, dtype: torch.dtype, dropout:
     gpu = device.capability is not None
     return choose_kernel(policy.attention, head_dim, device, import_problem=import_problem, dtype=dtype,
                          dropout=dropout, flash_attention_version=policy.flash_attention_version,
-                         checked=checked_head_dims(device.name, policy) if gpu else (), packed=packed,
+                         checked=checked_head_dims(device, policy) if gpu else (), packed=packed,
                          merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim, policy),
                          longest=longest, torch_flash=gpu and torch.backends.cuda.is_flash_attention_available())
 

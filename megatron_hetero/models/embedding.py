@@ -7,9 +7,9 @@ the Qwen2.5-VL-7B-shaped step on one H200 (152,064 x 3,584, 4 microbatches; docs
 windows_flash/ab/profile_B_qwen2_5_vl_7b.md) the add alone took 8.9 ms and a copy of the table 3.5 ms.
 Here the backward adds each token's gradient row into main_grad at its id (index_add_, in main_grad's
 fp32: duplicates sum there, not first in bf16; atomic adds, or torch's deterministic kernel under
---deterministic-mode; index_put_ accumulating took 5.1 ms per microbatch there) and hands autograd the placeholder megatron's
-DDP expects from a layer that did so itself (grad_added_to_main_grad), as megatron-core's linear layers
-do under gradient-accumulation fusion.
+--deterministic-mode; index_put_ accumulating took 5.1 ms per microbatch in a later profile) and hands
+autograd the placeholder megatron's DDP expects from a layer that did so itself
+(grad_added_to_main_grad), as megatron-core's linear layers do under gradient-accumulation fusion.
 
 Where: weights that megatron's DDP gave a main_grad, on a GPU, with grad enabled, for F.embedding's
 plain call (no padding_idx, max_norm, ...); elsewhere F.embedding as upstream (CPUs: the tests' and

@@ -12,27 +12,17 @@ compiled kernels kept on disk are keyed by the package's sources and the call's 
 compiled without the fix would be loaded again.
 
 Nothing runs on trust: the layers take flash-attn-4 at a head dim only once `megatron-hetero kernels
-check attention` found its gradients right on that GPU model (models/attention_kernels.py); until then
-72 and 80 stay zero-padded to 96 or on SDPA, as before.
+check attention` found its gradients right on that GPU model, and on Hopper at 72 and 80 only where
+the backward is fixed here (models/attention_kernels.py: checked_head_dims); elsewhere they stay
+zero-padded to 96 or on SDPA.
 """
 
-import importlib.util
 import inspect
 
+from megatron_hetero.models.attention_kernels import DQ_MULTIPLE, rounds_to_16, sm90_backward_class
 from megatron_hetero.patches._patch import replace
 
 KERNEL = "flash_attn.cute.flash_bwd_sm90.FlashAttentionBackwardSm90.__init__"
-UNFIXED = "64 if dKV_swapAB else 16"  # the tiles' rounding in the releases the patch is for
-MULTIPLE = 32  # the interface's rounding of the dQ and dK/dV accumulators without swapped dK/dV
-
-
-def rounds_to_16(init) -> bool:
-    """Whether the kernel class's __init__ still rounds the tiles' head dim to 16 (False where its source
-    cannot be read: nothing is changed without seeing the line it fixes)."""
-    try:
-        return UNFIXED in inspect.getsource(init)
-    except (OSError, TypeError):
-        return False
 
 
 def _init(original):
@@ -45,7 +35,7 @@ def _init(original):
         bound = signature.bind(self, *args, **kwargs)
         head_dim = bound.arguments["head_dim"]
         head_dim_v = bound.arguments.get("head_dim_v") or head_dim
-        self.tile_hdim, self.tile_hdimv = (-(-d // MULTIPLE) * MULTIPLE for d in (head_dim, head_dim_v))
+        self.tile_hdim, self.tile_hdimv = (-(-d // DQ_MULTIPLE) * DQ_MULTIPLE for d in (head_dim, head_dim_v))
         self.check_hdim_oob = head_dim != self.tile_hdim
         self.check_hdim_v_oob = head_dim_v != self.tile_hdimv
         self.shuffle_LSE = self.shuffle_dPsum = self.SdP_swapAB and self.tile_hdim <= 64
@@ -54,15 +44,13 @@ def _init(original):
 
 def _kernel_class():
     """flash-attn-4's Hopper backward kernel class where the patch is for this install, else None."""
-    if importlib.util.find_spec("flash_attn") is None:
+    kernel = sm90_backward_class()
+    if kernel is None:
         return None
-    try:
-        from flash_attn.cute import cache_utils
-        from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
-    except Exception:  # the CuTe DSL failing to load: no flash-attn-4 here at all (attention_kernels says why)
-        return None
-    unfixed = rounds_to_16(inspect.unwrap(FlashAttentionBackwardSm90.__init__))
-    return FlashAttentionBackwardSm90 if unfixed and not cache_utils.CUTE_DSL_CACHE_ENABLED else None
+    from flash_attn.cute import cache_utils
+
+    unfixed = rounds_to_16(inspect.unwrap(kernel.__init__))
+    return kernel if unfixed and not cache_utils.CUTE_DSL_CACHE_ENABLED else None
 
 
 def applies() -> bool:
