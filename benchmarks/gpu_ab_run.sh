@@ -11,7 +11,7 @@
 # C_FLAGS: a third arm C, this checkout with FLAGS and then these (the last of a repeated flag wins), e.g.
 # C_FLAGS="--no-bias-dropout-fusion" to tell one change of B from the rest; ARMS: the arms each round runs
 # (default "A B", "A B C" with C_FLAGS).
-# Out ($OUT): hardware.txt, A.jsonl, B.jsonl (C.jsonl), ab.log, summary.md, profile_B_<workload>.md.
+# Out ($OUT): hardware.txt, A.jsonl, B.jsonl (C.jsonl), ab.log, summary.md, profile_B_<workload>.md (not with PROFILE=0).
 # Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0] [C_FLAGS="..."] [ARMS="A B C"]
 #        [WORKLOADS="qwen2_5_vl_7b"] [FLAGS="..."] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
 #        benchmarks/gpu_ab_run.sh
@@ -46,7 +46,7 @@ flags=(); [ -n "${FLAGS:-}" ] && flags=("--flags=$FLAGS")
 for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
   for w in "${workloads[@]}"; do
     for arm in "${arms[@]}"; do
-      extra=(); [ "$arm" = B ] && [ "$round" = "${ROUNDS:-2}" ] && extra=(--profile "$out/profile_B_$w.md")
+      extra=(); [ "$arm" = B ] && [ "$round" = "${ROUNDS:-2}" ] && [ "${PROFILE:-1}" = 1 ] && extra=(--profile "$out/profile_B_$w.md")
       arm_flags=("${flags[@]}"); [ "$arm" = C ] && arm_flags=("--flags=${FLAGS:-} ${C_FLAGS:-}")
       e2e "$arm" "$w" "${arm_flags[@]}" "${extra[@]}"
     done

@@ -20,7 +20,9 @@ Where: the whole vocabulary on one rank (quack's kernel has no reduction over a 
 tensor parallelism: under TP megatron-core's), on GPUs quack targets, as the layer's kernel policy
 (MEGATRON_HETERO_LOSS_KERNEL) says: auto on GPU models whose `megatron-hetero kernels check loss`
 passed (kernel_policy.QUACK_LOSS_CHECKED: the shipped table and the user's), quack on every one,
-torch never. The choice is pure (choose_loss_kernel), tested without a GPU.
+torch never. The choice is pure (choose_loss_kernel), tested without a GPU. On the H200 quack 0.6.5's
+kernel returned NaN at widths above 131,072 whose rows load as 16-byte vectors (the Qwen families'
+151,936 and 152,064), so the check fails there and auto keeps megatron-core's loss.
 """
 
 import functools
@@ -37,17 +39,10 @@ from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, quac
 IGNORED = -100  # quack's label of a token whose loss and gradient are 0: a label outside the vocabulary
 
 
-# The most bytes of logits one call of quack's kernels is given: past 2^31 they returned NaN on an H200
-# (8,192 x 152,064 bf16 logits; 32,768 x 32,768 and 4,096 x 151,674 right), so longer microbatches
-# go in slices of rows.
-CALL_BYTES = 2**31
-
-
 class QuackCrossEntropy(NamedTuple):
-    """quack's cross entropy kernels (quack.cross_entropy), writing into given tensors:
-    forward(logits [M, V], labels [M], target_logit=None, loss [M], lse [M], dx=None, weight=None,
-    ignore_index) fills each token's loss and log-sum-exp in fp32; backward(logits, labels, dloss [M]
-    fp32, lse, dlogits [M, V], weight=None, ignore_index) fills the gradient in the logits' dtype."""
+    """quack's cross entropy kernels (quack.cross_entropy): forward(logits [M, V], labels [M],
+    ignore_index=, return_lse=True) -> (loss [M], lse [M]) in fp32; backward(logits, labels, dloss [M],
+    lse, ignore_index=) -> dlogits [M, V] in the logits' dtype."""
 
     forward: Callable
     backward: Callable
@@ -57,10 +52,10 @@ class QuackCrossEntropy(NamedTuple):
 def load_quack_cross_entropy() -> tuple[QuackCrossEntropy | None, str | None]:
     """(quack's cross entropy kernels, None), or (None, why they do not load)."""
     try:
-        from quack.cross_entropy import cross_entropy_bwd_out, cross_entropy_fwd_out
+        from quack.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
     except Exception as error:  # ImportError, or the CuTe DSL failing to load its libraries
         return None, import_failure("quack", error)
-    return QuackCrossEntropy(cross_entropy_fwd_out, cross_entropy_bwd_out), None
+    return QuackCrossEntropy(cross_entropy_fwd, cross_entropy_bwd), None
 
 
 def choose_loss_kernel(base: QuackChoice, tp: int, device_name: str, mode: str,
@@ -93,21 +88,13 @@ def fused_loss_choice(config, tp: int) -> QuackChoice:
     return loss_kernel_for(kernel_policy.of(config), tp)
 
 
-def row_slices(logits: torch.Tensor) -> list[slice]:
-    """The rows of `logits` [M, V] that each call of quack's kernels takes: at most CALL_BYTES."""
-    rows = max(1, CALL_BYTES // (logits.shape[1] * logits.element_size()))
-    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
-
-
 class _CrossEntropy(torch.autograd.Function):
     """forward: each token's loss, logsumexp(logits) - logits[label], in fp32 (quack's kernel, one pass);
     backward: (softmax - one-hot) x dloss in the logits' dtype (one pass, from the saved log-sum-exp)."""
 
     @staticmethod
     def forward(ctx, logits, labels, kernels):
-        loss, lse = (logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(2))
-        for rows in row_slices(logits):
-            kernels.forward(logits[rows], labels[rows], None, loss[rows], lse[rows], None, None, IGNORED)
+        loss, lse = kernels.forward(logits, labels, ignore_index=IGNORED, return_lse=True)
         ctx.save_for_backward(logits, labels, lse)
         ctx.kernels = kernels
         return loss
@@ -115,10 +102,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         logits, labels, lse = ctx.saved_tensors
-        dloss, dlogits = dloss.float().contiguous(), torch.empty_like(logits)  # quack reads fp32 [M]
-        for rows in row_slices(logits):
-            ctx.kernels.backward(logits[rows], labels[rows], dloss[rows], lse[rows], dlogits[rows], None, IGNORED)
-        return dlogits, None, None
+        # quack's backward reads the losses' gradient as fp32 [M]
+        return ctx.kernels.backward(logits, labels, dloss.float().contiguous(), lse, ignore_index=IGNORED), None, None
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, kernels: QuackCrossEntropy) -> torch.Tensor:
