@@ -133,6 +133,35 @@ def test_the_loss_on_quack_equals_megatron_cores(one_rank, monkeypatch):
     torch.testing.assert_close(loss[kept], ours[0][kept])
 
 
+def test_a_wide_vocabulary_goes_forward_in_column_chunks(one_rank, monkeypatch):
+    """Rows wider than FORWARD_WIDTH that load as 16-byte vectors: quack's forward gets chunks of at most
+    that width, the log-sum-exps combined; losses and gradient as from one call."""
+    assert [(c.start, c.stop) for c in loss_kernels.column_chunks(152064)] == [(0, 131072), (131072, 152064)]
+    assert [(c.start, c.stop) for c in loss_kernels.column_chunks(151674)] == [(0, 151674)]  # 2-element loads
+    assert [(c.start, c.stop) for c in loss_kernels.column_chunks(131072)] == [(0, 131072)]
+    widths = []
+
+    def forward(x, target, ignore_index=-100, return_lse=False):
+        widths.append(x.shape[1])
+        return _forward(x, target, ignore_index, return_lse)
+
+    _on_an_h200(monkeypatch, QuackCrossEntropy(forward, _backward))
+    g = torch.Generator().manual_seed(1)
+    s, b, vocab = 7, 3, 48
+    logits = torch.randn(s, b, vocab, generator=g) * 3
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    labels[1, 4] = vocab  # outside the vocabulary: loss and gradient 0
+    dloss = torch.rand(b, s, generator=g)
+    compute = _loss(inspect.unwrap(LanguageModule.compute_language_model_loss))
+    whole = _loss_and_grad(compute, _module(_config()), logits, labels, dloss)
+    assert widths == [vocab]
+    monkeypatch.setattr(loss_kernels, "FORWARD_WIDTH", 16)
+    chunked = _loss_and_grad(compute, _module(_config()), logits, labels, dloss)
+    assert widths[1:] == [16, 16, 16]
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+    assert chunked[0][1, 4] == 0 and not chunked[1][4, 1].any()
+
+
 def test_upstreams_loss_runs_where_quacks_does_not(one_rank, monkeypatch):
     _on_an_h200(monkeypatch)
     compute = _loss(lambda self, labels, logits: "upstream")

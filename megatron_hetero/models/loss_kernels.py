@@ -20,9 +20,13 @@ Where: the whole vocabulary on one rank (quack's kernel has no reduction over a 
 tensor parallelism: under TP megatron-core's), on GPUs quack targets, as the layer's kernel policy
 (MEGATRON_HETERO_LOSS_KERNEL) says: auto on GPU models whose `megatron-hetero kernels check loss`
 passed (kernel_policy.QUACK_LOSS_CHECKED: the shipped table and the user's), quack on every one,
-torch never. The choice is pure (choose_loss_kernel), tested without a GPU. On the H200 quack 0.6.5's
-kernel returned NaN at widths above 131,072 whose rows load as 16-byte vectors (the Qwen families'
-151,936 and 152,064), so the check fails there and auto keeps megatron-core's loss.
+torch never. The choice is pure (choose_loss_kernel), tested without a GPU.
+
+Wide vocabularies: on Hopper quack's forward runs a row wider than FORWARD_WIDTH (bf16) on a cluster of
+16 blocks, and on an H200 quack 0.6.5 returned NaN there for rows loaded as 16-byte vectors (151,680,
+and the Qwen families' 151,936 and 152,064 columns; right at 131,072 and at 151,674). Such a row's
+log-sum-exp is taken over column chunks of at most FORWARD_WIDTH, combined; the backward, which tiles
+a row in 16K-column blocks without clusters, runs once over the whole row.
 """
 
 import functools
@@ -37,6 +41,8 @@ from megatron_hetero.models.kernel_policy import LOSS_KERNEL_ENV, QUACK_LOSS_CHE
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, quack_kernel_for
 
 IGNORED = -100  # quack's label of a token whose loss and gradient are 0: a label outside the vocabulary
+FORWARD_WIDTH = 128 * 1024  # quack's widest bf16 row on a cluster of 8 (the module docstring)
+VECTOR = 8  # bf16 elements of a 16-byte load: the rows whose chunks stay aligned as quack assumes
 
 
 class QuackCrossEntropy(NamedTuple):
@@ -88,13 +94,33 @@ def fused_loss_choice(config, tp: int) -> QuackChoice:
     return loss_kernel_for(kernel_policy.of(config), tp)
 
 
+def column_chunks(vocab: int) -> list[slice]:
+    """The column chunks of a row of `vocab` logits that quack's forward takes one call each: the whole
+    row, or chunks of FORWARD_WIDTH where a wider row loads as 16-byte vectors."""
+    if vocab <= FORWARD_WIDTH or vocab % VECTOR:
+        return [slice(0, vocab)]
+    return [slice(start, min(start + FORWARD_WIDTH, vocab)) for start in range(0, vocab, FORWARD_WIDTH)]
+
+
+def _loss_and_lse(logits, labels, kernels):
+    """Each row's loss and log-sum-exp (fp32) on quack's forward, per column chunk where it must be."""
+    chunks = column_chunks(logits.shape[1])
+    if len(chunks) == 1:
+        return kernels.forward(logits, labels, ignore_index=IGNORED, return_lse=True)
+    ignored = torch.full_like(labels, IGNORED)  # each chunk's log-sum-exp alone: no label read
+    lse = torch.stack([kernels.forward(logits[:, cols], ignored, ignore_index=IGNORED, return_lse=True)[1]
+                       for cols in chunks]).logsumexp(0)
+    picked = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1).float()
+    return torch.where(labels != IGNORED, lse - picked, 0.0), lse
+
+
 class _CrossEntropy(torch.autograd.Function):
     """forward: each token's loss, logsumexp(logits) - logits[label], in fp32 (quack's kernel, one pass);
     backward: (softmax - one-hot) x dloss in the logits' dtype (one pass, from the saved log-sum-exp)."""
 
     @staticmethod
     def forward(ctx, logits, labels, kernels):
-        loss, lse = kernels.forward(logits, labels, ignore_index=IGNORED, return_lse=True)
+        loss, lse = _loss_and_lse(logits, labels, kernels)
         ctx.save_for_backward(logits, labels, lse)
         ctx.kernels = kernels
         return loss
