@@ -97,6 +97,13 @@ def _loss_and_grad(compute, module, logits, labels, dloss):
     return loss.detach(), logits.grad
 
 
+def _inputs(s: int, b: int, vocab: int, seed: int):
+    """Logits [s, b, V] as GPTModel hands them, labels [b, s], and a gradient of the losses [b, s]."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(s, b, vocab, generator=g) * 3, torch.randint(0, vocab, (b, s), generator=g),
+            torch.rand(b, s, generator=g))
+
+
 def _on_an_h200(monkeypatch, kernels=STAND_IN):
     """This process as on an H200 whose quack loads (`kernels`), under MEGATRON_HETERO_LOSS_KERNEL=quack."""
     h200 = Device(H200, (9, 0))
@@ -110,11 +117,8 @@ def test_the_loss_on_quack_equals_megatron_cores(one_rank, monkeypatch):
     """Labels [b, s], logits [s, b, V] as GPTModel hands them: the losses [b, s] and the logits' gradient
     as megatron-core's unfused loss gives them (its fused one: the same losses, its gradient in bf16)."""
     _on_an_h200(monkeypatch)
-    g = torch.Generator().manual_seed(0)
     s, b, vocab = 7, 3, 50
-    logits = torch.randn(s, b, vocab, generator=g) * 3
-    labels = torch.randint(0, vocab, (b, s), generator=g)
-    dloss = torch.rand(b, s, generator=g)
+    logits, labels, dloss = _inputs(s, b, vocab, seed=0)
     upstream = inspect.unwrap(LanguageModule.compute_language_model_loss)  # whether or not patched here
     ours = _loss_and_grad(_loss(upstream), _module(_config()), logits, labels, dloss)
     unfused = _loss_and_grad(upstream, _module(_config(fusion=False)), logits, labels, dloss)
@@ -146,12 +150,9 @@ def test_a_wide_vocabulary_goes_forward_in_column_chunks(one_rank, monkeypatch):
         return _forward(x, target, ignore_index, return_lse)
 
     _on_an_h200(monkeypatch, QuackCrossEntropy(forward, _backward))
-    g = torch.Generator().manual_seed(1)
     s, b, vocab = 7, 3, 48
-    logits = torch.randn(s, b, vocab, generator=g) * 3
-    labels = torch.randint(0, vocab, (b, s), generator=g)
+    logits, labels, dloss = _inputs(s, b, vocab, seed=1)
     labels[1, 4] = vocab  # outside the vocabulary: loss and gradient 0
-    dloss = torch.rand(b, s, generator=g)
     compute = _loss(inspect.unwrap(LanguageModule.compute_language_model_loss))
     whole = _loss_and_grad(compute, _module(_config()), logits, labels, dloss)
     assert widths == [vocab]
