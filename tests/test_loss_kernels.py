@@ -199,10 +199,11 @@ def test_the_checked_gpus_are_a_list_of_the_table(tmp_path):
                                                      ["quack_loss_checked"])
     path = tmp_path / "checks.json"
     path.write_text('{"fa4_checked_head_dims": {}, "cudnn_merge_checked": ["A"]}')  # written before the list
-    kernel_policy.record_check(H200, quack_loss=True, path=path)
-    kernel_policy.record_check(H200, quack_loss=True, path=path)
+    gpu = "NVIDIA B200"  # not in the shipped table
+    kernel_policy.record_check(gpu, quack_loss=True, path=path)
+    kernel_policy.record_check(gpu, quack_loss=True, path=path)
     assert json.loads(path.read_text()) == {"fa4_checked_head_dims": {}, "cudnn_merge_checked": ["A"],
-                                            "quack_loss_checked": [H200]}
+                                            "quack_loss_checked": [gpu]}
     _, lists = kernel_policy.load_checks(kernel_policy.CHECKS_FILE, path)
-    assert lists["quack_loss_checked"] == (*kernel_policy.QUACK_LOSS_CHECKED, H200)
+    assert lists["quack_loss_checked"] == (*kernel_policy.QUACK_LOSS_CHECKED, gpu)
 
