@@ -633,10 +633,19 @@ def kernel_family(name: str) -> str:
     return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
 
 
+def device_work(events) -> list:
+    """The events of kernels, copies and fills on the GPU: not the device-side copies of annotated ranges
+    (record_function's, the optimizer's step), which span the kernels inside them (as torch's own
+    tables leave them out)."""
+    return [e for e in events if e.device_type.name == "CUDA" and e.self_device_time_total > 0
+            and not getattr(e, "is_user_annotation", False)]
+
+
 def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace: str | None = None) -> dict:
     """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
-    ranks), and the 25 costliest kernels, written to `path` (rank 0) with, from one step more, the
+    ranks), the 25 costliest kernels and the idle gaps by launching op (idle_lines), written to `path`
+    (rank 0) with, from one step more, the
     matmuls by shape (matmul_lines) and the host's waits (host_syncs); with `trace`, rank 0's whole
     timeline as a Chrome trace there too (where the idle gaps are). Returns the summary."""
     from torch.profiler import ProfilerActivity, profile
@@ -648,7 +657,7 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
         trainer.train_step(forward_backward_func)
         torch.cuda.synchronize()
         wall_s = time.perf_counter() - start
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels = device_work(prof.key_averages())
     families: dict[str, float] = {}
     for e in kernels:
         family = kernel_family(e.key)
@@ -662,7 +671,8 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
         syncs = host_syncs(trainer, forward_backward_func)
     if dist.get_rank() == 0:
         matmuls = matmul_lines(shapes.key_averages(group_by_input_shape=True), matmul_calls(shapes.events()))
-        lines = _profile_lines(prof, kernels, summary) + matmuls + op_lines(shapes.events())
+        lines = (_profile_lines(prof, kernels, summary) + idle_lines(prof.events()) + matmuls
+                 + op_lines(shapes.events()))
         Path(path).write_text("\n".join(lines + _sync_lines(syncs)) + "\n")
         if trace:
             prof.export_chrome_trace(trace)
@@ -754,6 +764,49 @@ def op_lines(events, top: int = 40) -> list[str]:
     ranked = sorted(rows.items(), key=lambda item: item[1][1], reverse=True)[:top]
     return lines + [f"| {op} | {caller} | {shapes} | {n} | {ms:.1f} | {ms / n:.3f} |"
                     for (op, caller, shapes), (n, ms) in ranked]
+
+
+def idle_gaps(kernels, top: int = 20) -> list[tuple[str, int, float, float]]:
+    """The GPU's idle time between kernels, each gap charged to the kernel that ends it: what the host
+    was late to launch. kernels: (start, end, label) on the device's clock, every stream together
+    (a kernel overlapping another on another stream leaves no gap). Per label: (label, gaps, total,
+    largest), the `top` by total."""
+    totals: dict[str, list] = {}
+    busy_until = None
+    for start, end, label in sorted(kernels):
+        if busy_until is not None and start > busy_until:
+            row = totals.setdefault(label, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += start - busy_until
+            row[2] = max(row[2], start - busy_until)
+        busy_until = end if busy_until is None else max(busy_until, end)
+    ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)[:top]
+    return [(label, n, total, largest) for label, (n, total, largest) in ranked]
+
+
+def _launcher(op) -> str:
+    """A kernel's label for idle_gaps: the op that launched it, under its outermost caller (an autograd
+    node in the backward, a compiled region, the optimizer's step, our annotated range)."""
+    if op is None:
+        return "(no launching op)"
+    root = op
+    while root.cpu_parent is not None:
+        root = root.cpu_parent
+    caller = root.name.removeprefix("autograd::engine::evaluate_function: ")[:48]
+    return op.name[:48] if root is op else f"{op.name[:48]} <- {caller}"
+
+
+def idle_lines(events, top: int = 20) -> list[str]:
+    """Where the GPU waited for the host (torch.profiler's events of one step: each device kernel and
+    the CPU op that launched it): idle_gaps by launching op."""
+    ops = {e.id: e for e in events if e.device_type.name == "CPU"}
+    kernels = [(e.time_range.start, e.time_range.end, _launcher(ops.get(e.linked_correlation_id)))
+               for e in device_work(events)]
+    gaps = idle_gaps(kernels, top)
+    lines = ["", "Where the GPU idled between kernels (each gap charged to the kernel after it, by the op that "
+             "launched it and its outermost caller):", "",
+             "| launched by | gaps | idle ms | largest ms |", "| --- | --- | --- | --- |"]
+    return lines + [f"| {label} | {n} | {total / 1e3:.1f} | {largest / 1e3:.2f} |" for label, n, total, largest in gaps]
 
 
 def host_syncs(trainer: Trainer, forward_backward_func=None) -> list[tuple[str, int]]:

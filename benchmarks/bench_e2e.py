@@ -236,8 +236,8 @@ def main() -> int:
                              "see which layouts fit a smaller card; in the record as memory_cap_gib")
     parser.add_argument("--out", default="bench_e2e.jsonl")
     parser.add_argument("--profile", metavar="FILE",
-                        help="after the measurement, one more step under torch.profiler: GPU kernel time by family "
-                             "and the costliest kernels (rank 0's) to FILE (GPUs only)")
+                        help="after the measurement, one more step under torch.profiler: GPU kernel time by family, "
+                             "the costliest kernels and where the GPU idled (rank 0's) to FILE (GPUs only)")
     parser.add_argument("--profile-trace", metavar="FILE", help="with --profile: the profiled step's Chrome trace too")
     parser.add_argument("--report", metavar="JSONL", help="print the table of a results file")
     parser.add_argument("--png", help="with --report: write a bar chart")

@@ -362,6 +362,40 @@ def test_matmul_calls_give_each_shape_its_spread_and_kernels():
     assert matmul_lines([row])[-1].endswith("| 1 |")
 
 
+def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
+    """The profile's idle table: the GPU's gaps between kernels of every stream together (a kernel
+    running beside another on a second stream leaves none), each charged to the label of the kernel
+    that ends it, per label its count, total and largest; the device-side copies of annotated ranges
+    are not kernels, and each kernel is labelled by the op that launched it under its outermost caller."""
+    from types import SimpleNamespace
+
+    from bench import device_work, idle_gaps, idle_lines
+
+    kernels = [(0, 10, "a"), (5, 30, "b"), (12, 20, "c"),  # c runs beside b: no gap
+               (40, 45, "d"), (45, 50, "a"), (52, 60, "d"), (100, 101, "d"), (101, 103, "a")]
+    assert idle_gaps(kernels) == [("d", 3, 10 + 2 + 40, 40)]
+    assert idle_gaps([(3, 4, "x")]) == [] and idle_gaps([]) == []
+
+    cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
+
+    def op(id_, name, parent=None):
+        return SimpleNamespace(id=id_, name=name, cpu_parent=parent, device_type=cpu, self_device_time_total=0)
+
+    def on_gpu(start, end, launched_by, annotation=False):
+        return SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=start, end=end),
+                               linked_correlation_id=launched_by, self_device_time_total=end - start,
+                               is_user_annotation=annotation)
+
+    node = op(1, "autograd::engine::evaluate_function: FlashAttnVarlenFuncBackward")
+    events = [node, op(2, "aten::copy_", node), op(3, "aten::mm"),
+              on_gpu(0, 1000, 3), on_gpu(1500, 2000, 2), on_gpu(3000, 3100, 3), on_gpu(3500, 3600, 9),
+              on_gpu(0, 4000, 0, annotation=True)]  # an annotated range's device-side copy spans them all
+    assert len(device_work(events)) == 4
+    assert idle_lines(events)[-3:] == ["| aten::mm | 1 | 1.0 | 1.00 |",
+                                       "| aten::copy_ <- FlashAttnVarlenFuncBackward | 1 | 0.5 | 0.50 |",
+                                       "| (no launching op) | 1 | 0.4 | 0.40 |"]
+
+
 def test_sequence_and_images_overrides_resize_the_workload():
     """--seq-length and --items-per-sample: a family's preset images cycled to the count (the ViT's
     tokens scale with them), the reference model's count as given; --image-size only where the
