@@ -3,6 +3,7 @@ shape (8 images of 224-1344 px, 26,144 patches, 16 heads x 80, windows of 112 px
 building.
 
     python3 tools/gpu_vit_probe.py [--iters 20] [--out DIR]   (one GPU; flash-attn-4 where importable)
+    python3 tools/gpu_vit_probe.py --family qwen3_vl_8b       (its images' attention at head dim 72 only)
 
 - attention within the windows (28 of the 32 layers) and within the images (the other 4), forward and
   forward+backward, q/k/v [tokens, 16, 80] bf16: our SDPA path (one batched call per segment shape on
@@ -16,6 +17,10 @@ building.
   bias-dropout-add (two passes) against its fused one (torch.compile);
 - the ViT's SwiGLU backward (megatron-core's compiled swiglu_back on [tokens, 2 x 3424]) against the
   same arithmetic writing both halves from one read (a stack instead of a concatenation).
+With --family qwen3_vl_8b, Qwen3-VL-8B's whole-image attention (16 heads x 72, no windows) alone, on
+each of SDPA's backends by itself too (cuDNN, FlashAttention-2, memory-efficient) and flash-attn-4 at
+72 unpadded (its Hopper backward as patches/fa4_backward.py leaves it: tiles rounded to 32) and
+padded to 80 and 96: which kernel runs 72 at the fewest milliseconds with right gradients.
 One JSON line per row to DIR/vit_probe.jsonl (DIR: $OUT or out/); GPU kernels per call counted by
 torch.profiler for the compiled glue.
 """
@@ -37,6 +42,8 @@ from megatron_hetero.models.attention_kernels import FA4, SDPA, TORCH_FLASH, Ker
 from megatron_hetero.models.packed_attention import packed_heads, split_heads
 from megatron_hetero.models.rope import rotate
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
+from megatron_hetero.patches import fa4_backward
+from megatron_hetero.planner.presets import FAMILY_BENCHES
 
 DEVICE, BF16 = "cuda", torch.bfloat16
 HEADS, HEAD_DIM, HIDDEN, FFN = 16, 80, 1280, 3424
@@ -60,12 +67,8 @@ def _cudnn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, cau
 CUDNN_VARLEN = TorchFlash(_cudnn_fwd, _cudnn_bwd)
 
 
-def attention_rows(name: str, cu: torch.Tensor, iters: int) -> list[dict]:
-    plan = plans_to(DEVICE, [VarlenPlan.of(cu)])[0][0]
-    total, scale = int(cu[-1]), HEAD_DIM**-0.5
-    gen = torch.Generator(DEVICE).manual_seed(0)
-    leaves = [torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, generator=gen, dtype=BF16) for _ in range(3)]
-    grad = torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, generator=gen, dtype=BF16)
+def qwen2_5_variants(plan, scale) -> dict:
+    """The kernels for Qwen2.5-VL's ViT (head dim 80), by label: fn(q, k, v)."""
     sdpa, torch_flash = KernelChoice(SDPA, HEAD_DIM, HEAD_DIM), KernelChoice(TORCH_FLASH, HEAD_DIM, HEAD_DIM)
     variants = {"sdpa grouped by shape": lambda q, k, v: varlen_attention(q, k, v, plan, sdpa, scale),
                 "torch flash varlen (FA2, hd 80)": lambda q, k, v: varlen_attention(q, k, v, plan, torch_flash, scale),
@@ -74,6 +77,45 @@ def attention_rows(name: str, cu: torch.Tensor, iters: int) -> list[dict]:
     if load_fa4()[0] is not None:
         fa4 = KernelChoice(FA4, HEAD_DIM, 96)
         variants["flash-attn-4 varlen (80 padded to 96)"] = lambda q, k, v: varlen_attention(q, k, v, plan, fa4, scale)
+    return variants
+
+
+def qwen3_variants(plan, scale, d: int = 72) -> dict:
+    """The kernels for Qwen3-VL's ViT (head dim 72), by label: fn(q, k, v); SDPA's backends each alone."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa, torch_flash = KernelChoice(SDPA, d, d), KernelChoice(TORCH_FLASH, d, d)
+
+    def on(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return varlen_attention(q, k, v, plan, sdpa, scale)
+        return run
+
+    variants = {"sdpa grouped by shape (torch's pick)": lambda q, k, v: varlen_attention(q, k, v, plan, sdpa, scale),
+                "sdpa grouped, cuDNN": on(SDPBackend.CUDNN_ATTENTION),
+                "sdpa grouped, FlashAttention-2": on(SDPBackend.FLASH_ATTENTION),
+                "sdpa grouped, memory-efficient": on(SDPBackend.EFFICIENT_ATTENTION),
+                f"torch flash varlen (FA2, hd {d})":
+                    lambda q, k, v: varlen_attention(q, k, v, plan, torch_flash, scale)}
+    if load_fa4()[0] is not None:
+        fa4_backward.apply()  # flash-attn-4's backward as training runs it
+        for run_dim in (d, 80, 96):
+            fa4 = KernelChoice(FA4, d, run_dim)
+            label = f"flash-attn-4 varlen ({d}" + (" unpadded)" if run_dim == d else f" padded to {run_dim})")
+            variants[label] = lambda q, k, v, fa4=fa4: varlen_attention(q, k, v, plan, fa4, scale)
+    return variants
+
+
+def attention_rows(name: str, cu: torch.Tensor, iters: int, head_dim: int = HEAD_DIM, kernels=qwen2_5_variants
+                   ) -> list[dict]:
+    plan = plans_to(DEVICE, [VarlenPlan.of(cu)])[0][0]
+    total, scale = int(cu[-1]), head_dim**-0.5
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    leaves = [torch.randn(total, HEADS, head_dim, device=DEVICE, generator=gen, dtype=BF16) for _ in range(3)]
+    grad = torch.randn(total, HEADS, head_dim, device=DEVICE, generator=gen, dtype=BF16)
+    variants = kernels(plan, scale)
+    sdpa = KernelChoice(SDPA, head_dim, head_dim)
     # fp32 reference: the grouped SDPA path on fp32 copies
     ref_leaves = [t.float().requires_grad_() for t in leaves]
     ref = varlen_attention(*ref_leaves, plan, sdpa, scale)
@@ -195,14 +237,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--family", choices=("qwen2_5_vl_7b", "qwen3_vl_8b"), default="qwen2_5_vl_7b")
     args = parser.parse_args()
+    if args.family == "qwen3_vl_8b":
+        grids = torch.tensor([[1, *grid] for grid in FAMILY_BENCHES["qwen3_vl_8b"].images.values()])
+        write(attention_rows("qwen3_vl_8b images", get_vision_cu_seqlens(grids).cpu().int(), args.iters, 72,
+                             qwen3_variants), args.out)
+        return
     grids = qwen_bench_grids()
     windows = F.pad(torch.tensor(qwen_windows()).cumsum(0), (1, 0)).int()
     rows = attention_rows("windows", windows, args.iters)
     rows += attention_rows("images", get_vision_cu_seqlens(grids).cpu().int(), args.iters)
     rows += glue_rows(int(grids.prod(1).sum()), args.iters)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(args.out) / "vit_probe.jsonl", "a") as f:
+    write(rows, args.out)
+
+
+def write(rows: list[dict], out: str) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with open(Path(out) / "vit_probe.jsonl", "a") as f:
         for row in rows:
             f.write(json.dumps(dict(row, device=torch.cuda.get_device_name(), torch=torch.__version__)) + "\n")
             keys = [k for k in row if k not in ("case", "variant")]
