@@ -22,9 +22,12 @@ def _act(activation, preact):
 
 def gemm_act(A, B, bias=None, activation=None, tuned=True, concat_layout=None):
     """(preact, postact) = (A @ B + bias, activation of it); concat_layout ("B",): B's halves interleaved
-    first (a gated unit's [gate; up] weight)."""
-    assert concat_layout in (None, ("B",)) and (concat_layout is None or bias is None)
+    first (a gated unit's [gate; up] weight), ("B", "bias"): the bias's halves too (its
+    _act_concat_bias); a bias without "bias" is taken as laid out, interleaved."""
+    assert concat_layout in (None, ("B",), ("B", "bias"))
     B = interleave(B) if concat_layout else B
+    if concat_layout and "bias" in concat_layout and bias is not None:
+        bias = bias.unflatten(0, (2, -1)).t().flatten()
     preact = A @ B if bias is None else A @ B + bias
     return preact, _act(activation, preact)
 

@@ -57,9 +57,10 @@ def test_activation_megatron_would_compute(fields, expected):
     assert quack_activation(_config(**fields)) == expected
 
 
-def test_which_mlps_take_the_fused_path():
+def test_which_mlps_take_the_fused_path(monkeypatch):
     """The reasons in the start-up line, in the order checked: the kernel rule's, the activations'
-    dtype, the activation, the linears (none: a spec's own), their widths."""
+    dtype, the activation, the linears (none: a spec's own), fc1's biases of a gated unit (under
+    MLP_KERNEL_ENV=quack only), their widths (a gated unit's ffn is padded: its input width only)."""
     from megatron_hetero.models.mlp import epilogue_choice
 
     quack = QuackChoice(QUACK)
@@ -77,14 +78,19 @@ def test_which_mlps_take_the_fused_path():
                                 bias=None).items():
             object.__setattr__(fc1, name, value)  # SigLIP's 4304 over TP4 is 1076
         assert str(epilogue_choice(_config(**bf16), fc1, fc2, quack)) == expected
-    # SwiGLU: without fc1 biases, gate and up aligned.
+    # SwiGLU: fc1 biases under MLP_KERNEL_ENV=quack only; an unaligned ffn padded (Qwen2.5-VL's ViT: 3420).
+    monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
     swiglu = _config(activation_func=F.silu, gated_linear_unit=True, **bf16)
-    for rows, bias, expected in ((2 * 1024, None, "quack (swiglu)"),
-                                 (2 * 1024, torch.empty(2 * 1024), "torch (a gated MLP with fc1 biases (quack's gated "
-                                                                   "bias layout not checked))"),
-                                 (2 * 1076, None, "torch (fc1 of (2152, 1152) per TP rank: quack's GEMMs need widths "
-                                                  "that are multiples of 8)")):
-        object.__setattr__(fc1, "weight", torch.empty(rows, 1152))
+    biased = ("torch (a gated MLP with fc1 biases (quack's gated bias layout not checked on a GPU; "
+              f"{MLP_KERNEL_ENV}=quack runs it))")
+    for mode, rows, hidden, bias, expected in (
+            ("auto", 2 * 1024, 1152, None, "quack (swiglu)"), ("auto", 2 * 1024, 1152, torch.empty(2048), biased),
+            ("quack", 2 * 3420, 1280, torch.empty(2 * 3420), "quack (swiglu)"),
+            ("auto", 2 * 1076, 1152, None, "quack (swiglu)"),
+            ("auto", 2 * 1024, 1156, None, "torch (fc1 of (2048, 1156) per TP rank: quack's GEMMs need widths "
+                                           "that are multiples of 8)")):
+        monkeypatch.setenv(MLP_KERNEL_ENV, mode)
+        object.__setattr__(fc1, "weight", torch.empty(rows, hidden))
         object.__setattr__(fc1, "bias", bias)
         assert str(epilogue_choice(swiglu, fc1, fc2, quack)) == expected
 
@@ -142,9 +148,9 @@ def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
 
 
 def test_which_swiglu_mlps_pad_their_ffn(monkeypatch):
-    """A SwiGLU MLP on torch's GEMMs pads its per-rank ffn to a multiple of 8 in bf16 (Qwen2.5-VL's ViT:
-    3420 -> 3424); not where quack runs it, the ffn is aligned, fp32, or its config's policy pins
-    megatron's MLP (MLP_KERNEL_ENV=torch)."""
+    """A SwiGLU MLP pads its per-rank ffn to a multiple of 8 in bf16 (Qwen2.5-VL's ViT: 3420 -> 3424), on
+    quack's GEMMs or torch's; not where the ffn is aligned, fp32, or its config's policy pins megatron's
+    MLP (MLP_KERNEL_ENV=torch)."""
     from megatron_hetero.models import mlp as mlp_module
 
     monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
@@ -154,7 +160,7 @@ def test_which_swiglu_mlps_pad_their_ffn(monkeypatch):
         object.__setattr__(fc1, name, value)
     biased = QuackChoice(TORCH, "a gated MLP with fc1 biases (quack's gated bias layout not checked)")
     for ffn, kernel, config, expected in ((3420, biased, swiglu, 4), (3424, biased, swiglu, 0),
-                                          (3420, QuackChoice(QUACK, "swiglu"), swiglu, 0),
+                                          (3420, QuackChoice(QUACK, "swiglu"), swiglu, 4),
                                           (3420, biased, _config(activation_func=F.silu, gated_linear_unit=True), 0),
                                           (3420, biased, _config(params_dtype=torch.bfloat16, bf16=True), 0)):
         object.__setattr__(fc2, "weight", torch.empty(1280, ffn))
@@ -223,12 +229,13 @@ def _fused(gemm=STAND_IN, fusion=False):
 
 
 @pytest.mark.parametrize("bias, activation", [(False, "gelu_erf"), (True, "gelu_erf"), (True, "gelu_tanh_approx"),
-                                              (False, "swiglu")])
+                                              (False, "swiglu"), (True, "swiglu")])
 @pytest.mark.parametrize("frozen", [(), ("w1", "b1"), ("x", "w1", "b1"), ("w2",)])
 def test_fused_path_equals_torch(bias, activation, frozen):
     """[s, b, h] in, output and every gradient as torch's MLP, frozen parts (no gradient) included:
     with x and fc1 frozen fc2's weight gradient recomputes the activation with torch. SwiGLU: fc1 as
-    megatron-core lays it out ([gate; up]), the GEMMs' pre-activation interleaved as quack's is."""
+    megatron-core lays it out ([gate; up]), its bias too, the GEMMs' pre-activation interleaved as
+    quack's is."""
     gated = activation == "swiglu"
     got = _run(_fused(), _leaves(bias, frozen, gated), activation)
     want = _run(_torch_mlp, _leaves(bias, frozen, gated), activation)
@@ -236,6 +243,27 @@ def test_fused_path_equals_torch(bias, activation, frozen):
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_padded_fused_path_equals_torch(monkeypatch, bias):
+    """A gated unit's ffn zero-padded in quack's GEMMs (Qwen2.5-VL's ViT: 3420 -> 3424): output and every
+    gradient as torch's unpadded MLP, at the parameters' shapes; under gradient-accumulation fusion the
+    padded copies' weight gradients reach the parameters' .grad (DDP adds it to main_grad), main_grad
+    untouched."""
+    _accumulating(monkeypatch)
+    leaves = _leaves(bias, gated=True)
+    for weight in (leaves["w1"], leaves["w2"]):
+        weight.main_grad = torch.zeros_like(weight)
+    fused = lambda x, w1, b1, w2, activation: epilogue_mlp(x, w1, b1, w2, activation, True, STAND_IN, 5)  # noqa: E731
+    got = _run(fused, leaves, "swiglu")
+    want = _run(_torch_mlp, _leaves(bias, gated=True), "swiglu")
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert got[1][name].shape == want[1][name].shape
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-12, atol=1e-12, msg=name)
+    assert not leaves["w1"].main_grad.any() and not leaves["w2"].main_grad.any()
 
 
 def _accumulating(monkeypatch):
@@ -283,12 +311,14 @@ def _wrong_derivative(gemm: QuackGemm) -> QuackGemm:
 
 
 def test_gpu_check_passes_a_right_kernel_and_fails_a_wrong_derivative(monkeypatch):
-    cases = [(bias, activation) for bias in (False, True) for activation in ACTIVATIONS
-             if not (bias and activation in GATED)]
+    """Every activation with and without fc1 biases; the gated ones at an ffn of 44, padded to 48 as the
+    model's MLP pads it."""
+    cases = [(bias, activation) for bias in (False, True) for activation in ACTIVATIONS]
     for gemm, right in ((STAND_IN, True), (_wrong_derivative(STAND_IN), False)):
         tool = _check_tool(monkeypatch, gemm)
         for bias, activation in cases:
-            record = tool.measure(tool.Case("test", 64, 16, 48, bias, activation), iters=0)
+            ffn = 44 if activation in GATED else 48
+            record = tool.measure(tool.Case("test", 64, 16, ffn, bias, activation), iters=0)
             assert record["ok"] == right and record["torch_dx_err"] < tool.TOLERANCE, record
             if not right:  # the input gradient and fc1's gradients are off, fc2's are not
                 assert record["quack_dx_err"] > 0.2 and record["quack_dw2_err"] < tool.TOLERANCE, record

@@ -1,7 +1,7 @@
 """megatron-core's dense MLP with the activation inside its GEMMs where quack can run them
-(mlp_kernels.py: why, where, and how to pin torch's); a SwiGLU MLP that quack does not run, with a
-per-rank ffn whose bf16 rows are not 16-byte aligned, on GEMMs of the ffn zero-padded to alignment
-(padded_swiglu_mlp); megatron-core's own forward everywhere else.
+(mlp_kernels.py: why, where, and how to pin torch's); a SwiGLU MLP with a per-rank ffn whose bf16
+rows are not 16-byte aligned on GEMMs of the ffn zero-padded to alignment, quack's or, where quack
+does not run it, torch's (padded_swiglu_mlp); megatron-core's own forward everywhere else.
 
 The same module as megatron-core's MLP (its linear_fc1 / linear_fc2 parameters, names, checkpoints
 and TP sharding unchanged); only the forward differs where the epilogue path runs. Its communication
@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.mlp import MLP
 
 from megatron_hetero.models import kernel_policy
+from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV
 from megatron_hetero.models.mlp_kernels import (
     EPILOGUE_DTYPES,
     GATED,
@@ -65,9 +66,11 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     problem = _own_forward_problem(config, fc1, fc2)
     if problem:
         return QuackChoice(TORCH, problem)
-    if activation in GATED and fc1.bias is not None:
-        return QuackChoice(TORCH, "a gated MLP with fc1 biases (quack's gated bias layout not checked)")
-    widths = (*fc1.weight.shape, fc1.weight.shape[0] // 2) if activation in GATED else fc1.weight.shape
+    if activation in GATED and fc1.bias is not None and kernel_policy.of(config).mlp != QUACK:
+        return QuackChoice(TORCH, f"a gated MLP with fc1 biases (quack's gated bias layout not checked on a GPU; "
+                                  f"{MLP_KERNEL_ENV}=quack runs it)")
+    # A gated unit's ffn is zero-padded to alignment where it is not (ffn_padding).
+    widths = fc1.weight.shape[1:] if activation in GATED else fc1.weight.shape
     if any(width % ALIGNMENT for width in widths):
         return QuackChoice(TORCH, f"fc1 of {tuple(fc1.weight.shape)} per TP rank: quack's GEMMs need widths "
                                   f"that are multiples of {ALIGNMENT}")
@@ -75,10 +78,10 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
 
 
 def ffn_padding(config, fc1, fc2, kernel: QuackChoice) -> int:
-    """Zero columns that take a SwiGLU MLP's per-rank ffn on torch's GEMMs to a multiple of ALIGNMENT
-    (padded_swiglu_mlp), in bf16 / fp16; 0 where quack runs it, none are needed, or the config's policy
-    pins megatron-core's MLP (MEGATRON_HETERO_MLP_KERNEL=torch)."""
-    if (kernel.kernel == QUACK or kernel_policy.of(config).mlp == TORCH or quack_activation(config) not in GATED
+    """Zero columns that take a SwiGLU MLP's per-rank ffn to a multiple of ALIGNMENT in bf16 / fp16, on
+    quack's GEMMs (epilogue_mlp) or torch's (padded_swiglu_mlp); 0 where none are needed or the config's
+    policy pins megatron-core's MLP (MEGATRON_HETERO_MLP_KERNEL=torch)."""
+    if (kernel_policy.of(config).mlp == TORCH or quack_activation(config) not in GATED
             or config.params_dtype not in EPILOGUE_DTYPES or _own_forward_problem(config, fc1, fc2)):
         return 0
     return -fc2.weight.shape[1] % ALIGNMENT
@@ -117,7 +120,7 @@ class EpilogueMLP(MLP):
             x = copy_to_tensor_model_parallel_region(hidden_states, group=fc1.tp_group)
         if quack:
             out = epilogue_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.activation,
-                               fc1.gradient_accumulation_fusion, load_quack_gemm()[0])
+                               fc1.gradient_accumulation_fusion, load_quack_gemm()[0], self.pad)
         else:
             out = padded_swiglu_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.pad)
         if fc2.sequence_parallel:

@@ -156,7 +156,8 @@ class _LinearAct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, accumulation_fusion, gemm):
-        layout = {"concat_layout": ("B",)} if activation in GATED else {}
+        # A gated unit's fc1 bias is [gate; up] as its weight's rows: quack interleaves it too ("bias").
+        layout = {"concat_layout": ("B",) if bias is None else ("B", "bias")} if activation in GATED else {}
         preact, act = gemm.act(x, weight.t(), bias=bias, activation=activation, tuned=False, **layout)
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.accumulation_fusion, ctx.gated = bias is not None, accumulation_fusion, bool(layout)
@@ -202,13 +203,29 @@ class _DActLinear(torch.autograd.Function):
 
 def epilogue_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None,
                  fc2_weight: torch.Tensor, activation: str, accumulation_fusion: bool,
-                 gemm: QuackGemm) -> torch.Tensor:
+                 gemm: QuackGemm, pad: int = 0) -> torch.Tensor:
     """fc2(activation(fc1(x))) of one TP rank's weights (fc1 [ffn, in], fc2 [out, ffn]), fc2's bias
-    left to the caller, on x of any leading shape; the activation in the GEMMs' epilogues."""
+    left to the caller, on x of any leading shape; the activation in the GEMMs' epilogues; a gated
+    unit's ffn zero-padded by `pad` (pad_ffn: quack's GEMMs take 16-byte-aligned rows only), whose
+    weight gradients then reach the parameters through the pads' backward, not main_grad."""
+    if pad:
+        fc1_weight, fc1_bias, fc2_weight = pad_ffn(fc1_weight, fc1_bias, fc2_weight, pad)
+        accumulation_fusion = False
     flat = x.reshape(-1, x.shape[-1])
     preact, act = _LinearAct.apply(flat.contiguous(), fc1_weight, fc1_bias, activation, accumulation_fusion, gemm)
     out = _DActLinear.apply(preact, act, fc2_weight, activation, accumulation_fusion, gemm)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def pad_ffn(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight: torch.Tensor, pad: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A gated MLP's weights (fc1 [2 ffn, in] as [gate; up], its bias, fc2 [out, ffn]) with `pad` zero
+    rows after each of gate and up and as many zero columns in fc2: the same function, whose padded
+    activations and weight gradients are zero (the pads' backward slices them off)."""
+    ffn = fc2_weight.shape[1]
+    w1 = F.pad(fc1_weight.unflatten(0, (2, ffn)), (0, 0, 0, pad)).flatten(0, 1)
+    b1 = None if fc1_bias is None else F.pad(fc1_bias.unflatten(0, (2, ffn)), (0, pad)).flatten()
+    return w1, b1, F.pad(fc2_weight, (0, pad))
 
 
 def padded_swiglu_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None,
@@ -219,9 +236,7 @@ def padded_swiglu_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch
     ViT, ffn 3,420: ~200 TFLOPS on an H200 against ~730 at 3,424). Exact: the padded gate and up rows are
     zero, so are their activations and the gradients of every padded weight (sliced off by the pads'
     backward); fc1's bias in its GEMM, the SwiGLU one fused kernel each way (megatron-core's)."""
-    ffn = fc2_weight.shape[1]
-    w1 = F.pad(fc1_weight.unflatten(0, (2, ffn)), (0, 0, 0, pad)).flatten(0, 1)
-    b1 = None if fc1_bias is None else F.pad(fc1_bias.unflatten(0, (2, ffn)), (0, pad)).flatten()
+    w1, b1, w2 = pad_ffn(fc1_weight, fc1_bias, fc2_weight, pad)
     act = bias_swiglu_impl(F.linear(x.reshape(-1, x.shape[-1]), w1, b1), None)
-    out = F.linear(act, F.pad(fc2_weight, (0, pad)))
+    out = F.linear(act, w2)
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -18,6 +18,7 @@ import torch
 
 from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV
+from megatron_hetero.models.mlp import ALIGNMENT
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
 from megatron_hetero.patches import grad_accum_fusion
 
@@ -38,14 +39,17 @@ class Case(NamedTuple):
 def cases(quick: bool) -> list[Case]:
     """The dense MLPs of the workloads at one micro batch's tokens (2 samples; W1's ViT: 32 images of
     729 patches): W1/W3's LLM (no biases), SigLIP's ViT (W1, biased), InternViT-6B's (W4), Qwen3-VL's
-    ViT (tanh GELU); the families' SwiGLU LLMs (no biases) at 16,384 tokens."""
+    ViT (tanh GELU); the families' SwiGLU LLMs (no biases) at 16,384 tokens; Qwen2.5-VL's ViT (SwiGLU
+    with biases, its ffn of 3,420 zero-padded to 3,424) at one bench sample's 26,144 patches."""
     cut = 8 if quick else 1
     return [Case("W1/W3 LLM 4096 -> 16384", 32768 // cut, 4096, 16384, False),
             Case("W1 SigLIP ViT 1152 -> 4304", 23328 // cut, 1152, 4304, True),
             Case("W4 InternViT-6B 3200 -> 12800", 16384 // cut, 3200, 12800, True),
             Case("Qwen3-VL ViT 1152 -> 4304 (tanh)", 16384 // cut, 1152, 4304, True, "gelu_tanh_approx"),
             Case("Qwen2.5-VL-7B LLM 3584 -> 2 x 18944 (SwiGLU)", 16384 // cut, 3584, 18944, False, "swiglu"),
-            Case("Qwen3-VL-8B LLM 4096 -> 2 x 12288 (SwiGLU)", 16384 // cut, 4096, 12288, False, "swiglu")]
+            Case("Qwen3-VL-8B LLM 4096 -> 2 x 12288 (SwiGLU)", 16384 // cut, 4096, 12288, False, "swiglu"),
+            Case("Qwen2.5-VL ViT 1280 -> 2 x 3420 (SwiGLU, biases, padded)", 26144 // cut, 1280, 3420, True,
+                 "swiglu")]
 
 
 def inputs(case: Case, seed: int = 0) -> list[torch.Tensor | None]:
@@ -68,8 +72,10 @@ def torch_mlp(case: Case, x, w1, b1, w2):
 
 
 def fused_mlp(case: Case, x, w1, b1, w2):
-    """epilogue_mlp with the weight gradients accumulated into each weight's fp32 main_grad."""
-    return epilogue_mlp(x, w1, b1, w2, case.activation, True, load_quack_gemm()[0])
+    """epilogue_mlp with the weight gradients accumulated into each weight's fp32 main_grad; a gated
+    unit's unaligned ffn zero-padded as the model's MLP pads it (mlp.ffn_padding)."""
+    pad = -case.ffn % ALIGNMENT if case.activation in GATED else 0
+    return epilogue_mlp(x, w1, b1, w2, case.activation, True, load_quack_gemm()[0], pad)
 
 
 def _grads(mlp, case: Case, dtype, main_grads: bool) -> list[torch.Tensor]:
@@ -81,8 +87,11 @@ def _grads(mlp, case: Case, dtype, main_grads: bool) -> list[torch.Tensor]:
     out = mlp(case, *leaves)
     out.backward(dout.to(dtype))
     x, w1, b1, w2 = leaves
-    grads = [x.grad, w1.main_grad if main_grads else w1.grad, b1.grad if b1 is not None else None,
-             w2.main_grad if main_grads else w2.grad]
+
+    def weight_grad(w):  # as megatron's DDP takes it: main_grad, plus .grad where a path left one
+        return w.grad if not main_grads else w.main_grad if w.grad is None else w.main_grad + w.grad
+
+    grads = [x.grad, weight_grad(w1), b1.grad if b1 is not None else None, weight_grad(w2)]
     return [out.detach().float(), *(g.float() if g is not None else None for g in grads)]
 
 
