@@ -645,9 +645,9 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
     """One more training step under torch.profiler (CUDA kernels): this rank's GPU kernel time by
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
     ranks), the 25 costliest kernels and the idle gaps by launching op (idle_lines), written to `path`
-    (rank 0) with, from one step more, the
-    matmuls by shape (matmul_lines) and the host's waits (host_syncs); with `trace`, rank 0's whole
-    timeline as a Chrome trace there too (where the idle gaps are). Returns the summary."""
+    (rank 0) with, from one step more, the matmuls by shape (matmul_lines) and the host's waits
+    (host_syncs); with `trace`, rank 0's whole timeline as a Chrome trace there too. Returns the
+    summary."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
