@@ -799,7 +799,8 @@ def _launcher(op) -> str:
 def idle_lines(events, top: int = 20) -> list[str]:
     """Where the GPU waited for the host (torch.profiler's events of one step: each device kernel and
     the CPU op that launched it): idle_gaps by launching op."""
-    ops = {e.id: e for e in events if e.device_type.name == "CPU"}
+    # The ops (torch's frontend events); the runtime's launch events link to a kernel, in ids of their own.
+    ops = {e.id: e for e in events if e.device_type.name == "CPU" and not e.linked_correlation_id}
     kernels = [(e.time_range.start, e.time_range.end, _launcher(ops.get(e.linked_correlation_id)))
                for e in device_work(events)]
     gaps = idle_gaps(kernels, top)

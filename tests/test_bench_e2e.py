@@ -378,8 +378,9 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
 
     cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
 
-    def op(id_, name, parent=None):
-        return SimpleNamespace(id=id_, name=name, cpu_parent=parent, device_type=cpu, self_device_time_total=0)
+    def op(id_, name, parent=None, links=0):
+        return SimpleNamespace(id=id_, name=name, cpu_parent=parent, device_type=cpu, self_device_time_total=0,
+                               linked_correlation_id=links)
 
     def on_gpu(start, end, launched_by, annotation=False):
         return SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=start, end=end),
@@ -387,7 +388,7 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
                                is_user_annotation=annotation)
 
     node = op(1, "autograd::engine::evaluate_function: FlashAttnVarlenFuncBackward")
-    events = [node, op(2, "aten::copy_", node), op(3, "aten::mm"),
+    events = [node, op(2, "aten::copy_", node), op(3, "aten::mm"), op(3, "cudaLaunchKernel", links=7),
               on_gpu(0, 1000, 3), on_gpu(1500, 2000, 2), on_gpu(3000, 3100, 3), on_gpu(3500, 3600, 9),
               on_gpu(0, 4000, 0, annotation=True)]  # an annotated range's device-side copy spans them all
     assert len(device_work(events)) == 4
