@@ -33,12 +33,12 @@ run() {  # lane, card, name <arm>_s<seed>[_<repeat>]
   seed=${seed%%_*}
   local prefix=(env) fused=--cross-entropy-loss-fusion precision=()
   case $arm in
+    fp32) precision=(--fp32) ;&  # the unfused path in fp32
     unfused) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion ;;
     fused) ;;
     fused-nobda) fused="$fused --no-bias-dropout-fusion" ;;
     fused-flash) backend=flash ;;
     fused-quack) prefix=(env MEGATRON_HETERO_LOSS_KERNEL=quack) ;;
-    fp32) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion precision=(--fp32) ;;
     *) echo "$name: no arm $arm (unfused, fused, fused-nobda, fused-flash, fused-quack, fp32)" | tee -a "$out/loss.log"; return ;;
   esac
   CUDA_VISIBLE_DEVICES=$card "${prefix[@]}" timeout -s KILL "${RUN_S:-280}" torchrun --nproc-per-node 1 \

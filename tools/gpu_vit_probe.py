@@ -43,7 +43,6 @@ from megatron_hetero.models.packed_attention import packed_heads, split_heads
 from megatron_hetero.models.rope import rotate
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 from megatron_hetero.patches import fa4_backward
-from megatron_hetero.planner.presets import FAMILY_BENCHES
 
 DEVICE, BF16 = "cuda", torch.bfloat16
 HEADS, HEAD_DIM, HIDDEN, FFN = 16, 80, 1280, 3424
@@ -240,7 +239,7 @@ def main() -> None:
     parser.add_argument("--family", choices=("qwen2_5_vl_7b", "qwen3_vl_8b"), default="qwen2_5_vl_7b")
     args = parser.parse_args()
     if args.family == "qwen3_vl_8b":
-        grids = torch.tensor([[1, *grid] for grid in FAMILY_BENCHES["qwen3_vl_8b"].images.values()])
+        grids = qwen_bench_grids(args.family)
         write(attention_rows("qwen3_vl_8b images", get_vision_cu_seqlens(grids).cpu().int(), args.iters, 72,
                              qwen3_variants), args.out)
         return

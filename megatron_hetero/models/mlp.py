@@ -77,6 +77,11 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     return dataclasses.replace(kernel, reason=activation)
 
 
+def gated_ffn_padding(ffn: int) -> int:
+    """Zero columns that take a gated unit's per-rank ffn to a multiple of ALIGNMENT."""
+    return -ffn % ALIGNMENT
+
+
 def ffn_padding(config, fc1, fc2, kernel: QuackChoice) -> int:
     """Zero columns that take a SwiGLU MLP's per-rank ffn to a multiple of ALIGNMENT in bf16 / fp16, on
     quack's GEMMs (epilogue_mlp) or torch's (padded_swiglu_mlp); 0 where none are needed or the config's
@@ -84,7 +89,7 @@ def ffn_padding(config, fc1, fc2, kernel: QuackChoice) -> int:
     if (kernel_policy.of(config).mlp == TORCH or quack_activation(config) not in GATED
             or config.params_dtype not in EPILOGUE_DTYPES or _own_forward_problem(config, fc1, fc2)):
         return 0
-    return -fc2.weight.shape[1] % ALIGNMENT
+    return gated_ffn_padding(fc2.weight.shape[1])
 
 
 def epilogue_input(x: torch.Tensor) -> bool:

@@ -154,9 +154,9 @@ def varlen_case(name, lengths, h, d) -> Case:
                 packed=True, longest=max(lengths))
 
 
-def qwen_bench_grids() -> torch.Tensor:
-    """The patch grids [images, 3] (t, h, w) of Qwen2.5-VL-7B's bench images (its presets.json)."""
-    return torch.tensor([[1, *grid] for grid in FAMILY_BENCHES["qwen2_5_vl_7b"].images.values()])
+def qwen_bench_grids(family: str = "qwen2_5_vl_7b") -> torch.Tensor:
+    """The patch grids [images, 3] (t, h, w) of a Qwen family's bench images (its presets.json)."""
+    return torch.tensor([[1, *grid] for grid in FAMILY_BENCHES[family].images.values()])
 
 
 def qwen_windows() -> list[int]:

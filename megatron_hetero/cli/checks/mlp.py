@@ -18,7 +18,7 @@ import torch
 
 from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV
-from megatron_hetero.models.mlp import ALIGNMENT
+from megatron_hetero.models.mlp import gated_ffn_padding
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
 from megatron_hetero.patches import grad_accum_fusion
 
@@ -74,7 +74,7 @@ def torch_mlp(case: Case, x, w1, b1, w2):
 def fused_mlp(case: Case, x, w1, b1, w2):
     """epilogue_mlp with the weight gradients accumulated into each weight's fp32 main_grad; a gated
     unit's unaligned ffn zero-padded as the model's MLP pads it (mlp.ffn_padding)."""
-    pad = -case.ffn % ALIGNMENT if case.activation in GATED else 0
+    pad = gated_ffn_padding(case.ffn) if case.activation in GATED else 0
     return epilogue_mlp(x, w1, b1, w2, case.activation, True, load_quack_gemm()[0], pad)
 
 
