@@ -12,6 +12,7 @@ from pathlib import Path
 import megatron.core
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_hetero import launch
 from megatron_hetero.patches import PatchError, _patch, apply, check_version
@@ -52,6 +53,7 @@ TARGETS = [
     "megatron.core.transformer.attention.apply_rotary_pos_emb",
     "megatron.core.models.common.language_module.language_module.LanguageModule.compute_language_model_loss",
     "megatron.core.tensor_parallel.layers.F",
+    "megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that",
     "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups",
     "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
     "megatron.core.transformer.moe.token_dispatcher.sort_chunks_by_idxs",
@@ -75,12 +77,14 @@ CPU_TARGETS = [
     "torch.distributed.new_subgroups_by_enumeration",
 ]
 # Without apex (the module megatron-core imports for gradient-accumulation fusion, and its flags; the
-# gradient norm's fallback, which Transformer Engine's kernel would also replace).
+# gradient norm's and the clip's fallbacks, which Transformer Engine's kernels would also replace).
 NO_APEX_TARGETS = [
     "sys.modules['fused_weight_gradient_mlp_cuda']",
     "megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
     "megatron.core.tensor_parallel.layers._grad_accum_fusion_available",
     "megatron.core.optimizer.clip_grads.l2_norm_impl",
+    "megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
+    "megatron.core.optimizer.optimizer.multi_tensor_scale_impl",
 ]
 
 
@@ -362,6 +366,30 @@ def test_rope_cos_sin_once_per_table():
     assert freqs._hetero_cos_sin is not cached
 
 
+class _Dispatched(TorchDispatchMode):
+    """Counts the operators dispatched inside (a foreach call is one, whatever its list's length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _grads(count: int, dtype, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(3, 5), (7,), (64, 33), (1,)]
+    return [torch.randn(shapes[i % len(shapes)], generator=gen).to(dtype) for i in range(count)]
+
+
+def _dispatched(fn) -> int:
+    with _Dispatched() as mode:
+        fn()
+    return mode.count
+
+
 def test_grad_norm_reads_nothing_on_the_host():
     """Without TE and apex, clip_grads' gradient norm is upstream's bit for bit (fp32 and bf16
     gradients), and reads no value on the host: it runs on meta tensors, where upstream's cannot."""
@@ -369,9 +397,8 @@ def test_grad_norm_reads_nothing_on_the_host():
     from megatron.core.utils import local_multi_tensor_l2_norm
 
     apply()
-    gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        grads = [torch.randn(shape, generator=gen).to(dtype) for shape in ((3, 5), (7,), (64, 33), (1,))]
+        grads = _grads(6, dtype)
         got = clip_grads.l2_norm_impl(0, None, [grads], False)
         want = local_multi_tensor_l2_norm(0, None, [grads], False)
         assert torch.equal(got[0], want[0]) and got[0].dtype == torch.float32 and got[1] is None
@@ -379,6 +406,44 @@ def test_grad_norm_reads_nothing_on_the_host():
     assert clip_grads.l2_norm_impl(0, None, [on_meta], False)[0].shape == (1,)
     with pytest.raises(RuntimeError, match="item"):
         local_multi_tensor_l2_norm(0, None, [on_meta], False)
+
+
+def test_optimizer_step_loops_are_upstreams_in_a_fixed_number_of_operators():
+    """The clip's scale (in place, as clip_grads calls it, and from one list into another; bf16 lists
+    take upstream's loop) and the copy of fp32 main params into bf16 weights are upstream's bit for bit,
+    and with the norm dispatch as many operators for 40 parameters as for 4 (upstream: one to three per
+    parameter)."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as optimizer_module
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    apply()
+    upstream_copy = optimizer_module._multi_tensor_copy_this_to_that.__wrapped__
+    for dtype in (torch.float32, torch.bfloat16):
+        grads, want = _grads(6, dtype), _grads(6, dtype)
+        clip_grads.multi_tensor_scale_impl(0, None, [grads, grads], 0.37)
+        local_multi_tensor_scale(0, None, [want, want], 0.37)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want, strict=True))
+        src, got, want = _grads(6, torch.float32, seed=1), _grads(6, dtype), _grads(6, dtype)
+        optimizer_module.multi_tensor_scale_impl(0, None, [src, got], 1.0)
+        local_multi_tensor_scale(0, None, [src, want], 1.0)
+        assert all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want, strict=True))
+    main, weights, want = _grads(6, torch.float32, seed=2), _grads(6, torch.bfloat16), _grads(6, torch.bfloat16)
+    optimizer_module._multi_tensor_copy_this_to_that(main, weights)
+    upstream_copy(main, want)
+    assert all(torch.equal(w, v) for w, v in zip(weights, want, strict=True))
+    assert not any(torch.equal(w, m.bfloat16()) for w, m in zip(_grads(6, torch.bfloat16), main))  # it copied
+
+    def ops(count: int, upstream: bool) -> list[int]:
+        grads, weights = _grads(count, torch.float32), _grads(count, torch.bfloat16)
+        norm = local_multi_tensor_l2_norm if upstream else clip_grads.l2_norm_impl
+        scale = local_multi_tensor_scale if upstream else clip_grads.multi_tensor_scale_impl
+        copy_ = upstream_copy if upstream else optimizer_module._multi_tensor_copy_this_to_that
+        return [_dispatched(lambda: norm(0, None, [grads], False)),
+                _dispatched(lambda: scale(0, None, [grads, grads], 0.5)),
+                _dispatched(lambda: copy_(grads, weights))]
+    assert ops(4, upstream=False) == ops(40, upstream=False)
+    assert all(few < many for few, many in zip(ops(4, upstream=True), ops(40, upstream=True)))
 
 
 def test_device_drawn_weights_are_one_full_tensor_sliced():

@@ -40,7 +40,9 @@ without a layout too, as defaults, each for its reason:
   models keep upstream's);
 - fused_adam: on GPUs, torch's fused Adam kernel instead of foreach: one step over 2.1B parameters
   62 -> 22 ms on an H100;
-- grad_norm: on GPUs without apex or TE, the gradient norm without one host wait per parameter;
+- multi_tensor: megatron-core's optimizer step without a Python loop over the parameters (the gradient
+  norm and the clip without apex or TE, the main params' copy into the weights): torch's multi-tensor
+  kernels, and no host wait per parameter;
 - torch_adam: the distributed optimizer's checkpoints with torch's Adam load at all, and resume
   with the right bias correction (three upstream faults without TE/apex);
 - grad_sync: --overlap-grad-reduce where a bucket's last-microbatch gradients never all arrived
@@ -63,7 +65,6 @@ from megatron_hetero.patches import (  # noqa: E402
     faults,
     fused_adam,
     grad_accum_fusion,
-    grad_norm,
     grad_sync,
     hetero_data,
     hetero_init,
@@ -74,6 +75,7 @@ from megatron_hetero.patches import (  # noqa: E402
     loss,
     metrics,
     moe_dispatch,
+    multi_tensor,
     rerun,
     rope,
     startup,
@@ -105,7 +107,7 @@ def apply() -> None:
     grad_accum_fusion.apply()
     embedding_grad.apply()
     fa4_backward.apply()
-    grad_norm.apply()
+    multi_tensor.apply()
     fused_adam.apply()
     moe_dispatch.apply()
     device_init.apply()
