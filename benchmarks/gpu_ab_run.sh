@@ -8,11 +8,12 @@
 # against grouped GEMMs:
 #   A_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=sequential B_ENV=MEGATRON_HETERO_EXPERTS_KERNEL=grouped \
 #   WORKLOADS="qwen3_vl_30b_a3b qwen3_vl_4b" benchmarks/gpu_ab_run.sh
-# C_FLAGS: a third arm C, this checkout with FLAGS and then these (the last of a repeated flag wins), e.g.
-# C_FLAGS="--no-bias-dropout-fusion" to tell one change of B from the rest; ARMS: the arms each round runs
-# (default "A B", "A B C" with C_FLAGS).
+# C_FLAGS / C_ENV: a third arm C, this checkout with FLAGS and then these flags (the last of a repeated flag
+# wins), B_ENV and then these assignments, e.g. C_FLAGS="--no-bias-dropout-fusion" to tell one change of B
+# from the rest; ARMS: the arms each round runs (default "A B", "A B C" with C_FLAGS or C_ENV).
 # Out ($OUT): hardware.txt, A.jsonl, B.jsonl (C.jsonl), ab.log, summary.md, profile_B_<workload>.md (not with PROFILE=0).
-# Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0] [C_FLAGS="..."] [ARMS="A B C"]
+# Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0] [C_FLAGS="..."] [C_ENV="..."]
+#        [ARMS="A B C"]
 #        [WORKLOADS="qwen2_5_vl_7b"] [FLAGS="..."] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
 #        benchmarks/gpu_ab_run.sh
 set -uo pipefail
@@ -26,6 +27,7 @@ out=$(realpath "$out")
 e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   if [ $((SECONDS - start)) -gt "${BUDGET_S:-480}" ]; then echo "$1 $2: skipped (time)"; return; fi
   local dir=$PWD path=$PYTHONPATH arm_env=${B_ENV:-}
+  [ "$1" = C ] && arm_env="${B_ENV:-} ${C_ENV:-}"
   if [ "$1" = A ]; then
     arm_env=${A_ENV:-}
     if [ -n "${BASE_REV:-}" ]; then dir=$base path=$BASE_PATH; fi
@@ -40,7 +42,7 @@ e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   echo "$1 $2: exit $? at $((SECONDS - start)) s"
 }
 read -r -a workloads <<< "${WORKLOADS:-qwen2_5_vl_7b}"
-default_arms="A B"; [ -n "${C_FLAGS:-}" ] && default_arms="A B C"
+default_arms="A B"; [ -n "${C_FLAGS:-}${C_ENV:-}" ] && default_arms="A B C"
 read -r -a arms <<< "${ARMS:-$default_arms}"
 flags=(); [ -n "${FLAGS:-}" ] && flags=("--flags=$FLAGS")
 for ((round = 1; round <= ${ROUNDS:-2}; round++)); do

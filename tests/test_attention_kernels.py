@@ -12,6 +12,10 @@
 import collections
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +36,7 @@ from megatron_hetero.models.attention_kernels import (
     SDPA,
     SHORT_SEGMENTS,
     TORCH_FLASH,
+    TRITON_SHORT,
     AttentionKernelError,
     Device,
     Fa4,
@@ -42,7 +47,14 @@ from megatron_hetero.models.attention_kernels import (
     run_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
-from megatron_hetero.models.kernel_policy import CHECKED_ENV, KernelPolicy, backend_mode, build
+from megatron_hetero.models.kernel_policy import (
+    CHECKED_ENV,
+    SHORT_ATTENTION_ENV,
+    KernelModeError,
+    KernelPolicy,
+    backend_mode,
+    build,
+)
 from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 from tests.test_fa4_backward import Patched, Release
@@ -355,6 +367,47 @@ def test_packed_documents_do_not_see_each_other():
     out = attend(q, k, v, SD, 8**-0.5, True, packed=packed_seq_params(DOCUMENTS, "cpu"))
     alone = attend(q[5:14, :1], k[5:14, :1], v[5:14, :1], SD, 8**-0.5, True)
     torch.testing.assert_close(out[5:14, :1], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_short_segments_take_the_triton_kernel_where_checked_or_asked():
+    """Under auto, short segments run our Triton kernel where this GPU passed its check or
+    MEGATRON_HETERO_SHORT_ATTENTION=triton asks for it, else torch's varlen flash-attention (=torch:
+    always); where the Triton kernel cannot run (no Triton, CPUs, fp32, dropout, head dims above 128)
+    and for longer segments, the choice without it."""
+    short, limit = dict(packed=True, longest=SHORT_SEGMENTS, torch_flash=True, triton=True), \
+        f"segments of at most {SHORT_SEGMENTS} tokens"
+    assert _choose("auto", 80, **short) == KernelChoice(TORCH_FLASH, 80, 80, limit)  # not checked on this GPU
+    checked = _choose("auto", 80, **short, short_checked=True)
+    assert checked == KernelChoice(TRITON_SHORT, 80, 80, f"{limit}, checked on {H100.name}")
+    assert str(checked) == f"triton short segments (head dim 80: {limit}, checked on {H100.name})"
+    assert _choose("auto", 80, **short, short_mode="triton") == \
+        KernelChoice(TRITON_SHORT, 80, 80, f"{limit}, {SHORT_ATTENTION_ENV}=triton")
+    assert _choose("auto", 80, **short, short_checked=True, short_mode="torch").kernel == TORCH_FLASH
+    for kwargs in ({"triton": False}, {"dtype": torch.float32}, {"dropout": 0.1}, {"longest": SHORT_SEGMENTS + 1}):
+        assert _choose("auto", 80, **{**short, "short_mode": "triton", **kwargs}).kernel != TRITON_SHORT
+    assert _choose("auto", 160, **short, short_mode="triton").kernel == TORCH_FLASH
+    assert _choose("auto", 80, Device("cpu"), **short, short_mode="triton").kernel == SDPA
+    assert _choose("flash", 80, **short, short_checked=True) == KernelChoice(FA4, 80, 96)
+    assert build(environ={SHORT_ATTENTION_ENV: "triton"}).short_attention == "triton"
+    with pytest.raises(KernelModeError, match=f"{SHORT_ATTENTION_ENV}=flash: use one of auto, torch, triton"):
+        build(environ={SHORT_ATTENTION_ENV: "flash"})
+
+
+def test_short_attention_kernel_matches_fp64_attention():
+    """The Triton kernel for short segments on Triton's CPU interpreter (tests/short_attention_script.py,
+    in a process of its own: the interpreter must be on before Triton is imported), forward and
+    backward, fp32 and fp16, causal or not, against fp64 attention; and varlen_attention's Triton path
+    against its SDPA path."""
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("short_attention_script.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=script.parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(done.stdout)
+    assert len(errors) == 10
+    for case, errs in errors.items():
+        tolerance = 2e-3 if "float16" in case else 1e-5
+        assert max(errs) < tolerance, (case, errs)
 
 
 # ---- varlen_attention (packed images of a native-resolution ViT) -----------------------------------

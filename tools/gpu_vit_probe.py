@@ -9,7 +9,8 @@ building.
   forward+backward, q/k/v [tokens, 16, 80] bf16: our SDPA path (one batched call per segment shape on
   the tokens grouped by shape: a gather each way), torch's own varlen flash-attention (FA2, head dim 80
   as it is, one launch) and cuDNN's varlen entry where this torch has them, flash-attn-4's varlen call
-  zero-padded to 96 where it imports; each output and gradient against fp32 attention;
+  zero-padded to 96 where it imports, and for the windows our Triton kernel for short segments
+  (models/short_attention.py); each output and gradient against fp32 attention;
 - the attention input (QKV bias, split, RoPE, padding to the kernel's head dim; compiled): the half by
   half rotation concatenated then padded, the padding written into that concatenation (the layers'
   packed_heads), and the rotation as a roll of the head times a signed sine (no concatenation);
@@ -38,9 +39,19 @@ from transformers.vision_utils import get_vision_cu_seqlens
 
 from megatron_hetero.cli.checks.attention import qwen_bench_grids, qwen_windows
 from megatron_hetero.cli.checks.common import timed
-from megatron_hetero.models.attention_kernels import FA4, SDPA, TORCH_FLASH, KernelChoice, TorchFlash, load_fa4
+from megatron_hetero.models.attention_kernels import (
+    FA4,
+    SDPA,
+    SHORT_SEGMENTS,
+    TORCH_FLASH,
+    TRITON_SHORT,
+    KernelChoice,
+    TorchFlash,
+    load_fa4,
+)
 from megatron_hetero.models.packed_attention import packed_heads, split_heads
 from megatron_hetero.models.rope import rotate
+from megatron_hetero.models.short_attention import HAVE_TRITON, WARPS, short_attention
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 from megatron_hetero.patches import fa4_backward
 
@@ -73,6 +84,14 @@ def qwen2_5_variants(plan, scale) -> dict:
                 "torch flash varlen (FA2, hd 80)": lambda q, k, v: varlen_attention(q, k, v, plan, torch_flash, scale),
                 "cuDNN varlen (hd 80)": lambda q, k, v: varlen_attention(q, k, v, plan, torch_flash, scale,
                                                                          torch_flash=CUDNN_VARLEN)}
+    if HAVE_TRITON and max(plan.max_q, plan.max_k) <= SHORT_SEGMENTS:
+        triton = KernelChoice(TRITON_SHORT, HEAD_DIM, HEAD_DIM)
+        variants[f"triton short segments (hd 80, warps {WARPS[0]}/{WARPS[1]})"] = \
+            lambda q, k, v: varlen_attention(q, k, v, plan, triton, scale)
+        longest = max(plan.max_q, plan.max_k)
+        for warps in [w for w in ((4, 4), (4, 8), (8, 8), (8, 4), (2, 4)) if w != WARPS]:
+            variants[f"triton short segments (hd 80, warps {warps[0]}/{warps[1]})"] = \
+                lambda q, k, v, warps=warps: short_attention(q, k, v, plan.cu_q, plan.cu_k, longest, scale, warps=warps)
     if load_fa4()[0] is not None:
         fa4 = KernelChoice(FA4, HEAD_DIM, 96)
         variants["flash-attn-4 varlen (80 padded to 96)"] = lambda q, k, v: varlen_attention(q, k, v, plan, fa4, scale)

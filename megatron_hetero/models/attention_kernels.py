@@ -21,8 +21,10 @@ it in their own sense where they are used instead of ours):
 - fused, unfused, local: torch SDPA (torch picks its cuDNN, flash or memory-efficient kernel).
 `--flash-attention-version` 2 or 3 pins a generation we do not run: no FA4.
 Under auto, a packed call whose segments are all short (SHORT_SEGMENTS: Qwen2.5-VL's windows) runs
-torch's own varlen flash-attention (FA2, part of torch's CUDA builds) at its true head dim where that
-kernel runs (torch_flash_runs): one launch, nothing padded, no tokens permuted.
+our Triton kernel for them (models/short_attention.py: one program per segment and head) on GPUs where
+`kernels check attention` passed it (SHORT_ATTENTION_CHECKED), else torch's own varlen flash-attention
+(FA2, part of torch's CUDA builds) at its true head dim where that kernel runs (torch_flash_runs): one
+launch, nothing padded, no tokens permuted. MEGATRON_HETERO_SHORT_ATTENTION picks between the two.
 
 The choice is pure (choose_kernel: device, import status, dtype, head dim in, a KernelChoice out),
 so that it is tested without a GPU; kernel_for(policy, ...) feeds it a layer's kernel policy
@@ -39,11 +41,19 @@ import torch
 import torch.nn.functional as F
 
 from megatron_hetero.models.chunk_attention import cudnn_merge_checked
-from megatron_hetero.models.kernel_policy import CHECKED_HEAD_DIMS, AttentionKernelError, KernelPolicy
+from megatron_hetero.models.kernel_policy import (
+    CHECKED_HEAD_DIMS,
+    SHORT_ATTENTION_CHECKED,
+    SHORT_ATTENTION_ENV,
+    AttentionKernelError,
+    KernelPolicy,
+)
+from megatron_hetero.models.short_attention import HAVE_TRITON, MAX_HEAD_DIM, MAX_SEGMENT
 
 FA4 = "fa4"
 SDPA = "sdpa"
 TORCH_FLASH = "torch-flash"  # torch's own varlen flash-attention (FA2, built into torch's CUDA wheels)
+TRITON_SHORT = "triton-short"  # ours for short segments (models/short_attention.py)
 
 # CHECKED_HEAD_DIMS (kernel_policy.py, from kernel_checks.json): head dims whose flash-attn-4 gradients
 # (dq, dk, dv against fp32 math attention, max |diff| / max |ref| as small as cuDNN's: 0.003-0.005) were
@@ -67,7 +77,7 @@ FA4_INSTALL = "pip install 'megatron-hetero[fa4]'"
 # permuted. On one H200 (tools/gpu_vit_probe.py, 2026-12-04), the bench's 419 windows x 16 heads x 80:
 # 0.88 ms forward+backward against 1.90 on flash-attn-4 padded to 96 and 2.02 on SDPA grouped by shape;
 # whole images (up to 9,216 patches) ran slower on it: 12.2 ms against 6.6 and 8.2.
-SHORT_SEGMENTS = 128
+SHORT_SEGMENTS = MAX_SEGMENT
 TORCH_FLASH_DTYPES = (torch.bfloat16, torch.float16)
 TORCH_FLASH_MAX_HEAD_DIM = 256
 
@@ -80,9 +90,9 @@ class Device:
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """kernel: FA4, TORCH_FLASH or SDPA; head_dim: the module's; run_head_dim: what the kernel computes
+    """kernel: FA4, TRITON_SHORT, TORCH_FLASH or SDPA; head_dim: the module's; run_head_dim: what the kernel computes
     at (FA4 at an unchecked head dim: the checked one it is zero-padded to); reason: why not FA4
-    (TORCH_FLASH: which calls it takes); merged_chunks:
+    (TORCH_FLASH, TRITON_SHORT: which calls it takes, and why that one); merged_chunks:
     on SDPA, a causal query chunk behind a longer key prefix (CP's later chunks) runs as two merged
     calls (chunk_attention.py: CPUs, and GPUs where checked) instead of SDPA's bottom-right mask."""
 
@@ -95,6 +105,8 @@ class KernelChoice:
     def __str__(self) -> str:
         if self.kernel == TORCH_FLASH:
             return f"torch flash varlen (head dim {self.head_dim}: {self.reason})"
+        if self.kernel == TRITON_SHORT:
+            return f"triton short segments (head dim {self.head_dim}: {self.reason})"
         if self.kernel == SDPA:
             return f"sdpa (head dim {self.head_dim}{': ' + self.reason if self.reason else ''})"
         if self.run_head_dim != self.head_dim:
@@ -176,21 +188,48 @@ def torch_flash_runs(device: Device, available: bool, dtype: torch.dtype, dropou
             and dropout == 0 and head_dim % 8 == 0 and head_dim <= TORCH_FLASH_MAX_HEAD_DIM)
 
 
+def triton_short_runs(device: Device, available: bool, dtype: torch.dtype, dropout: float, head_dim: int) -> bool:
+    """Whether our Triton kernel for short segments runs this call: Triton imports (`available`), an
+    Ampere or later GPU, bf16 / fp16, no dropout, a head dim up to MAX_HEAD_DIM."""
+    return (available and device.capability is not None and device.capability >= (8, 0) and dtype in TORCH_FLASH_DTYPES
+            and dropout == 0 and head_dim <= MAX_HEAD_DIM)
+
+
+def short_kernel(device: Device, dtype: torch.dtype, dropout: float, head_dim: int, short_mode: str,
+                 short_checked: bool, triton: bool, torch_flash: bool) -> KernelChoice | None:
+    """Under auto, the kernel of a packed call whose segments are all short: ours on Triton where
+    `short_mode` asks for it ("triton") or, under "auto", where this GPU passed its check
+    (`short_checked`); else torch's varlen flash-attention where it runs; None: neither runs here."""
+    limit = f"segments of at most {SHORT_SEGMENTS} tokens"
+    if short_mode != "torch" and triton_short_runs(device, triton, dtype, dropout, head_dim):
+        if short_mode == "triton":
+            return KernelChoice(TRITON_SHORT, head_dim, head_dim, f"{limit}, {SHORT_ATTENTION_ENV}=triton")
+        if short_checked:
+            return KernelChoice(TRITON_SHORT, head_dim, head_dim, f"{limit}, checked on {device.name}")
+    if torch_flash_runs(device, torch_flash, dtype, dropout, head_dim):
+        return KernelChoice(TORCH_FLASH, head_dim, head_dim, limit)
+    return None
+
+
 def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: str | None = None,
                   dtype: torch.dtype = torch.bfloat16, dropout: float = 0.0,
                   flash_attention_version: int | None = None, checked: tuple[int, ...] = (),
                   packed: bool = False, merge_checked: bool = False, longest: int | None = None,
-                  torch_flash: bool = False) -> KernelChoice:
+                  torch_flash: bool = False, short_mode: str = "auto", short_checked: bool = False,
+                  triton: bool = False) -> KernelChoice:
     """The kernel of a module with this head dim under `mode` (backend_mode); `checked`: the head dims
     checked on `device` (checked_head_dims); packed: the module attends within the segments of a
     packed sequence (varlen: padded under auto too), `longest` of them at most (None: unbounded;
-    SHORT_SEGMENTS or fewer: under auto torch's varlen flash-attention where `torch_flash` says it
-    is built in and torch_flash_runs); merge_checked: merged chunks were checked on this
-    GPU at this dtype and head dim (chunk_attention.cudnn_merge_checked). Raises
+    SHORT_SEGMENTS or fewer: under auto short_kernel's, with `short_mode` (SHORT_ATTENTION_MODES),
+    `short_checked` (this GPU passed the Triton kernel's check), `triton` (Triton imports) and
+    `torch_flash` (torch's varlen flash-attention is built in)); merge_checked: merged chunks were
+    checked on this GPU at this dtype and head dim (chunk_attention.cudnn_merge_checked). Raises
     AttentionKernelError where mode "flash" cannot be served exactly."""
     short = packed and longest is not None and longest <= SHORT_SEGMENTS
-    if short and mode == "auto" and torch_flash_runs(device, torch_flash, dtype, dropout, head_dim):
-        return KernelChoice(TORCH_FLASH, head_dim, head_dim, f"segments of at most {SHORT_SEGMENTS} tokens")
+    if short and mode == "auto":
+        choice = short_kernel(device, dtype, dropout, head_dim, short_mode, short_checked, triton, torch_flash)
+        if choice is not None:
+            return choice
     merged = dropout == 0 and (device.capability is None or merge_checked)
     if mode == SDPA:
         return KernelChoice(SDPA, head_dim, head_dim, "chosen by --attention-backend", merged)
@@ -329,7 +368,9 @@ def kernel_for(policy: KernelPolicy, head_dim: int, dtype: torch.dtype, dropout:
                          dropout=dropout, flash_attention_version=policy.flash_attention_version,
                          checked=checked_head_dims(device, policy) if gpu else (), packed=packed,
                          merge_checked=gpu and cudnn_merge_checked(device.name, dtype, head_dim, policy),
-                         longest=longest, torch_flash=gpu and torch.backends.cuda.is_flash_attention_available())
+                         longest=longest, torch_flash=gpu and torch.backends.cuda.is_flash_attention_available(),
+                         short_mode=policy.short_attention, short_checked=device.name in SHORT_ATTENTION_CHECKED,
+                         triton=HAVE_TRITON)
 
 
 def check_policy(policy: KernelPolicy, head_dims: Callable[[], dict[str, int]], dtype: torch.dtype) -> None:

@@ -13,6 +13,9 @@ Overrides (environment variables):
 - MEGATRON_HETERO_LOSS_KERNEL: auto (default), torch or quack: the LLM's fused loss on quack's cross
   entropy (auto: on GPUs whose `megatron-hetero kernels check loss` passed) or megatron-core's
   (models/loss_kernels.py);
+- MEGATRON_HETERO_SHORT_ATTENTION: auto (default), torch or triton: a packed call whose segments are all
+  short (Qwen2.5-VL's windows) on our Triton kernel (models/short_attention.py; auto: on GPUs whose
+  `megatron-hetero kernels check attention` passed it) or torch's varlen flash-attention;
 - MEGATRON_HETERO_EMBEDDING_GRAD: auto (default) or torch: the input embedding's weight gradient added
   into main_grad by its backward on GPUs, or upstream's dense gradient (models/embedding.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
@@ -21,10 +24,10 @@ Overrides (environment variables):
 - MEGATRON_HETERO_EAGER_ROPE=1: upstream's unfused RoPE (patches/rope.py), to compare;
 - MEGATRON_HETERO_KERNEL_CHECKS: the user's table file (default ~/.cache/megatron_hetero/kernel_checks.json).
 
-The checked tables (FA4 head dims, merged-chunk GPUs and quack-loss GPUs by torch.cuda.get_device_name()) are
-kernel_checks.json beside this file, shipped with the package, with the user's table merged over it:
-the kernel checks write their passing results there (`--record`: record_check), since an installed
-package's own files may be read-only and a reinstall replaces them.
+The checked tables (FA4 head dims, merged-chunk GPUs, quack-loss GPUs and short-segment GPUs by
+torch.cuda.get_device_name()) are kernel_checks.json beside this file, shipped with the package, with
+the user's table merged over it: the kernel checks write their passing results there (`--record`:
+record_check), since an installed package's own files may be read-only and a reinstall replaces them.
 """
 
 import functools
@@ -45,12 +48,14 @@ MLP_KERNEL_ENV = "MEGATRON_HETERO_MLP_KERNEL"
 EXPERTS_KERNEL_ENV = "MEGATRON_HETERO_EXPERTS_KERNEL"
 LOSS_KERNEL_ENV = "MEGATRON_HETERO_LOSS_KERNEL"
 EMBEDDING_GRAD_ENV = "MEGATRON_HETERO_EMBEDDING_GRAD"
+SHORT_ATTENTION_ENV = "MEGATRON_HETERO_SHORT_ATTENTION"
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
 KERNEL_MODES = ("auto", "torch", "quack")
 EXPERTS_MODES = ("auto", "grouped", "sequential")
 EMBEDDING_GRAD_MODES = ("auto", "torch")
+SHORT_ATTENTION_MODES = ("auto", "torch", "triton")
 
 
 class KernelPolicyError(ValueError):
@@ -68,8 +73,9 @@ class AttentionKernelError(KernelPolicyError):
 CHECKS_FILE = Path(__file__).with_name("kernel_checks.json")
 USER_CHECKS_ENV = "MEGATRON_HETERO_KERNEL_CHECKS"
 # The tables' lists of GPU models on which a kernel passed its check: context parallelism's merged-chunk
-# cuDNN attention (`kernels check cp-chunks`), quack's cross entropy for the loss (`kernels check loss`).
-GPU_LISTS = ("cudnn_merge_checked", "quack_loss_checked")
+# cuDNN attention (`kernels check cp-chunks`), quack's cross entropy for the loss (`kernels check loss`),
+# our Triton kernel for short segments (`kernels check attention`).
+GPU_LISTS = ("cudnn_merge_checked", "quack_loss_checked", "short_attention_checked")
 
 
 def user_checks_file(environ=os.environ) -> Path:
@@ -113,18 +119,20 @@ def _tables(environ=os.environ) -> tuple[tuple[dict, dict], str | None]:
 (CHECKED_HEAD_DIMS, _GPU_LISTS), USER_CHECKS_PROBLEM = _tables()
 CUDNN_MERGE_CHECKED = _GPU_LISTS["cudnn_merge_checked"]
 QUACK_LOSS_CHECKED = _GPU_LISTS["quack_loss_checked"]
+SHORT_ATTENTION_CHECKED = _GPU_LISTS["short_attention_checked"]
 
 
 def record_check(gpu: str, fa4_head_dims: tuple[int, ...] | None = None, cudnn_merge: bool = False,
-                 quack_loss: bool = False, path: Path | None = None) -> Path:
+                 quack_loss: bool = False, short_attention: bool = False, path: Path | None = None) -> Path:
     """A kernel check's passing result into a table (the user's, unless `path`): `gpu`'s FA4 head dims
     (`kernels check attention`), `gpu` among the merged-chunk GPUs (`kernels check cp-chunks`), among
-    the quack-loss GPUs (`kernels check loss`). The file written."""
+    the quack-loss GPUs (`kernels check loss`), among the short-segment GPUs (`kernels check attention`).
+    The file written."""
     path = path or user_checks_file()
     checks = _read(path)
     if fa4_head_dims is not None:
         checks["fa4_checked_head_dims"][gpu] = sorted(fa4_head_dims)
-    for key, passed in zip(GPU_LISTS, (cudnn_merge, quack_loss)):
+    for key, passed in zip(GPU_LISTS, (cudnn_merge, quack_loss, short_attention), strict=True):
         if passed and gpu not in checks[key]:
             checks[key].append(gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +178,8 @@ class KernelPolicy:
     only where None or 4); transformer_impl: Megatron's flag (local: no Transformer Engine layers
     even where it imports); norm, mlp: KERNEL_MODES; fa4_head_dims: head dims added to CHECKED_HEAD_DIMS;
     cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
-    EXPERTS_MODES; loss: KERNEL_MODES; embedding_grad: EMBEDDING_GRAD_MODES."""
+    EXPERTS_MODES; loss: KERNEL_MODES; embedding_grad: EMBEDDING_GRAD_MODES; short_attention:
+    SHORT_ATTENTION_MODES."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -183,6 +192,7 @@ class KernelPolicy:
     experts: str = "auto"
     loss: str = "auto"
     embedding_grad: str = "auto"
+    short_attention: str = "auto"
 
     @property
     def te(self) -> bool:
@@ -192,11 +202,12 @@ class KernelPolicy:
     def __str__(self) -> str:
         return (f"attention {self.attention}, norms {self.norm}, MLPs {self.mlp}, "
                 f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
-                f"experts {self.experts}, loss {self.loss}, embedding gradient {self.embedding_grad}")
+                f"experts {self.experts}, loss {self.loss}, embedding gradient {self.embedding_grad}, "
+                f"short segments {self.short_attention}")
 
 
 OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV,
-                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV)
+                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV, SHORT_ATTENTION_ENV)
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,7 +220,8 @@ def _policy(attention_backend, flash_attention_version, transformer_impl, overri
                         _flag(environ, CUDNN_MERGE_ENV), _flag(environ, EAGER_ROPE_ENV),
                         experts=kernel_mode(EXPERTS_KERNEL_ENV, environ, EXPERTS_MODES),
                         loss=kernel_mode(LOSS_KERNEL_ENV, environ),
-                        embedding_grad=kernel_mode(EMBEDDING_GRAD_ENV, environ, EMBEDDING_GRAD_MODES))
+                        embedding_grad=kernel_mode(EMBEDDING_GRAD_ENV, environ, EMBEDDING_GRAD_MODES),
+                        short_attention=kernel_mode(SHORT_ATTENTION_ENV, environ, SHORT_ATTENTION_MODES))
 
 
 def of(config, environ=os.environ) -> KernelPolicy:

@@ -10,9 +10,10 @@ Qwen2.5-VL-7B's ViT showed ~320 pageable copies, 32 synchronizations and ~660 fi
 when each layer planned its own segments).
 
 `varlen_attention` runs flash-attn-4's varlen entry (one launch for every segment) where the module's
-kernel choice allows it, torch's own varlen flash-attention for calls of short segments only (windows:
-attention_kernels.SHORT_SEGMENTS), else torch SDPA: the tokens permuted once so that the segments of
-each shape lie together (one gather each way, forward and backward), one batched call per shape on views.
+kernel choice allows it, for calls of short segments only (windows: attention_kernels.SHORT_SEGMENTS)
+ours on Triton (short_attention.py) or torch's own varlen flash-attention, else torch SDPA: the tokens
+permuted once so that the segments of each shape lie together (one gather each way, forward and
+backward), one batched call per shape on views.
 
 `SegmentAttention` is a megatron-core core attention (DotProductAttention's constructor and forward)
 that runs `varlen_attention` over the segments its layer uses: whole items, or windows in a windowed
@@ -40,6 +41,7 @@ from megatron_hetero.models.attention_kernels import (
     FA4,
     SHORT_SEGMENTS,
     TORCH_FLASH,
+    TRITON_SHORT,
     Fa4,
     KernelChoice,
     TorchFlash,
@@ -49,6 +51,7 @@ from megatron_hetero.models.attention_kernels import (
     run_fa4,
     torch_flash_varlen,
 )
+from megatron_hetero.models.short_attention import short_attention
 from megatron_hetero.models.transfer import to_device
 
 
@@ -167,11 +170,13 @@ def varlen_attention(q, k, v, plan: VarlenPlan, kernel: KernelChoice, softmax_sc
     attend to its keys k[cu_k[i]:cu_k[i+1]] (causal: bottom-right aligned, the j-th query of a
     segment sees keys up to len_k - len_q + j); plan: their VarlenPlan on q's device. kernel:
     kernel_for(the module's policy, head dim, dtype, packed=True): FA4's varlen entry (fa4: its
-    stand-in in tests), torch's varlen flash-attention (short segments; torch_flash: its stand-in),
-    else torch SDPA per segment shape. Returns [total_q, heads, d]."""
+    stand-in in tests), for short segments ours on Triton or torch's varlen flash-attention
+    (torch_flash: its stand-in), else torch SDPA per segment shape. Returns [total_q, heads, d]."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if kernel.kernel == TORCH_FLASH:
         return torch_flash_varlen(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale, causal, torch_flash)
+    if kernel.kernel == TRITON_SHORT:
+        return short_attention(q, k, v, plan.cu_q, plan.cu_k, max(plan.max_q, plan.max_k), scale, causal)
     if kernel.kernel == FA4:
         return run_fa4((fa4 or load_fa4()[0]).varlen_func, kernel, q, k, v, cu_seqlens_q=plan.cu_q,
                        cu_seqlens_k=plan.cu_k, max_seqlen_q=plan.max_q, max_seqlen_k=plan.max_k,

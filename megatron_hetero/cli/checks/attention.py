@@ -26,6 +26,9 @@
 3. A negative control: auto with head dims 72 and 80 listed as if checked, at W1's and Qwen2.5-VL's
    ViT shapes: raw flash-attn-4 4.0.0b36 failed there (GPU-KERNELS.md), showing the check catches it;
    with the backward's fix (patches/fa4_backward.py) it may pass, which the line says.
+4. Our Triton kernel for short segments (models/short_attention.py) at Qwen2.5-VL-7B's windows (head
+   dims 80, and 64, 72, 128) beside torch's varlen flash-attention: where every case passes, --record
+   adds this GPU to the table's short-segment GPUs, on which auto runs it for windows.
 Records (one JSON object per line) go to DIR/fa4_check.jsonl.
 """
 
@@ -43,6 +46,7 @@ from megatron_hetero.models.attention_kernels import (
     CHECKED_HEAD_DIMS,
     FA4,
     SDPA,
+    TRITON_SHORT,
     AttentionKernelError,
     KernelChoice,
     choose_kernel,
@@ -50,7 +54,8 @@ from megatron_hetero.models.attention_kernels import (
     load_fa4,
 )
 from megatron_hetero.models.context_parallel import cp_positions
-from megatron_hetero.models.kernel_policy import CHECKED_ENV, record_check
+from megatron_hetero.models.kernel_policy import CHECKED_ENV, SHORT_ATTENTION_CHECKED, SHORT_ATTENTION_ENV, record_check
+from megatron_hetero.models.short_attention import HAVE_TRITON
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 from megatron_hetero.patches import fa4_backward
 from megatron_hetero.planner.families import FAMILY_BENCHES
@@ -285,7 +290,8 @@ def workload_check(records: list, checked: tuple[int, ...], quick: bool, iters: 
             try:
                 kernel = choose_kernel(mode, case.head_dim, device, checked=checked, packed=case.packed,
                                        longest=case.longest,
-                                       torch_flash=torch.backends.cuda.is_flash_attention_available())
+                                       torch_flash=torch.backends.cuda.is_flash_attention_available(),
+                                       short_checked=device.name in SHORT_ATTENTION_CHECKED, triton=HAVE_TRITON)
             except AttentionKernelError as error:
                 print(f"{case.name} | {mode}: not run: {error}", flush=True)
                 continue
@@ -309,6 +315,22 @@ def negative_control(records: list, checked: tuple[int, ...]) -> None:
             "the check fails this path, as it must" if caught else
             "raw flash-attn-4 passes here (a fixed wheel, or patches/fa4_backward.py's fix): the control did not "
             "trigger"), flush=True)
+
+
+def short_check(records: list, iters: int) -> bool:
+    """Part 4: our Triton kernel for short segments at the windows' shapes; whether every case passes
+    (False where Triton does not import)."""
+    device, windows = current_device(), qwen_windows()
+    if not HAVE_TRITON:
+        print("short segments: Triton does not import here: windows keep torch's varlen flash-attention", flush=True)
+        return False
+    ok = True
+    for d in (80, 64, 72, 128):
+        case = varlen_case(f"Qwen2.5-VL-7B ViT's {len(windows)} windows 16 x {d}", windows, 16, d)
+        kernel = choose_kernel("auto", d, device, packed=True, longest=case.longest, short_mode="triton", triton=True)
+        records.append(measure(case, "triton short segments", kernel, iters))
+        ok &= records[-1]["ok"] and kernel.kernel == TRITON_SHORT
+    return ok
 
 
 def _next_step(device_name: str, passing: tuple[int, ...], recorded: Path | None) -> str:
@@ -343,6 +365,7 @@ def main(quick: bool, out: str, record: bool, workload_only: bool) -> int:
     checked = tuple(sorted({*CHECKED_HEAD_DIMS.get(device.name, ()), *passing}))
     ok = workload_check(records, checked, quick, 3 if quick else 10)
     negative_control(records, checked)
+    short_ok = short_check(records, 3 if quick else 10)
     with open(Path(out) / "fa4_check.jsonl", "a") as f:
         for r in records:
             f.write(json.dumps(dict(r, device=device.name, date=time.strftime("%Y-%m-%d"))) + "\n")
@@ -350,4 +373,13 @@ def main(quick: bool, out: str, record: bool, workload_only: bool) -> int:
           + ("" if table_ok else "; the checked table lists a head dim that fails here"))
     if not workload_only:
         print(_next_step(device.name, passing, recorded))
+    if short_ok and record:
+        print(f"recorded {device.name} in {record_check(device.name, short_attention=True)}: auto runs windows on "
+              f"the Triton kernel there")
+    elif short_ok and device.name not in SHORT_ATTENTION_CHECKED:
+        print(f"the Triton kernel for short segments passed: run again with --record, or export {SHORT_ATTENTION_ENV}"
+              f"=triton")
+    elif not short_ok and device.name in SHORT_ATTENTION_CHECKED:
+        print(f"FAIL: {device.name} is among the table's short-segment GPUs but the Triton kernel failed here")
+        return 1
     return 0 if ok and table_ok else 1
