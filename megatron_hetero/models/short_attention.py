@@ -25,8 +25,10 @@ HAVE_TRITON = imports("triton")
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 MAX_SEGMENT = 128  # one tile of keys per program: longer segments belong to a flash-attention kernel
 MAX_HEAD_DIM = 128
-# Warps per program, forward and backward (the backward holds q, k, v, dO and three fp32 gradient tiles).
-WARPS = (4, 8)
+# Warps per program, forward and backward: at a 64 x 128 tile (windows of up to 64 tokens, head dims
+# 65-128) ptxas gives the forward 128 registers and the backward 255 with 8 bytes spilled at 4 warps (at
+# 8, 160 bytes spilled); segments of 65-128 tokens spill at either.
+WARPS = (4, 4)
 
 if HAVE_TRITON:
     import triton
@@ -89,15 +91,15 @@ if HAVE_TRITON:
         v = _load(v_ptr, rows, k0, len_k, sv_t, h * sv_h, d, head_dim)
         lse = tl.load(lse_ptr + h * total_q + q0 + rows, mask=rows < len_q, other=float("inf"))
         p = tl.exp(_scores(q, k, rows, len_q, len_k, scale, CAUSAL) - lse[:, None])
+        # dq, dk, dv: contiguous [total, heads, head_dim]; each stored once computed (fewer live registers)
+        row_stride, head_offset = tl.num_programs(1) * head_dim, h * head_dim
         dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+        _store(dv_ptr, dv.to(dv_ptr.dtype.element_ty), rows, k0, len_k, row_stride, head_offset, d, head_dim)
         ds = (p * (tl.dot(do, tl.trans(v)) - delta[:, None])).to(q.dtype)
         dq = tl.dot(ds, k) * scale
+        _store(dq_ptr, dq.to(dq_ptr.dtype.element_ty), rows, q0, len_q, row_stride, head_offset, d, head_dim)
         dk = tl.dot(tl.trans(ds), q) * scale
-        # dq, dk, dv: contiguous [total, heads, head_dim]
-        heads = tl.num_programs(1)
-        _store(dq_ptr, dq.to(dq_ptr.dtype.element_ty), rows, q0, len_q, heads * head_dim, h * head_dim, d, head_dim)
-        _store(dk_ptr, dk.to(dk_ptr.dtype.element_ty), rows, k0, len_k, heads * head_dim, h * head_dim, d, head_dim)
-        _store(dv_ptr, dv.to(dv_ptr.dtype.element_ty), rows, k0, len_k, heads * head_dim, h * head_dim, d, head_dim)
+        _store(dk_ptr, dk.to(dk_ptr.dtype.element_ty), rows, k0, len_k, row_stride, head_offset, d, head_dim)
 
 
 def _block(n: int, least: int = MIN_BLOCK) -> int:
