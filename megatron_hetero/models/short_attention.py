@@ -45,6 +45,13 @@ if HAVE_TRITON:
         tl.store(base + (start + rows)[:, None] * row_stride + head_offset + d[None, :], value, mask=mask)
 
     @triton.jit
+    def _segment(cu_q, cu_k):
+        """This program's segment: its queries' and keys' starts (int64: offsets past 2**31) and counts."""
+        seg = tl.program_id(0)
+        q0, k0 = tl.load(cu_q + seg).to(tl.int64), tl.load(cu_k + seg).to(tl.int64)
+        return q0, k0, tl.load(cu_q + seg + 1) - q0, tl.load(cu_k + seg + 1) - k0
+
+    @triton.jit
     def _scores(q, k, rows, len_q, len_k, scale, CAUSAL: tl.constexpr):
         """q k^T * scale, fp32, -inf outside the segment (and above its causal diagonal); `rows` index
         the tile's queries and keys alike."""
@@ -58,9 +65,7 @@ if HAVE_TRITON:
     def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q, cu_k, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
                         so_t, so_h, total_q, scale, head_dim,
                         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
-        seg, h = tl.program_id(0), tl.program_id(1)
-        q0, k0 = tl.load(cu_q + seg).to(tl.int64), tl.load(cu_k + seg).to(tl.int64)  # offsets past 2**31
-        len_q, len_k = tl.load(cu_q + seg + 1) - q0, tl.load(cu_k + seg + 1) - k0
+        h, (q0, k0, len_q, len_k) = tl.program_id(1), _segment(cu_q, cu_k)
         rows, d = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
         q = _load(q_ptr, rows, q0, len_q, sq_t, h * sq_h, d, head_dim)
         k = _load(k_ptr, rows, k0, len_k, sk_t, h * sk_h, d, head_dim)
@@ -70,18 +75,18 @@ if HAVE_TRITON:
         row_max = tl.where(row_max == float("-inf"), 0.0, row_max)  # a row without keys: zeros out
         p = tl.exp(s - row_max[:, None])
         total = tl.sum(p, 1)
-        out = tl.dot(p.to(v.dtype), v) / tl.where(total > 0, total, 1.0)[:, None]
+        some = total > 0
+        total = tl.where(some, total, 1.0)
+        out = tl.dot(p.to(v.dtype), v) / total[:, None]
         _store(o_ptr, out.to(o_ptr.dtype.element_ty), rows, q0, len_q, so_t, h * so_h, d, head_dim)
-        lse = tl.where(total > 0, row_max + tl.log(total), float("inf"))
+        lse = tl.where(some, row_max + tl.log(total), float("inf"))
         tl.store(lse_ptr + h * total_q + q0 + rows, lse, mask=rows < len_q)
 
     @triton.jit
     def _backward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q, cu_k,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdo_t, sdo_h, total_q, scale, head_dim,
                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
-        seg, h = tl.program_id(0), tl.program_id(1)
-        q0, k0 = tl.load(cu_q + seg).to(tl.int64), tl.load(cu_k + seg).to(tl.int64)  # offsets past 2**31
-        len_q, len_k = tl.load(cu_q + seg + 1) - q0, tl.load(cu_k + seg + 1) - k0
+        h, (q0, k0, len_q, len_k) = tl.program_id(1), _segment(cu_q, cu_k)
         rows, d = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
         do = _load(do_ptr, rows, q0, len_q, sdo_t, h * sdo_h, d, head_dim)
         o = _load(o_ptr, rows, q0, len_q, so_t, h * so_h, d, head_dim)
