@@ -4,6 +4,7 @@ building.
 
     python3 tools/gpu_vit_probe.py [--iters 20] [--out DIR]   (one GPU; flash-attn-4 where importable)
     python3 tools/gpu_vit_probe.py --family qwen3_vl_8b       (its images' attention at head dim 72 only)
+    python3 tools/gpu_vit_probe.py --windows-only             (Qwen2.5-VL's windows' attention only)
 
 - attention within the windows (28 of the 32 layers) and within the images (the other 4), forward and
   forward+backward, q/k/v [tokens, 16, 80] bf16: our SDPA path (one batched call per segment shape on
@@ -256,6 +257,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--family", choices=("qwen2_5_vl_7b", "qwen3_vl_8b"), default="qwen2_5_vl_7b")
+    parser.add_argument("--windows-only", action="store_true", help="Qwen2.5-VL's windows' attention rows alone")
     args = parser.parse_args()
     if args.family == "qwen3_vl_8b":
         grids = qwen_bench_grids(args.family)
@@ -265,6 +267,8 @@ def main() -> None:
     grids = qwen_bench_grids()
     windows = F.pad(torch.tensor(qwen_windows()).cumsum(0), (1, 0)).int()
     rows = attention_rows("windows", windows, args.iters)
+    if args.windows_only:
+        return write(rows, args.out)
     rows += attention_rows("images", get_vision_cu_seqlens(grids).cpu().int(), args.iters)
     rows += glue_rows(int(grids.prod(1).sum()), args.iters)
     write(rows, args.out)
