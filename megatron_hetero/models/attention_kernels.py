@@ -73,8 +73,9 @@ DQ_MULTIPLE = 32
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 FA4_INSTALL = "pip install 'megatron-hetero[fa4]'"
 # Packed calls whose segments are all this short (one 128-row tile: Qwen2.5-VL's 112-px windows hold at most
-# 64 patches) run torch's varlen flash-attention at the true head dim, one launch, nothing padded or
-# permuted. On one H200 (tools/gpu_vit_probe.py, 2026-12-04), the bench's 419 windows x 16 heads x 80:
+# 64 patches; short_attention.MAX_SEGMENT, its one tile of keys) run torch's varlen flash-attention or our
+# Triton kernel (short_kernel) at the true head dim, one launch, nothing padded or permuted. On one H200
+# (tools/gpu_vit_probe.py, 2026-12-04), the bench's 419 windows x 16 heads x 80 on torch's kernel:
 # 0.88 ms forward+backward against 1.90 on flash-attn-4 padded to 96 and 2.02 on SDPA grouped by shape;
 # whole images (up to 9,216 patches) ran slower on it: 12.2 ms against 6.6 and 8.2.
 SHORT_SEGMENTS = MAX_SEGMENT
