@@ -22,7 +22,9 @@
 # RUNS="fused_s1 fused_s2" after a change of the fused path only (put the unfused runs' records beside them
 # in $OUT: compare.md reads every <run>.jsonl there), or "fused_s1_b fused-nobda_s1 fused-flash_s1" to tell
 # which change moves a seed's curve.
-# Out: hardware.txt, <run>.jsonl (bench_e2e's record, every step's loss), loss.log, compare.md.
+# Out: hardware.txt, <run>.jsonl (bench_e2e's record, every step's loss), loss.log, compare.md
+# (benchmarks/compare_losses.py --runs: each run against the unfused and fp32 ones, and where it lies among the
+# unfused runs step by step).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 W=${WORKLOAD:-qwen2_5_vl_7b}
@@ -57,47 +59,5 @@ for lane in "${!cards[@]}"; do
   (for ((i = lane; i < ${#runs[@]}; i += ${#cards[@]})); do run "$lane" "${cards[$lane]}" "${runs[$i]}"; done) &
 done
 wait
-python3 - "$out" > "$out/compare.md" <<'PY'
-import json, re, sys
-from pathlib import Path
-
-runs = {}  # seed -> {name: losses}
-for path in sorted(Path(sys.argv[1]).glob("*.jsonl")):
-    match = re.fullmatch(r"([a-z0-9-]+)_s(\d+)(_\w+)?", path.stem)
-    if match and path.read_text().strip():
-        runs.setdefault(int(match[2]), {})[path.stem] = json.loads(path.read_text().splitlines()[-1])["losses"]
-
-def relative(a, b, steps):  # the largest relative difference of a from b over these steps
-    return max(abs(a[i] - b[i]) / abs(b[i]) for i in steps)
-
-def table(arm, noise):  # every run against its seed's first run of `arm`
-    print(f"Each run against its seed's first {arm} run: the largest relative difference over all steps and"
-          f" from step 51, that of the means of the last 50 steps (signed), the largest absolute difference."
-          f" {noise}\n")
-    print("| seed | run | steps | largest, all steps | largest, from step 51 | last 50 steps' means | largest absolute |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for seed, mine in sorted(runs.items()):
-        reference = next((n for n in sorted(mine) if n.startswith(arm + "_")), None)
-        if reference is None:
-            print(f"| {seed} | no {arm} run | | | | | |")
-            continue
-        ref = mine[reference]
-        for name, losses in sorted(mine.items(), key=lambda item: (not item[0].startswith("unfused_"), item[0])):
-            if name == reference:
-                continue
-            n = min(len(ref), len(losses))
-            tail = range(max(0, n - 50), n)
-            mean = lambda x: sum(x[i] for i in tail) / len(tail)
-            print(f"| {seed} | {name} vs {reference} | {n} | {relative(losses, ref, range(n)):.2e} | "
-                  f"{relative(losses, ref, range(min(50, n), n)) if n > 50 else float('nan'):.2e} | "
-                  f"{(mean(losses) - mean(ref)) / mean(ref):+.2e} | "
-                  f"{max(abs(losses[i] - ref[i]) for i in range(n)):.2e} |")
-
-
-table("unfused", "The unfused repeats' rows are the noise (the kernels' own non-determinism).")
-if any(name.startswith("fp32_") for mine in runs.values() for name in mine):
-    print()
-    table("fp32", "How far each bf16 path lies from fp32 weights and compute: the fused path's rows beside the"
-                  " unfused runs' say whether its kernels cost accuracy or only round differently.")
-PY
+python3 benchmarks/compare_losses.py --runs "$out" > "$out/compare.md"
 cat "$out/compare.md"

@@ -599,6 +599,27 @@ def test_gpu_check_compares_two_loss_curves(tmp_path, capsys):
     assert "3 steps: max |difference| 0.25000 (step 3)" in out
 
 
+def test_loss_runs_report_places_each_run_among_the_unfused_ones(tmp_path):
+    """gpu_loss_run.sh's compare.md (compare_losses.py --runs): each run against its seed's first unfused
+    run (signed means of the last steps) and, step by step, below / inside / above the unfused runs'
+    range (an unfused run: the other ones'), over the first TAIL steps and after; fp32 runs get a table."""
+    import compare_losses as tool
+
+    steps = tool.TAIL + 10
+    curves = {"unfused_s1_a": 1.0, "unfused_s1_b": 1.1, "unfused_s1_c": 1.2, "fused_s1": 1.3, "fused_s2": 1.0}
+    for name, level in curves.items():
+        losses = [level + (0.5 if i < tool.TAIL and name == "fused_s1" else 0.0) - (0.3 if name == "unfused_s1_b" and
+                  i >= tool.TAIL else 0.0) for i in range(steps)]
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"losses": losses}) + "\n")
+    report = tool.runs_report(str(tmp_path))
+    assert f"| 1 | fused_s1 vs unfused_s1_a | {steps} | 8.00e-01 | 3.00e-01 | +7.00e-01 | 8.00e-01 |" in report
+    assert "| 1 | fused_s1 | 3 unfused | 0% / 0% / 100% | 0% / 0% / 100% |" in report
+    assert "| 1 | unfused_s1_b | 2 unfused | 0% / 100% / 0% | 100% / 0% / 0% |" in report
+    assert "| 2 | no unfused run |" in report and "fp32" not in report
+    (tmp_path / "fp32_s1.jsonl").write_text(json.dumps({"losses": [1.0] * steps}) + "\n")
+    assert "| 1 | fused_s1 vs fp32_s1 |" in tool.runs_report(str(tmp_path))
+
+
 class _Group:
     """A CP group's size and rank, as CPSplit reads them."""
 
