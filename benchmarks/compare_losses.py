@@ -44,6 +44,11 @@ def load_runs(directory: str) -> dict[int, dict[str, list[float]]]:
     return runs
 
 
+def _unfused_first(mine: dict) -> list:
+    """A seed's (name, losses), the unfused runs first, each group by name."""
+    return sorted(mine.items(), key=lambda item: (not item[0].startswith("unfused_"), item[0]))
+
+
 def _relative(a, b, steps) -> float:
     """The largest relative difference of a from b over these steps."""
     return max(abs(a[i] - b[i]) / abs(b[i]) for i in steps)
@@ -63,7 +68,7 @@ def against(runs: dict, arm: str, noise: str) -> list[str]:
             lines.append(f"| {seed} | no {arm} run | | | | | |")
             continue
         ref = mine[reference]
-        for name, losses in sorted(mine.items(), key=lambda item: (not item[0].startswith("unfused_"), item[0])):
+        for name, losses in _unfused_first(mine):
             if name == reference:
                 continue
             n = min(len(ref), len(losses))
@@ -89,7 +94,7 @@ def positions(runs: dict) -> list[str]:
              "| --- | --- | --- | --- | --- |"]
     for seed, mine in sorted(runs.items()):
         unfused = sorted(n for n in mine if n.startswith("unfused_"))
-        for name, losses in sorted(mine.items(), key=lambda item: (not item[0].startswith("unfused_"), item[0])):
+        for name, losses in _unfused_first(mine):
             others = [mine[n] for n in unfused if n != name]
             if not others:
                 continue

@@ -1,19 +1,19 @@
-"""Run with TRITON_INTERPRET=1 set before anything imports Triton (tests/test_attention_kernels.py does):
+"""`python -m tests.short_attention_script` from the repository, with TRITON_INTERPRET=1 set before anything
+imports Triton (tests/test_attention_kernels.py runs it so):
 models/short_attention.py's kernels on Triton's CPU interpreter against fp64 attention, and
-varlen_attention's Triton path against its SDPA path. Prints one JSON object: case -> the max
+varlen_attention's Triton path against its SDPA path. Prints, last, one JSON object: case -> the max
 |diff| / max |ref| of the output, dq, dk, dv. The interpreter loads bf16 wrongly: fp32 and fp16 here
 (bf16 is `megatron-hetero kernels check attention`'s, on a GPU)."""
 
 import json
-import math
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from megatron_hetero.models.attention_kernels import SDPA, TRITON_SHORT, KernelChoice
 from megatron_hetero.models.short_attention import short_attention
 from megatron_hetero.models.varlen import VarlenPlan, varlen_attention
+from tests.test_attention_kernels import _cu, _reference
 
 # (head dim, heads, kv heads, query lengths, key lengths): windows of 1-64 tokens at Qwen2.5-VL's head
 # dim 80 (padded to a 128-wide tile inside); head dim 72 with grouped key heads, keys longer than the
@@ -21,22 +21,11 @@ from megatron_hetero.models.varlen import VarlenPlan, varlen_attention
 CASES = ((80, 3, 3, [5, 64, 17, 1], [5, 64, 17, 1]), (72, 4, 2, [3, 7, 30], [9, 0, 30]))
 
 
-def _cu(lengths):
-    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
-
-
 def reference(q, k, v, cu_q, cu_k, scale, causal):
-    """fp64 attention within each segment (bottom-right causal), zeros where a segment has no keys."""
-    outs = []
-    for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
-        qs, ks, vs = (t.transpose(0, 1).double() for t in (q[a:b], k[c:e], v[c:e]))
-        ks, vs = (t.repeat_interleave(q.shape[1] // k.shape[1], 0) for t in (ks, vs))
-        s = qs @ ks.transpose(-1, -2) * scale
-        if causal:
-            hidden = torch.arange(e - c)[None, :] > torch.arange(b - a)[:, None] + (e - c) - (b - a)
-            s = s.masked_fill(hidden, -math.inf)
-        outs.append((torch.softmax(s, -1).nan_to_num(0.0) @ vs).transpose(0, 1))
-    return torch.cat(outs)
+    """Attention within each segment by the tests' per-sequence reference (in q's dtype, at least fp32;
+    a segment without keys gives zeros)."""
+    return torch.cat([_reference(q[a:b], k[c:e], v[c:e], scale, causal)
+                      for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])])
 
 
 def _errors(got, want) -> list[float]:

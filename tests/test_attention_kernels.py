@@ -399,11 +399,10 @@ def test_short_attention_kernel_matches_fp64_attention():
     backward, fp32 and fp16, causal or not, against fp64 attention; and varlen_attention's Triton path
     against its SDPA path."""
     pytest.importorskip("triton")
-    script = Path(__file__).with_name("short_attention_script.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=script.parent.parent)
+    done = subprocess.run([sys.executable, "-m", "tests.short_attention_script"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout)
+    errors = json.loads(done.stdout.splitlines()[-1])  # after the import-time lines
     assert len(errors) == 10
     for case, errs in errors.items():
         tolerance = 2e-3 if "float16" in case else 1e-5

@@ -85,11 +85,11 @@ def qwen2_5_variants(plan, scale) -> dict:
                 "torch flash varlen (FA2, hd 80)": lambda q, k, v: varlen_attention(q, k, v, plan, torch_flash, scale),
                 "cuDNN varlen (hd 80)": lambda q, k, v: varlen_attention(q, k, v, plan, torch_flash, scale,
                                                                          torch_flash=CUDNN_VARLEN)}
-    if HAVE_TRITON and max(plan.max_q, plan.max_k) <= SHORT_SEGMENTS:
-        triton = KernelChoice(TRITON_SHORT, HEAD_DIM, HEAD_DIM)
+    longest = max(plan.max_q, plan.max_k)
+    if HAVE_TRITON and longest <= SHORT_SEGMENTS:
+        triton = KernelChoice(TRITON_SHORT, HEAD_DIM, HEAD_DIM)  # the default warps, through the layers' dispatch
         variants[f"triton short segments (hd 80, warps {WARPS[0]}/{WARPS[1]})"] = \
             lambda q, k, v: varlen_attention(q, k, v, plan, triton, scale)
-        longest = max(plan.max_q, plan.max_k)
         for warps in [w for w in ((4, 4), (4, 8), (8, 8), (8, 4), (2, 4)) if w != WARPS]:
             variants[f"triton short segments (hd 80, warps {warps[0]}/{warps[1]})"] = \
                 lambda q, k, v, warps=warps: short_attention(q, k, v, plan.cu_q, plan.cu_k, longest, scale, warps=warps)
@@ -267,10 +267,9 @@ def main() -> None:
     grids = qwen_bench_grids()
     windows = F.pad(torch.tensor(qwen_windows()).cumsum(0), (1, 0)).int()
     rows = attention_rows("windows", windows, args.iters)
-    if args.windows_only:
-        return write(rows, args.out)
-    rows += attention_rows("images", get_vision_cu_seqlens(grids).cpu().int(), args.iters)
-    rows += glue_rows(int(grids.prod(1).sum()), args.iters)
+    if not args.windows_only:
+        rows += attention_rows("images", get_vision_cu_seqlens(grids).cpu().int(), args.iters)
+        rows += glue_rows(int(grids.prod(1).sum()), args.iters)
     write(rows, args.out)
 
 

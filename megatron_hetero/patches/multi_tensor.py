@@ -73,10 +73,8 @@ def apply() -> None:
 
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:  # neither TE's nor apex's kernels
         replace("megatron.core.optimizer.clip_grads.l2_norm_impl", _on_device, params=("tensor_lists",))
-    for path in ("megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
-                 "megatron.core.optimizer.optimizer.multi_tensor_scale_impl"):
-        module = clip_grads if ".clip_grads." in path else optimizer_module
+    for module in (clip_grads, optimizer_module):
         if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
-            replace(path, _foreach_scale, params=("tensor_lists", "scale"))
+            replace(f"{module.__name__}.multi_tensor_scale_impl", _foreach_scale, params=("tensor_lists", "scale"))
     replace("megatron.core.optimizer.optimizer._multi_tensor_copy_this_to_that", _foreach_copy,
             params=("this", "that", "overflow_buf"))

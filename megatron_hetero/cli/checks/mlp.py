@@ -73,7 +73,7 @@ def torch_mlp(case: Case, x, w1, b1, w2):
 
 def fused_mlp(case: Case, x, w1, b1, w2):
     """epilogue_mlp with the weight gradients accumulated into each weight's fp32 main_grad; a gated
-    unit's unaligned ffn zero-padded as the model's MLP pads it (mlp.ffn_padding)."""
+    unit's unaligned ffn zero-padded as the model's MLP pads it (mlp.gated_ffn_padding)."""
     pad = gated_ffn_padding(case.ffn) if case.activation in GATED else 0
     return epilogue_mlp(x, w1, b1, w2, case.activation, True, load_quack_gemm()[0], pad)
 
