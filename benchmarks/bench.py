@@ -40,6 +40,7 @@ from megatron_hetero.planner.presets import (
     trainer_workload,
 )
 from megatron_hetero.runtime.timers import PHASES
+from megatron_hetero.schedules.step import first_stage_inputs
 from megatron_hetero.spec.layout import LayoutError
 from megatron_hetero.spec.sizes import ModelSizes, sizes_to_dict
 from megatron_hetero.training.args import ArgsError, parse_script_args
@@ -372,8 +373,8 @@ class _BackwardPhases:
         if self.timers.enabled and tensor.requires_grad:
             tensor.register_hook(lambda grad: self.timers.switch(phase, module))
 
-    def encoder_forward(self, module, share, hidden):
-        rows = self.adapter.encoder_forward(module, share, hidden)
+    def encoder_forward(self, module, share, x):
+        rows = self.adapter.encoder_forward(module, share, x)
         if module.last_stage:
             self._switch_at_grad(rows, "encoder-backward", module.name)
         return rows
@@ -397,10 +398,10 @@ class _EncoderCalls:
     def __getattr__(self, name):
         return getattr(self.adapter, name)
 
-    def encoder_forward(self, module, share, hidden):
+    def encoder_forward(self, module, share, x):
         if module.first_stage and module.last_stage and (torch.is_grad_enabled() or module.ddp is None):
             self.calls.append((module, share))
-        return self.adapter.encoder_forward(module, share, hidden)
+        return self.adapter.encoder_forward(module, share, x)
 
 
 def encoders_alone(trainer: Trainer, forward_backward_func, repeats: int = ALONE_REPEATS) -> dict[str, float]:
@@ -441,7 +442,7 @@ def _zero_grads(trainer: Trainer) -> None:
 def _encoder_passes(adapter, module, shares: list, trainable: bool) -> None:
     for share in shares:
         with torch.set_grad_enabled(trainable):
-            rows = adapter.encoder_forward(module, share, None)
+            rows = adapter.encoder_forward(module, share, first_stage_inputs(adapter, module, share))
         if trainable:
             rows.backward(torch.ones_like(rows))
 

@@ -139,6 +139,8 @@ def _alone_and_at_once(rank, world_size):
     the seconds it reports."""
     from bench import _EncoderCalls, encoders_alone, megatron_trainer
 
+    from megatron_hetero.schedules.step import first_stage_inputs
+
     megatron_hetero.patches.apply()
     w = FAMILY_BENCH_WORKLOADS["qwen2_5_vl_tiny"]
     with megatron_trainer(w, str(LAYOUTS / "single.yaml"), bf16=False) as trainer:
@@ -154,7 +156,8 @@ def _alone_and_at_once(rank, world_size):
         vision.ddp.zero_grad_buffer = zero
         left = [p.main_grad.clone() for p in vision.part.parameters()]
         with vision.ddp.no_sync():
-            adapter.encoder_forward(vision, [s for _, share in capture.calls for s in share], None).sum().backward()
+            share = [s for _, share in capture.calls for s in share]
+            adapter.encoder_forward(vision, share, first_stage_inputs(adapter, vision, share)).sum().backward()
         return seconds, len(capture.calls), taken[-1], [p.main_grad.clone() for p in vision.part.parameters()], left
 
 

@@ -414,9 +414,9 @@ def _train_and_count_passes(rank, world_size, layout_file, out_dir, flags):
 
     forward, passes = VLMAdapter.encoder_forward, []
 
-    def counted(self, module, share, hidden):
+    def counted(self, module, share, x):
         passes.append(sum(len(items) for _, items in share))
-        return forward(self, module, share, hidden)
+        return forward(self, module, share, x)
 
     VLMAdapter.encoder_forward = counted
     _train_and_capture(rank, world_size, layout_file, out_dir, flags)

@@ -19,7 +19,11 @@ With --swiglu instead, gated MLPs (the Qwen families' LLMs; megatron-core keeps 
 [gate; up] halves and, without --bias-swiglu-fusion, runs the gate eagerly): cuBLAS then torch's
 silu(gate) * up (forward) and its autograd backward, against quack's gemm_act / gemm_dact with the
 swiglu epilogue on [gate; up] weights (concat_layout, as quack's own gated MLP calls them); the fused
-forward's output and the backward's recomputed output compared, the gradient's layout being quack's.
+forward's output and the backward's recomputed output compared, the gradient's layout being quack's;
+and that gradient back to [gate; up] halves, torch's strided copy against models/mlp_kernels.py's
+Triton copy of whole (gate, up) pairs (max rel diff: 0 where the bits are equal, else 1); and the
+SwiGLU backward alone at Qwen2.5-VL-7B's ViT MLP (torch's GEMMs, ffn padded to 3,424): megatron-core's
+compiled swiglu_back against our Triton kernel.
 Each fused result's max |diff| / max |ref| against the unfused bf16 one. One JSON line per row to
 DIR/fusion_probe.jsonl (DIR: $OUT or out/).
 
@@ -38,9 +42,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import swiglu_back
 
 from megatron_hetero.cli.checks.common import timed
-from megatron_hetero.models.mlp_kernels import ACTIVATIONS
+from megatron_hetero.models.mlp_kernels import ACTIVATIONS, halves_by_words, swiglu_backward_by_pairs
 
 ITERS = 30
 SHAPES = {"W1 LLM MLP": (32768, 4096, 16384), "W1 ViT MLP": (23328, 1152, 4608)}
@@ -129,13 +134,31 @@ def probe_gated(name: str, tokens: int, hidden: int, ffn: int, quack) -> list[di
     def fused_backward():
         return quack.gemm_dact(dout, w2, fused_preact(), activation="swiglu", tuned=False)
 
+    dpreact = functools.cache(lambda: fused_backward()[0])  # the gradient as quack writes it: interleaved
+
+    def strided_halves():
+        return dpreact().unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
     return [
         _row(name, "fc1 GEMM + SwiGLU forward", lambda: swiglu(x @ w1.t()), fused_forward,
              lambda: _rel(fused_forward()[1], post.detach())),
         _row(name, "fc2 input gradient + SwiGLU backward",
              lambda: torch.autograd.grad(post, pre, dout @ w2, retain_graph=True), fused_backward,
              lambda: _rel(fused_backward()[1], post.detach())),
+        _row(name, "its gradient to [gate; up] halves (copy)", strided_halves, lambda: halves_by_words(dpreact()),
+             lambda: float(not torch.equal(halves_by_words(dpreact()), strided_halves())), "triton"),
     ]
+
+
+def probe_swiglu_backward(name: str, tokens: int, ffn: int) -> list[dict]:
+    """The gated unit's backward alone where torch's GEMMs run the MLP (Qwen2.5-VL's padded ViT MLP):
+    megatron-core's compiled swiglu_back against models/mlp_kernels.py's Triton kernel (one program per
+    block of (gate, up) pairs)."""
+    torch.manual_seed(0)
+    preact, grad = _randn(tokens, 2 * ffn, scale=3.0), _randn(tokens, ffn)
+    return [_row(name, "SwiGLU backward alone", lambda: swiglu_back(grad, preact),
+                 lambda: swiglu_backward_by_pairs(grad, preact),
+                 lambda: _rel(swiglu_backward_by_pairs(grad, preact), swiglu_back(grad, preact)), "triton")]
 
 
 def main() -> int:
@@ -155,6 +178,7 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     if args.swiglu:
         rows = [r for name, shape in GATED_SHAPES.items() for r in probe_gated(name, *shape, quack)]
+        rows += probe_swiglu_backward("Qwen2.5-VL-7B ViT MLP (ffn padded)", 26144, 3424)
     else:
         rows = [r for name, shape in SHAPES.items() for r in probe(name, *shape, quack, norm)]
     Path(args.out).mkdir(parents=True, exist_ok=True)

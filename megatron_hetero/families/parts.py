@@ -133,12 +133,13 @@ class VLMAdapter:
                              call.kwargs["input_ids"].shape[1], rows, item_dp)
 
     def _selected(self, inputs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """inputs[index] on this rank's device in the model's dtype, selected and cast there: the
+        """inputs[index] on this rank's device in the model's dtype, cast and selected there: the
         whole host tensor goes over as it is (pinned by megatron.training's loader, so the copy does
-        not hold the host). Selecting on the host made a pageable copy, and a blocking
-        .to(device, dtype) casts on the CPU: the GPU waited for both, every microbatch."""
+        not hold the host), cast before the selection (the same values; the full-width copy is freed
+        first). Selecting on the host made a pageable copy, and a blocking .to(device, dtype) casts
+        on the CPU: the GPU waited for both, every microbatch."""
         device = _device()
-        return inputs.to(device, non_blocking=True)[to_device([index], device)[0]].to(self.dtype)
+        return inputs.to(device, non_blocking=True).to(self.dtype)[to_device([index], device)[0]]
 
     def _encoder_inputs(self, kind, call: ModelCall, items: torch.Tensor) -> tuple:
         """The first stage's arguments for `items`: their tensors (a native-resolution item's patches),
@@ -150,14 +151,16 @@ class VLMAdapter:
         patches = torch.cat([torch.arange(ends[i] - grids[i].prod(), ends[i]) for i in items.tolist()])
         return self._selected(inputs, patches), grids[items]
 
-    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], hidden):
+    def encoder_inputs(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]]) -> tuple:
         kind = encoder_kind(module.layout)
-        if hidden is None:
-            inputs = [self._encoder_inputs(kind, call, items) for call, items in share]
-            # Items are encoded independently (images side by side, patches with their grids):
-            # the microbatches' items run as one batch.
-            inputs = inputs[0] if len(inputs) == 1 else tuple(torch.cat(parts) for parts in zip(*inputs))
-        out = module.part(*(inputs if hidden is None else (hidden,)))
+        inputs = [self._encoder_inputs(kind, call, items) for call, items in share]
+        # Items are encoded independently (images side by side, patches with their grids): the
+        # microbatches' items run as one batch.
+        return inputs[0] if len(inputs) == 1 else tuple(torch.cat(parts) for parts in zip(*inputs))
+
+    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], x):
+        kind = encoder_kind(module.layout)
+        out = module.part(*x) if module.first_stage else module.part(x)
         if module.last_stage and self.ablate_vision and kind.name == "vision":
             return out * 0  # the control run: no image information crosses the boundary
         return out

@@ -1,6 +1,6 @@
-"""Which accelerator libraries this environment has (Transformer Engine, apex): the one probe that the
-kernel policy (kernel_policy.py) and the patches read. Plain Python, no megatron-core import: the
-patches probe before megatron-core is imported (patches/quiet.py)."""
+"""Which accelerator libraries this environment has (Transformer Engine, apex, Triton): the one probe
+that the kernel policy (kernel_policy.py), the Triton kernels and the patches read. Plain Python, no
+megatron-core import: the patches probe before megatron-core is imported (patches/quiet.py)."""
 
 import importlib
 import importlib.util
@@ -27,3 +27,8 @@ def has_te() -> bool:
 
 def has_apex() -> bool:
     return installed("apex")
+
+
+def has_triton() -> bool:
+    """Whether Triton imports here (the short-segment attention and the gated MLP's halves copy run on it)."""
+    return imports("triton")

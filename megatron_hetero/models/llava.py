@@ -139,9 +139,12 @@ class LLaVAAdapter:
         item_dp = assign_items(rows, self.vision_hidden, self.run.layout.module(name).dp)
         return [BoundaryBatch(rows, np.tile(np.arange(self.img_seq_len), samples), self.img_seq_len, rows, item_dp)]
 
-    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], hidden):
+    def encoder_inputs(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]]) -> dict:
         ((call, items),) = share
-        embeddings, _ = module.part(**self._arguments(call, items))  # [img_seq, n, h]
+        return self._arguments(call, items)
+
+    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], x):
+        embeddings, _ = module.part(**x)  # [img_seq, n, h]
         return embeddings.transpose(0, 1).reshape(-1, embeddings.shape[-1])
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):

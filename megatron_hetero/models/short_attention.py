@@ -19,9 +19,9 @@ dtype for their matmuls, as flash-attention does; lse [heads, total_q] fp32.
 
 import torch
 
-from megatron_hetero.models.accelerators import imports
+from megatron_hetero.models.accelerators import has_triton
 
-HAVE_TRITON = imports("triton")
+HAVE_TRITON = has_triton()
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 MAX_SEGMENT = 128  # one tile of keys per program: longer segments belong to a flash-attention kernel
 MAX_HEAD_DIM = 128

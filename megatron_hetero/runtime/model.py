@@ -60,11 +60,18 @@ class Adapter(Protocol):
         rank), the items of all of them assigned together to the encoder's DP ranks
         (boundary.assign_items): the microbatches one pass of the encoder takes."""
 
-    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], hidden):
+    def encoder_inputs(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]]):
+        """Optional. What the first stage of an encoder takes for `share` (as in encoder_forward),
+        on this rank's device: the calls' items selected, moved and cast, nothing else (the step
+        makes them a pass ahead, on a GPU on a stream of their own: schedules/step.py EncoderInputs)."""
+
+    def encoder_forward(self, module: ModuleRuntime, share: list[tuple[ModelCall, torch.Tensor]], x):
         """This rank's stage of an encoder on the items of one or more microbatches: `share` holds
         (call, items: indices into its items) per microbatch, at least one item in all; several
-        only for an unpipelined encoder. `hidden`: the input from the previous stage, None on the
-        first. The last stage returns its rows [n, h], microbatches and their items in order."""
+        only for an unpipelined encoder. `x`: the stage's input, on the first stage what
+        encoder_inputs(module, share) returned (None from an adapter without encoder_inputs: then
+        this makes them), on later ones the previous stage's output. The last stage returns its
+        rows [n, h], microbatches and their items in order."""
 
     def llm_forward(self, module: ModuleRuntime, call: ModelCall, share: slice, media: dict, hidden):
         """This rank's LLM stage on samples `share`; `media`: encoder name -> Media (first stage),
