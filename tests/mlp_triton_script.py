@@ -10,10 +10,10 @@ import json
 import torch
 from megatron.core.fusions.fused_bias_swiglu import swiglu_back
 
-from megatron_hetero.models.mlp_kernels import HALVES_BLOCK, halves_by_words, pairs_as_words, swiglu_backward_by_pairs
+from megatron_hetero.models.mlp_kernels import PAIRS_BLOCK, halves_by_words, pairs_as_words, swiglu_backward_by_pairs
 
 # [.., 2 n] with n a block and a bit (the last block masked), one pair, a 3-D tensor
-SHAPES = ((3, 2 * (HALVES_BLOCK + 5)), (2, 2), (2, 3, 14))
+SHAPES = ((3, 2 * (PAIRS_BLOCK + 5)), (2, 2), (2, 3, 14))
 
 
 def main():

@@ -393,7 +393,7 @@ def test_mlp_triton_kernels_compile_for_hopper(kernel, signature):
     from megatron_hetero.models import mlp_kernels
 
     source = ASTSource(getattr(mlp_kernels, kernel), {**signature, "BLOCK": "constexpr"},
-                       constexprs={"BLOCK": mlp_kernels.HALVES_BLOCK})
+                       constexprs={"BLOCK": mlp_kernels.PAIRS_BLOCK})
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 

@@ -91,7 +91,7 @@ if HAVE_TRITON:
         tl.store(out + row * 2 * n + n + cols, (g * (gate * s)).to(out.dtype.element_ty), mask=mask)
 
 
-HALVES_BLOCK = 1024
+PAIRS_BLOCK = 1024  # (gate, up) pairs per program of the two kernels above
 
 
 def halves(interleaved: torch.Tensor) -> torch.Tensor:
@@ -115,8 +115,8 @@ def halves_by_words(interleaved: torch.Tensor) -> torch.Tensor:
     n = interleaved.shape[-1] // 2
     out = torch.empty_like(interleaved)
     rows = interleaved.numel() // (2 * n)
-    _halves_kernel[(rows, triton.cdiv(n, HALVES_BLOCK))](interleaved.view(torch.int32), out.view(torch.int16), n,
-                                                          BLOCK=HALVES_BLOCK)
+    _halves_kernel[(rows, triton.cdiv(n, PAIRS_BLOCK))](interleaved.view(torch.int32), out.view(torch.int16), n,
+                                                          BLOCK=PAIRS_BLOCK)
     return out
 
 
@@ -127,8 +127,8 @@ def swiglu_backward_by_pairs(grad: torch.Tensor, preact: torch.Tensor) -> torch.
     Qwen2.5-VL-7B's ViT MLP (26,144 x 3,424, bf16), where moving its 0.9 GB needs about 0.2."""
     n = grad.shape[-1]
     out = torch.empty_like(preact)
-    _swiglu_backward_kernel[(grad.numel() // n, triton.cdiv(n, HALVES_BLOCK))](grad, preact, out, n,
-                                                                               BLOCK=HALVES_BLOCK)
+    _swiglu_backward_kernel[(grad.numel() // n, triton.cdiv(n, PAIRS_BLOCK))](grad, preact, out, n,
+                                                                               BLOCK=PAIRS_BLOCK)
     return out
 
 
