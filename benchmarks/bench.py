@@ -800,10 +800,13 @@ def _launcher(op) -> str:
 def idle_lines(events, top: int = 20) -> list[str]:
     """Where the GPU waited for the host (torch.profiler's events of one step: each device kernel and
     the CPU op that launched it): idle_gaps by launching op."""
-    # The ops (torch's frontend events); the runtime's launch events link to a kernel, in ids of their own.
-    ops = {e.id: e for e in events if e.device_type.name == "CPU" and not e.linked_correlation_id}
-    kernels = [(e.time_range.start, e.time_range.end, _launcher(ops.get(e.linked_correlation_id)))
-               for e in device_work(events)]
+    # The ops (torch's frontend events); the runtime's launch events link to a kernel, in ids of their own
+    # (torch 2.11's events have no such link: every gap is then one row, its launcher unknown).
+    def link(e):
+        return getattr(e, "linked_correlation_id", None)
+
+    ops = {e.id: e for e in events if e.device_type.name == "CPU" and not link(e)}
+    kernels = [(e.time_range.start, e.time_range.end, _launcher(ops.get(link(e)))) for e in device_work(events)]
     gaps = idle_gaps(kernels, top)
     lines = ["", "Where the GPU idled between kernels (each gap charged to the kernel after it, by the op that "
              "launched it and its outermost caller):", "",

@@ -25,10 +25,11 @@ HAVE_TRITON = has_triton()
 MIN_BLOCK = 16  # tl.dot's smallest tile side
 MAX_SEGMENT = 128  # one tile of keys per program: longer segments belong to a flash-attention kernel
 MAX_HEAD_DIM = 128
-# Warps per program, forward and backward: at a 64 x 128 tile (windows of up to 64 tokens, head dims
-# 65-128) ptxas gives the forward 128 registers and the backward 255 with 8 bytes spilled at 4 warps (at
-# 8, 160 bytes spilled); segments of 65-128 tokens spill at either.
-WARPS = (4, 4)
+# Warps per program, forward and backward: at Qwen2.5-VL-7B's windows (419 of at most 64 tokens, 16 heads
+# x 80) on one H200 the forward took 0.125 ms at 8 warps against 0.137 at 2, and forward + backward
+# 0.59 ms at 8/4 against 0.64 at 2/4 and 0.71 at 8/8 (tools/gpu_vit_probe.py --windows-only); ptxas gives
+# the backward 255 registers with 8 bytes spilled at 4 warps (at 8, 160 bytes).
+WARPS = (8, 4)
 
 if HAVE_TRITON:
     import triton
@@ -65,7 +66,8 @@ if HAVE_TRITON:
     def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q, cu_k, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
                         so_t, so_h, total_q, scale, head_dim,
                         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
-        h, (q0, k0, len_q, len_k) = tl.program_id(1), _segment(cu_q, cu_k)
+        h = tl.program_id(1)
+        q0, k0, len_q, len_k = _segment(cu_q, cu_k)
         rows, d = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
         q = _load(q_ptr, rows, q0, len_q, sq_t, h * sq_h, d, head_dim)
         k = _load(k_ptr, rows, k0, len_k, sk_t, h * sk_h, d, head_dim)
@@ -86,7 +88,8 @@ if HAVE_TRITON:
     def _backward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, cu_q, cu_k,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sdo_t, sdo_h, total_q, scale, head_dim,
                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr):
-        h, (q0, k0, len_q, len_k) = tl.program_id(1), _segment(cu_q, cu_k)
+        h = tl.program_id(1)
+        q0, k0, len_q, len_k = _segment(cu_q, cu_k)
         rows, d = tl.arange(0, BLOCK), tl.arange(0, BLOCK_D)
         do = _load(do_ptr, rows, q0, len_q, sdo_t, h * sdo_h, d, head_dim)
         o = _load(o_ptr, rows, q0, len_q, so_t, h * so_h, d, head_dim)
