@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_hetero.cli.checks.common import timed
-from megatron_hetero.models.mlp_kernels import accumulate_wgrad
+from megatron_hetero.patches.grad_accum_fusion import accumulate_wgrad
 from megatron_hetero.planner.presets import (
     BENCH_WORKLOADS,
     trainer_parameter_shapes,

@@ -127,7 +127,7 @@ class EpilogueMLP(MLP):
             out = epilogue_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.activation,
                                fc1.gradient_accumulation_fusion, load_quack_gemm()[0], self.pad)
         else:
-            out = padded_swiglu_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.pad, fc1.gradient_accumulation_fusion)
+            out = padded_swiglu_mlp(x, fc1.weight, fc1.bias, fc2.weight, self.pad)
         if fc2.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, group=fc2.tp_group), fc2.bias
         return reduce_from_tensor_model_parallel_region(out, group=fc2.tp_group), fc2.bias

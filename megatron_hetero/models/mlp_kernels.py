@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.tensor_parallel import layers as tp_layers
 
 from megatron_hetero.models.accelerators import has_triton
@@ -75,23 +75,8 @@ if HAVE_TRITON:
         tl.store(out + row * 2 * n + cols, word.to(tl.int16), mask=mask)
         tl.store(out + row * 2 * n + n + cols, (word >> 16).to(tl.int16), mask=mask)
 
-    @triton.jit
-    def _swiglu_backward_kernel(grad, preact, out, n, BLOCK: tl.constexpr):
-        """megatron-core's swiglu_back on row r: from the output's gradient and the pre-activation's
-        [gate; up] halves, the gradients of gate and up, each pair's in one program, in fp32 as
-        torch.compile computes megatron-core's function."""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n
-        g = tl.load(grad + row * n + cols, mask=mask).to(tl.float32)
-        gate = tl.load(preact + row * 2 * n + cols, mask=mask).to(tl.float32)
-        up = tl.load(preact + row * 2 * n + n + cols, mask=mask).to(tl.float32)
-        s = tl.sigmoid(gate)
-        tl.store(out + row * 2 * n + cols, (g * s * (1 + gate * (1 - s)) * up).to(out.dtype.element_ty), mask=mask)
-        tl.store(out + row * 2 * n + n + cols, (g * (gate * s)).to(out.dtype.element_ty), mask=mask)
 
-
-PAIRS_BLOCK = 1024  # (gate, up) pairs per program of the two kernels above
+PAIRS_BLOCK = 1024  # (gate, up) pairs per program of the kernel above
 
 
 def halves(interleaved: torch.Tensor) -> torch.Tensor:
@@ -118,28 +103,6 @@ def halves_by_words(interleaved: torch.Tensor) -> torch.Tensor:
     _halves_kernel[(rows, triton.cdiv(n, PAIRS_BLOCK))](interleaved.view(torch.int32), out.view(torch.int16), n,
                                                           BLOCK=PAIRS_BLOCK)
     return out
-
-
-def swiglu_backward_by_pairs(grad: torch.Tensor, preact: torch.Tensor) -> torch.Tensor:
-    """megatron-core's swiglu_back(grad, preact) for contiguous [rows, ffn] / [rows, 2 ffn] tensors, in
-    one Triton kernel reading each (gate, up) pair and writing both gradients once. The compiled
-    function writes its output as a concatenation, element by element: on one H200 0.373 ms at
-    Qwen2.5-VL-7B's ViT MLP (26,144 x 3,424, bf16), where moving its 0.9 GB needs about 0.2."""
-    n = grad.shape[-1]
-    out = torch.empty_like(preact)
-    _swiglu_backward_kernel[(grad.numel() // n, triton.cdiv(n, PAIRS_BLOCK))](grad, preact, out, n,
-                                                                               BLOCK=PAIRS_BLOCK)
-    return out
-
-
-def swiglu_backward(grad: torch.Tensor, preact: torch.Tensor) -> torch.Tensor:
-    """megatron-core's swiglu_back(grad, preact) (the gradient of silu(gate) * up on [gate; up] halves):
-    swiglu_backward_by_pairs on GPUs with Triton (16-bit contiguous tensors), megatron-core's compiled
-    function elsewhere."""
-    grad = grad.contiguous()
-    if HAVE_TRITON and preact.is_cuda and preact.element_size() == 2 and preact.is_contiguous():
-        return swiglu_backward_by_pairs(grad, preact)
-    return fused_bias_swiglu.swiglu_back(grad, preact)
 
 
 def quack_activation(config) -> str | None:
@@ -198,39 +161,18 @@ def mlp_kernel_for(policy: KernelPolicy) -> QuackChoice:
     return quack_kernel_for(MLP_KERNEL_ENV, policy.mlp, load_quack_gemm, MLP_MIN_MACS)
 
 
-def accumulate_wgrad(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """main_grad [out, in] += grad_output [tokens, out]^T @ input [tokens, in], accumulated by torch's
-    GEMM in main_grad's dtype (apex's wgrad_gemm_accum_fp32 / _fp16, whose place
-    patches/grad_accum_fusion.py gives it without apex); strided operands and a row block of
-    main_grad taken as they are."""
-    if input.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), input)
-    elif main_grad.is_cuda:
-        torch.addmm(main_grad, grad_output.t(), input, out_dtype=main_grad.dtype, out=main_grad)
-    else:  # torch has no such GEMM on CPUs (where --bf16 is refused): the product, then the sum
-        main_grad.add_(grad_output.t().matmul(input))
-
-
-def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor | list[torch.Tensor],
+def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor,
                 accumulation_fusion: bool) -> torch.Tensor | None:
     """grad_output^T @ total_input, the weight gradient of a linear layer as megatron-core's linear
     layers return it: under gradient-accumulation fusion added to weight.main_grad inside the GEMM
-    (megatron's fused_weight_gradient_mlp_cuda; apex's, or the plugin's on torch's GEMM; strided
-    operands on torch's) and a placeholder returned where megatron's DDP expects one
-    (grad_added_to_main_grad). grad_output may be a list of column blocks, the gradients of consecutive
-    row blocks of the weight (a padded gated unit's gate and up)."""
-    blocks = grad_output if isinstance(grad_output, list) else [grad_output]
+    (megatron's fused_weight_gradient_mlp_cuda; apex's, or the plugin's on torch's GEMM) and a
+    placeholder returned where megatron's DDP expects one (grad_added_to_main_grad)."""
     if not accumulation_fusion:
-        grads = [block.t().matmul(total_input) for block in blocks]
-        return grads[0] if len(grads) == 1 else torch.cat(grads)
+        return grad_output.t().matmul(total_input)
     main_grad = weight.main_grad
-    for block, rows in zip(blocks, main_grad.split([block.shape[1] for block in blocks])):
-        if block.is_contiguous() and total_input.is_contiguous():
-            kernels = tp_layers.fused_weight_gradient_mlp_cuda
-            fp32 = main_grad.dtype == torch.float32
-            (kernels.wgrad_gemm_accum_fp32 if fp32 else kernels.wgrad_gemm_accum_fp16)(total_input, block, rows)
-        else:
-            accumulate_wgrad(total_input, block, rows)
+    kernels = tp_layers.fused_weight_gradient_mlp_cuda
+    accumulate = kernels.wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else kernels.wgrad_gemm_accum_fp16
+    accumulate(total_input, grad_output, main_grad)
     return main_grad_placeholder(weight, total_input.dtype, total_input.device)
 
 
@@ -328,50 +270,15 @@ def pad_ffn(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight:
     return w1, b1, F.pad(fc2_weight, (0, pad))
 
 
-class _PaddedSwiGLUMLP(torch.autograd.Function):
-    """fc2(swiglu(fc1(x))) on GEMMs of the ffn zero-padded by `pad` (padded_swiglu_mlp), on 2-D x.
-
-    forward: the padded weights made (and kept, as autograd keeps a linear layer's weight), preact =
-    x @ w1p^T + b1p, act = swiglu(preact) (megatron-core's compiled function), out = act @ w2p^T;
-    backward: dact = dout @ w2p, dpreact = swiglu_backward(dact, preact), dx = dpreact @ w1p; the weight
-    gradients of the parameters' own rows and columns only (fc1's gate and up blocks of dpreact, fc2's
-    of act), into main_grad inside their GEMMs under gradient-accumulation fusion (weight_grad): no
-    padded gradient sliced and added to main_grad in another pass."""
-
-    @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, pad, accumulation_fusion):
-        w1, b1, w2 = pad_ffn(fc1_weight, fc1_bias, fc2_weight, pad)
-        preact = F.linear(x, w1, b1)
-        act = fused_bias_swiglu.swiglu(preact)
-        ctx.save_for_backward(x, preact, act, w1, w2, fc1_weight, fc2_weight)
-        ctx.pad, ctx.accumulation_fusion, ctx.has_bias = pad, accumulation_fusion, fc1_bias is not None
-        return F.linear(act, w2)
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, preact, act, w1, w2, fc1_weight, fc2_weight = ctx.saved_tensors
-        pad, fusion, (ffn, needs) = ctx.pad, ctx.accumulation_fusion, (fc2_weight.shape[1], ctx.needs_input_grad)
-        dout = dout.contiguous()
-        dpreact = swiglu_backward(dout.matmul(w2), preact)
-        blocks = [dpreact[:, :ffn], dpreact[:, ffn + pad : 2 * ffn + pad]]  # gate's, up's
-        dx = dpreact.matmul(w1) if needs[0] else None
-        dw1 = weight_grad(fc1_weight, x, blocks, fusion) if needs[1] else None
-        db1 = torch.cat([block.sum(0) for block in blocks]) if ctx.has_bias and needs[2] else None
-        dw2 = None
-        if needs[3]:  # unfused: the aligned padded GEMM, cut (a GEMM writing rows of ffn elements is slow)
-            dw2 = weight_grad(fc2_weight, act[:, :ffn], dout, True) if fusion else dout.t().matmul(act)[:, :ffn]
-        return dx, dw1, db1, dw2, None, None
-
-
 def padded_swiglu_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None,
-                      fc2_weight: torch.Tensor, pad: int, accumulation_fusion: bool = False) -> torch.Tensor:
+                      fc2_weight: torch.Tensor, pad: int) -> torch.Tensor:
     """fc2(swiglu(fc1(x))) of one TP rank's weights (fc1 [2 ffn, in] as [gate; up], fc2 [out, ffn]), fc2's
     bias left to the caller, with the ffn zero-padded by `pad` columns in every GEMM: where 2-byte rows of
     ffn elements are not 16-byte aligned cuBLAS takes its 2-element-aligned sm80 kernels (Qwen2.5-VL's
     ViT, ffn 3,420: ~200 TFLOPS on an H200 against ~730 at 3,424). Exact: the padded gate and up rows are
-    zero, so are their activations; the weight gradients are those of the parameters' own rows and
-    columns, added to main_grad in their GEMMs under `accumulation_fusion` (_PaddedSwiGLUMLP); fc1's
-    bias in its GEMM, the SwiGLU one kernel each way (swiglu_backward's backward)."""
-    out = _PaddedSwiGLUMLP.apply(x.reshape(-1, x.shape[-1]), fc1_weight, fc1_bias, fc2_weight, pad,
-                                 accumulation_fusion)
+    zero, so are their activations and the gradients of every padded weight (sliced off by the pads'
+    backward); fc1's bias in its GEMM, the SwiGLU one fused kernel each way (megatron-core's)."""
+    w1, b1, w2 = pad_ffn(fc1_weight, fc1_bias, fc2_weight, pad)
+    act = bias_swiglu_impl(F.linear(x.reshape(-1, x.shape[-1]), w1, b1), None)
+    out = F.linear(act, w2)
     return out.view(*x.shape[:-1], out.shape[-1])
