@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from megatron_hetero.models.mlp_kernels import PAIRS_BLOCK, halves_by_words, pairs_as_words
+from megatron_hetero.models.mlp_kernels import PAIRS_BLOCK, halves_by_words, pairs_as_words, strided_halves
 
 # [.., 2 n] with n a block and a bit (the last block masked), one pair, a 3-D tensor
 SHAPES = ((3, 2 * (PAIRS_BLOCK + 5)), (2, 2), (2, 3, 14))
@@ -20,7 +20,7 @@ def main():
         for dtype in (torch.bfloat16, torch.float16):
             x = torch.randn(shape, generator=gen).to(dtype)
             assert pairs_as_words(x)
-            want = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+            want = strided_halves(x)
             equal[f"{shape} {dtype}"] = torch.equal(halves_by_words(x).view(torch.int16), want.view(torch.int16))
     print(json.dumps(equal))
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_hetero.cli.checks.common import timed
-from megatron_hetero.models.mlp_kernels import ACTIVATIONS, halves_by_words
+from megatron_hetero.models.mlp_kernels import ACTIVATIONS, halves_by_words, strided_halves
 
 ITERS = 30
 SHAPES = {"W1 LLM MLP": (32768, 4096, 16384), "W1 ViT MLP": (23328, 1152, 4608)}
@@ -133,17 +133,15 @@ def probe_gated(name: str, tokens: int, hidden: int, ffn: int, quack) -> list[di
 
     dpreact = functools.cache(lambda: fused_backward()[0])  # the gradient as quack writes it: interleaved
 
-    def strided_halves():
-        return dpreact().unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-
     return [
         _row(name, "fc1 GEMM + SwiGLU forward", lambda: swiglu(x @ w1.t()), fused_forward,
              lambda: _rel(fused_forward()[1], post.detach())),
         _row(name, "fc2 input gradient + SwiGLU backward",
              lambda: torch.autograd.grad(post, pre, dout @ w2, retain_graph=True), fused_backward,
              lambda: _rel(fused_backward()[1], post.detach())),
-        _row(name, "its gradient to [gate; up] halves (copy)", strided_halves, lambda: halves_by_words(dpreact()),
-             lambda: float(not torch.equal(halves_by_words(dpreact()), strided_halves())), "triton"),
+        _row(name, "its gradient to [gate; up] halves (copy)", lambda: strided_halves(dpreact()),
+             lambda: halves_by_words(dpreact()),
+             lambda: float(not torch.equal(halves_by_words(dpreact()), strided_halves(dpreact()))), "triton"),
     ]
 
 
