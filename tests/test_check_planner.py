@@ -129,6 +129,16 @@ def test_bad_oom_item_is_one_line():
     assert result.returncode == 2 and last.startswith("error: --oom W9:8:gpu2_colocated")
 
 
+def test_memory_records_that_cannot_be_fitted_are_one_line():
+    """--memory on records whose kernels never vary apart (one run's two arms) prints each run's error,
+    then one line saying the factors cannot be told apart."""
+    runs = ROOT / "docs" / "runs" / "h200_one_card" / "tree_step"
+    result = run_tool("check_planner", "--memory", runs / "B.jsonl", runs / "C.jsonl")
+    assert "| qwen2_5_vl_7b, 4 | single | h200 |" in result.stdout
+    last = result.stderr.splitlines()[-1]
+    assert result.returncode == 2 and last.startswith("error: activation memory factors"), result.stderr
+
+
 def test_w5_ranking_and_gain_against_the_measured_runs():
     """Every measured W5 layout (DP2 at 3, 6, 9 and 12 recomputed layers, CP2, TP2+SP at 0, 3, 4 and 6)
     ranked as measured but for runs within 2% of each other (TP2+SP at 6 and DP2 at 9 are 1.4% apart,

@@ -107,9 +107,9 @@ def main(argv=None) -> int:
     parser.add_argument("--write-calibration", metavar="FILE", help="the calibration fitted to every group")
     parser.add_argument("--memory", action="store_true", help="check the memory model against one-GPU records")
     opts = parser.parse_args(argv)
-    if opts.memory:
-        return check_memory([Path(path) for path in opts.results])
     try:
+        if opts.memory:
+            return check_memory([Path(path) for path in opts.results])
         base = Calibration.load(opts.calibration)
         records = [json.loads(line) for path in opts.results for line in open(path) if line.strip()]
         groups = pf.measured_groups(records, LAYOUTS, trainer_vocab_size())
