@@ -56,16 +56,18 @@ def _relative(a, b, steps) -> float:
 
 def against(runs: dict, arm: str, noise: str) -> list[str]:
     """Every run against its seed's first run of `arm`: the largest relative difference over all steps
-    and from step TAIL + 1, that of the means of the last TAIL steps (signed), the largest absolute."""
+    and from step TAIL + 1, that of the means of the last TAIL steps (signed), the largest absolute and
+    the mean absolute difference over their common steps (once a loss is near zero, relative differences
+    weigh its last digits; the mean absolute weighs the steps where the curves are apart)."""
     lines = [f"Each run against its seed's first {arm} run: the largest relative difference over all steps and"
-             f" from step {TAIL + 1}, that of the means of the last {TAIL} steps (signed), the largest absolute"
-             f" difference. {noise}", "",
+             f" from step {TAIL + 1}, that of the means of the last {TAIL} steps (signed), the largest and the mean"
+             f" absolute difference over their common steps. {noise}", "",
              f"| seed | run | steps | largest, all steps | largest, from step {TAIL + 1} | last {TAIL} steps' means "
-             "| largest absolute |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| largest absolute | mean absolute |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for seed, mine in sorted(runs.items()):
         reference = next((n for n in sorted(mine) if n.startswith(arm + "_")), None)
         if reference is None:
-            lines.append(f"| {seed} | no {arm} run | | | | | |")
+            lines.append(f"| {seed} | no {arm} run | | | | | | |")
             continue
         ref = mine[reference]
         for name, losses in _unfused_first(mine):
@@ -75,9 +77,10 @@ def against(runs: dict, arm: str, noise: str) -> list[str]:
             tail = range(max(0, n - TAIL), n)
             mean = lambda x: sum(x[i] for i in tail) / len(tail)  # noqa: E731
             later = _relative(losses, ref, range(TAIL, n)) if n > TAIL else float("nan")
+            apart = [abs(losses[i] - ref[i]) for i in range(n)]
             lines.append(f"| {seed} | {name} vs {reference} | {n} | {_relative(losses, ref, range(n)):.2e} | "
                          f"{later:.2e} | {(mean(losses) - mean(ref)) / mean(ref):+.2e} | "
-                         f"{max(abs(losses[i] - ref[i]) for i in range(n)):.2e} |")
+                         f"{max(apart):.2e} | {sum(apart) / n:.2e} |")
     return lines
 
 

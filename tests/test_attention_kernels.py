@@ -601,7 +601,8 @@ def test_gpu_check_compares_two_loss_curves(tmp_path, capsys):
 def test_loss_runs_report_places_each_run_among_the_unfused_ones(tmp_path):
     """gpu_loss_run.sh's compare.md (compare_losses.py --runs): each run against its seed's first unfused
     run (signed means of the last steps) and, step by step, below / inside / above the unfused runs'
-    range (an unfused run: the other ones'), over the first TAIL steps and after; fp32 runs get a table."""
+    range (an unfused run: the other ones'), over the first TAIL steps and after; fp32 runs get a table of
+    their own, each bf16 run's mean absolute distance to fp32 beside the others'."""
     import compare_losses as tool
 
     steps = tool.TAIL + 10
@@ -611,12 +612,16 @@ def test_loss_runs_report_places_each_run_among_the_unfused_ones(tmp_path):
                   i >= tool.TAIL else 0.0) for i in range(steps)]
         (tmp_path / f"{name}.jsonl").write_text(json.dumps({"losses": losses}) + "\n")
     report = tool.runs_report(str(tmp_path))
-    assert f"| 1 | fused_s1 vs unfused_s1_a | {steps} | 8.00e-01 | 3.00e-01 | +7.00e-01 | 8.00e-01 |" in report
+    row = f"| 1 | fused_s1 vs unfused_s1_a | {steps} | 8.00e-01 | 3.00e-01 | +7.00e-01 | 8.00e-01 | 7.17e-01 |"
+    assert row in report
     assert "| 1 | fused_s1 | 3 unfused | 0% / 0% / 100% | 0% / 0% / 100% |" in report
     assert "| 1 | unfused_s1_b | 2 unfused | 0% / 100% / 0% | 100% / 0% / 0% |" in report
     assert "| 2 | no unfused run |" in report and "fp32" not in report
-    (tmp_path / "fp32_s1.jsonl").write_text(json.dumps({"losses": [1.0] * steps}) + "\n")
-    assert "| 1 | fused_s1 vs fp32_s1 |" in tool.runs_report(str(tmp_path))
+    (tmp_path / "fp32_s1.jsonl").write_text(json.dumps({"losses": [0.9] * steps}) + "\n")
+    report = tool.runs_report(str(tmp_path)).split("fp32 weights and compute")[1]
+    for row in (f"| 1 | unfused_s1_a vs fp32_s1 | {steps} | 1.11e-01 | 1.11e-01 | +1.11e-01 | 1.00e-01 | 1.00e-01 |",
+                f"| 1 | fused_s1 vs fp32_s1 | {steps} | 1.00e+00 | 4.44e-01 | +8.89e-01 | 9.00e-01 | 8.17e-01 |"):
+        assert row in report
 
 
 class _Group:
