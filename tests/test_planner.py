@@ -254,16 +254,25 @@ def test_pipeline_bubble_and_imbalance():
 
 def test_recompute_trades_time_for_memory():
     """Each layer recomputed (Megatron's block method) costs its forward once more and frees its
-    activations but its input; full recomputation (every layer, uniform) is the last, slowest step."""
+    activations but its input; full recomputation (every layer, uniform) is the last, slowest step. With
+    every layer recomputed no layer's activations wait for the loss: during its backward a layer holds them
+    rebuilt and about as many bytes of their gradients, after the loss has freed the logits, so what it
+    holds counts only beyond them."""
     workload = replace(W1, allow_recompute=True)
     model = CostModel(workload, Cluster(2, 150), Calibration())
     layouts = (ModuleLayout("vision", "encoder", dp=2), ModuleLayout("llm", "llm", tp=2, sp=True))
     of = workload.llm.layers
     steps = [model.predict(Candidate("colocated", layouts, 2, Recompute(k, of) if k else None)) for k in range(of + 1)]
     assert all(a.step_s < b.step_s for a, b in zip(steps, steps[1:]))
-    # The last layer recomputed holds its activations during its backward anyway: no saving.
-    assert all(a.memory_gb > b.memory_gb for a, b in zip(steps[:-1], steps[1:-1]))
-    assert steps[-1].memory_gb >= steps[-2].memory_gb
+    assert all(a.memory_gb > b.memory_gb for a, b in zip(steps, steps[1:]))
+    llm_shape, llm = workload.llm, layouts[1]
+    logits = model.logit_bytes(llm_shape, llm, 2)
+    layer = (model.activation_bytes(llm_shape, llm, 2, 0) - logits) / of  # one layer's, factor included
+    assert model.activation_bytes(llm_shape, llm, 2, of) - logits == pytest.approx(
+        2 * llm_shape.seq_length * llm_shape.hidden * 2 / llm.tp * of * Calibration().activation_factor("llm", "sdpa"))
+    assert model.backward_bytes(llm_shape, llm, 2, of) == pytest.approx(2 * layer)
+    assert model.backward_bytes(llm_shape, llm, 2, of - 1) == 0
+    assert model.beyond_logits(2 * layer, llm, 2) == max(0.0, 2 * layer - logits)
     # The LLM's layers (and the encoder's first ones) each cost one layer's forward more.
     llm_layer = (steps[1].busy["llm"].total - steps[0].busy["llm"].total)
     assert steps[2].busy["llm"].total - steps[1].busy["llm"].total == pytest.approx(llm_layer)

@@ -26,13 +26,7 @@ GIB = 2**30 / 1e9
 # Records the model does not hold to the band yet, by file (relative to docs/runs) and workload, with
 # what the model leaves out (docs/planner.md, memory).
 KNOWN_GAPS = {
-    ("fa4_h100/w4_l8_recompute/full_repeat/bench_e2e_B.jsonl", "W4"):
-        "1.9 GB under: full recomputation's peak is in the backward, whose gradients the model does not count",
     ("fa4_h100/ab_quack_norm/bench_e2e_B.jsonl", "W1"): "3.1% over: quack's norms, which the model does not tell apart",
-    **{(f"h100_one_card/tree_step_recompute/{kernels}/{arm}.jsonl", "qwen2_5_vl_7b"):
-       "3.1% (flash-attn-4) and 3.9% (SDPA) over: every layer recomputed, the peak mostly weights, optimizer "
-       "state and 12.5 GB of logits; the model's 2.0-2.6 GB over at this family's preset (1.5-2.6%) is a larger "
-       "share of it" for kernels in ("fa4", "sdpa") for arm in "BC"},
 }
 
 

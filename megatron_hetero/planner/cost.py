@@ -267,8 +267,8 @@ class CostModel:
     def activation_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float, recomputed: int) -> float:
         """Activations one microbatch leaves on one GPU of a stage for its backward (none for a
         frozen module, which runs without a graph): a recomputed layer keeps its input, the others
-        their full activations (with every layer recomputed, one layer's full activations while it
-        runs backward), times the calibration's measured factor for the module's role and attention
+        their full activations (with every layer recomputed, what one layer's backward holds is
+        backward_bytes'), times the calibration's measured factor for the module's role and attention
         kernel. The LLM adds its logits as the loss holds them (counts.bytes_per_logit: megatron-core's
         cross entropy, its fused one or quack's as the workload says; a count the factor does not scale;
         counted on every stage: conservative for the first)."""
@@ -276,15 +276,19 @@ class CostModel:
             return 0.0
         tokens = gpu_tokens(shape, layout, samples)
         dtype = self.workload.dtype_bytes
-        fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp)
-        kernel, head_dim = self.workload.attention_of(shape.name)
-        per_token = activation_bytes_per_token_layer(shape, layout.tp, layout.sp, dtype, fused, head_dim, kernel)
-        layers = shape.layers // layout.pp
-        kept = max(layers - recomputed, 1 if recomputed else 0)
+        kernel, _ = self.workload.attention_of(shape.name)
         layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
-        kept_bytes = tokens * (recomputed * layer_input + kept * per_token)
+        kept = shape.layers // layout.pp - recomputed
+        kept_bytes = tokens * (recomputed * layer_input + kept * self._layer_bytes_per_token(shape, layout, tokens))
         logits = self.logit_bytes(shape, layout, samples)
         return kept_bytes * self.calibration.activation_factor(shape.role, kernel) + logits
+
+    def _layer_bytes_per_token(self, shape: ModuleShape, layout: ModuleLayout, tokens: float) -> float:
+        """One layer's full activations per token (counts.activation_bytes_per_token_layer)."""
+        fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp)
+        kernel, head_dim = self.workload.attention_of(shape.name)
+        return activation_bytes_per_token_layer(shape, layout.tp, layout.sp, self.workload.dtype_bytes, fused,
+                                                head_dim, kernel)
 
     def logit_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
         """The logits of one microbatch as the loss holds them (the LLM's; 0 for an encoder)."""
@@ -293,16 +297,26 @@ class CostModel:
         per_logit = bytes_per_logit(self.workload.fused_cross_entropy, self.workload.quack_cross_entropy, layout.tp)
         return gpu_tokens(shape, layout, samples) * shape.vocab / layout.tp * per_logit
 
-    def transient_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float) -> float:
-        """Short-lived tensors of one layer at a time on top of a stage's activations, once per GPU
-        (not per layer or microbatch): an MoE LLM's grouped experts' (counts.grouped_experts_transient_bytes),
-        which run in the backward, after the loss has freed the logits the activations count
-        (`samples` a microbatch's): only what they hold beyond those adds to the peak."""
-        workload = self.workload
-        if not experts_run_grouped(shape, layout.etp, layout.ep, workload.weight_bytes, workload.grouped_experts):
-            return 0.0
-        transient = grouped_experts_transient_bytes(shape, layout.etp, layout.ep, workload.dtype_bytes)
-        return max(0.0, transient - self.logit_bytes(shape, layout, samples))
+    def backward_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float, recomputed: int) -> float:
+        """What one layer's backward holds at once on top of a stage's activations, once per GPU (not per
+        layer or microbatch; `samples` a microbatch's): with every layer of the stage recomputed, the
+        layer's activations rebuilt and about as many bytes of their gradients (twice one layer's, times
+        the factor); an MoE LLM's grouped experts' short-lived tensors (counts.grouped_experts_transient_bytes)."""
+        workload, held = self.workload, 0.0
+        if recomputed and recomputed == shape.layers // layout.pp:
+            tokens = gpu_tokens(shape, layout, samples)
+            kernel, _ = workload.attention_of(shape.name)
+            held = 2 * tokens * self._layer_bytes_per_token(shape, layout, tokens) * self.calibration.activation_factor(
+                shape.role, kernel)
+        if experts_run_grouped(shape, layout.etp, layout.ep, workload.weight_bytes, workload.grouped_experts):
+            held += grouped_experts_transient_bytes(shape, layout.etp, layout.ep, workload.dtype_bytes)
+        return held
+
+    def beyond_logits(self, backward: float, layout: ModuleLayout, samples: float) -> float:
+        """Of what a backward holds (backward_bytes), what adds to the peak of a GPU whose activations
+        count the LLM's logits (under `layout`, `samples` a microbatch's): the backward runs after the loss
+        has freed them."""
+        return max(0.0, backward - self.logit_bytes(self.workload.llm, layout, samples))
 
     def rows_bytes(self, samples: float, encoder: ModuleShape | None = None) -> float:
         """Boundary rows of `samples` samples: `encoder`'s (None: every encoder's) rows at the LLM
@@ -387,15 +401,15 @@ class CostModel:
             curve_modules=curve,
         )
 
-    def _encoder_step(self, candidate: Candidate) -> tuple[dict, float, float]:
+    def _encoder_step(self, candidate: Candidate) -> tuple[dict, float, float, float]:
         """Encoders on every GPU of theirs over a step: (busy by module, static bytes, activation
-        bytes of one pass). A trainable encoder runs forward and backward per pass (a microbatch,
-        or `microbatches` of them), and its forward once more when the colocated LLM is pipelined
-        (the schedule reruns it with its graph after the LLM pipeline); its rows cross the boundary
-        per microbatch."""
+        bytes of one pass, the most one of their layers' backward holds: backward_bytes). A trainable
+        encoder runs forward and backward per pass (a microbatch, or `microbatches` of them), and its
+        forward once more when the colocated LLM is pipelined (the schedule reruns it with its graph
+        after the LLM pipeline); its rows cross the boundary per microbatch."""
         m = self.microbatches(candidate)
         rerun_forward = encoder_forward_reruns(candidate.placement, candidate.llm)
-        busy, static, activations = {}, 0.0, 0.0
+        busy, static, activations, held_back = {}, 0.0, 0.0, 0.0
         for layout in candidate.encoders:
             shape = self.shapes[layout.name]
             samples = self.encoder_samples(candidate, layout)
@@ -407,31 +421,33 @@ class CostModel:
                 busy[layout.name] += m * Seconds(boundary=self.colocated_boundary_s(shape, candidate))
             static += self.static_bytes(shape, layout)
             activations += self.activation_bytes(shape, layout, samples, recomputed)
-        return busy, static, activations
+            held_back = max(held_back, self.backward_bytes(shape, layout, samples, recomputed))
+        return busy, static, activations, held_back
 
     def _colocated(self, candidate: Candidate):
         llm_shape, llm = self.workload.llm, candidate.llm
         m = self.microbatches(candidate)
-        busy, static, encoder_activations = self._encoder_step(candidate)
+        busy, static, encoder_activations, encoder_backward = self._encoder_step(candidate)
         recomputed = recomputed_layers(llm_shape, llm, candidate)
         forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         stage = forward + backward
         busy[llm.name] = m * stage + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
         idle = (llm.pp - 1) * stage.total  # the LLM's 1F1B fill and drain
         in_flight = min(llm.pp, m)
-        llm_activations = (in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)
-                           + self.transient_bytes(llm_shape, llm, candidate.micro_batch))
+        llm_activations = in_flight * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)
+        held_back = max(encoder_backward, self.backward_bytes(llm_shape, llm, candidate.micro_batch, recomputed))
         # With pp > 1 the encoders' rows for every microbatch wait for the LLM pipeline; the
         # encoders' activations exist only during their recompute, after it.
         rows = m * self.rows_bytes(candidate.micro_batch * llm.dp) / self.cluster.gpus if llm.pp > 1 else 0.0
-        peak = rows + (max if llm.pp > 1 else sum)((encoder_activations, llm_activations))
+        peak = (rows + (max if llm.pp > 1 else sum)((encoder_activations, llm_activations))
+                + self.beyond_logits(held_back, llm, candidate.micro_batch))
         memory = static + self.static_bytes(llm_shape, llm) + peak
         return busy, idle, {llm.name: stage.total}, memory
 
     def _homogeneous(self, candidate: Candidate):
         llm_shape, llm = self.workload.llm, candidate.llm
         m = self.microbatches(candidate)
-        busy, static, encoder_activations = self._encoder_step(candidate)
+        busy, static, encoder_activations, encoder_backward = self._encoder_step(candidate)
         recomputed = recomputed_layers(llm_shape, llm, candidate)
         forward, backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         stage = (forward + backward).total
@@ -443,8 +459,8 @@ class CostModel:
         busy[llm.name] = m * (forward + backward) + Seconds(dp_sync=self.dp_sync_s(llm_shape, llm))
         idle = pipeline - m * stages[0]
         in_flight = min(llm.pp, m)
-        memory = (static + self.static_bytes(llm_shape, llm)
-                  + self.transient_bytes(llm_shape, llm, candidate.micro_batch)
+        held_back = max(encoder_backward, self.backward_bytes(llm_shape, llm, candidate.micro_batch, recomputed))
+        memory = (static + self.static_bytes(llm_shape, llm) + self.beyond_logits(held_back, llm, candidate.micro_batch)
                   + in_flight * (encoder_activations
                                  + self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed)))
         return busy, idle, {llm.name: stage, "first stage": stages[0]}, memory
@@ -455,7 +471,8 @@ class CostModel:
         llm_forward, llm_backward = self.stage_pass(llm_shape, llm, candidate.micro_batch, recomputed)
         llm_stage = llm_forward + llm_backward
         stage_s = {llm.name: llm_stage.total}
-        memory = (self.static_bytes(llm_shape, llm) + self.transient_bytes(llm_shape, llm, candidate.micro_batch)
+        held_back = self.backward_bytes(llm_shape, llm, candidate.micro_batch, recomputed)
+        memory = (self.static_bytes(llm_shape, llm) + self.beyond_logits(held_back, llm, candidate.micro_batch)
                   + min(llm.pp, m) * self.activation_bytes(llm_shape, llm, candidate.micro_batch, recomputed))
         encoder_depth, dp_sync = 0.0, self.dp_sync_s(llm_shape, llm)
         for layout in candidate.encoders:
@@ -474,7 +491,8 @@ class CostModel:
             in_flight = min(layout.pp + llm.pp, m)
             queued = m * self.rows_bytes(candidate.micro_batch * llm.dp) / layout.size if shape.frozen else 0.0
             memory = max(memory, self.static_bytes(shape, layout) + queued
-                         + in_flight * self.activation_bytes(shape, layout, samples, encoder_recomputed))
+                         + in_flight * self.activation_bytes(shape, layout, samples, encoder_recomputed)
+                         + self.backward_bytes(shape, layout, samples, encoder_recomputed))
         # One 1F1B pipeline: the encoder stages (branches in parallel) then the LLM's; the slowest
         # stage paces the remaining m - 1 microbatches. The critical GPU is an LLM GPU; DP syncs of
         # different modules run at once on their own GPUs.
