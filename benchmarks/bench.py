@@ -27,10 +27,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.boundary.transfer import ANNOTATION
+from megatron_hetero.cli.plan import GPUS, gpu_model
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.planner import Calibration, Cluster, model_flops, plan
+from megatron_hetero.planner.calibration import CALIBRATIONS
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import (
     FAMILY_BENCHES,
@@ -271,26 +273,33 @@ class _TimedStep:
         return getattr(self.optimizer, name)
 
 
-def planner_answer(preset: BenchWorkload, world_size: int, gpu_memory_gb: float) -> str:
+def planner_answer(preset: BenchWorkload, world_size: int, gpu_memory_gb: float, gpu: str = "h200") -> str:
     """The planner's best layout that fits for a preset workload (bench_e2e's): its run's further
-    advice out of GPU memory (runtime/failures.py)."""
+    advice out of GPU memory (runtime/failures.py), with the calibration measured on `gpu` (a GPU model
+    of `plan`'s, whose calibration `plan --gpu` takes)."""
     # With the memory-saving flags the line also names (recomputation, the distributed optimizer):
     # without them the planner answered "none fits" where a recomputed layout fits (W6 on an H100).
     workload = replace(trainer_workload(preset, trainer_vocab_size(preset), preset.frozen),
                        distributed_optimizer=True, allow_recompute=True)
-    best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration()).best()
+    calibration = Calibration.load(str(CALIBRATIONS / f"calibration_{GPUS[gpu][1]}.json"))
+    best = plan(workload, Cluster(world_size, gpu_memory_gb), calibration).best()
     # The workload the run built (--as-trained; bench_e2e's depth and batch sizes), so that the command
     # gives the same answer.
     command = (f"megatron-hetero plan --workload {preset.name} --as-trained --llm-layers {preset.layers} "
                f"--global-batch-size {preset.global_batch} --micro-batch-size {preset.micro_batch} "
                f"--gpus {world_size} --gpu-memory-gb {round(gpu_memory_gb, 2):g} --distributed-optimizer "
-               f"--allow-recompute --calibration h200")
+               f"--allow-recompute --gpu {gpu}")
     gpus = f"{world_size} GPU{'s' if world_size > 1 else ''}"
     if best is None:
         return f"the planner finds no layout of {preset.name} that fits {gpus} of {gpu_memory_gb:.0f} GB ({command})"
     return (f"the planner's best for {preset.name} on {gpus}: {best.candidate.placement} "
             f"{best.candidate.describe()}, micro batch {best.candidate.micro_batch}, "
             f"{best.memory_gb:.0f} GB/GPU predicted ({command} --write-yaml best.yaml)")
+
+
+def _gpu_model() -> str:
+    """This GPU's model among `plan`'s (h200 without a GPU or for a model it has no calibration of)."""
+    return (gpu_model(torch.cuda.get_device_name()) if torch.cuda.is_available() else None) or "h200"
 
 
 def _gpu_memory_gb() -> float:
@@ -327,7 +336,7 @@ def megatron_trainer(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
     try:
         initialize_megatron()
         run = args.hetero_run  # out of GPU memory, its line adds the planner's answer for the workload
-        run.handles.memory_advice = lambda: planner_answer(w, run.layout.world_size, _gpu_memory_gb())
+        run.handles.memory_advice = lambda: planner_answer(w, run.layout.world_size, _gpu_memory_gb(), _gpu_model())
         set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
         started = time.perf_counter()
         model, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder,

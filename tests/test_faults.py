@@ -136,14 +136,21 @@ def test_out_of_memory_names_the_planners_answer():
     assert answer.startswith("the planner's best for W1 on 2 GPUs: ") and "GB/GPU predicted" in answer, answer
     assert "megatron-hetero plan --workload W1 --as-trained --llm-layers 8 --global-batch-size 4 " \
            "--micro-batch-size 2 --gpus 2 --gpu-memory-gb 141 " in answer
-    # The command it names plans the same workload: its best is the answer's (W4 on one H100's 85.04 GB:
-    # the preset as planned, 32K vocabulary and its own MLP widths, answered otherwise).
-    answer = planner_answer(dataclasses.replace(BENCH_WORKLOADS["W4"], layers=4, micro_batch=2), 1, 85.04)
-    layout = answer.split(": ", 1)[1].split(", micro batch")[0]
-    assert answer.startswith("the planner's best for W4 on 1 GPU: ") and "recompute" in layout, answer
-    command = answer.split("(megatron-hetero plan ")[1].removesuffix(" --write-yaml best.yaml)").split()
-    best = run_tool("plan_layout", *command, "--top", "1").stdout.split("best homogeneous: #1 ")[1]
-    assert best.startswith(layout.removeprefix("homogeneous ") + " (mb 2)"), (answer, best)
+    # The command it names plans the same workload with the calibration measured on the run's GPU model: its
+    # best and its memory are the answer's (W4 on one H100's 85.04 GB: the preset as planned, 32K vocabulary
+    # and its own MLP widths, answered otherwise).
+    for gpu in ("h100", "h200"):
+        answer = planner_answer(dataclasses.replace(BENCH_WORKLOADS["W4"], layers=4, micro_batch=2), 1, 85.04, gpu)
+        layout = answer.split(": ", 1)[1].split(", micro batch")[0]
+        assert answer.startswith("the planner's best for W4 on 1 GPU: ") and "recompute" in layout, answer
+        command = answer.split("(megatron-hetero plan ")[1].removesuffix(" --write-yaml best.yaml)").split()
+        assert command[-2:] == ["--gpu", gpu]
+        out = run_tool("plan_layout", *command, "--top", "1").stdout
+        best = out.split("best homogeneous: #1 ")[1]
+        assert best.startswith(layout.removeprefix("homogeneous ") + " (mb 2)"), (answer, best)
+        assert f"calibration: calibration_{gpu}_measured.json" in out
+        gb = answer.split(" GB/GPU predicted")[0].rsplit(" ", 1)[1]
+        assert f" {gb}\n" in out.split("best 1:")[1].split("\n\n")[0], (answer, out)
     assert "finds no layout of W1 that fits 2 GPUs of 1 GB" in planner_answer(BENCH_WORKLOADS["W1"], 2, 1.0)
     # W6 fits an 80 GB card only recomputed: the answer may recompute (it said "none fits" before).
     long = planner_answer(dataclasses.replace(BENCH_WORKLOADS["W6"], layers=12), 2, 85.0)

@@ -77,16 +77,21 @@ class _Renamed(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def gpu_model(names: str) -> str | None:
+    """The first GPU model of GPUS that `names` mention (a GPU's name as nvidia-smi or torch give it)."""
+    return next((gpu for gpu in GPUS if gpu.upper() in names.upper()), None)
+
+
 def _detected_gpu() -> str | None:
     """This machine's GPU model among GPUS, as nvidia-smi names it (no torch import: planning is pure)."""
     if not shutil.which("nvidia-smi"):
         return None
     try:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=20).stdout.upper()
+                               text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return next((gpu for gpu in GPUS if gpu.upper() in names), None)
+    return gpu_model(names)
 
 
 def resolve_calibration(args) -> str:
