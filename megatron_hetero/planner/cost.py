@@ -266,12 +266,12 @@ class CostModel:
 
     def activation_bytes(self, shape: ModuleShape, layout: ModuleLayout, samples: float, recomputed: int) -> float:
         """Activations one microbatch leaves on one GPU of a stage for its backward (none for a
-        frozen module, which runs without a graph): a recomputed layer keeps its input, the others
-        their full activations (with every layer recomputed, what one layer's backward holds is
-        backward_bytes'), times the calibration's measured factor for the module's role and attention
-        kernel. The LLM adds its logits as the loss holds them (counts.bytes_per_logit: megatron-core's
-        cross entropy, its fused one or quack's as the workload says; a count the factor does not scale;
-        counted on every stage: conservative for the first)."""
+        frozen module, which runs without a graph): a recomputed layer keeps its input (what it holds
+        again in its backward: backward_bytes), the others their full activations, times the
+        calibration's measured factor for the module's role and attention kernel. The LLM adds its
+        logits as the loss holds them (counts.bytes_per_logit: megatron-core's cross entropy, its fused
+        one or quack's as the workload says; a count the factor does not scale; counted on every stage:
+        conservative for the first)."""
         if shape.frozen:
             return 0.0
         tokens = gpu_tokens(shape, layout, samples)
