@@ -203,7 +203,8 @@ def test_the_checked_gpus_are_a_list_of_the_table(tmp_path):
     kernel_policy.record_check(gpu, quack_loss=True, path=path)
     kernel_policy.record_check(gpu, quack_loss=True, path=path)
     assert json.loads(path.read_text()) == {"fa4_checked_head_dims": {}, "cudnn_merge_checked": ["A"],
-                                            "quack_loss_checked": [gpu], "short_attention_checked": []}
+                                            "quack_loss_checked": [gpu], "short_attention_checked": [],
+                                            "gated_bias_mlp_checked": []}
     _, lists = kernel_policy.load_checks(kernel_policy.CHECKS_FILE, path)
     assert lists["quack_loss_checked"] == (*kernel_policy.QUACK_LOSS_CHECKED, gpu)
 

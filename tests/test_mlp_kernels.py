@@ -84,11 +84,12 @@ def test_which_mlps_take_the_fused_path(monkeypatch):
                                 bias=None).items():
             object.__setattr__(fc1, name, value)  # SigLIP's 4304 over TP4 is 1076
         assert str(epilogue_choice(_config(**bf16), fc1, fc2, quack)) == expected
-    # SwiGLU: fc1 biases under MLP_KERNEL_ENV=quack only; an unaligned ffn padded (Qwen2.5-VL's ViT: 3420).
+    # SwiGLU: fc1 biases under MLP_KERNEL_ENV=quack, or on a GPU model where `kernels check mlp` passed; an
+    # unaligned ffn padded (Qwen2.5-VL's ViT: 3420).
     monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
     swiglu = _config(activation_func=F.silu, gated_linear_unit=True, **bf16)
-    biased = ("torch (a gated MLP with fc1 biases (quack's gated bias layout not checked on a GPU; "
-              f"{MLP_KERNEL_ENV}=quack runs it))")
+    biased = ("torch (a gated MLP with fc1 biases (quack's gated bias layout not checked on cpu: megatron-hetero "
+              f"kernels check mlp --record; {MLP_KERNEL_ENV}=quack runs it))")
     for mode, rows, hidden, bias, expected in (
             ("auto", 2 * 1024, 1152, None, "quack (swiglu)"), ("auto", 2 * 1024, 1152, torch.empty(2048), biased),
             ("quack", 2 * 3420, 1280, torch.empty(2 * 3420), "quack (swiglu)"),
@@ -99,6 +100,13 @@ def test_which_mlps_take_the_fused_path(monkeypatch):
         object.__setattr__(fc1, "weight", torch.empty(rows, hidden))
         object.__setattr__(fc1, "bias", bias)
         assert str(epilogue_choice(swiglu, fc1, fc2, quack)) == expected
+    from megatron_hetero.models import mlp as mlp_module
+
+    monkeypatch.setenv(MLP_KERNEL_ENV, "auto")
+    object.__setattr__(fc1, "weight", torch.empty(2 * 1024, 1152))
+    object.__setattr__(fc1, "bias", torch.empty(2048))
+    monkeypatch.setattr(mlp_module, "GATED_BIAS_MLP_CHECKED", ("cpu",))  # this process's device, as if checked
+    assert str(epilogue_choice(swiglu, fc1, fc2, quack)) == "quack (swiglu)"
 
 
 def test_mode_and_rule():
@@ -328,6 +336,28 @@ def test_gpu_check_passes_a_right_kernel_and_fails_a_wrong_derivative(monkeypatc
             assert record["ok"] == right and record["torch_dx_err"] < tool.TOLERANCE, record
             if not right:  # the input gradient and fc1's gradients are off, fc2's are not
                 assert record["quack_dx_err"] > 0.2 and record["quack_dw2_err"] < tool.TOLERANCE, record
+
+
+def test_gpu_check_records_the_gpu_where_it_passed(monkeypatch, tmp_path, capsys):
+    """`kernels check mlp --record`: a pass writes the GPU model into the user's table (the list under which
+    auto runs a gated MLP with fc1 biases on quack's epilogues); without --record, the line saying how; a
+    failure writes nothing."""
+    from megatron_hetero.cli.checks import mlp as tool
+    from megatron_hetero.models import kernel_policy
+
+    monkeypatch.setattr(tool.grad_accum_fusion, "apply", lambda: None)  # what training patches: not judged here
+    table = tmp_path / "checks.json"
+    monkeypatch.setenv(kernel_policy.USER_CHECKS_ENV, str(table))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA B200")
+    for status, record in ((1, True), (0, False), (0, True)):
+        monkeypatch.setattr(tool, "run_table", lambda *_, status=status: status)
+        assert tool.main(True, str(tmp_path), record) == status
+        out = capsys.readouterr().out
+        if status == 0 and not record:
+            assert "run again with --record, or export MEGATRON_HETERO_MLP_KERNEL=quack" in out
+        assert table.exists() == (status == 0 and record)
+    assert "recorded NVIDIA B200 in" in out
+    assert json.loads(table.read_text())["gated_bias_mlp_checked"] == ["NVIDIA B200"]
 
 
 def test_halves_kernel_is_torchs_copy_bit_for_bit():

@@ -3,11 +3,12 @@
     megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|loss|all] [--quick] [--record] [--out DIR]
 
 The layers run flash-attn-4 only at head dims checked on that GPU model, and context parallelism's
-merged-chunk cuDNN attention and quack's cross entropy for the loss only on GPU models checked for
-them (models/kernel_policy.py: the table shipped with the package, and the user's). On another GPU,
-run the check there: it prints the environment line that enables what passed
+merged-chunk cuDNN attention, quack's cross entropy for the loss, our Triton kernel for short segments
+and quack's epilogues for a gated MLP with fc1 biases only on GPU models checked for them
+(models/kernel_policy.py: the table shipped with the package, and the user's). On another GPU, run the
+check there: it prints the environment line that enables what passed
 (MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS=..., MEGATRON_HETERO_CUDNN_MERGE_CHECKED=1,
-MEGATRON_HETERO_LOSS_KERNEL=quack), or with --record writes it into the user's table
+MEGATRON_HETERO_LOSS_KERNEL=quack, ...), or with --record writes it into the user's table
 (~/.cache/megatron_hetero/kernel_checks.json, or the file MEGATRON_HETERO_KERNEL_CHECKS names),
 which the kernel policy reads from then on. The norms and MLP checks judge quack's kernels, which
 the default runs on sm90 and sm100 GPUs; the experts check torch's grouped GEMMs for MoE experts,
@@ -44,7 +45,8 @@ def parse_args(argv=None, prog=None) -> argparse.Namespace:
                        help="; ".join(f"{name}: {what}" for name, (_, what) in CHECKS.items()) + " (default: all)")
     check.add_argument("--quick", action="store_true", help="smaller shapes, fewer timing calls")
     check.add_argument("--record", action="store_true",
-                       help="write what passed (attention, cp-chunks, loss) into the user's table of checked kernels")
+                       help="write what passed (attention, cp-chunks, loss, mlp) into the user's table of checked "
+                            "kernels")
     check.add_argument("--workload-only", action="store_true",
                        help="attention: skip the raw kernel per head dim (needs a table entry for this GPU)")
     check.add_argument("--out", default=os.environ.get("OUT", "out"),
@@ -59,7 +61,7 @@ def run_check(name: str, args: argparse.Namespace) -> int:
         return module.main(args.quick, args.out, args.record, args.workload_only)
     if name == "cp-chunks":
         return module.main(args.quick, args.record)
-    if name == "loss":
+    if name in ("loss", "mlp"):
         return module.main(args.quick, args.out, args.record)
     return module.main(args.quick, args.out)
 

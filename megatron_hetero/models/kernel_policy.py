@@ -74,8 +74,9 @@ CHECKS_FILE = Path(__file__).with_name("kernel_checks.json")
 USER_CHECKS_ENV = "MEGATRON_HETERO_KERNEL_CHECKS"
 # The tables' lists of GPU models on which a kernel passed its check: context parallelism's merged-chunk
 # cuDNN attention (`kernels check cp-chunks`), quack's cross entropy for the loss (`kernels check loss`),
-# our Triton kernel for short segments (`kernels check attention`).
-GPU_LISTS = ("cudnn_merge_checked", "quack_loss_checked", "short_attention_checked")
+# our Triton kernel for short segments (`kernels check attention`), quack's GEMM epilogues for a gated MLP
+# with fc1 biases (`kernels check mlp`).
+GPU_LISTS = ("cudnn_merge_checked", "quack_loss_checked", "short_attention_checked", "gated_bias_mlp_checked")
 
 
 def user_checks_file(environ=os.environ) -> Path:
@@ -120,19 +121,21 @@ def _tables(environ=os.environ) -> tuple[tuple[dict, dict], str | None]:
 CUDNN_MERGE_CHECKED = _GPU_LISTS["cudnn_merge_checked"]
 QUACK_LOSS_CHECKED = _GPU_LISTS["quack_loss_checked"]
 SHORT_ATTENTION_CHECKED = _GPU_LISTS["short_attention_checked"]
+GATED_BIAS_MLP_CHECKED = _GPU_LISTS["gated_bias_mlp_checked"]
 
 
 def record_check(gpu: str, fa4_head_dims: tuple[int, ...] | None = None, cudnn_merge: bool = False,
-                 quack_loss: bool = False, short_attention: bool = False, path: Path | None = None) -> Path:
+                 quack_loss: bool = False, short_attention: bool = False, gated_bias_mlp: bool = False,
+                 path: Path | None = None) -> Path:
     """A kernel check's passing result into a table (the user's, unless `path`): `gpu`'s FA4 head dims
     (`kernels check attention`), `gpu` among the merged-chunk GPUs (`kernels check cp-chunks`), among
-    the quack-loss GPUs (`kernels check loss`), among the short-segment GPUs (`kernels check attention`).
-    The file written."""
+    the quack-loss GPUs (`kernels check loss`), among the short-segment GPUs (`kernels check attention`),
+    among the biased gated MLP's GPUs (`kernels check mlp`). The file written."""
     path = path or user_checks_file()
     checks = _read(path)
     if fa4_head_dims is not None:
         checks["fa4_checked_head_dims"][gpu] = sorted(fa4_head_dims)
-    for key, passed in zip(GPU_LISTS, (cudnn_merge, quack_loss, short_attention), strict=True):
+    for key, passed in zip(GPU_LISTS, (cudnn_merge, quack_loss, short_attention, gated_bias_mlp), strict=True):
         if passed and gpu not in checks[key]:
             checks[key].append(gpu)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,8 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.mlp import MLP
 
 from megatron_hetero.models import kernel_policy
-from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV
+from megatron_hetero.models.attention_kernels import current_device
+from megatron_hetero.models.kernel_policy import GATED_BIAS_MLP_CHECKED, MLP_KERNEL_ENV
 from megatron_hetero.models.mlp_kernels import (
     EPILOGUE_DTYPES,
     GATED,
@@ -66,9 +67,10 @@ def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
     problem = _own_forward_problem(config, fc1, fc2)
     if problem:
         return QuackChoice(TORCH, problem)
-    if activation in GATED and fc1.bias is not None and kernel_policy.of(config).mlp != QUACK:
-        return QuackChoice(TORCH, f"a gated MLP with fc1 biases (quack's gated bias layout not checked on a GPU; "
-                                  f"{MLP_KERNEL_ENV}=quack runs it)")
+    if (activation in GATED and fc1.bias is not None and kernel_policy.of(config).mlp != QUACK
+            and (device := current_device().name) not in GATED_BIAS_MLP_CHECKED):
+        return QuackChoice(TORCH, f"a gated MLP with fc1 biases (quack's gated bias layout not checked on {device}: "
+                                  f"megatron-hetero kernels check mlp --record; {MLP_KERNEL_ENV}=quack runs it)")
     # A gated unit's ffn is zero-padded to alignment where it is not (ffn_padding).
     widths = fc1.weight.shape[1:] if activation in GATED else fc1.weight.shape
     if any(width % ALIGNMENT for width in widths):

@@ -16,7 +16,9 @@ gated unit of the Qwen and InternVL families' LLMs, at 1.06-1.20x forward and 1.
 input gradient's GEMM with the gate's derivative by tools/gpu_fusion_probe.py --swiglu), in bf16 /
 fp16, on GPUs quack targets, for calls of MLP_MIN_MACS (spec/sizes.py) or more (quack_kernels.py's rule;
 MEGATRON_HETERO_MLP_KERNEL=torch pins it off, =quack on for every call); each activation's outputs
-and gradients passed `megatron-hetero kernels check mlp` on an H200 before auto ran it. The other GEMMs (fc2
+and gradients passed `megatron-hetero kernels check mlp` on an H200 before auto ran it; a gated unit with
+fc1 biases (Qwen2.5-VL's ViT) only on GPU models where that check passed (kernel_policy's
+GATED_BIAS_MLP_CHECKED: the shipped table and the user's, `--record`). The other GEMMs (fc2
 forward, fc1's input gradient, both weight gradients) stay torch's (cuBLAS, at the same speed as
 quack's plain GEMM by tools/gpu_fusion_probe.py); the weight gradients go into main_grad inside the
 GEMM where megatron's gradient-accumulation fusion is on, as megatron-core's linear layers do.

@@ -1,7 +1,7 @@
 """Are the MLP's fused GEMMs (the activation in quack's epilogues) right on this GPU at the workloads'
 shapes, and faster than cuBLAS plus torch's activation?
 
-    megatron-hetero kernels check mlp [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
+    megatron-hetero kernels check mlp [--quick] [--record] [--out DIR]   (one GPU, quack importable: the fa4 extra)
 
 Per case (tokens, hidden, ffn, fc1 bias or not, activation, SwiGLU's among them; bf16 as the models
 train): the output, the input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
@@ -9,7 +9,9 @@ train): the output, the input gradient and every weight / bias gradient of our f
 fusion does in training) and of torch's bf16 path (x @ w1^T + b1, the activation, @ w2^T: what
 megatron-core's MLP runs) against fp32 autograd of the same inputs, as max |diff| / max |ref|; then
 both paths' forward and forward+backward ms (CUDA events). A fused error above TOLERANCE: FAIL, exit 1.
-Records (one JSON object per line) go to DIR/mlp_check.jsonl; DIR defaults to $OUT or out/.
+Records (one JSON object per line) go to DIR/mlp_check.jsonl; DIR defaults to $OUT or out/. The policy's
+auto runs a gated MLP with fc1 biases (Qwen2.5-VL's ViT) on quack's epilogues only on GPU models where
+this check passed: --record adds this one to the user's table.
 """
 
 from typing import NamedTuple
@@ -17,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
-from megatron_hetero.models.kernel_policy import MLP_KERNEL_ENV
+from megatron_hetero.models.kernel_policy import GATED_BIAS_MLP_CHECKED, MLP_KERNEL_ENV, record_check
 from megatron_hetero.models.mlp import gated_ffn_padding
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
 from megatron_hetero.patches import grad_accum_fusion
@@ -122,8 +124,20 @@ def measure(case: Case, iters: int) -> dict:
                          TOLERANCE)
 
 
-def main(quick: bool, out: str) -> int:
+def main(quick: bool, out: str, record: bool = False) -> int:
+    """The table, PASS or FAIL; with `record`, a pass writes this GPU model into the user's table of GPUs
+    where a gated MLP with fc1 biases (Qwen2.5-VL's ViT, among the cases) runs on quack's epilogues."""
     grad_accum_fusion.apply()  # main_grad accumulation without apex, as in training
-    return run_table(QuackCheck(lambda: load_quack_gemm()[1], cases, measure, "tokens",
-                                "torch bf16 err (out / dx / dw1 / [db1 /] dw2) | quack err", "mlp_check.jsonl",
-                                f"the fused path above {TOLERANCE} of fp32", MLP_KERNEL_ENV), quick, out)
+    status = run_table(QuackCheck(lambda: load_quack_gemm()[1], cases, measure, "tokens",
+                                  "torch bf16 err (out / dx / dw1 / [db1 /] dw2) | quack err", "mlp_check.jsonl",
+                                  f"the fused path above {TOLERANCE} of fp32", MLP_KERNEL_ENV), quick, out)
+    if status != 0:
+        return status
+    name = torch.cuda.get_device_name()
+    if record:
+        print(f"recorded {name} in {record_check(name, gated_bias_mlp=True)}: the kernel policy's auto runs gated "
+              "MLPs with fc1 biases on quack's epilogues there")
+    elif name not in GATED_BIAS_MLP_CHECKED:
+        print(f"to run gated MLPs with fc1 biases on quack's epilogues on {name}: run again with --record, or "
+              f"export {MLP_KERNEL_ENV}=quack")
+    return status
