@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.boundary.transfer import ANNOTATION
-from megatron_hetero.cli.plan import GPUS, gpu_model
+from megatron_hetero.cli.plan import gpu_model
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 from megatron_hetero.models.kinds import ENCODER_KINDS
 from megatron_hetero.planner import Calibration, Cluster, model_flops, plan
-from megatron_hetero.planner.calibration import CALIBRATIONS
 from megatron_hetero.planner.candidates import micro_batches
 from megatron_hetero.planner.presets import (
     FAMILY_BENCHES,
@@ -281,8 +280,7 @@ def planner_answer(preset: BenchWorkload, world_size: int, gpu_memory_gb: float,
     # without them the planner answered "none fits" where a recomputed layout fits (W6 on an H100).
     workload = replace(trainer_workload(preset, trainer_vocab_size(preset), preset.frozen),
                        distributed_optimizer=True, allow_recompute=True)
-    calibration = Calibration.load(str(CALIBRATIONS / f"calibration_{GPUS[gpu][1]}.json"))
-    best = plan(workload, Cluster(world_size, gpu_memory_gb), calibration).best()
+    best = plan(workload, Cluster(world_size, gpu_memory_gb), Calibration.measured(gpu)).best()
     # The workload the run built (--as-trained; bench_e2e's depth and batch sizes), so that the command
     # gives the same answer.
     command = (f"megatron-hetero plan --workload {preset.name} --as-trained --llm-layers {preset.layers} "

@@ -14,7 +14,6 @@ import pytest
 from planner_fit import band_records, in_memory_band, predict_record_memory, record_attention
 
 from megatron_hetero.planner import Calibration
-from megatron_hetero.planner.calibration import CALIBRATIONS
 from megatron_hetero.planner.counts import activation_bytes_per_token_layer
 from megatron_hetero.planner.presets import FAMILY_BENCHES
 
@@ -32,7 +31,7 @@ KNOWN_GAPS = {
 
 def _calibration(record: dict) -> Calibration:
     gpu = "h100" if "H100" in record.get("device", "") else "h200"
-    return Calibration.load(str(CALIBRATIONS / f"calibration_{gpu}_measured.json"))
+    return Calibration.measured(gpu)
 
 
 def _band():

@@ -42,7 +42,7 @@ from pathlib import Path
 import planner_fit as pf
 
 from megatron_hetero.planner import Calibration
-from megatron_hetero.planner.calibration import CALIBRATIONS, DEFAULT_CALIBRATION
+from megatron_hetero.planner.calibration import DEFAULT_CALIBRATION
 from megatron_hetero.planner.presets import trainer_vocab_size
 from megatron_hetero.spec.layout import LayoutError, load_layout
 
@@ -135,7 +135,7 @@ def check_memory(paths: list[Path]) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     outside, groups = 0, []
     for path, record in records:
-        calibration = Calibration.load(CALIBRATIONS / f"calibration_{record_gpu(record)}_measured.json")
+        calibration = Calibration.measured(record_gpu(record))
         run, predicted = pf.predict_record_memory(record, LAYOUTS, calibration)
         measured = record["peak_gb_max"] * pf.GIB
         inside = pf.in_memory_band(predicted, measured)

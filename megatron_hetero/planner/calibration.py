@@ -223,3 +223,8 @@ class Calibration:
     @classmethod
     def load(cls, path: str) -> Calibration:
         return load_json(path, "calibration", cls.from_dict)
+
+    @classmethod
+    def measured(cls, gpu: str) -> Calibration:
+        """The shipped calibration fitted to bench_e2e runs on a GPU model (h100, h200)."""
+        return cls.load(str(CALIBRATIONS / f"calibration_{gpu}_measured.json"))

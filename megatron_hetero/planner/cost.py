@@ -275,13 +275,14 @@ class CostModel:
         if shape.frozen:
             return 0.0
         tokens = gpu_tokens(shape, layout, samples)
-        dtype = self.workload.dtype_bytes
-        kernel, _ = self.workload.attention_of(shape.name)
-        layer_input = shape.hidden * dtype / (layout.tp if layout.sp else 1)
+        layer_input = shape.hidden * self.workload.dtype_bytes / (layout.tp if layout.sp else 1)
         kept = shape.layers // layout.pp - recomputed
         kept_bytes = tokens * (recomputed * layer_input + kept * self._layer_bytes_per_token(shape, layout, tokens))
-        logits = self.logit_bytes(shape, layout, samples)
-        return kept_bytes * self.calibration.activation_factor(shape.role, kernel) + logits
+        return kept_bytes * self._factor(shape) + self.logit_bytes(shape, layout, samples)
+
+    def _factor(self, shape: ModuleShape) -> float:
+        """The calibration's measured activation factor for the module's role and attention kernel."""
+        return self.calibration.activation_factor(shape.role, self.workload.attention_of(shape.name)[0])
 
     def _layer_bytes_per_token(self, shape: ModuleShape, layout: ModuleLayout, tokens: float) -> float:
         """One layer's full activations per token (counts.activation_bytes_per_token_layer)."""
@@ -305,9 +306,7 @@ class CostModel:
         workload, held = self.workload, 0.0
         if recomputed and recomputed == shape.layers // layout.pp:
             tokens = gpu_tokens(shape, layout, samples)
-            kernel, _ = workload.attention_of(shape.name)
-            held = 2 * tokens * self._layer_bytes_per_token(shape, layout, tokens) * self.calibration.activation_factor(
-                shape.role, kernel)
+            held = 2 * tokens * self._layer_bytes_per_token(shape, layout, tokens) * self._factor(shape)
         if experts_run_grouped(shape, layout.etp, layout.ep, workload.weight_bytes, workload.grouped_experts):
             held += grouped_experts_transient_bytes(shape, layout.etp, layout.ep, workload.dtype_bytes)
         return held
