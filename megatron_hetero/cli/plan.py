@@ -52,7 +52,7 @@ from megatron_hetero.planner import (
     plan,
     trainer_workload,
 )
-from megatron_hetero.planner.calibration import CALIBRATIONS
+from megatron_hetero.planner.calibration import shipped_calibration
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, resized_workload, trainer_vocab_size
 from megatron_hetero.planner.shapes import H100_MEMORY_GB
 from megatron_hetero.spec.layout import load_layout
@@ -103,9 +103,9 @@ def resolve_calibration(args) -> str:
     if args.gpu_memory_gb is None:
         args.gpu_memory_gb = GPUS[gpu][0]
     name = args.calibration or GPUS[gpu][1]
-    shipped = CALIBRATIONS / f"calibration_{name}.json"
+    shipped = shipped_calibration(name)
     args.calibration = str(shipped) if shipped.is_file() else name
-    origin = "given by --calibration" if args.calibration != str(CALIBRATIONS / f"calibration_{GPUS[gpu][1]}.json") \
+    origin = "given by --calibration" if args.calibration != str(shipped_calibration(GPUS[gpu][1])) \
         else f"measured on the {gpu.upper()} ({how})"
     return f"calibration: {Path(args.calibration).name}, {origin}"
 

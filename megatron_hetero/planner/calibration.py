@@ -48,7 +48,14 @@ from megatron_hetero.planner.shapes import ATTENTION_KERNELS, ModuleShape, load_
 # The calibrations the package ships: the H200 figures the planner assumes by default (its notes say
 # where each comes from), and those fitted to measured H100 and H200 runs.
 CALIBRATIONS = Path(__file__).with_name("calibrations")
-DEFAULT_CALIBRATION = CALIBRATIONS / "calibration_h200.json"
+
+
+def shipped_calibration(name: str) -> Path:
+    """The file of the calibration the package ships as `name` (h200, h200_measured, ...)."""
+    return CALIBRATIONS / f"calibration_{name}.json"
+
+
+DEFAULT_CALIBRATION = shipped_calibration("h200")
 
 
 @dataclass(frozen=True)
@@ -227,4 +234,4 @@ class Calibration:
     @classmethod
     def measured(cls, gpu: str) -> Calibration:
         """The shipped calibration fitted to bench_e2e runs on a GPU model (h100, h200)."""
-        return cls.load(str(CALIBRATIONS / f"calibration_{gpu}_measured.json"))
+        return cls.load(str(shipped_calibration(f"{gpu}_measured")))
