@@ -32,6 +32,25 @@ def _global_rows(weight: torch.Tensor, tp_group) -> torch.Tensor:
     return torch.arange(local, device=weight.device) + tp_group.rank() * local
 
 
+class _PaddingToNegInf(torch.autograd.Function):
+    """forward: the logits' last columns, from `first` on, set to -inf in place; backward: their
+    gradient zeroed. (masked_fill with a mask over every column read and wrote the whole logits twice
+    more in the forward and in the backward: 11 ms a microbatch of 8,192 tokens x 151,680 on an H100.)"""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, first: int) -> torch.Tensor:
+        ctx.mark_dirty(logits)
+        ctx.first = first
+        logits[..., first:] = float("-inf")
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()  # the incoming gradient may be shared with another node
+        grad[..., ctx.first:] = 0
+        return grad, None
+
+
 def _mask_padding(vocab_size: int, padded: int, tp_group):
     """A forward hook of the output layer: logits of the padding at -inf (its local columns, or all
     columns where the output is gathered)."""
@@ -41,8 +60,7 @@ def _mask_padding(vocab_size: int, padded: int, tp_group):
         start = 0 if local == padded else tp_group.rank() * local
         if start + local <= vocab_size:
             return output
-        padding = torch.arange(start, start + local, device=logits.device) >= vocab_size
-        return logits.masked_fill(padding, float("-inf")), bias
+        return _PaddingToNegInf.apply(logits, max(vocab_size - start, 0)), bias
     return hook
 
 
