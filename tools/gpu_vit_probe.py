@@ -4,6 +4,7 @@ building.
 
     python3 tools/gpu_vit_probe.py [--iters 20] [--out DIR]   (one GPU; flash-attn-4 where importable)
     python3 tools/gpu_vit_probe.py --family qwen3_vl_8b       (its images' attention at head dim 72 only)
+    python3 tools/gpu_vit_probe.py --family internvl3_8b      (InternViT's tiles' attention at head dim 64 only)
     python3 tools/gpu_vit_probe.py --windows-only             (Qwen2.5-VL's windows' attention only)
 
 - attention within the windows (28 of the 32 layers) and within the images (the other 4), forward and
@@ -22,7 +23,10 @@ building.
 With --family qwen3_vl_8b, Qwen3-VL-8B's whole-image attention (16 heads x 72, no windows) alone, on
 each of SDPA's backends by itself too (cuDNN, FlashAttention-2, memory-efficient) and flash-attn-4 at
 72 unpadded (its Hopper backward as patches/fa4_backward.py leaves it: tiles rounded to 32) and
-padded to 80 and 96: which kernel runs 72 at the fewest milliseconds with right gradients.
+padded to 80 and 96: which kernel runs 72 at the fewest milliseconds with right gradients. With --family
+internvl3_8b, InternViT's attention over its bench sample's 12 tiles of 1,025 tokens (16 heads x 64, one
+dense batch in Megatron's [s, b, h, d] memory): SDPA's backends and flash-attn-4's dense kernel on the
+layers' views and on contiguous copies.
 One JSON line per row to DIR/vit_probe.jsonl (DIR: $OUT or out/); GPU kernels per call counted by
 torch.profiler for the compiled glue.
 """
@@ -55,6 +59,7 @@ from megatron_hetero.models.rope import rotate
 from megatron_hetero.models.short_attention import HAVE_TRITON, WARPS, short_attention
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
 from megatron_hetero.patches import fa4_backward
+from megatron_hetero.planner.families import FAMILY_BENCHES
 
 DEVICE, BF16 = "cuda", torch.bfloat16
 HEADS, HEAD_DIM, HIDDEN, FFN = 16, 80, 1280, 3424
@@ -140,9 +145,15 @@ def attention_rows(name: str, cu: torch.Tensor, iters: int, head_dim: int = HEAD
     ref = varlen_attention(*ref_leaves, plan, sdpa, scale)
     ref.backward(grad.float())
     want = [ref.detach()] + [t.grad for t in ref_leaves]
+    case = dict(case=name, segments=len(cu) - 1, longest=plan.max_q, tokens=total)
+    return measured_rows(case, variants, leaves, grad, want, iters)
+
+
+def measured_rows(case: dict, variants: dict, leaves: list, grad, want: list, iters: int) -> list[dict]:
+    """Per variant fn(q, k, v): output and gradients against `want` (fp32), forward and forward+backward ms."""
     rows = []
     for label, fn in variants.items():
-        row = dict(case=name, variant=label, segments=len(cu) - 1, longest=plan.max_q, tokens=total)
+        row = dict(case, variant=label)
         try:
             xs = [t.clone().requires_grad_() for t in leaves]
             out = fn(*xs)
@@ -157,6 +168,51 @@ def attention_rows(name: str, cu: torch.Tensor, iters: int, head_dim: int = HEAD
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         rows.append(row)
     return rows
+
+
+def internvl_rows(iters: int) -> list[dict]:
+    """InternViT's attention as its layers run it: the bench sample's tiles (1,025 tokens each, the class
+    token with 32 x 32 patches) as one dense batch, 16 heads x 64, q/k/v held [tokens, tiles, heads, 64]
+    (Megatron's [s, b, h, d]) and handed to the kernel as [b, s, h, d] or [b, h, s, d] views."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    vision = FAMILY_BENCHES["internvl3_8b"].config["vision_config"]
+    tiles = sum(FAMILY_BENCHES["internvl3_8b"].images.values())
+    seq = (vision["image_size"] // vision["patch_size"]) ** 2 + 1
+    heads, d = vision["num_attention_heads"], vision["hidden_size"] // vision["num_attention_heads"]
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    leaves = [torch.randn(seq, tiles, heads, d, device=DEVICE, generator=gen, dtype=BF16) for _ in range(3)]
+    grad = torch.randn(seq, tiles, heads, d, device=DEVICE, generator=gen, dtype=BF16)
+    scale = d**-0.5
+
+    def sdpa(q, k, v):  # [s, b, h, d] -> [b, h, s, d] views, the output back to [s, b, h, d]
+        return F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), scale=scale
+                                              ).permute(2, 0, 1, 3)
+
+    def on(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v)
+        return run
+
+    ref_leaves = [t.float().requires_grad_() for t in leaves]
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = sdpa(*ref_leaves)
+    ref.backward(grad.float())
+    want = [ref.detach()] + [t.grad for t in ref_leaves]
+    variants = {"sdpa (torch's pick)": sdpa, "sdpa, cuDNN": on(SDPBackend.CUDNN_ATTENTION),
+                "sdpa, FlashAttention-2": on(SDPBackend.FLASH_ATTENTION),
+                "sdpa, memory-efficient": on(SDPBackend.EFFICIENT_ATTENTION)}
+    fa4 = load_fa4()[0]
+    if fa4 is not None:
+        fa4_backward.apply()
+        variants["flash-attn-4 dense on the [b, s] views (what auto runs)"] = lambda q, k, v: fa4.func(
+            *(t.transpose(0, 1) for t in (q, k, v)), softmax_scale=scale, causal=False).transpose(0, 1)
+        variants["flash-attn-4 dense, inputs copied contiguous [b, s]"] = lambda q, k, v: fa4.func(
+            *(t.transpose(0, 1).contiguous() for t in (q, k, v)), softmax_scale=scale, causal=False
+        ).transpose(0, 1).contiguous()
+    case = dict(case="internvl3_8b tiles", segments=tiles, longest=seq, tokens=tiles * seq)
+    return measured_rows(case, variants, leaves, grad, want, iters)
 
 
 # ---- the glue -----------------------------------------------------------------------------------
@@ -256,9 +312,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
-    parser.add_argument("--family", choices=("qwen2_5_vl_7b", "qwen3_vl_8b"), default="qwen2_5_vl_7b")
+    parser.add_argument("--family", choices=("qwen2_5_vl_7b", "qwen3_vl_8b", "internvl3_8b"), default="qwen2_5_vl_7b")
     parser.add_argument("--windows-only", action="store_true", help="Qwen2.5-VL's windows' attention rows alone")
     args = parser.parse_args()
+    if args.family == "internvl3_8b":
+        write(internvl_rows(args.iters), args.out)
+        return
     if args.family == "qwen3_vl_8b":
         grids = qwen_bench_grids(args.family)
         write(attention_rows("qwen3_vl_8b images", get_vision_cu_seqlens(grids).cpu().int(), args.iters, 72,
