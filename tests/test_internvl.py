@@ -253,3 +253,23 @@ def test_images_as_transformers_processes_them(tmp_path):
         describe, it = (hf.tokenizer.convert_tokens_to_ids(w) for w in ("describe", "it"))
         expanded = [describe, *tokens.prefix, *[tokens.placeholder] * sum(items.rows), *tokens.suffix, it]
         assert want["input_ids"][0].tolist() == expanded, (width, height)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_fused_layer_scale_add_equals_eager(bias):
+    """--bias-dropout-fusion's layer-scale bias-dropout-add (torch.compile, as megatron-core's fused
+    bias-dropout-add) against the eager one: the output and every gradient (x, bias, residual, scale)."""
+    from megatron_hetero.families.internvl.vision import _scaled_bias_dropout_add
+
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(9, 2, 16, generator=g), torch.randn(16, generator=g), torch.randn(9, 2, 16, generator=g),
+              torch.rand(16, generator=g)]
+    dout = torch.randn(9, 2, 16, generator=g)
+    results = []
+    for fused in (True, False):
+        x, b, residual, scale = (t.clone().requires_grad_() for t in leaves)
+        out = _scaled_bias_dropout_add(scale)(True, fused)((x, b if bias else None), residual, 0.0)
+        out.backward(dout)
+        results.append([out.detach(), x.grad, residual.grad, scale.grad] + ([b.grad] if bias else []))
+    for fused, eager in zip(*results, strict=True):
+        torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-6)
