@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from planner_fit import band_records, in_memory_band, predict_record_memory, record_attention
+from planner_fit import band_records, in_memory_band, predict_record_memory, record_attention, record_gpu
 
 from megatron_hetero.planner import Calibration
 from megatron_hetero.planner.counts import activation_bytes_per_token_layer
@@ -30,8 +30,7 @@ KNOWN_GAPS = {
 
 
 def _calibration(record: dict) -> Calibration:
-    gpu = "h100" if "H100" in record.get("device", "") else "h200"
-    return Calibration.measured(gpu)
+    return Calibration.measured(record_gpu(record))
 
 
 def _band():

@@ -135,7 +135,7 @@ def check_memory(paths: list[Path]) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     outside, groups = 0, []
     for path, record in records:
-        calibration = Calibration.measured(record_gpu(record))
+        calibration = Calibration.measured(pf.record_gpu(record))
         run, predicted = pf.predict_record_memory(record, LAYOUTS, calibration)
         measured = record["peak_gb_max"] * pf.GIB
         inside = pf.in_memory_band(predicted, measured)
@@ -144,7 +144,7 @@ def check_memory(paths: list[Path]) -> int:
         kernels += ", fused MLP" if run.fused_mlp else ""
         kernels += ", fused cross entropy" if run.fused_cross_entropy else ""
         kernels += " (quack's)" if run.fused_cross_entropy and run.quack_loss else ""
-        print(f"| {path} | {record['workload']}, {record['llm_layers']} | {run.label} | {record_gpu(record)} "
+        print(f"| {path} | {record['workload']}, {record['llm_layers']} | {run.label} | {pf.record_gpu(record)} "
               f"| {kernels} | {measured:.1f} | {predicted:.1f} | {predicted - measured:+.1f}"
               f"{'' if inside else ' (outside)'} |")
         (group,) = pf.measured_groups([record], LAYOUTS, trainer_vocab_size()).values()
@@ -154,11 +154,6 @@ def check_memory(paths: list[Path]) -> int:
           f"{1 + pf.MEMORY_MARGIN:g}): "
           + json.dumps({key: round(value, 3) for key, value in fitted.activation_memory_factors.items()}))
     return 1 if outside else 0
-
-
-def record_gpu(record: dict) -> str:
-    """The shipped calibration's GPU model for a record: h100 or h200."""
-    return "h100" if "H100" in record.get("device", "") else "h200"
 
 
 def add_oom_runs(groups: dict, oom: list[str]) -> None:

@@ -156,6 +156,11 @@ def record_run(record: dict, layouts: Path) -> Run | None:
 ATTENTION_SUMMARY = re.compile(r"(?P<kernel>fa4|sdpa) \(head dim (?P<dim>\d+)(?: zero-padded to (?P<padded>\d+))?")
 
 
+def record_gpu(record: dict) -> str:
+    """The shipped calibration's GPU model for a record: h100 or h200."""
+    return "h100" if "H100" in record.get("device", "") else "h200"
+
+
 def record_attention(record: dict) -> tuple:
     """(module, kernel, head dim it ran at) of each module whose kernel the record names (records from
     before bench_e2e named them: none)."""
