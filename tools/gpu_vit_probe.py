@@ -104,22 +104,26 @@ def qwen2_5_variants(plan, scale) -> dict:
     return variants
 
 
-def qwen3_variants(plan, scale, d: int = 72) -> dict:
-    """The kernels for Qwen3-VL's ViT (head dim 72), by label: fn(q, k, v); SDPA's backends each alone."""
+def on_each_sdpa_backend(prefix: str, fn) -> dict:
+    """fn(q, k, v) with SDPA held to each of its backends, by label "<prefix>, <backend>"."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    sdpa, torch_flash = KernelChoice(SDPA, d, d), KernelChoice(TORCH_FLASH, d, d)
 
     def on(backend):
         def run(q, k, v):
             with sdpa_kernel(backend):
-                return varlen_attention(q, k, v, plan, sdpa, scale)
+                return fn(q, k, v)
         return run
 
-    variants = {"sdpa grouped by shape (torch's pick)": lambda q, k, v: varlen_attention(q, k, v, plan, sdpa, scale),
-                "sdpa grouped, cuDNN": on(SDPBackend.CUDNN_ATTENTION),
-                "sdpa grouped, FlashAttention-2": on(SDPBackend.FLASH_ATTENTION),
-                "sdpa grouped, memory-efficient": on(SDPBackend.EFFICIENT_ATTENTION),
+    return {f"{prefix}, {name}": on(backend) for name, backend in (
+        ("cuDNN", SDPBackend.CUDNN_ATTENTION), ("FlashAttention-2", SDPBackend.FLASH_ATTENTION),
+        ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION))}
+
+
+def qwen3_variants(plan, scale, d: int = 72) -> dict:
+    """The kernels for Qwen3-VL's ViT (head dim 72), by label: fn(q, k, v); SDPA's backends each alone."""
+    sdpa, torch_flash = KernelChoice(SDPA, d, d), KernelChoice(TORCH_FLASH, d, d)
+    grouped = lambda q, k, v: varlen_attention(q, k, v, plan, sdpa, scale)  # noqa: E731
+    variants = {"sdpa grouped by shape (torch's pick)": grouped, **on_each_sdpa_backend("sdpa grouped", grouped),
                 f"torch flash varlen (FA2, hd {d})":
                     lambda q, k, v: varlen_attention(q, k, v, plan, torch_flash, scale)}
     if load_fa4()[0] is not None:
@@ -189,20 +193,12 @@ def internvl_rows(iters: int) -> list[dict]:
         return F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), scale=scale
                                               ).permute(2, 0, 1, 3)
 
-    def on(backend):
-        def run(q, k, v):
-            with sdpa_kernel(backend):
-                return sdpa(q, k, v)
-        return run
-
     ref_leaves = [t.float().requires_grad_() for t in leaves]
     with sdpa_kernel(SDPBackend.MATH):
         ref = sdpa(*ref_leaves)
     ref.backward(grad.float())
     want = [ref.detach()] + [t.grad for t in ref_leaves]
-    variants = {"sdpa (torch's pick)": sdpa, "sdpa, cuDNN": on(SDPBackend.CUDNN_ATTENTION),
-                "sdpa, FlashAttention-2": on(SDPBackend.FLASH_ATTENTION),
-                "sdpa, memory-efficient": on(SDPBackend.EFFICIENT_ATTENTION)}
+    variants = {"sdpa (torch's pick)": sdpa, **on_each_sdpa_backend("sdpa", sdpa)}
     fa4 = load_fa4()[0]
     if fa4 is not None:
         fa4_backward.apply()
