@@ -268,7 +268,10 @@ def test_fused_layer_scale_add_equals_eager(bias):
     results = []
     for fused in (True, False):
         x, b, residual, scale = (t.clone().requires_grad_() for t in leaves)
-        out = _scaled_bias_dropout_add(scale)(True, fused)((x, b if bias else None), residual, 0.0)
+        torch._dynamo.utils.counters.clear()
+        with torch._dynamo.config.patch(disable=not fused):  # compiled: the tests' processes turn compile off
+            out = _scaled_bias_dropout_add(scale)(True, fused)((x, b if bias else None), residual, 0.0)
+        assert bool(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == fused
         out.backward(dout)
         results.append([out.detach(), x.grad, residual.grad, scale.grad] + ([b.grad] if bias else []))
     for fused, eager in zip(*results, strict=True):

@@ -251,6 +251,7 @@ def _megatron_local_pairs(ref_pgs):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_hetero.models.attention import SDPAttention
+    from megatron_hetero.models.quack_kernels import TORCH, QuackChoice
     from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
     from megatron_hetero.models.vlm import causal_mask, transformer_config
     from megatron_hetero.parallel.parallel_state import init_outside_training
@@ -266,6 +267,20 @@ def _megatron_local_pairs(ref_pgs):
         for spec in (block_spec(encoder_layer_spec(ref_pgs), config, ref_pgs), get_vit_layer_with_local_spec())
     ]
     results["encoder_block"] = _module_pairs(*blocks, x, attention_mask=None)
+    # With biases under --bias-dropout-fusion: our MLP's bias add and GELU as one compiled kernel.
+    fused = transformer_config(32, 2, 4, 1, torch.float32, add_bias_linear=True, bias_dropout_fusion=True)
+    blocks = [
+        TransformerBlock(fused, spec, pre_process=True, post_process=True, pg_collection=ref_pgs)
+        for spec in (block_spec(encoder_layer_spec(ref_pgs), fused, ref_pgs), get_vit_layer_with_local_spec())
+    ]
+    for layer in blocks[0].layers:  # megatron-core's forward with the fused bias-GELU, not the quack stand-in
+        assert layer.mlp.fused_bias_activation
+        layer.mlp.epilogue = QuackChoice(TORCH, "the path under test")
+    with torch.no_grad():  # megatron initializes biases to zero
+        for name, param in blocks[0].named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    results["encoder_block_fused_bias_gelu"] = _module_pairs(*blocks, x, attention_mask=None)
     blocks = [
         TransformerBlock(config, spec, pre_process=True, post_process=True, pg_collection=ref_pgs)
         for spec in (block_spec(llm_layer_spec(ref_pgs), config, ref_pgs), get_gpt_layer_local_spec())
@@ -334,7 +349,8 @@ def test_encoder_cp_reproduces_one_process(runs, case):
         _assert_pairs(rank_results[case], rtol=1e-5, grad_rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["encoder_block", "llm_block", "gqa_causal", "gqa_padding"])
+@pytest.mark.parametrize("case", ["encoder_block", "encoder_block_fused_bias_gelu", "llm_block", "gqa_causal",
+                                  "gqa_padding"])
 def test_matches_megatron_local_layers(runs, case):
     """Same weights, same inputs: outputs within 1e-6; gradients within 1e-5 (SDPA's kernels
     round differently from megatron's baddbmm + softmax)."""

@@ -147,7 +147,7 @@ def test_calls_below_the_minimum_take_megatrons_forward(monkeypatch):
     torch.nn.Module.__init__(module)
     module.linear_fc1, module.linear_fc2, module.config = fc1, fc2, _config(params_dtype=torch.bfloat16, bf16=True)
     module.epilogue = QuackChoice(QUACK, "gelu_erf", min_work=5 * 3 * 8 * 24)
-    module.activation, module.pad = "gelu_erf", 0
+    module.activation, module.pad, module.fused_bias_activation = "gelu_erf", 0, False
     for tokens in (4, 5):
         module(torch.randn(tokens, 3, 8))
     assert ran == ["megatron", "epilogue"]
@@ -201,6 +201,29 @@ def test_padded_swiglu_equals_megatrons_mlp(bias):
     for ours, theirs in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
         assert ours.shape == theirs.shape
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("activation", [F.gelu, functools.partial(F.gelu, approximate="tanh"), F.silu],
+                         ids=["gelu", "gelu_tanh", "silu"])
+def test_compiled_bias_activation_equals_eager(activation):
+    """The bias add and activation that megatron-core's forward runs unfused, compiled (torch.compile:
+    the tests' processes turn it off, on here): output and the input's and bias's gradients."""
+    from megatron_hetero.models.mlp import _bias_activation, _bias_activation_fused
+
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(9, 2, 16, generator=g), torch.randn(16, generator=g)]
+    dout = torch.randn(9, 2, 16, generator=g)
+    results = []
+    for function, compiled in ((_bias_activation_fused, True), (_bias_activation, False)):
+        x, bias = (t.clone().requires_grad_() for t in leaves)
+        torch._dynamo.utils.counters.clear()
+        with torch._dynamo.config.patch(disable=not compiled):
+            out = function(x, bias, activation)
+        assert bool(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compiled
+        out.backward(dout)
+        results.append([out.detach(), x.grad, bias.grad])
+    for compiled, eager in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
 
 
 def test_cpu_runs_torch():

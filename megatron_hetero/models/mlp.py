@@ -1,7 +1,8 @@
 """megatron-core's dense MLP with the activation inside its GEMMs where quack can run them
 (mlp_kernels.py: why, where, and how to pin torch's); a SwiGLU MLP with a per-rank ffn whose bf16
 rows are not 16-byte aligned on GEMMs of the ffn zero-padded to alignment, quack's or, where quack
-does not run it, torch's (padded_swiglu_mlp); megatron-core's own forward everywhere else.
+does not run it, torch's (padded_swiglu_mlp); megatron-core's own forward everywhere else, with fc1's
+bias and a plain activation as one compiled kernel where megatron-core has none (fuses_bias_activation).
 
 The same module as megatron-core's MLP (its linear_fc1 / linear_fc2 parameters, names, checkpoints
 and TP sharding unchanged); only the forward differs where the epilogue path runs. Its communication
@@ -18,6 +19,7 @@ ffn / TP no longer kept.
 import dataclasses
 
 import torch
+from megatron.core.jit import jit_fuser
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -52,6 +54,26 @@ def _own_forward_problem(config, fc1, fc2) -> str | None:
     if fc1.is_expert or fc1.disable_grad_reduce or config.fp8 or config.delay_wgrad_compute:
         return "an expert, FP8 or delayed weight-gradient MLP"
     return None
+
+
+def _bias_activation(x: torch.Tensor, bias: torch.Tensor, activation) -> torch.Tensor:
+    return activation(x + bias)
+
+
+# One compiled kernel each way (megatron-core's jit_fuser: torch.compile) for the bias add and activation
+# that megatron-core's MLP runs as two eager passes forward and more backward where it has no fused kernel
+# for the function (its bias_gelu_impl computes GELU's tanh approximation, not erf's).
+_bias_activation_fused = jit_fuser(_bias_activation)
+
+
+def fuses_bias_activation(config, fc1, fc2) -> bool:
+    """Whether an MLP of `config` with these linears, where megatron-core's forward runs, adds fc1's bias
+    and applies its plain (not gated) activation in one compiled kernel: under --bias-dropout-fusion
+    (megatron's switch for its compiled elementwise kernels; off without a GPU), where megatron-core
+    would run them as two unfused steps."""
+    return (config.bias_dropout_fusion and fc1.bias is not None and not config.gated_linear_unit
+            and not config.bias_activation_fusion and not config.use_te_activation_func
+            and _own_forward_problem(config, fc1, fc2) is None)
 
 
 def epilogue_choice(config, fc1, fc2, kernel: QuackChoice) -> QuackChoice:
@@ -113,6 +135,7 @@ class EpilogueMLP(MLP):
             self.epilogue = dataclasses.replace(
                 self.epilogue, reason=f"{self.epilogue.reason}; ffn {ffn} zero-padded to {ffn + self.pad}")
         self.activation = quack_activation(self.config)
+        self.fused_bias_activation = fuses_bias_activation(self.config, self.linear_fc1, self.linear_fc2)
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
@@ -120,6 +143,9 @@ class EpilogueMLP(MLP):
         gathered = fc1.tp_group.size() if fc1.sequence_parallel else 1
         quack = self.epilogue.runs_quack(hidden_states.numel() * gathered * fc1.weight.shape[0])
         if (not (quack or self.pad) or per_token_scale is not None or not epilogue_input(hidden_states)):
+            if self.fused_bias_activation and per_token_scale is None:
+                intermediate, bias = fc1(hidden_states)
+                return fc2(_bias_activation_fused(intermediate, bias, self.config.activation_func))
             return super().forward(hidden_states, per_token_scale, **kwargs)
         if fc1.sequence_parallel:
             x = gather_from_sequence_parallel_region(hidden_states, group=fc1.tp_group)
