@@ -251,6 +251,7 @@ def _megatron_local_pairs(ref_pgs):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_hetero.models.attention import SDPAttention
+    from megatron_hetero.models.mlp import mlp_summary
     from megatron_hetero.models.quack_kernels import TORCH, QuackChoice
     from megatron_hetero.models.specs import block_spec, encoder_layer_spec, llm_layer_spec
     from megatron_hetero.models.vlm import causal_mask, transformer_config
@@ -276,6 +277,7 @@ def _megatron_local_pairs(ref_pgs):
     for layer in blocks[0].layers:  # megatron-core's forward with the fused bias-GELU, not the quack stand-in
         assert layer.mlp.fused_bias_activation
         layer.mlp.epilogue = QuackChoice(TORCH, "the path under test")
+    assert mlp_summary(blocks[0]) == "torch (the path under test); torch's path: fc1 bias and activation compiled"
     with torch.no_grad():  # megatron initializes biases to zero
         for name, param in blocks[0].named_parameters():
             if name.endswith("bias"):

@@ -162,7 +162,10 @@ class EpilogueMLP(MLP):
 
 
 def mlp_summary(module: torch.nn.Module) -> str:
-    """The kernels a model part's MLPs run (e.g. "quack (gelu_erf)", "torch (no GPU)"), for the start-up
-    line and benchmark records; "none" for a part without our MLPs."""
-    found = [str(sub.epilogue) for sub in module.modules() if isinstance(sub, EpilogueMLP)]
+    """The kernels a model part's MLPs run (e.g. "quack (gelu_erf)", "torch (no GPU)", and where megatron-core's
+    forward runs them, whether fc1's bias and activation are compiled), for the start-up line and benchmark
+    records; "none" for a part without our MLPs."""
+    compiled = "; torch's path: fc1 bias and activation compiled"
+    found = [str(sub.epilogue) + (compiled if sub.fused_bias_activation else "")
+             for sub in module.modules() if isinstance(sub, EpilogueMLP)]
     return "; ".join(dict.fromkeys(found)) or "none"
