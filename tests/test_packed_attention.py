@@ -153,3 +153,33 @@ def test_fused_heads_refuse_inference():
     attention.fused = True
     with pytest.raises(ValueError, match="not inference"):
         attention.forward(torch.zeros(4, 1, 8), None, inference_context=object())
+
+
+@pytest.mark.parametrize("rope, pad", [(False, 0), (True, 0), (True, 8)], ids=["no_rope", "rope", "rope_padded"])
+def test_compiled_heads_equal_eager(rope, pad):
+    """packed_heads and cut_heads as GPUs run them, compiled whole (fullgraph: a graph break fails), here on
+    the CPU (the tests' processes turn compile off; on here) against eager, in float64: the heads, the cut
+    and the gradients of the QKV output, its bias and the rotary tables."""
+    from megatron_hetero.models.packed_attention import _compiled, cut_heads, packed_heads
+
+    groups, per_group, head_dim, tokens = 2, 2, 8, 11
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(tokens, 1, groups * (per_group + 2) * head_dim, generator=g, dtype=torch.float64),
+              torch.randn(groups * (per_group + 2) * head_dim, generator=g, dtype=torch.float64)]
+    leaves += [torch.randn(tokens, 1, 1, head_dim, generator=g, dtype=torch.float64) for _ in range(4 if rope else 0)]
+    results = []
+    for compiled in (True, False):
+        mixed, bias, *tables = (t.clone().requires_grad_() for t in leaves)
+        torch._dynamo.utils.counters.clear()
+        with torch._dynamo.config.patch(disable=not compiled):
+            heads_fn, cut_fn = (_compiled(f) if compiled else f for f in (packed_heads, cut_heads))
+            q, k, v = heads_fn(mixed, bias, tuple(tables) or None, groups, per_group, head_dim, head_dim + pad)
+            cut = cut_fn(q.flatten(1)[:, None], groups * per_group, head_dim)
+        assert bool(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compiled
+        outputs = [q, k, v, cut]
+        weights = [torch.randn(t.shape, generator=torch.Generator().manual_seed(i), dtype=t.dtype)
+                   for i, t in enumerate(outputs)]
+        sum((t * w).sum() for t, w in zip(outputs, weights, strict=True)).backward()
+        results.append([t.detach() for t in outputs] + [t.grad for t in (mixed, bias, *tables)])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -312,6 +312,29 @@ def test_fused_rope_is_upstreams_rope(dtype):
                        rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=group))
 
 
+def test_compiled_rotation_equals_eager():
+    """The rotation as patches/rope.py runs it on GPUs (compiled), here on the CPU (the tests' processes turn
+    compile off; on here) against eager, in float64: output and the gradients of the input and the tables."""
+    from megatron_hetero.models.rope import rotate
+    from megatron_hetero.patches.rope import _compiled_rotate
+
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(7, 2, 3, 16, generator=g, dtype=torch.float64)]
+    leaves += [torch.randn(7, 1, 1, 16, generator=g, dtype=torch.float64) for _ in range(2)]
+    dout = torch.randn(7, 2, 3, 16, generator=g, dtype=torch.float64)
+    results = []
+    for function, compiled in ((_compiled_rotate(), True), (rotate, False)):
+        t, cos, sin = (x.clone().requires_grad_() for x in leaves)
+        torch._dynamo.utils.counters.clear()
+        with torch._dynamo.config.patch(disable=not compiled):
+            out = function(t, cos, sin)
+        assert bool(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compiled
+        out.backward(dout)
+        results.append([out.detach(), t.grad, cos.grad, sin.grad])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_rope_is_fused_where_the_layers_policy_and_shape_allow(monkeypatch):
     """The fused rotation takes upstream's bshd path only: the whole head rotated, not interleaved, no
     packed thd layout or TE fusion asked; and not where the layer's kernel policy says eager
