@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_hetero.families import family_named
 from megatron_hetero.hf import HFMappingError
 from megatron_hetero.spec.sizes import ModelSizes
-from tests.compiling import compiling
+from tests.compiling import assert_compiled_equals_eager
 from tests.distributed import collect_distributed
 from tests.internvl_models import (
     CONFIGS,
@@ -266,12 +266,7 @@ def test_fused_layer_scale_add_equals_eager(bias):
     leaves = [torch.randn(9, 2, 16, generator=g), torch.randn(16, generator=g), torch.randn(9, 2, 16, generator=g),
               torch.rand(16, generator=g)]
     dout = torch.randn(9, 2, 16, generator=g)
-    results = []
-    for fused in (True, False):
-        x, b, residual, scale = (t.clone().requires_grad_() for t in leaves)
-        with compiling(fused):
-            out = _scaled_bias_dropout_add(scale)(True, fused)((x, b if bias else None), residual, 0.0)
-        out.backward(dout)
-        results.append([out.detach(), x.grad, residual.grad, scale.grad] + ([b.grad] if bias else []))
-    for fused, eager in zip(*results, strict=True):
-        torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-6)
+    assert_compiled_equals_eager(
+        lambda fused, x, b, residual, scale: _scaled_bias_dropout_add(scale)(True, fused)(
+            (x, b if bias else None), residual, 0.0),
+        leaves, dout, tol=1e-6)

@@ -40,7 +40,7 @@ from megatron_hetero.models.mlp_kernels import (
 )
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choose_quack
 from megatron_hetero.spec.sizes import MLP_MIN_MACS
-from tests.compiling import compiling
+from tests.compiling import assert_compiled_equals_eager
 from tests.quack_stand_in import STAND_IN
 
 
@@ -214,15 +214,9 @@ def test_compiled_bias_activation_equals_eager(activation):
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(9, 2, 16, generator=g), torch.randn(16, generator=g)]
     dout = torch.randn(9, 2, 16, generator=g)
-    results = []
-    for function, compiled in ((_bias_activation_fused, True), (_bias_activation, False)):
-        x, bias = (t.clone().requires_grad_() for t in leaves)
-        with compiling(compiled):
-            out = function(x, bias, activation)
-        out.backward(dout)
-        results.append([out.detach(), x.grad, bias.grad])
-    for compiled, eager in zip(*results, strict=True):
-        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert_compiled_equals_eager(
+        lambda compiled, x, bias: (_bias_activation_fused if compiled else _bias_activation)(x, bias, activation),
+        leaves, dout, tol=1e-6)
 
 
 def test_cpu_runs_torch():

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_hetero import launch
 from megatron_hetero.patches import PatchError, _patch, apply, check_version
-from tests.compiling import compiling
+from tests.compiling import assert_compiled_equals_eager
 from tests.distributed import run_distributed
 
 # Everything apply() changes, in the order it does (the CPU ones only where no GPU is present): the
@@ -323,15 +323,8 @@ def test_compiled_rotation_equals_eager():
     leaves = [torch.randn(7, 2, 3, 16, generator=g, dtype=torch.float64)]
     leaves += [torch.randn(7, 1, 1, 16, generator=g, dtype=torch.float64) for _ in range(2)]
     dout = torch.randn(7, 2, 3, 16, generator=g, dtype=torch.float64)
-    results = []
-    for function, compiled in ((_compiled_rotate(), True), (rotate, False)):
-        t, cos, sin = (x.clone().requires_grad_() for x in leaves)
-        with compiling(compiled):
-            out = function(t, cos, sin)
-        out.backward(dout)
-        results.append([out.detach(), t.grad, cos.grad, sin.grad])
-    for got, want in zip(*results, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert_compiled_equals_eager(lambda compiled, *inputs: (_compiled_rotate() if compiled else rotate)(*inputs),
+                                 leaves, dout, tol=1e-12)
 
 
 def test_rope_is_fused_where_the_layers_policy_and_shape_allow(monkeypatch):
