@@ -167,6 +167,27 @@ def test_a_layout_file_that_is_megatrons_layout_is_predicted_as_homogeneous():
                           **{name: {"colocated"} for name in names[4:]}}
 
 
+def test_a_batched_encoder_on_megatrons_layout_is_colocated():
+    """An encoder at the LLM's TP and DP but run once per k microbatches (`microbatches: k`) is not
+    Megatron's layout (it has no pass over several): the file is colocated and predicted at k
+    microbatches' work a pass, k times fewer passes, at or under the GPU's ceiling."""
+    cluster = Cluster(1, 150)
+    workload = replace(W1, global_batch=4, micro_batch=1)
+    model = CostModel(workload, cluster, Calibration())
+
+    def layout(k):
+        return parse_layout({"placement": "colocated", "modules": {"vision": {"role": "encoder", "microbatches": k},
+                                                                   "llm": {"role": "llm"}}}, 1)
+
+    (one,), (four,) = (candidate_from_layout(layout(k), workload, cluster) for k in (1, 4))
+    assert (one.placement, four.placement) == ("homogeneous", "colocated")
+    assert model.encoder_samples(four, four.encoders[0]) == 4 * model.encoder_samples(one, one.encoders[0])
+    each, batched = model.predict(one), model.predict(four)
+    assert batched.busy["vision"].compute == pytest.approx(each.busy["vision"].compute, rel=0.05)
+    assert batched.tflops_per_gpu <= Calibration().matmul_tflops
+    assert batched.memory_gb > each.memory_gb  # four microbatches' encoder activations at once
+
+
 @pytest.mark.parametrize("name, llm", [("gpu2_homogeneous_pp2_stacked", dict(pp=2)),
                                        ("gpu2_homogeneous_cp2", dict(cp=2))])
 def test_the_homogeneous_prediction_is_the_example_layout(name, llm):

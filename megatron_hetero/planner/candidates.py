@@ -193,9 +193,10 @@ def _variants(workload: Workload, placement: str, layouts: tuple[ModuleLayout, .
 
 def is_homogeneous(encoders: tuple[ModuleLayout, ...], llm: ModuleLayout) -> bool:
     """Whether colocated module layouts are Megatron's homogeneous one: every encoder takes the
-    LLM's TP, DP and CP (replicated over it) and, where the LLM has PP, sits on its first stage."""
+    LLM's TP, DP and CP (replicated over it), where the LLM has PP sits on its first stage, and
+    runs once per microbatch (Megatron has no pass over several)."""
     return all(e.tp == llm.tp and e.dp == llm.dp and e.cp == llm.cp and e.cp_replicated == (llm.cp > 1)
-               and e.on_first_stage == (llm.pp > 1) for e in encoders)
+               and e.on_first_stage == (llm.pp > 1) and e.microbatches == 1 for e in encoders)
 
 
 def enumerate_candidates(workload: Workload, cluster: Cluster):
