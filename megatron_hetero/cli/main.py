@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    from megatron_hetero.models.accelerators import ignore_missing_warnings
+
+    ignore_missing_warnings()  # before a command imports megatron-core
     module, _, function = COMMANDS[argv[0]][1].partition(":")
     return getattr(importlib.import_module(module), function)(argv[1:], prog=f"megatron-hetero {argv[0]}")
 

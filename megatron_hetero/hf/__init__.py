@@ -9,11 +9,16 @@ part into any layout's stage.
     export_hf("out-dir", imported.family, imported.sizes, full, imported.config)
 """
 
-from megatron_hetero.convert.family import Family
-from megatron_hetero.convert.files import Imported, export_hf, import_hf
-from megatron_hetero.convert.registry import FAMILIES, family_of
-from megatron_hetero.convert.rules import HFMappingError
-from megatron_hetero.models.full_state import load_full_tensors
+from megatron_hetero.models.accelerators import ignore_missing_warnings
+
+# `python -m megatron_hetero.hf`, a command, imports this package, and with it megatron-core, first.
+ignore_missing_warnings()
+
+from megatron_hetero.convert.family import Family  # noqa: E402
+from megatron_hetero.convert.files import Imported, export_hf, import_hf  # noqa: E402
+from megatron_hetero.convert.registry import FAMILIES, family_of  # noqa: E402
+from megatron_hetero.convert.rules import HFMappingError  # noqa: E402
+from megatron_hetero.models.full_state import load_full_tensors  # noqa: E402
 
 __all__ = ["FAMILIES", "Family", "HFMappingError", "Imported", "export_hf", "family_of", "import_hf",
            "load_full_tensors"]

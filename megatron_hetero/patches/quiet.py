@@ -4,14 +4,11 @@ installed" warnings (one per importing module and process). Installed before meg
 import os
 import warnings
 
-from megatron_hetero.models.accelerators import installed
-
-_MISSING_ACCELERATORS = (r".*(Transformer Engine and Apex are not installed|Apex is not installed"
-                         r"|Only transformer-engine>=\S+ supports)")
+from megatron_hetero.models.accelerators import ignore_missing_warnings, installed
 
 
 def install() -> None:
-    warnings.filterwarnings("ignore", message=_MISSING_ACCELERATORS, category=UserWarning)
+    ignore_missing_warnings()
     warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
     missing = [name for name, module in (("Transformer Engine", "transformer_engine"), ("apex", "apex"))
                if not installed(module)]
