@@ -199,3 +199,23 @@ def test_breakdown_draws_a_records_step(tmp_path, capsys):
     assert main(["breakdown", str(bad), "--png", str(png)]) == 2
     assert capsys.readouterr().err.endswith("the record has no per-rank phases (`ranks`): give a record of "
                                             "benchmarks/bench_e2e.py\n")
+    for text, error in (("", "no records"), ('{"ranks": []}\n[1]\n', "line 2 is not a JSON object"),
+                        ("step 1\n", "line 1 is not a JSON object")):
+        bad.write_text(text)
+        assert main(["breakdown", str(bad), "--png", str(png)]) == 2
+        assert capsys.readouterr().err == f"error: {bad}: {error}; give a file benchmarks/bench_e2e.py wrote\n"
+    assert main(["breakdown", str(records), "--record", "99", "--png", str(png)]) == 2
+    assert capsys.readouterr().err.endswith(": no record 99: the file holds 6; give --record 0 to 5\n")
+
+
+@pytest.mark.parametrize("text, error", [("[1]\n", "line 1 is not a JSON object"),
+                                         ('{"spans": []}\n', "a line has no step")])
+def test_timeline_of_a_bad_file_is_one_line(tmp_path, capsys, text, error):
+    """A rank's timeline file that is not a run's: one error line naming that file."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    rank = tmp_path / "metrics.jsonl.timeline.rank0.jsonl"
+    rank.write_text(text)
+    assert main(["timeline", str(metrics), "--png", str(tmp_path / "t.png")]) == 2
+    assert capsys.readouterr().err == (f"error: {metrics}: {rank}: {error}; give a file a run with "
+                                       "--timing-log-level 2 wrote\n")

@@ -5,6 +5,10 @@ named; arrows are the boundary edges. matplotlib is optional (`pip install megat
 
 from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout
 
+# What writes the files the commands read (their error lines name it).
+BENCH_WRITER = "benchmarks/bench_e2e.py"
+TIMELINE_WRITER = "a run with --timing-log-level 2"
+
 
 def draw_layout(layout: HeteroLayout, path: str) -> None:
     try:
@@ -74,7 +78,7 @@ def draw_breakdown(record: dict, path: str) -> None:
     plt = _pyplot()
     ranks = record.get("ranks")
     if not ranks:
-        raise ValueError("the record has no per-rank phases (`ranks`): give a record of benchmarks/bench_e2e.py")
+        raise ValueError(f"the record has no per-rank phases (`ranks`): give a record of {BENCH_WRITER}")
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * len(ranks)))
     colours = plt.get_cmap("tab10")
     left = [0.0] * len(ranks)
@@ -126,11 +130,33 @@ def draw_timeline(steps: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def _read_lines(path) -> list[dict]:
+def _read_lines(path, writer: str) -> list[dict]:
+    """The file's JSON lines, each an object (ValueError naming the first line that is not, and
+    `writer`, what writes such files)."""
     import json
 
+    records = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict):
+                raise ValueError(f"line {number} is not a JSON object; give a file {writer} wrote")
+            records += [record] if record else []
+    return records
+
+
+def _timeline_steps(path) -> dict[int, dict]:
+    """A rank's timeline file by step (ValueError naming the file where a line is not a step's)."""
+    try:
+        records = _read_lines(path, TIMELINE_WRITER)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    if not all("step" in record for record in records):
+        raise ValueError(f"{path}: a line has no step; give a file {TIMELINE_WRITER} wrote")
+    return {record["step"]: record for record in records}
 
 
 def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero timeline") -> int:
@@ -154,7 +180,7 @@ def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero ti
         if not files:
             raise ValueError(f"no timeline beside it ({timeline_file(args.metrics, 0)}, ...): train with "
                              f"--timing-log-level 2 and --metrics-file {args.metrics}")
-        ranks = [{record["step"]: record for record in _read_lines(file)} for file in files]
+        ranks = [_timeline_steps(file) for file in sorted(files)]
         step = args.step if args.step is not None else min(max(steps) for steps in ranks)
         missing = [file for file, steps in zip(files, ranks) if not steps.get(step, {}).get("spans")]
         if missing:
@@ -179,8 +205,14 @@ def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero b
     parser.add_argument("--png", required=True, metavar="FILE", help="the PNG file to write")
     args = parser.parse_args(argv)
     try:
-        draw_breakdown(_read_lines(args.records)[args.record], args.png)
-    except (OSError, ValueError, IndexError, KeyError) as error:
+        records = _read_lines(args.records, BENCH_WRITER)
+        if not records:
+            raise ValueError(f"no records; give a file {BENCH_WRITER} wrote")
+        if not -len(records) <= args.record < len(records):
+            raise ValueError(f"no record {args.record}: the file holds {len(records)}; give --record 0 to "
+                             f"{len(records) - 1}")
+        draw_breakdown(records[args.record], args.png)
+    except (OSError, ValueError, KeyError) as error:
         print(f"error: {args.records}: {error}", file=sys.stderr)
         return 2
     print(f"wrote {args.png}")
