@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from megatron_hetero.cli.picture import draw_layout
+from megatron_hetero.cli.picture import PictureError, draw_layout
 from megatron_hetero.families import UnknownFamilyError, encoder_cp_tokens, encoder_stage_problem, family_named
 from megatron_hetero.models.kinds import UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron_hetero.l
         edges = _model_checks(layout, args.model_sizes) if args.model_sizes else []
         if getattr(args, "png", None):
             draw_layout(layout, args.png)
-    except LayoutError as exc:
+    except (LayoutError, PictureError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     groups = [group_lines(m) for m in layout.modules] if args.command == "show" else []

@@ -174,6 +174,16 @@ def test_layout_show_png_without_matplotlib(tmp_path, capsys, monkeypatch):
     assert err == "error: --png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)\n"
 
 
+@pytest.mark.parametrize("command", [["layout", "show", DEMO, "--world-size", "4"],
+                                     ["breakdown", str(ROOT / "docs" / "runs" / "bench_e2e" /
+                                                       "w1_layouts_h200x2_bench_e2e.jsonl")]])
+def test_a_png_that_cannot_be_written_is_one_line(tmp_path, capsys, command):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "missing" / "x.png"
+    assert main([*command, "--png", str(png)]) == 2
+    assert capsys.readouterr().err == f"error: --png {png}: cannot write it: No such file or directory\n"
+
+
 def test_every_flag_of_ours_has_help():
     """`examples/pretrain_vlm.py --help`: every flag of megatron-hetero's groups (those every script
     gets and the example's own) has a help text."""

@@ -3,7 +3,12 @@ rank (GPU), one row per module; each cell is the rank's coordinates in that modu
 data-parallel index, each tensor-parallel group framed, each context-parallel group and pipeline stage
 named; arrows are the boundary edges. matplotlib is optional (`pip install megatron-hetero[plot]`)."""
 
-from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout
+from megatron_hetero.spec.layout import HeteroLayout, ModuleLayout
+
+
+class PictureError(ValueError):
+    """A picture that cannot be drawn or written (no matplotlib, a --png path that cannot be written):
+    one line."""
 
 # What writes the files the commands read (their error lines name it).
 BENCH_WRITER = "benchmarks/bench_e2e.py"
@@ -11,14 +16,9 @@ TIMELINE_WRITER = "a run with --timing-log-level 2"
 
 
 def draw_layout(layout: HeteroLayout, path: str) -> None:
-    try:
-        import matplotlib
+    plt = _pyplot()
+    from matplotlib.patches import FancyArrowPatch, Rectangle
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import FancyArrowPatch, Rectangle
-    except ImportError:
-        raise LayoutError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
     rows = {m.name: len(layout.modules) - 1 - i for i, m in enumerate(layout.modules)}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * layout.world_size + 3), 1.3 * len(rows) + 1.2))
     colours = plt.get_cmap("tab20")
@@ -40,9 +40,7 @@ def draw_layout(layout: HeteroLayout, path: str) -> None:
     edges = ", ".join(str(e) for e in layout.edges)
     ax.set_title(f"{layout.placement} layout, world size {layout.world_size}; edges: {edges}\n"
                  "colour: data-parallel index; frame: tensor-parallel group")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _draw_module(ax, module: ModuleLayout, y: int, colours, rectangle) -> None:
@@ -66,8 +64,20 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
+        raise PictureError("--png needs matplotlib: pip install 'megatron-hetero[plot]' (or matplotlib)") from None
     return plt
+
+
+def _save(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as error:
+        raise PictureError(f"--png {path}: cannot write it: {error.strerror or error}") from None
+    finally:
+        plt.close(fig)
 
 
 def draw_breakdown(record: dict, path: str) -> None:
@@ -96,9 +106,7 @@ def draw_breakdown(record: dict, path: str) -> None:
     ax.set_title(f"{record.get('workload', '')} under {record.get('layout', '')} on {record.get('gpus', '?')} "
                  f"{record.get('device', 'GPUs')}: {record.get('tokens_per_s', 0):,.0f} tokens/s")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def draw_timeline(steps: list[dict], path: str) -> None:
@@ -125,9 +133,7 @@ def draw_timeline(steps: list[dict], path: str) -> None:
                   "white: outside the timed phases)")
     ax.set_title(f"training step {steps[0]['step']}: each rank's phases, and its waits on other ranks (black)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _read_lines(path, writer: str) -> list[dict]:
@@ -186,6 +192,9 @@ def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero ti
         if missing:
             raise ValueError(f"step {step} has no spans in {missing[0]}; give a --step every rank timed")
         draw_timeline([steps[step] for steps in ranks], args.png)
+    except PictureError as error:  # names the --png file
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, KeyError) as error:
         print(f"error: {args.metrics}: {error}", file=sys.stderr)
         return 2
@@ -212,6 +221,9 @@ def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero b
             raise ValueError(f"no record {args.record}: the file holds {len(records)}; give --record 0 to "
                              f"{len(records) - 1}")
         draw_breakdown(records[args.record], args.png)
+    except PictureError as error:  # names the --png file
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, KeyError) as error:
         print(f"error: {args.records}: {error}", file=sys.stderr)
         return 2
