@@ -430,7 +430,10 @@ def test_cli_prints_the_plan_and_writes_a_checked_layout(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "W1", "--gpus", "0"], "error: gpus must be a positive integer"),
-    (["--workload", "W1", "--calibration", "/nonexistent.json"], "error: /nonexistent.json: cannot read calibration"),
+    (["--workload", "W1", "--calibration", "/nonexistent.json"],
+     "error: --calibration /nonexistent.json: neither a file nor a shipped calibration; name a file or one of "
+     "h100_measured, h200"),
+    (["--workload", "W1", "--calibration", "h300"], "error: --calibration h300: neither a file nor a shipped"),
     (["--workload", "W1", "--global-batch-size", "-1"], "error: global batch must be a positive integer"),
     (["--workload", "W1", "--gpus", "4", "--layouts", "examples/layouts/gpu2_colocated.yaml"],
      "error: examples/layouts/gpu2_colocated.yaml: module vision: tp*cp*dp*pp = 2"),

@@ -52,7 +52,7 @@ from megatron_hetero.planner import (
     plan,
     trainer_workload,
 )
-from megatron_hetero.planner.calibration import shipped_calibration
+from megatron_hetero.planner.calibration import shipped_calibration, shipped_names
 from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, resized_workload, trainer_vocab_size
 from megatron_hetero.planner.shapes import H100_MEMORY_GB
 from megatron_hetero.spec.layout import load_layout
@@ -104,6 +104,9 @@ def resolve_calibration(args) -> str:
         args.gpu_memory_gb = GPUS[gpu][0]
     name = args.calibration or GPUS[gpu][1]
     shipped = shipped_calibration(name)
+    if not shipped.is_file() and not Path(name).is_file():
+        raise ValueError(f"--calibration {name}: neither a file nor a shipped calibration; name a file or one of "
+                         f"{', '.join(shipped_names())}")
     args.calibration = str(shipped) if shipped.is_file() else name
     origin = "given by --calibration" if args.calibration != str(shipped_calibration(GPUS[gpu][1])) \
         else f"measured on the {gpu.upper()} ({how})"

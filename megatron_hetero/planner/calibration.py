@@ -55,6 +55,11 @@ def shipped_calibration(name: str) -> Path:
     return CALIBRATIONS / f"calibration_{name}.json"
 
 
+def shipped_names() -> list[str]:
+    """The names of the calibrations the package ships."""
+    return sorted(p.stem.removeprefix("calibration_") for p in CALIBRATIONS.glob("calibration_*.json"))
+
+
 DEFAULT_CALIBRATION = shipped_calibration("h200")
 
 
