@@ -55,7 +55,9 @@ for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
   done
 done
 grep -E "^(attention|mlp|norms|experts|loss):|error:|out of memory" "$out/ab.log" | sort | uniq -c | head -12
-summary=(); for arm in "${arms[@]}"; do [ -f "$out/$arm.jsonl" ] && summary+=("$arm=$out/$arm.jsonl"); done
+# Each arm's file once, though ARMS may name an arm more than once a round (B C B).
+summary=(); for arm in $(printf '%s\n' "${arms[@]}" | awk '!seen[$0]++'); do
+  [ -f "$out/$arm.jsonl" ] && summary+=("$arm=$out/$arm.jsonl"); done
 if [ ${#summary[@]} = 0 ]; then echo "no record: every run stopped (the lines above; $out/ab.log)" | tee "$out/summary.md"
 else python3 benchmarks/ab_summary.py "${summary[@]}" | tee "$out/summary.md"; fi
 echo "done at $((SECONDS - start)) s"

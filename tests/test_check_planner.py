@@ -221,9 +221,9 @@ def test_the_usable_memory_share_is_fitted_where_runs_ran_out():
 def test_a_fused_mlp_keeps_no_activation_output():
     """A dense MLP on quack's GEMM epilogues (models/mlp.py) keeps its fc1 output but not the
     activation's: ffn / TP fewer values per token and layer, the LLM's gated ones too; a gated encoder
-    (fc1 biases: not fused), expert MLPs and calls below MLP_MIN_MACS (auto leaves them to torch: W1's
-    ViT at micro batch 1, 11,664 x 1152 x 4304 = 2^35.8) as before. A record whose MLPs ran so (`mlp`)
-    is predicted with it."""
+    (fc1 biases) only where its layout passed its check (`fused_gated_bias_mlp`); expert MLPs and calls
+    below MLP_MIN_MACS (auto leaves them to torch: W1's ViT at micro batch 1, 11,664 x 1152 x 4304 =
+    2^35.8) as before. A record whose MLPs ran so (`mlp`, the encoder's apart) is predicted with it."""
     from megatron_hetero.planner.counts import activation_bytes_per_token_layer, mlp_runs_fused
     from megatron_hetero.spec.sizes import MLP_MIN_MACS
 
@@ -237,6 +237,9 @@ def test_a_fused_mlp_keeps_no_activation_output():
     assert not mlp_runs_fused(llm, large, 1, False)
     for other in (replace(vit, gated_mlp=True), replace(llm, experts=4, topk=2)):
         assert not mlp_runs_fused(other, 10**9, 1, True)
+    assert mlp_runs_fused(replace(vit, gated_mlp=True), 10**9, 1, True, fused_gated_bias=True)
+    assert not mlp_runs_fused(replace(vit, gated_mlp=True), 10**9, 1, False, fused_gated_bias=True)
+    assert not mlp_runs_fused(replace(llm, experts=4, topk=2), 10**9, 1, True, fused_gated_bias=True)
     assert vit.tokens_per_sample == 11_664
     assert [mlp_runs_fused(vit, samples * vit.tokens_per_sample, 1, True) for samples in (1, 2)] == [False, True]
     record = dict(workload="W1", layout="gpu2_colocated", gpus=2, tokens_per_s=1.0, peak_gb_max=1.0, phases={})
@@ -251,6 +254,17 @@ def test_a_fused_mlp_keeps_no_activation_output():
     vision = runs[0].layout.module("vision")
     vit_bytes = [[model.activation_bytes(vit, vision, samples, 0) for samples in (1, 2)] for model in models]
     assert vit_bytes[1][0] == vit_bytes[0][0] and vit_bytes[1][1] < vit_bytes[0][1]
+    # Qwen2.5-VL's gated ViT with fc1 biases: fused where the record's vision MLP ran on quack
+    gated = replace(vit, gated_mlp=True)
+    kernels = [("quack (swiglu)", "torch (a gated MLP with fc1 biases)"), ("quack (swiglu)", "quack (swiglu)")]
+    runs = [record_run(dict(record, mlp={"llm": llm_kernel, "vision": vision_kernel}), LAYOUTS)
+            for llm_kernel, vision_kernel in kernels]
+    assert [(run.fused_mlp, run.fused_gated_bias_mlp) for run in runs] == [(True, False), (True, True)]
+    models = [CostModel(run.workload(replace(workload, encoders=(gated,))), Cluster(2, 141.0), Calibration())
+              for run in runs]
+    plain, fused = (model.activation_bytes(gated, vision, 2, 0) for model in models)
+    layer_tokens = 2 * vit.tokens_per_sample * vit.layers  # the GPU's 2 samples' tokens, every layer
+    assert plain - fused == pytest.approx(layer_tokens * 2 * vit.ffn * models[0]._factor(gated))  # bf16 ffn
 
 
 def test_runs_of_other_sequences_or_images_form_groups_of_their_own():

@@ -142,6 +142,7 @@ def check_memory(paths: list[Path]) -> int:
         outside += not inside
         kernels = ", ".join(f"{kernel} {dim}" for _, kernel, dim in run.attention)
         kernels += ", fused MLP" if run.fused_mlp else ""
+        kernels += " (the encoder's too)" if run.fused_mlp and run.fused_gated_bias_mlp else ""
         kernels += ", fused cross entropy" if run.fused_cross_entropy else ""
         kernels += " (quack's)" if run.fused_cross_entropy and run.quack_loss else ""
         print(f"| {path} | {record['workload']}, {record['llm_layers']} | {run.label} | {pf.record_gpu(record)} "

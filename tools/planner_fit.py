@@ -84,6 +84,7 @@ class Run:
     flags: tuple[str, ...] = ()  # Megatron's flags the run added
     weight_bytes: int = 2  # bf16 weights (Megatron's --bf16); 4: fp32 weights (records without `precision`)
     fused_mlp: bool = False  # the MLPs ran GELU in quack's GEMMs (the record's `mlp`: models/mlp.py)
+    fused_gated_bias_mlp: bool = False  # an encoder's MLP ran on quack (a gated one: with its fc1 biases)
     grouped_experts: bool = False  # the MoE experts ran grouped GEMMs (the record's `experts`: models/experts.py)
     attention: tuple = ()  # (module, kernel, head dim it ran at): the record's `attention` (record_attention)
     quack_loss: bool = False  # the loss ran quack's cross entropy (the record's `loss`: models/loss_kernels.py)
@@ -110,7 +111,8 @@ class Run:
         """The group's workload at this run's micro batch size, optimizer and loss."""
         return replace(workload, micro_batch=self.micro_batch, weight_bytes=self.weight_bytes,
                        distributed_optimizer="--use-distributed-optimizer" in self.flags, fused_mlp=self.fused_mlp,
-                       grouped_experts=self.grouped_experts, fused_cross_entropy=self.fused_cross_entropy,
+                       fused_gated_bias_mlp=self.fused_gated_bias_mlp, grouped_experts=self.grouped_experts,
+                       fused_cross_entropy=self.fused_cross_entropy,
                        quack_cross_entropy=self.fused_cross_entropy and self.quack_loss, attention=self.attention)
 
 
@@ -143,12 +145,15 @@ def record_run(record: dict, layouts: Path) -> Run | None:
     if scheduled or not file.exists():
         return None
     w = RECORDED_WORKLOADS[record["workload"]]  # runs recorded before batch sizes were: the workload's
+    mlp = record.get("mlp", {})
     return Run(record["layout"], load_layout(str(file), record["gpus"]), record.get("micro_batch", w.micro_batch),
                record["tokens_per_s"], record["peak_gb_max"], record["phases"], flags,
                2 if record.get("precision", "").startswith("bf16 weights") else 4,
-               any(kernel.startswith("quack") for kernel in record.get("mlp", {}).values()),
-               any(kernel.startswith("grouped") for kernel in record.get("experts", {}).values()),
-               record_attention(record), any(kernel.startswith("quack") for kernel in record.get("loss", {}).values()))
+               fused_mlp=any(kernel.startswith("quack") for kernel in mlp.values()),
+               fused_gated_bias_mlp=any(kernel.startswith("quack") for name, kernel in mlp.items() if name != "llm"),
+               grouped_experts=any(kernel.startswith("grouped") for kernel in record.get("experts", {}).values()),
+               attention=record_attention(record),
+               quack_loss=any(kernel.startswith("quack") for kernel in record.get("loss", {}).values()))
 
 
 # bench_e2e's attention summary of a module (models/attention_kernels.py KernelChoice.summary): the
@@ -454,8 +459,8 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
             if run is None:
                 continue
             key = (record["workload"], record["llm_layers"], record.get("global_batch"), record.get("micro_batch"),
-                   run.name, record.get("device"), run.attention, run.fused_mlp, run.grouped_experts,
-                   run.fused_cross_entropy, run.quack_loss)
+                   run.name, record.get("device"), run.attention, run.fused_mlp, run.fused_gated_bias_mlp,
+                   run.grouped_experts, run.fused_cross_entropy, run.quack_loss)
             if key not in latest or latest[key][1].get("date", "") <= record.get("date", ""):
                 latest[key] = (path, record)
     return list(latest.values())

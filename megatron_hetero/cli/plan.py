@@ -25,8 +25,8 @@ megatron_hetero.planner.presets. A workload file is JSON:
 
 (further shape keys: kv_heads, gated_mlp, output_tokens_per_item, frozen, experts and topk (an
 MoE LLM: experts MLPs of width ffn, topk per token); workload keys:
-micro_batch, dtype_bytes, distributed_optimizer, allow_recompute, fused_mlp, grouped_experts,
-fused_cross_entropy, quack_cross_entropy).
+micro_batch, dtype_bytes, distributed_optimizer, allow_recompute, fused_mlp, fused_gated_bias_mlp,
+grouped_experts, fused_cross_entropy, quack_cross_entropy).
 """
 
 import argparse
@@ -155,6 +155,9 @@ def parse_args(argv, prog=None):
                            help="dense MLPs (GELU; the LLM's SwiGLU) keep no activation output (quack's GEMM "
                                 "epilogues: Hopper/Blackwell with the fa4 extra), the calls auto runs so "
                                 "(MLP_MIN_MACS, spec/sizes.py)")
+    overrides.add_argument("--fused-gated-bias-mlp", action=argparse.BooleanOptionalAction, default=None,
+                           help="with --fused-mlp, a gated encoder MLP with fc1 biases (Qwen2.5-VL's ViT) too: "
+                                "GPUs where `megatron-hetero kernels check mlp` passed (the H100 and H200)")
     overrides.add_argument("--grouped-experts", action=argparse.BooleanOptionalAction, default=None,
                            help="an MoE LLM's experts on torch's grouped GEMMs where auto runs them so (Hopper, "
                                 "bf16, aligned widths; the trainer's default): their weight-gradient GEMM's "
@@ -195,7 +198,7 @@ def load_workload(args) -> tuple[Workload, str, int]:
                    if value is not None}
     changes["llm"] = replace(workload.llm, **llm_changes)
     for key in ("global_batch", "micro_batch", "distributed_optimizer", "allow_recompute", "fused_mlp",
-                "grouped_experts", "fused_cross_entropy", "quack_cross_entropy"):
+                "fused_gated_bias_mlp", "grouped_experts", "fused_cross_entropy", "quack_cross_entropy"):
         if getattr(args, key) is not None:
             changes[key] = getattr(args, key)
     return replace(workload, **changes), description, gpus

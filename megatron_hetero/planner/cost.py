@@ -286,7 +286,7 @@ class CostModel:
 
     def _layer_bytes_per_token(self, shape: ModuleShape, layout: ModuleLayout, tokens: float) -> float:
         """One layer's full activations per token (counts.activation_bytes_per_token_layer)."""
-        fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp)
+        fused = mlp_runs_fused(shape, tokens, layout.tp, self.workload.fused_mlp, self.workload.fused_gated_bias_mlp)
         kernel, head_dim = self.workload.attention_of(shape.name)
         return activation_bytes_per_token_layer(shape, layout.tp, layout.sp, self.workload.dtype_bytes, fused,
                                                 head_dim, kernel)

@@ -172,13 +172,14 @@ def model_flops_per_step(workload: Workload) -> float:
     return total * workload.global_batch
 
 
-def mlp_runs_fused(shape: ModuleShape, tokens: float, tp: int, fused_mlp: bool) -> bool:
+def mlp_runs_fused(shape: ModuleShape, tokens: float, tp: int, fused_mlp: bool,
+                   fused_gated_bias: bool = False) -> bool:
     """Whether a layer's MLP call of `tokens` tokens (a microbatch's on one rank, before sequence
     parallelism splits them) runs on quack's GEMM epilogues (models/mlp.py) where the workload's
-    MLPs do (`fused_mlp`): a dense MLP, or a gated one in the LLM (the gated encoder here, Qwen2.5-VL's
-    tower, has fc1 biases, which the fused gated path does not take), not experts, and under auto
-    only where fc1's GEMM is at least MLP_MIN_MACS multiply-adds (spec/sizes.py)."""
-    if not fused_mlp or shape.experts or (shape.gated_mlp and shape.role != "llm"):
+    MLPs do (`fused_mlp`): a dense MLP, a gated one in the LLM, the gated encoder here (Qwen2.5-VL's
+    tower, with fc1 biases) only where its bias layout passed its check (`fused_gated_bias`), not
+    experts, and under auto only where fc1's GEMM is at least MLP_MIN_MACS multiply-adds (spec/sizes.py)."""
+    if not fused_mlp or shape.experts or (shape.gated_mlp and shape.role != "llm" and not fused_gated_bias):
         return False
     fc1_width = shape.ffn * (2 if shape.gated_mlp else 1) / tp
     return tokens * shape.hidden * fc1_width >= MLP_MIN_MACS[0]

@@ -204,6 +204,9 @@ class Workload:
     # MLPs run with the activation in quack's GEMM epilogues (models/mlp.py, on Hopper/Blackwell GPUs
     # with the `fa4` extra) where auto runs them so (counts.mlp_runs_fused): no activation output kept.
     fused_mlp: bool = False
+    # With fused_mlp, a gated encoder MLP with fc1 biases (Qwen2.5-VL's ViT) too: quack's epilogues run
+    # it where `megatron-hetero kernels check mlp` passed on the GPU model (gated_bias_mlp_checked).
+    fused_gated_bias_mlp: bool = False
     # An MoE LLM's experts on torch's grouped GEMMs where the kernel policy's auto runs them so
     # (counts.experts_run_grouped): the trainer's default. False: SequentialMLP
     # (MEGATRON_HETERO_EXPERTS_KERNEL=sequential, and runs from before the grouped experts).
@@ -237,8 +240,8 @@ class Workload:
         if not (positive_int(self.micro_batch) or self.micro_batch == 0):
             raise ValueError(f"micro batch must be a positive integer (or 0: let the planner pick), "
                              f"got {self.micro_batch!r}")
-        for key in ("distributed_optimizer", "allow_recompute", "fused_mlp", "grouped_experts",
-                    "fused_cross_entropy", "quack_cross_entropy"):
+        for key in ("distributed_optimizer", "allow_recompute", "fused_mlp", "fused_gated_bias_mlp",
+                    "grouped_experts", "fused_cross_entropy", "quack_cross_entropy"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
         if self.quack_cross_entropy and not self.fused_cross_entropy:
@@ -275,7 +278,8 @@ class Workload:
     def from_dict(cls, data: dict) -> Workload:
         """{"encoders": [{ModuleShape fields but role}, ...], "llm": {...}, "global_batch": N, and
         optionally micro_batch, dtype_bytes, weight_bytes, distributed_optimizer, allow_recompute,
-        fused_mlp, grouped_experts, fused_cross_entropy, quack_cross_entropy, attention}."""
+        fused_mlp, fused_gated_bias_mlp, grouped_experts, fused_cross_entropy, quack_cross_entropy,
+        attention}."""
         if not isinstance(data, dict):
             raise ValueError(f"workload must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
