@@ -804,17 +804,27 @@ def _launcher(op) -> str:
     return op.name[:48] if root is op else f"{op.name[:48]} <- {caller}"
 
 
+def launched_kernels(events) -> list[tuple[float, float, str]]:
+    """Each kernel on the GPU (device_work) as (start, end, the label of the op that launched it:
+    _launcher). An op's event lists the kernels it launched by name and duration, the values of the
+    kernels' own events (torch 2.11's events carry no other link between them); kernels of one name and
+    duration go to their ops in launch order."""
+    waiting: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+    launchers = (e for e in events if e.device_type.name == "CPU" and e.kernels)
+    for op in sorted(launchers, key=lambda e: e.time_range.start):
+        for kernel in op.kernels:
+            waiting[(kernel.name, kernel.duration)].append(op)
+    launched = []
+    for e in sorted(device_work(events), key=lambda e: e.time_range.start):
+        ops = waiting.get((e.name, e.time_range.end - e.time_range.start))
+        launched.append((e.time_range.start, e.time_range.end, _launcher(ops.popleft() if ops else None)))
+    return launched
+
+
 def idle_lines(events, top: int = 20) -> list[str]:
     """Where the GPU waited for the host (torch.profiler's events of one step: each device kernel and
     the CPU op that launched it): idle_gaps by launching op."""
-    # The ops (torch's frontend events); the runtime's launch events link to a kernel, in ids of their own
-    # (torch 2.11's events have no such link: every gap is then one row, its launcher unknown).
-    def link(e):
-        return getattr(e, "linked_correlation_id", None)
-
-    ops = {e.id: e for e in events if e.device_type.name == "CPU" and not link(e)}
-    kernels = [(e.time_range.start, e.time_range.end, _launcher(ops.get(link(e)))) for e in device_work(events)]
-    gaps = idle_gaps(kernels, top)
+    gaps = idle_gaps(launched_kernels(events), top)
     lines = ["", "Where the GPU idled between kernels (each gap charged to the kernel after it, by the op that "
              "launched it and its outermost caller):", "",
              "| launched by | gaps | idle ms | largest ms |", "| --- | --- | --- | --- |"]

@@ -372,7 +372,7 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
     are not kernels, and each kernel is labelled by the op that launched it under its outermost caller."""
     from types import SimpleNamespace
 
-    from bench import device_work, idle_gaps, idle_lines
+    from bench import device_work, idle_gaps, idle_lines, launched_kernels
 
     kernels = [(0, 10, "a"), (5, 30, "b"), (12, 20, "c"),  # c runs beside b: no gap
                (40, 45, "d"), (45, 50, "a"), (52, 60, "d"), (100, 101, "d"), (101, 103, "a")]
@@ -381,23 +381,31 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
 
     cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
 
-    def op(id_, name, parent=None, links=0):
-        return SimpleNamespace(id=id_, name=name, cpu_parent=parent, device_type=cpu, self_device_time_total=0,
-                               linked_correlation_id=links)
+    def op(start, name, parent=None, kernels=()):
+        """A CPU op's event: the kernels it launched by (name, duration), as torch lists them."""
+        return SimpleNamespace(name=name, cpu_parent=parent, device_type=cpu, self_device_time_total=0,
+                               time_range=SimpleNamespace(start=start, end=start + 1),
+                               kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels])
 
-    def on_gpu(start, end, launched_by, annotation=False):
-        return SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=start, end=end),
-                               linked_correlation_id=launched_by, self_device_time_total=end - start,
-                               is_user_annotation=annotation)
+    def on_gpu(name, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=cuda, time_range=SimpleNamespace(start=start, end=end),
+                               self_device_time_total=end - start, is_user_annotation=annotation)
 
-    node = op(1, "autograd::engine::evaluate_function: FlashAttnVarlenFuncBackward")
-    events = [node, op(2, "aten::copy_", node), op(3, "aten::mm"), op(3, "cudaLaunchKernel", links=7),
-              on_gpu(0, 1000, 3), on_gpu(1500, 2000, 2), on_gpu(3000, 3100, 3), on_gpu(3500, 3600, 9),
-              on_gpu(0, 4000, 0, annotation=True)]  # an annotated range's device-side copy spans them all
-    assert len(device_work(events)) == 4
-    assert idle_lines(events)[-3:] == ["| aten::mm | 1 | 1.0 | 1.00 |",
+    node = op(0, "autograd::engine::evaluate_function: FlashAttnVarlenFuncBackward")
+    # Two ops launch a kernel of the same name and duration: each goes to its op in launch order.
+    events = [node, op(5, "aten::copy_", node, [("copy", 500)]),
+              op(1, "aten::mm", None, [("gemm", 1000), ("gemm", 100)]),
+              op(7, "aten::addmm", None, [("gemm", 100)]), op(8, "cudaLaunchKernel"),
+              on_gpu("gemm", 0, 1000), on_gpu("copy", 1500, 2000), on_gpu("gemm", 3000, 3100),
+              on_gpu("gemm", 3300, 3400), on_gpu("fill", 3500, 3600),  # no op lists the fill: unknown
+              on_gpu("range", 0, 4000, annotation=True)]  # an annotated range's device-side copy spans them all
+    assert len(device_work(events)) == 5
+    assert [label for *_, label in launched_kernels(events)] == [
+        "aten::mm", "aten::copy_ <- FlashAttnVarlenFuncBackward", "aten::mm", "aten::addmm", "(no launching op)"]
+    assert idle_lines(events)[-4:] == ["| aten::mm | 1 | 1.0 | 1.00 |",
                                        "| aten::copy_ <- FlashAttnVarlenFuncBackward | 1 | 0.5 | 0.50 |",
-                                       "| (no launching op) | 1 | 0.4 | 0.40 |"]
+                                       "| aten::addmm | 1 | 0.2 | 0.20 |",
+                                       "| (no launching op) | 1 | 0.1 | 0.10 |"]
 
 
 def test_sequence_and_images_overrides_resize_the_workload():
