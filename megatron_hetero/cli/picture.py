@@ -10,6 +10,7 @@ class PictureError(ValueError):
     """A picture that cannot be drawn or written (no matplotlib, a --png path that cannot be written):
     one line."""
 
+
 # What writes the files the commands read (their error lines name it).
 BENCH_WRITER = "benchmarks/bench_e2e.py"
 TIMELINE_WRITER = "a run with --timing-log-level 2"
@@ -181,12 +182,12 @@ def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero ti
     parser.add_argument("--step", type=int, default=None, metavar="N", help="which iteration (default: the last)")
     parser.add_argument("--png", required=True, metavar="FILE", help="the PNG file to write")
     args = parser.parse_args(argv)
-    files = glob.glob(timeline_file(glob.escape(args.metrics), "*"))
+    files = sorted(glob.glob(timeline_file(glob.escape(args.metrics), "*")))
     try:
         if not files:
             raise ValueError(f"no timeline beside it ({timeline_file(args.metrics, 0)}, ...): train with "
                              f"--timing-log-level 2 and --metrics-file {args.metrics}")
-        ranks = [_timeline_steps(file) for file in sorted(files)]
+        ranks = [_timeline_steps(file) for file in files]
         step = args.step if args.step is not None else min(max(steps) for steps in ranks)
         missing = [file for file, steps in zip(files, ranks) if not steps.get(step, {}).get("spans")]
         if missing:
