@@ -6,7 +6,6 @@ module's tp and pp, and the family's vision stages and DeepStack edges (so this 
 families/)."""
 
 import argparse
-import json
 import sys
 
 from megatron_hetero.cli.picture import PictureError, draw_layout
@@ -14,7 +13,7 @@ from megatron_hetero.families import UnknownFamilyError, encoder_cp_tokens, enco
 from megatron_hetero.models.kinds import UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.layout import HeteroLayout, LayoutError, ModuleLayout, load_layout
-from megatron_hetero.spec.sizes import ModelSizes, sizes_from_dict
+from megatron_hetero.spec.sizes import ModelSizes, read_model_description, sizes_from_dict
 
 AXES = ("tp", "cp", "dp", "pp")
 
@@ -69,9 +68,8 @@ def _model_checks(layout: HeteroLayout, model_file: str) -> list[str]:
     """The layout against a model.json as training checks it (training/args.py: the same rules); the
     model's DeepStack edges, a line each."""
     try:
-        with open(model_file, encoding="utf-8") as f:
-            sizes = sizes_from_dict(json.load(f)["sizes"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        sizes = sizes_from_dict(read_model_description(model_file)["sizes"])
+    except ValueError as error:
         raise LayoutError(f"--model-sizes {model_file}: {error}; give the model.json of hf import") from None
     try:
         family = family_named(sizes.family) if sizes.family else None

@@ -138,6 +138,22 @@ def test_layout_check_with_model_sizes_refuses_what_training_refuses(tmp_path, c
     assert main(["layout", "check", str(layout), "--world-size", "2", "--model-sizes", _model_json(tmp_path)]) == 0
 
 
+@pytest.mark.parametrize("text, error", [(None, "cannot read it: No such file or directory"),
+                                         ("{", "not JSON (line 1: Expecting property name"),
+                                         ("{}", "it holds no `sizes` object"),
+                                         ('{"sizes": {"vision_arch": {"patch": 14}}}', "sizes: VisionArch")])
+def test_a_model_json_that_is_not_one_is_one_line(tmp_path, capsys, text, error):
+    """`layout check --model-sizes` (and training's --model-sizes, the same reader) on a file that is
+    not hf import's model.json: one line saying what is wrong with it."""
+    model = tmp_path / "model.json"
+    if text is not None:
+        model.write_text(text)
+    assert main(["layout", "check", DEMO, "--world-size", "4", "--model-sizes", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model-sizes {model}: {error}") and err.count("\n") == 1, err
+    assert err.endswith("; give the model.json of hf import\n")
+
+
 def test_plan_takes_megatrons_flag_names_and_the_gpus_measured_calibration(capsys):
     args = ["plan", "--workload", "tiny", "--gpus", "2", "--top", "1"]
     assert main([*args, "--global-batch-size", "8", "--micro-batch-size", "1"]) == 0

@@ -1,6 +1,7 @@
 """Model sizes and architecture choices, importable without megatron-core (flag parsing happens
 before any heavy import)."""
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
@@ -174,3 +175,22 @@ def sizes_from_dict(values: dict) -> ModelSizes:
         llm["moe"] = MoEArch(**llm["moe"])
     vision = VisionArch(**values.get("vision_arch", {}))
     return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": vision})
+
+
+def read_model_description(path: str) -> dict:
+    """A model.json as `megatron-hetero hf import` writes it, its `sizes` read by sizes_from_dict
+    (ValueError saying what is wrong with the file)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            description = json.load(f)
+    except OSError as error:
+        raise ValueError(f"cannot read it: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON (line {error.lineno}: {error.msg})") from None
+    if not isinstance(description, dict) or not isinstance(description.get("sizes"), dict):
+        raise ValueError("it holds no `sizes` object")
+    try:
+        sizes_from_dict(description["sizes"])
+    except (TypeError, AttributeError) as error:
+        raise ValueError(f"sizes: {error}") from None
+    return description

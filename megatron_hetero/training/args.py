@@ -4,7 +4,6 @@ megatron_hetero.spec.rules applied to its flags): every mistake one line naming 
 
 import argparse
 import functools
-import json
 import os
 import sys
 from dataclasses import fields, replace
@@ -25,7 +24,7 @@ from megatron_hetero.families import (
 from megatron_hetero.models.kinds import ENCODER_KINDS, UnknownKindError, encoder_kind
 from megatron_hetero.spec import rules
 from megatron_hetero.spec.arg_files import expand_arg_files
-from megatron_hetero.spec.sizes import LLMArch, ModelSizes, MoEArch, sizes_from_dict
+from megatron_hetero.spec.sizes import LLMArch, ModelSizes, MoEArch, read_model_description, sizes_from_dict
 from megatron_hetero.training.layout_args import ArgsError, add_hetero_flags, check_kernels, fail, load
 
 # ModelSizes fields that are Megatron's own flags; the vocabulary comes from the tokenizer.
@@ -118,13 +117,10 @@ def moe_arch(args) -> MoEArch | None:
 @functools.lru_cache(maxsize=4)
 def _description_file(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            description = json.load(f)
-        sizes_from_dict(description["sizes"])
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        return read_model_description(path)
+    except ValueError as error:
         raise ArgsError(f"--model-sizes {path}: {error}; give the model.json written by "
                         f"`megatron-hetero hf import`") from None
-    return description
 
 
 def _sizes_file(path: str) -> ModelSizes:
