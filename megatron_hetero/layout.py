@@ -68,9 +68,9 @@ def _model_checks(layout: HeteroLayout, model_file: str) -> list[str]:
     """The layout against a model.json as training checks it (training/args.py: the same rules); the
     model's DeepStack edges, a line each."""
     try:
-        sizes = sizes_from_dict(read_model_description(model_file)["sizes"])
+        sizes = sizes_from_dict(read_model_description(model_file, f"--model-sizes {model_file}")["sizes"])
     except ValueError as error:
-        raise LayoutError(f"--model-sizes {model_file}: {error}; give the model.json of hf import") from None
+        raise LayoutError(f"{error}; give the model.json of hf import") from None
     try:
         family = family_named(sizes.family) if sizes.family else None
     except UnknownFamilyError as error:

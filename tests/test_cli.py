@@ -139,7 +139,7 @@ def test_layout_check_with_model_sizes_refuses_what_training_refuses(tmp_path, c
 
 
 @pytest.mark.parametrize("text, error", [(None, "cannot read it: No such file or directory"),
-                                         ("{", "not JSON (line 1: Expecting property name"),
+                                         ("{", "not valid JSON: line 1: Expecting property name"),
                                          ("{}", "it holds no `sizes` object"),
                                          ('{"sizes": {"vision_arch": {"patch": 14}}}', "sizes: VisionArch")])
 def test_a_model_json_that_is_not_one_is_one_line(tmp_path, capsys, text, error):

@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from megatron_hetero.planner.counts import layer_forward_flops_per_token
-from megatron_hetero.planner.shapes import ATTENTION_KERNELS, ModuleShape, load_json, positive_int
+from megatron_hetero.planner.shapes import ATTENTION_KERNELS, ModuleShape, positive_int
+from megatron_hetero.spec.json_file import load_json
 
 # The calibrations the package ships: the H200 figures the planner assumes by default (its notes say
 # where each comes from), and those fitted to measured H100 and H200 runs.

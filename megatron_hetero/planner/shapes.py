@@ -3,8 +3,9 @@ and options, and the cluster it runs on."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from megatron_hetero.spec.json_file import load_json
 
 # nvidia-smi on an H200: 143771 MiB. An H100 80GB: torch's total_memory, 79.18 GiB (nvidia-smi
 # 81559 MiB), which bench_e2e records as device_memory_gib: runs before and after that field group as one.
@@ -12,21 +13,6 @@ H200_MEMORY_GB = 150.7
 H100_MEMORY_GB = 85.0
 # The GPUs the planner models (H100 and H200: its calibrations) are Hopper, compute capability 9.x.
 GPU_ARCH_MAJOR = 9
-
-
-def load_json(path: str, what: str, build):
-    """build(the JSON document at path); every failure a one-line ValueError starting with path."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: line {exc.lineno}: {exc.msg}") from None
-    try:
-        return build(data)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
 
 
 ATTENTION_KERNELS = ("fa4", "sdpa")  # the kernels models/attention_kernels.py chooses between

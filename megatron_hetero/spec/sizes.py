@@ -1,9 +1,10 @@
 """Model sizes and architecture choices, importable without megatron-core (flag parsing happens
 before any heavy import)."""
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+
+from megatron_hetero.spec.json_file import load_json
 
 # The audio front end's two stride-2 convolutions: one token per 4 spectrogram frames.
 AUDIO_FRAMES_PER_TOKEN = 4
@@ -177,20 +178,17 @@ def sizes_from_dict(values: dict) -> ModelSizes:
     return ModelSizes(**{**values, "llm_arch": LLMArch(**llm), "vision_arch": vision})
 
 
-def read_model_description(path: str) -> dict:
+def read_model_description(path: str, label: str) -> dict:
     """A model.json as `megatron-hetero hf import` writes it, its `sizes` read by sizes_from_dict
-    (ValueError saying what is wrong with the file)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            description = json.load(f)
-    except OSError as error:
-        raise ValueError(f"cannot read it: {error.strerror or error}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"not JSON (line {error.lineno}: {error.msg})") from None
-    if not isinstance(description, dict) or not isinstance(description.get("sizes"), dict):
-        raise ValueError("it holds no `sizes` object")
-    try:
-        sizes_from_dict(description["sizes"])
-    except (TypeError, AttributeError) as error:
-        raise ValueError(f"sizes: {error}") from None
-    return description
+    (a ValueError starting with `label` says what is wrong with the file)."""
+
+    def checked(description):
+        if not isinstance(description, dict) or not isinstance(description.get("sizes"), dict):
+            raise ValueError("it holds no `sizes` object")
+        try:
+            sizes_from_dict(description["sizes"])
+        except (TypeError, AttributeError) as error:
+            raise ValueError(f"sizes: {error}") from None
+        return description
+
+    return load_json(path, "it", checked, label)

@@ -117,10 +117,9 @@ def moe_arch(args) -> MoEArch | None:
 @functools.lru_cache(maxsize=4)
 def _description_file(path: str) -> dict:
     try:
-        return read_model_description(path)
+        return read_model_description(path, f"--model-sizes {path}")
     except ValueError as error:
-        raise ArgsError(f"--model-sizes {path}: {error}; give the model.json written by "
-                        f"`megatron-hetero hf import`") from None
+        raise ArgsError(f"{error}; give the model.json written by `megatron-hetero hf import`") from None
 
 
 def _sizes_file(path: str) -> ModelSizes:
