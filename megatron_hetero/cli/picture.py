@@ -145,13 +145,15 @@ def _read_lines(path, writer: str) -> list[dict]:
     records = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
-                record = json.loads(line) if line.strip() else {}
+                record = json.loads(line)
             except json.JSONDecodeError:
                 record = None
             if not isinstance(record, dict):
                 raise ValueError(f"line {number} is not a JSON object; give a file {writer} wrote")
-            records += [record] if record else []
+            records.append(record)
     return records
 
 
