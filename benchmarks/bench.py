@@ -792,6 +792,20 @@ def idle_gaps(kernels, top: int = 20) -> list[tuple[str, int, float, float]]:
     return [(label, n, total, largest) for label, (n, total, largest) in ranked]
 
 
+def largest_gaps(kernels, top: int = 10) -> list[tuple[float, float, str, str]]:
+    """The `top` longest single gaps of idle_gaps as (when: from the first kernel's start, how long,
+    the label of the kernel before it, of the kernel after it), longest first: where in the step the
+    host fell behind, which the totals per label do not say."""
+    gaps, busy_until, last, first = [], None, None, None
+    for start, end, label in sorted(kernels):
+        first = start if first is None else first
+        if busy_until is not None and start > busy_until:
+            gaps.append((busy_until - first, start - busy_until, last, label))
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, label
+    return sorted(gaps, key=lambda gap: gap[1], reverse=True)[:top]
+
+
 def _launcher(op) -> str:
     """A kernel's label for idle_gaps: the op that launched it, under its outermost caller (an autograd
     node in the backward, a compiled region, the optimizer's step, our annotated range)."""
@@ -824,11 +838,16 @@ def launched_kernels(events) -> list[tuple[float, float, str]]:
 def idle_lines(events, top: int = 20) -> list[str]:
     """Where the GPU waited for the host (torch.profiler's events of one step: each device kernel and
     the CPU op that launched it): idle_gaps by launching op."""
-    gaps = idle_gaps(launched_kernels(events), top)
+    kernels = launched_kernels(events)
     lines = ["", "Where the GPU idled between kernels (each gap charged to the kernel after it, by the op that "
              "launched it and its outermost caller):", "",
              "| launched by | gaps | idle ms | largest ms |", "| --- | --- | --- | --- |"]
-    return lines + [f"| {label} | {n} | {total / 1e3:.1f} | {largest / 1e3:.2f} |" for label, n, total, largest in gaps]
+    lines += [f"| {label} | {n} | {total / 1e3:.1f} | {largest / 1e3:.2f} |"
+              for label, n, total, largest in idle_gaps(kernels, top)]
+    lines += ["", "The longest single gaps (when: ms after the step's first kernel began):", "",
+              "| when ms | idle ms | after | before |", "| --- | --- | --- | --- |"]
+    return lines + [f"| {when / 1e3:.1f} | {gap / 1e3:.2f} | {after} | {before} |"
+                    for when, gap, after, before in largest_gaps(kernels)]
 
 
 def host_syncs(trainer: Trainer, forward_backward_func=None) -> list[tuple[str, int]]:

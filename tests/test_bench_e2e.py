@@ -372,12 +372,15 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
     are not kernels, and each kernel is labelled by the op that launched it under its outermost caller."""
     from types import SimpleNamespace
 
-    from bench import device_work, idle_gaps, idle_lines, launched_kernels
+    from bench import device_work, idle_gaps, idle_lines, largest_gaps, launched_kernels
 
     kernels = [(0, 10, "a"), (5, 30, "b"), (12, 20, "c"),  # c runs beside b: no gap
                (40, 45, "d"), (45, 50, "a"), (52, 60, "d"), (100, 101, "d"), (101, 103, "a")]
     assert idle_gaps(kernels) == [("d", 3, 10 + 2 + 40, 40)]
     assert idle_gaps([(3, 4, "x")]) == [] and idle_gaps([]) == []
+    # Each gap after the kernel that ran longest so far (b, not c beside it), when counted from a's start.
+    assert largest_gaps(kernels, top=2) == [(60, 40, "d", "d"), (30, 10, "b", "d")]
+    assert largest_gaps([(3, 4, "x")]) == [] and largest_gaps([]) == []
 
     cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
 
@@ -402,10 +405,14 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
     assert len(device_work(events)) == 5
     assert [label for *_, label in launched_kernels(events)] == [
         "aten::mm", "aten::copy_ <- FlashAttnVarlenFuncBackward", "aten::mm", "aten::addmm", "(no launching op)"]
-    assert idle_lines(events)[-4:] == ["| aten::mm | 1 | 1.0 | 1.00 |",
-                                       "| aten::copy_ <- FlashAttnVarlenFuncBackward | 1 | 0.5 | 0.50 |",
-                                       "| aten::addmm | 1 | 0.2 | 0.20 |",
-                                       "| (no launching op) | 1 | 0.1 | 0.10 |"]
+    lines = idle_lines(events)
+    gaps = lines.index("| when ms | idle ms | after | before |")
+    assert lines[gaps - 7:gaps - 3] == ["| aten::mm | 1 | 1.0 | 1.00 |",
+                                        "| aten::copy_ <- FlashAttnVarlenFuncBackward | 1 | 0.5 | 0.50 |",
+                                        "| aten::addmm | 1 | 0.2 | 0.20 |",
+                                        "| (no launching op) | 1 | 0.1 | 0.10 |"]
+    assert lines[gaps + 2:gaps + 4] == ["| 2.0 | 1.00 | aten::copy_ <- FlashAttnVarlenFuncBackward | aten::mm |",
+                                        "| 1.0 | 0.50 | aten::mm | aten::copy_ <- FlashAttnVarlenFuncBackward |"]
 
 
 def test_sequence_and_images_overrides_resize_the_workload():

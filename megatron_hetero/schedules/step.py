@@ -124,7 +124,7 @@ class EncoderInputs:
         if (module.name, *key) in self.ahead:
             return
         ready = None
-        with torch.no_grad():
+        with torch.no_grad(), annotate("encoder inputs"):
             if self.stream is None:
                 inputs = first_stage_inputs(self.adapter, module, share)
             else:
@@ -222,7 +222,8 @@ class StepContext:
     def prepare(self) -> None:
         """Every microbatch's model call (ScriptCalls.capture) and, from them, every edge's boundary
         plan; a training step's modules under no_sync (GradSync)."""
-        self.script.capture()
+        with annotate("capture"):
+            self.script.capture()
         self.batch_size = self.adapter.batch_size(self.calls[0])
         layout = self.run.layout
         M = self.num_microbatches
