@@ -10,9 +10,11 @@ with Megatron's signature (bench_mimo: upstream MIMO's schedules).
 """
 
 import collections
+import cProfile
 import itertools
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -654,8 +656,8 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
     ranks), the 25 costliest kernels and the idle gaps by launching op (idle_lines), written to `path`
     (rank 0) with, from one step more, the matmuls by shape (matmul_lines) and the host's waits
-    (host_syncs); with `trace`, rank 0's whole timeline as a Chrome trace there too. Returns the
-    summary."""
+    (host_syncs), from one more, the Python functions the host spent longest in (python_lines); with
+    `trace`, rank 0's whole timeline as a Chrome trace there too. Returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -677,15 +679,40 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
     # and the input shapes and FLOPs of the matmuls (their kernels' times stay as they are).
     with profile(activities=activities, record_shapes=True, with_flops=True) as shapes:
         syncs = host_syncs(trainer, forward_backward_func)
+    python = python_profile(trainer, forward_backward_func)
     if dist.get_rank() == 0:
         matmuls = matmul_lines(shapes.key_averages(group_by_input_shape=True), matmul_calls(shapes.events()))
         lines = (_profile_lines(prof, kernels, summary) + idle_lines(prof.events()) + matmuls
-                 + op_lines(shapes.events()))
+                 + op_lines(shapes.events()) + python_lines(python))
         Path(path).write_text("\n".join(lines + _sync_lines(syncs)) + "\n")
         if trace:
             prof.export_chrome_trace(trace)
         print(json.dumps(dict(profile=path, **summary)))
     return summary
+
+
+def python_profile(trainer: Trainer, forward_backward_func=None) -> pstats.Stats:
+    """One more training step under Python's profiler (cProfile), to its GPU's end."""
+    torch.cuda.synchronize()
+    with cProfile.Profile() as host:
+        trainer.train_step(forward_backward_func)
+        torch.cuda.synchronize()
+    return pstats.Stats(host)
+
+
+def python_lines(stats: pstats.Stats, top: int = 30) -> list[str]:
+    """The Python functions of one step (python_profile) that held the host longest, by their own time
+    and with their callees: which of the host's work keeps the GPU waiting (cProfile's overhead
+    inflates every call; the order, not the ms, is the point)."""
+    rows = [(f"{Path(file).name}:{line}({name})", calls, own, total)
+            for (file, line, name), (_, calls, own, total, _) in stats.stats.items()]
+    lines = []
+    for title, key in (("own time", 2), ("callees included", 3)):
+        lines += ["", f"The host's Python functions in one step under cProfile, by {title}:", "",
+                  "| function | calls | own ms | with callees ms |", "| --- | --- | --- | --- |"]
+        lines += [f"| {where[:90]} | {calls} | {own * 1e3:.1f} | {total * 1e3:.1f} |"
+                  for where, calls, own, total in sorted(rows, key=lambda r: r[key], reverse=True)[:top]]
+    return lines
 
 
 def _profile_lines(prof, kernels: list, summary: dict) -> list[str]:
@@ -703,7 +730,19 @@ def _profile_lines(prof, kernels: list, summary: dict) -> list[str]:
               "| range | calls | host ms | GPU ms |", "| --- | --- | --- | --- |"]
     lines += [f"| {e.key} | {e.count} | {e.cpu_time_total / 1e3:.2f} | {e.device_time_total / 1e3:.2f} |"
               for e in prof.key_averages() if e.key.startswith(ANNOTATION)]
-    return lines
+    return lines + host_lines(prof.key_averages())
+
+
+def host_lines(averages, top: int = 30) -> list[str]:
+    """The ops the host spent longest in (from entry to exit, the ops they call included) beside the GPU
+    time of the kernels they launched: where the GPU waits on a host that falls behind, the ops whose
+    host time exceeds their GPU time."""
+    ops = [e for e in averages if e.device_type.name == "CPU" and e.cpu_time_total > 0]
+    ranked = sorted(ops, key=lambda e: e.cpu_time_total, reverse=True)[:top]
+    lines = ["", "Host time by op (entry to exit, callees included):", "",
+             "| op | calls | host ms | host us per call | GPU ms |", "| --- | --- | --- | --- | --- |"]
+    return lines + [f"| {e.key[:70]} | {e.count} | {e.cpu_time_total / 1e3:.1f} | "
+                    f"{e.cpu_time_total / e.count:.0f} | {e.device_time_total / 1e3:.1f} |" for e in ranked]
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")

@@ -535,3 +535,42 @@ def test_the_planner_plans_the_qwen3_omni_thinker_with_expert_parallelism_and_no
     assert [layout.name for layout in best.layouts] == ["vision", "audio", "llm"] and best.llm.ep > 1
     audio = [p.candidate.layouts[1] for p in result.ranked + result.over_memory]
     assert all(layout.cp == 1 or layout.cp_replicated for layout in audio)
+
+
+def test_host_lines_rank_ops_by_host_time_beside_their_gpu_time():
+    """The profile's host table: CPU ops by host time (callees included), per call, beside the GPU time
+    of what they launched; the GPU's own rows and ops that took no host time are not listed."""
+    from types import SimpleNamespace
+
+    from bench import host_lines
+
+    def row(key, kind, count, cpu_us, device_us=0.0):
+        return SimpleNamespace(key=key, device_type=SimpleNamespace(name=kind), count=count,
+                               cpu_time_total=cpu_us, device_time_total=device_us)
+
+    averages = [row("_LinearAct", "CPU", 4, 2000.0, 8000.0), row("gemm", "CUDA", 4, 0.0, 8000.0),
+                row("aten::empty", "CPU", 10, 0.0), row("FlashAttnVarlenFunc", "CPU", 2, 3000.0, 1000.0)]
+    assert host_lines(averages)[-2:] == ["| FlashAttnVarlenFunc | 2 | 3.0 | 1500 | 1.0 |",
+                                         "| _LinearAct | 4 | 2.0 | 500 | 8.0 |"]
+    assert host_lines(averages, top=1)[-1].startswith("| FlashAttnVarlenFunc |")
+
+
+def test_python_lines_rank_the_hosts_functions_by_own_and_total_time():
+    """The profile's Python tables: one step's functions under cProfile, by own time and with callees."""
+    import cProfile
+    import pstats
+
+    from bench import python_lines
+
+    def inner():
+        return sum(i * i for i in range(200_000))
+
+    def outer():
+        return inner() + inner()
+
+    with cProfile.Profile() as host:
+        outer()
+    lines = python_lines(pstats.Stats(host), top=3)
+    by_total = lines[lines.index("The host's Python functions in one step under cProfile, by callees included:"):]
+    assert "(outer) | 1 |" in by_total[4] and "(inner) | 2 |" in by_total[5]
+    assert len(lines) == 2 * (5 + 3)
