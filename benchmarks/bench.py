@@ -11,6 +11,7 @@ with Megatron's signature (bench_mimo: upstream MIMO's schedules).
 
 import collections
 import cProfile
+import gc
 import itertools
 import json
 import os
@@ -242,6 +243,7 @@ class Trainer:
     scheduler: object
     batches: object
     setup_s: float = 0.0
+    iteration: int = 0  # steps taken
 
     @property
     def hetero(self):
@@ -257,7 +259,33 @@ class Trainer:
 
         loss, *_ = train_step(forward_step, self.batches, self.model, self.optimizer, self.scheduler,
                               self.hetero.config, forward_backward_func or forward_backward)
+        self.iteration += 1
+        # --manual-gc as megatron.training's loop runs it: a full collection every interval steps.
+        if self.args.manual_gc and self.args.manual_gc_interval and self.iteration % self.args.manual_gc_interval == 0:
+            gc.collect()
         return loss
+
+
+class GcTime:
+    """Python's garbage collections while inside (gc.callbacks): per generation, how many ran and the
+    seconds they held the host. A full collection walks every tracked object (a model's process holds
+    ~10^6); the GPU idles for it wherever the host is not far enough ahead."""
+
+    def __enter__(self):
+        self.counts, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], None
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self._start = None
 
 
 class _TimedStep:
@@ -350,9 +378,13 @@ def megatron_trainer(w: BenchWorkload, layout_file: str, bf16: bool, extra_flags
         micro = global_microbatches(batch, w.micro_batch * hetero.run.layout.llm.dp)
         if torch.cuda.is_available():  # as megatron.training's loader (pin_memory=True) yields them
             micro = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in m.items()} for m in micro]
+        if args.manual_gc:  # as train() begins under --manual-gc: the automatic collector off
+            gc.disable()
+            gc.collect()
         yield Trainer(args, model, _TimedStep(optimizer, hetero.timers), scheduler,
                       RerunDataIterator(itertools.cycle(micro)), setup_s)
     finally:
+        gc.enable()
         destroy_rerun_state_machine()
         destroy_model_parallel()
         unset_global_variables()
@@ -487,7 +519,8 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     waited = hetero.clock.waiting_s
-    step_times = _steps(trainer, steps, forward_backward_func, losses)
+    with GcTime() as collected:
+        step_times = _steps(trainer, steps, forward_backward_func, losses)
     step_s = sum(step_times) / len(step_times)
     waiting_s = (hetero.clock.waiting_s - waited) / steps
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
@@ -511,7 +544,8 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
     kernels = {m.name: kernel_summaries(m.part) for m in run.modules.values() if m.held}
     mine = dict(rank=run.rank, stage=_stage_name(run), setup_s=trainer.setup_s, peak_gb=peak_gb,
                 outside_allocator_gib=_outside_allocator_gib(),
-                waiting_s=waiting_s, phases=phases, module_phases=by_module, work_order=order, encoders_alone=alone,
+                waiting_s=waiting_s, gc_collections=collected.counts, gc_s=sum(collected.seconds),
+                phases=phases, module_phases=by_module, work_order=order, encoders_alone=alone,
                 **{kind: {name: summaries[kind] for name, summaries in kernels.items()} for kind in KERNEL_KINDS},
                 losses=losses)
     gathered = [None] * world
@@ -530,6 +564,10 @@ def measure(trainer: Trainer, w: BenchWorkload, layout_name: str, warmup: int, s
         setup_s_max=max(r["setup_s"] for r in gathered),
         outside_allocator_gib_max=max(r["outside_allocator_gib"] for r in gathered),
         waiting_share_max=max(r["waiting_s"] for r in gathered) / step_s,
+        # Python's collections in the timed steps (GcTime): the most of any rank, per generation and
+        # the host's seconds per step.
+        gc_collections_max=[max(r["gc_collections"][g] for r in gathered) for g in range(3)],
+        gc_s_per_step_max=max(r["gc_s"] for r in gathered) / len(step_times),
         phases={p: max(r["phases"].get(p, 0.0) for r in gathered) for p in PHASES}, ranks=gathered,
         module_phases=_slowest_module_phases([r["module_phases"] for r in gathered]),
         work_orders=_work_orders(gathered), encoders_alone=_slowest_alone([r["encoders_alone"] for r in gathered]),

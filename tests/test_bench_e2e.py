@@ -574,3 +574,21 @@ def test_python_lines_rank_the_hosts_functions_by_own_and_total_time():
     by_total = lines[lines.index("The host's Python functions in one step under cProfile, by callees included:"):]
     assert "(outer) | 1 |" in by_total[4] and "(inner) | 2 |" in by_total[5]
     assert len(lines) == 2 * (5 + 3)
+
+
+def test_gc_time_counts_each_collection_by_generation():
+    """The record's garbage-collection figures (GcTime): each collection while inside, by generation,
+    with the host's seconds; none counted after it."""
+    import gc
+
+    from bench import GcTime
+
+    gc.disable()  # only the collections asked for
+    try:
+        with GcTime() as collected:
+            gc.collect()
+            gc.collect(1)
+        gc.collect()
+    finally:
+        gc.enable()
+    assert collected.counts == [0, 1, 1] and collected.seconds[2] > 0
