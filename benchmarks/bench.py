@@ -694,8 +694,8 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
     family against the step's wall time (the rest: the GPU idle, waiting on the host or on other
     ranks), the 25 costliest kernels and the idle gaps by launching op (idle_lines), written to `path`
     (rank 0) with, from one step more, the matmuls by shape (matmul_lines) and the host's waits
-    (host_syncs), from one more, the Python functions the host spent longest in (python_lines); with
-    `trace`, rank 0's whole timeline as a Chrome trace there too. Returns the summary."""
+    (host_syncs), from one more, the Python functions the host spent longest in (python_lines; all of
+    them in PATH.pstats); with `trace`, rank 0's whole timeline as a Chrome trace there too. Returns the summary."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -723,6 +723,7 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
         lines = (_profile_lines(prof, kernels, summary) + idle_lines(prof.events()) + matmuls
                  + op_lines(shapes.events()) + python_lines(python))
         Path(path).write_text("\n".join(lines + _sync_lines(syncs)) + "\n")
+        python.dump_stats(Path(path).with_suffix(".pstats"))  # every function, for pstats' own queries
         if trace:
             prof.export_chrome_trace(trace)
         print(json.dumps(dict(profile=path, **summary)))
