@@ -11,14 +11,15 @@
 # C_FLAGS / C_ENV: a third arm C, this checkout with FLAGS and then these flags (the last of a repeated flag
 # wins), B_ENV and then these assignments, e.g. C_FLAGS="--no-bias-dropout-fusion" to tell one change of B
 # from the rest; ARMS: the arms each round runs (default "A B", "A B C" with C_FLAGS or C_ENV).
+# BENCH_ARGS: bench_e2e arguments for every arm's runs, e.g. "--items-per-sample 6".
 # Out ($OUT): hardware.txt, A.jsonl, B.jsonl (C.jsonl), ab.log, summary.md, profile_B_<workload>.md (not with PROFILE=0).
 # Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0] [C_FLAGS="..."] [C_ENV="..."]
 #        [ARMS="A B C"]
-#        [WORKLOADS="qwen2_5_vl_7b"] [FLAGS="..."] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
+#        [WORKLOADS="qwen2_5_vl_7b"] [FLAGS="..."] [BENCH_ARGS="..."] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
 #        benchmarks/gpu_ab_run.sh
 set -uo pipefail
 start=$SECONDS
-if [ -z "${BASE_REV:-}${A_ENV:-}${B_ENV:-}" ]; then
+if [[ " ${ARMS:-A} " == *" A "* ]] && [ -z "${BASE_REV:-}${A_ENV:-}${B_ENV:-}" ]; then
   echo "error: name the baseline revision (BASE_REV) or the arms' environments (A_ENV, B_ENV)"; exit 2
 fi
 source "$(dirname "$0")/gpu_env.sh"
@@ -35,10 +36,10 @@ e2e() {  # variant (A/B), workload, extra bench_e2e arguments
   local bench=benchmarks/bench_e2e.py  # tools/ in trees older than the benchmarks/ folder
   [ -f "$dir/$bench" ] || bench=tools/bench_e2e.py
   echo "== $(date +%T) $1 $2 ${arm_env}" >> "$out/ab.log"
-  # shellcheck disable=SC2086  # the arm's assignments, one word each
+  # shellcheck disable=SC2086  # the arm's assignments and BENCH_ARGS, one word each
   (cd "$dir" && env $arm_env CUDA_VISIBLE_DEVICES=${CARD:-0} PYTHONPATH=$path timeout "${RUN_S:-300}" torchrun --standalone \
     --nproc-per-node 1 "$bench" --workload "$2" --llm-layers "${LLM_LAYERS:-4}" --hetero-layout examples/layouts/single.yaml \
-    --warmup 2 --steps "${STEPS:-5}" --out "$out/$1.jsonl" "${@:3}") >> "$out/ab.log" 2>&1
+    --warmup 2 --steps "${STEPS:-5}" --out "$out/$1.jsonl" ${BENCH_ARGS:-} "${@:3}") >> "$out/ab.log" 2>&1
   echo "$1 $2: exit $? at $((SECONDS - start)) s"
 }
 read -r -a workloads <<< "${WORKLOADS:-qwen2_5_vl_7b}"
