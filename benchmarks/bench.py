@@ -268,8 +268,8 @@ class Trainer:
 
 class GcTime:
     """Python's garbage collections while inside (gc.callbacks): per generation, how many ran and the
-    seconds they held the host. A full collection walks every tracked object (a model's process holds
-    ~10^6); the GPU idles for it wherever the host is not far enough ahead."""
+    seconds they held the host. A full collection walks every tracked object (over 5 x 10^5 once torch,
+    megatron-core and this package are imported); the GPU idles for it wherever the host is not ahead."""
 
     def __enter__(self):
         self.counts, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], None
@@ -695,7 +695,8 @@ def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace:
     ranks), the 25 costliest kernels and the idle gaps by launching op (idle_lines), written to `path`
     (rank 0) with, from one step more, the matmuls by shape (matmul_lines) and the host's waits
     (host_syncs), from one more, the Python functions the host spent longest in (python_lines; all of
-    them in PATH.pstats); with `trace`, rank 0's whole timeline as a Chrome trace there too. Returns the summary."""
+    them in PATH.pstats); with `trace`, rank 0's whole timeline as a Chrome trace there too. Returns the
+    summary."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
