@@ -743,7 +743,9 @@ def python_profile(trainer: Trainer, forward_backward_func=None) -> pstats.Stats
 def python_lines(stats: pstats.Stats, top: int = 30) -> list[str]:
     """The Python functions of one step (python_profile) that held the host longest, by their own time
     and with their callees: which of the host's work keeps the GPU waiting (cProfile's overhead
-    inflates every call; the order, not the ms, is the point)."""
+    inflates every call; the order, not the ms, is the point). On a GPU the backward's Python runs on
+    the autograd engine's thread, whose calls Python 3.12's profiler counts as callees of whatever the
+    main thread is in: totals with callees around a backward can be off, own times hold."""
     rows = [(f"{Path(file).name}:{line}({name})", calls, own, total)
             for (file, line, name), (_, calls, own, total, _) in stats.stats.items()]
     lines = []
