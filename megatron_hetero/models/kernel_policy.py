@@ -16,6 +16,8 @@ Overrides (environment variables):
 - MEGATRON_HETERO_SHORT_ATTENTION: auto (default), torch or triton: a packed call whose segments are all
   short (Qwen2.5-VL's windows) on our Triton kernel (models/short_attention.py; auto: on GPUs whose
   `megatron-hetero kernels check attention` passed it) or torch's varlen flash-attention;
+- MEGATRON_HETERO_RESIDUAL_ADD: auto (default) or triton: a layer's fused bias-dropout-add without
+  dropout on our Triton kernel (models/residual_add.py) or megatron-core's compiled one;
 - MEGATRON_HETERO_EMBEDDING_GRAD: auto (default) or torch: the input embedding's weight gradient added
   into main_grad by its backward on GPUs, or upstream's dense gradient (models/embedding.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
@@ -49,6 +51,7 @@ EXPERTS_KERNEL_ENV = "MEGATRON_HETERO_EXPERTS_KERNEL"
 LOSS_KERNEL_ENV = "MEGATRON_HETERO_LOSS_KERNEL"
 EMBEDDING_GRAD_ENV = "MEGATRON_HETERO_EMBEDDING_GRAD"
 SHORT_ATTENTION_ENV = "MEGATRON_HETERO_SHORT_ATTENTION"
+RESIDUAL_ADD_ENV = "MEGATRON_HETERO_RESIDUAL_ADD"
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
@@ -56,6 +59,7 @@ KERNEL_MODES = ("auto", "torch", "quack")
 EXPERTS_MODES = ("auto", "grouped", "sequential")
 EMBEDDING_GRAD_MODES = ("auto", "torch")
 SHORT_ATTENTION_MODES = ("auto", "torch", "triton")
+RESIDUAL_ADD_MODES = ("auto", "triton")
 
 
 class KernelPolicyError(ValueError):
@@ -182,7 +186,7 @@ class KernelPolicy:
     even where it imports); norm, mlp: KERNEL_MODES; fa4_head_dims: head dims added to CHECKED_HEAD_DIMS;
     cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
     EXPERTS_MODES; loss: KERNEL_MODES; embedding_grad: EMBEDDING_GRAD_MODES; short_attention:
-    SHORT_ATTENTION_MODES."""
+    SHORT_ATTENTION_MODES; residual_add: RESIDUAL_ADD_MODES."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -196,6 +200,7 @@ class KernelPolicy:
     loss: str = "auto"
     embedding_grad: str = "auto"
     short_attention: str = "auto"
+    residual_add: str = "auto"
 
     @property
     def te(self) -> bool:
@@ -206,11 +211,11 @@ class KernelPolicy:
         return (f"attention {self.attention}, norms {self.norm}, MLPs {self.mlp}, "
                 f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
                 f"experts {self.experts}, loss {self.loss}, embedding gradient {self.embedding_grad}, "
-                f"short segments {self.short_attention}")
+                f"short segments {self.short_attention}, residual add {self.residual_add}")
 
 
 OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV,
-                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV, SHORT_ATTENTION_ENV)
+                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV, SHORT_ATTENTION_ENV, RESIDUAL_ADD_ENV)
 
 
 @functools.lru_cache(maxsize=64)
@@ -224,7 +229,8 @@ def _policy(attention_backend, flash_attention_version, transformer_impl, overri
                         experts=kernel_mode(EXPERTS_KERNEL_ENV, environ, EXPERTS_MODES),
                         loss=kernel_mode(LOSS_KERNEL_ENV, environ),
                         embedding_grad=kernel_mode(EMBEDDING_GRAD_ENV, environ, EMBEDDING_GRAD_MODES),
-                        short_attention=kernel_mode(SHORT_ATTENTION_ENV, environ, SHORT_ATTENTION_MODES))
+                        short_attention=kernel_mode(SHORT_ATTENTION_ENV, environ, SHORT_ATTENTION_MODES),
+                        residual_add=kernel_mode(RESIDUAL_ADD_ENV, environ, RESIDUAL_ADD_MODES))
 
 
 def of(config, environ=os.environ) -> KernelPolicy:

@@ -1,11 +1,13 @@
 """Layer specs: Transformer Engine's where the config's kernel policy runs them (TE imports,
 transformer_impl not local); otherwise megatron-core's local layers with our core attention (SDPA,
 context parallelism), norm (sequence parallelism), dense MLP (the activation in quack's GEMMs where
-they run) and MoE experts (grouped GEMMs where they run) substituted."""
+they run), MoE experts (grouped GEMMs where they run) and residual adds (models/residual_add.py)
+substituted."""
 
 import functools
 from dataclasses import replace
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
@@ -32,6 +34,7 @@ from megatron_hetero.models.experts import GroupedExperts, experts_summary
 from megatron_hetero.models.loss_kernels import loss_summary
 from megatron_hetero.models.mlp import EpilogueMLP, mlp_summary
 from megatron_hetero.models.norm import SequenceParallelNorm, norm_summary
+from megatron_hetero.models.residual_add import bias_dropout_add
 
 
 def uses_te(config: TransformerConfig) -> bool:
@@ -42,7 +45,8 @@ def uses_te(config: TransformerConfig) -> bool:
 
 def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | None) -> ModuleSpec:
     """megatron's local layer spec with our attention, norms (query/key norms included, where the spec
-    has them), dense MLP and an MoE layer's experts; its other submodules (the router) kept."""
+    has them), dense MLP, an MoE layer's experts and residual adds; its other submodules (the router)
+    kept."""
     norm = _norm_spec(pg_collection, has_residual=True)
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
@@ -61,6 +65,9 @@ def with_our_layers(layer: ModuleSpec, pg_collection: ProcessGroupCollection | N
         if getattr(attention, name) not in (None, IdentityOp):
             # Over each head of whole sequences: finalize_model_grads sums their gradients over TP.
             setattr(attention, name, ModuleSpec(module=SequenceParallelNorm, params={"over_sequence": False}))
+    for name in ("self_attn_bda", "mlp_bda"):
+        if getattr(layer.submodules, name) is get_bias_dropout_add:
+            setattr(layer.submodules, name, bias_dropout_add)
     return layer
 
 
