@@ -12,7 +12,9 @@ the bias (torch's sum).
 `MEGATRON_HETERO_RESIDUAL_ADD` (kernel_policy.RESIDUAL_ADD_ENV): auto (the default: megatron-core's
 bias-dropout-add) or triton: this kernel where the fusion is asked for and the add has no dropout
 (evaluation, or a dropout of 0), on a GPU with Triton, x, bias and residual of one dtype and shape;
-megatron-core's elsewhere.
+megatron-core's elsewhere. The layers call the builder (`bias_dropout_add`, megatron-core's signature:
+no config to take the policy from) at each forward, and it reads the mode then; the arguments' check
+(kernel_policy.build) stops a bad value before training.
 """
 
 import torch
