@@ -3,6 +3,8 @@ rank (GPU), one row per module; each cell is the rank's coordinates in that modu
 data-parallel index, each tensor-parallel group framed, each context-parallel group and pipeline stage
 named; arrows are the boundary edges. matplotlib is optional (`pip install megatron-hetero[plot]`)."""
 
+import sys
+
 from megatron_hetero.spec.layout import HeteroLayout, ModuleLayout
 
 
@@ -168,11 +170,18 @@ def _timeline_steps(path) -> dict[int, dict]:
     return {record["step"]: record for record in records}
 
 
+def _failed(error: Exception, source: str) -> int:
+    """A command's error line: prefixed with the file it read, unless the PNG it wrote (PictureError,
+    which names that file) is what failed; exit status 2."""
+    where = "" if isinstance(error, PictureError) else f"{source}: "
+    print(f"error: {where}{error}", file=sys.stderr)
+    return 2
+
+
 def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero timeline") -> int:
     """`megatron-hetero timeline METRICS.jsonl --png F [--step N]`: a run's step per rank on a time axis."""
     import argparse
     import glob
-    import sys
 
     from megatron_hetero.runtime.timers import timeline_file
 
@@ -195,12 +204,8 @@ def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero ti
         if missing:
             raise ValueError(f"step {step} has no spans in {missing[0]}; give a --step every rank timed")
         draw_timeline([steps[step] for steps in ranks], args.png)
-    except PictureError as error:  # names the --png file
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     except (OSError, ValueError, KeyError) as error:
-        print(f"error: {args.metrics}: {error}", file=sys.stderr)
-        return 2
+        return _failed(error, args.metrics)
     print(f"wrote {args.png}")
     return 0
 
@@ -208,7 +213,6 @@ def timeline_main(argv: list[str] | None = None, prog: str = "megatron-hetero ti
 def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero breakdown") -> int:
     """`megatron-hetero breakdown RECORDS.jsonl --png F [--record N]`: a bench_e2e record's step per rank."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog=prog, description="Draw a benchmarks/bench_e2e.py record's step per "
                                      "rank: seconds in each phase and waiting on other ranks.")
@@ -224,11 +228,7 @@ def breakdown_main(argv: list[str] | None = None, prog: str = "megatron-hetero b
             raise ValueError(f"no record {args.record}: the file holds {len(records)}; give --record 0 to "
                              f"{len(records) - 1}")
         draw_breakdown(records[args.record], args.png)
-    except PictureError as error:  # names the --png file
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     except (OSError, ValueError, KeyError) as error:
-        print(f"error: {args.records}: {error}", file=sys.stderr)
-        return 2
+        return _failed(error, args.records)
     print(f"wrote {args.png}")
     return 0
