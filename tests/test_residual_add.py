@@ -1,6 +1,6 @@
 """A layer's residual add on our Triton kernel (models/residual_add.py): the kernel on Triton's CPU
-interpreter against fp32 arithmetic rounded once; which calls it takes, under which mode; the layers
-our specs build call it."""
+interpreter against fp32 arithmetic rounded once, and on a GPU against megatron-core's compiled
+function; which calls it takes, under which mode; the layers our specs build call it."""
 
 import json
 import os
@@ -42,16 +42,21 @@ def test_kernel_compiles_for_hopper():
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
-def test_upstream_add_unless_the_triton_mode_asks_and_the_kernel_takes_the_call(monkeypatch):
-    """auto (the default), or no fusion asked: megatron-core's own function; triton: the kernel where it
-    takes the call, megatron-core's where the dropout is on in training or the tensors are not a GPU's."""
+@pytest.mark.parametrize("mode", [None, "auto", "triton"])
+def test_the_kernel_where_it_takes_the_call_unless_the_torch_mode_asks(monkeypatch, mode):
+    """auto (the default) and triton: the kernel where it takes the call, megatron-core's where the dropout
+    is on in training or the tensors are not a GPU's; torch, or no fusion asked: megatron-core's own function."""
     def same(training, fused):  # the unfused one is a closure made at each call
         ours, upstream = residual_add.bias_dropout_add(training, fused), get_bias_dropout_add(training, fused)
         return ours is upstream or (not fused and ours.__qualname__ == upstream.__qualname__)
 
+    monkeypatch.setenv(RESIDUAL_ADD_ENV, "torch")
     assert all(same(training, fused) for training in (True, False) for fused in (True, False))
-    monkeypatch.setenv(RESIDUAL_ADD_ENV, "triton")
-    assert same(True, False) and same(False, False)
+    if mode is None:
+        monkeypatch.delenv(RESIDUAL_ADD_ENV)
+    else:
+        monkeypatch.setenv(RESIDUAL_ADD_ENV, mode)
+    assert same(True, False) and same(False, False) and not same(True, True) and not same(False, True)
     calls = []
     monkeypatch.setattr(residual_add, "get_bias_dropout_add",  # upstream's, recording its calls
                         lambda training, fused: lambda x_with_bias, residual, prob: calls.append(("upstream", prob)))
@@ -88,8 +93,8 @@ def test_our_layers_call_it_and_a_bad_mode_is_one_line():
 
     layer = with_our_layers(get_gpt_layer_local_spec(), None)
     assert layer.submodules.self_attn_bda is layer.submodules.mlp_bda is residual_add.bias_dropout_add
-    assert build(environ={RESIDUAL_ADD_ENV: "triton"}).residual_add == "triton"
-    with pytest.raises(KernelPolicyError, match=f"^{RESIDUAL_ADD_ENV}=fused: use one of auto, triton$"):
+    assert build(environ={RESIDUAL_ADD_ENV: "torch"}).residual_add == "torch"
+    with pytest.raises(KernelPolicyError, match=f"^{RESIDUAL_ADD_ENV}=fused: use one of auto, torch, triton$"):
         build(environ={RESIDUAL_ADD_ENV: "fused"})
 
 

@@ -27,8 +27,8 @@ def megatron_config_fields(args) -> dict:
     (--recompute-granularity full|selective, --recompute-method uniform|block,
     --recompute-num-layers, --recompute-modules), the LLM's loss (--cross-entropy-loss-fusion,
     --cross-entropy-fusion-impl: megatron-core's fused vocabulary-parallel cross entropy), the bias,
-    dropout and residual add after each attention and MLP as one compiled kernel (on by default,
-    --no-bias-dropout-fusion; off without a GPU: patches/startup.py) and the flags of the layers'
+    dropout and residual add after each attention and MLP as one kernel (models/residual_add.py; on by
+    default, --no-bias-dropout-fusion; off without a GPU: patches/startup.py) and the flags of the layers'
     kernel policy (--attention-backend, --flash-attention-version, --transformer-impl:
     models/kernel_policy.py)."""
     return dict(gradient_accumulation_fusion=args.gradient_accumulation_fusion,
