@@ -1,25 +1,35 @@
 """`python -m tests.residual_add_script` from the repository, with TRITON_INTERPRET=1 set before anything
-imports Triton (tests/test_residual_add.py runs it so): models/residual_add.py's kernel on Triton's CPU
-interpreter. Forward: residual + (x + bias) in fp32 rounded once (as the interpreter rounds), bit for
-bit; backward: the output's gradient to x and residual, its sum over the tokens to the bias. Prints,
-last, one JSON object: "<shape> <dtype> <bias>" -> [forward equal, gradients equal]."""
+imports Triton (tests/test_residual_add.py runs it so): models/residual_add.py's kernels on Triton's CPU
+interpreter. Forward: residual + (x + bias) [* scale] in fp32 rounded once (as the interpreter rounds),
+bit for bit; backward: the output's gradient to the residual, and to x as it is (no scale) or times the
+scale rounded once; the bias's and the scale's gradients against fp64 sums. Prints, last, one JSON
+object: "<shape> <dtype> <bias> <scale>" -> [forward equal, x's and the residual's gradients equal,
+the bias's and the scale's within rounding]."""
 
 import json
 
 import torch
 
-from megatron_hetero.models.residual_add import BLOCK, residual_add
+from megatron_hetero.models.residual_add import BLOCK, COLUMNS, ROWS, residual_add
 
-# [s, b, h] with a masked last block, one element a row, a whole number of blocks
-SHAPES = ((3, 2, BLOCK // 2 + 7), (5, 1, 1), (2, 2, BLOCK))
+# [s, b, h]: a masked last block, one element a row, a whole number of blocks; with a scale, rows and
+# columns past one tile (masked) and exactly one
+SHAPES = ((3, 2, BLOCK // 2 + 7), (5, 1, 1), (2, 2, BLOCK), (ROWS + 3, 2, COLUMNS + 5), (ROWS, 1, COLUMNS))
 
 
 def rounded(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 sum in `dtype` as the kernel's cast rounds it here: Triton's interpreter casts fp32 to
+    """The fp32 value in `dtype` as the kernel's cast rounds it here: Triton's interpreter casts fp32 to
     bf16 toward zero (GPUs to nearest even, as torch's cast does); fp16 as torch does."""
     if dtype == torch.bfloat16:
         total = (total.view(torch.int32) & ~0xFFFF).view(torch.float32)
     return total.to(dtype)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A sum over the tokens in fp32, then in `got`'s dtype, against the fp64 sum: within one rounding of
+    that dtype (two units in its last place for the interpreter's truncation) and fp32's reordering."""
+    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}[got.dtype]
+    return bool(((got.double() - want).abs() <= 2 * ulp * want.abs() + 1e-5).all())
 
 
 def main():
@@ -28,17 +38,24 @@ def main():
     for shape in SHAPES:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for with_bias in (True, False):
-                x, residual, grad = (torch.randn(shape, generator=gen).to(dtype) for _ in range(3))
-                bias = torch.randn(shape[-1:], generator=gen).to(dtype) if with_bias else None
-                inputs = [t.clone().requires_grad_() for t in (x, residual) + ((bias,) if with_bias else ())]
-                out = residual_add(inputs[0], inputs[2] if with_bias else None, inputs[1])
-                total = residual.float() + (x.float() + (bias.float() if with_bias else 0))
-                forward = torch.equal(out, rounded(total, dtype))
-                out.backward(grad)
-                grads = [torch.equal(inputs[0].grad, grad), torch.equal(inputs[1].grad, grad)]
-                if with_bias:
-                    grads.append(torch.equal(inputs[2].grad, grad.reshape(-1, shape[-1]).sum(0)))
-                equal[f"{shape} {dtype} {with_bias}"] = [forward, all(grads)]
+                for with_scale in (False, True):
+                    x, residual, grad = (torch.randn(shape, generator=gen).to(dtype) for _ in range(3))
+                    bias, scale = (torch.randn(shape[-1:], generator=gen).to(dtype) if wanted else None
+                                   for wanted in (with_bias, with_scale))
+                    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, bias, residual, scale)]
+                    out = residual_add(*leaves)
+                    added = x.float() + (bias.float() if with_bias else 0)
+                    total = residual.float() + (added * scale.float() if with_scale else added)
+                    forward = torch.equal(out, rounded(total, dtype))
+                    out.backward(grad)
+                    dx = rounded(grad.float() * scale.float(), dtype) if with_scale else grad
+                    exact = [torch.equal(leaves[0].grad, dx), torch.equal(leaves[2].grad, grad)]
+                    per_token = (grad.double() * scale.double() if with_scale else grad.double()).reshape(-1, shape[-1])
+                    sums = [close(leaves[1].grad, per_token.sum(0))] if with_bias else []
+                    if with_scale:
+                        sums.append(close(leaves[3].grad, (grad.double() * (x.double() + (
+                            bias.double() if with_bias else 0))).reshape(-1, shape[-1]).sum(0)))
+                    equal[f"{shape} {dtype} {with_bias} {with_scale}"] = [forward, all(exact), all(sums)]
     print(json.dumps(equal))
 
 

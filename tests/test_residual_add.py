@@ -1,6 +1,6 @@
-"""A layer's residual add on our Triton kernel (models/residual_add.py): the kernel on Triton's CPU
-interpreter against fp32 arithmetic rounded once, and on a GPU against megatron-core's compiled
-function; which calls it takes, under which mode; the layers our specs build call it."""
+"""A layer's residual add on our Triton kernel (models/residual_add.py), with and without InternViT's layer
+scale: the kernels on Triton's CPU interpreter against fp32 arithmetic rounded once, and on a GPU
+against the compiled functions; which calls they take, under which mode; the layers call them."""
 
 import json
 import os
@@ -18,27 +18,37 @@ from megatron_hetero.models.kernel_policy import RESIDUAL_ADD_ENV, KernelPolicyE
 
 def test_kernel_adds_in_fp32_rounded_once_and_hands_back_the_gradients():
     """On Triton's CPU interpreter (tests/residual_add_script.py, a process of its own: the interpreter
-    must be on before Triton is imported): bf16, fp16 and fp32, with and without the bias, a masked last
-    block, rows of one element."""
+    must be on before Triton is imported): bf16, fp16 and fp32, with and without the bias and the scale,
+    a masked last block, rows of one element, tiles of the scaled backward masked and whole."""
     pytest.importorskip("triton")
     done = subprocess.run([sys.executable, "-m", "tests.residual_add_script"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     equal = json.loads(done.stdout.splitlines()[-1])
-    assert len(equal) == 18 and all(all(pair) for pair in equal.values()), equal
+    assert len(equal) == 60 and all(all(checks) for checks in equal.values()), equal
 
 
-def test_kernel_compiles_for_hopper():
-    """The kernel compiles to sm90 code with and without the bias (Triton's own ptxas, no GPU needed)."""
+def test_kernels_compile_for_hopper():
+    """Both kernels compile to sm90 code with and without the bias and the scale (Triton's own ptxas, no
+    GPU needed)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    pointers = lambda *names: {name: "*bf16" for name in names}  # noqa: E731
     for has_bias in (True, False):
-        source = ASTSource(residual_add._residual_add_kernel,
-                           {"x": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16", "n": "i64",
-                            "width": "i32", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"},
-                           constexprs={"HAS_BIAS": has_bias, "BLOCK": residual_add.BLOCK})
+        for has_scale in (True, False):
+            source = ASTSource(residual_add._residual_add_kernel,
+                               {**pointers("x", "bias", "scale", "residual", "out"), "n": "i64", "width": "i32",
+                                "HAS_BIAS": "constexpr", "HAS_SCALE": "constexpr", "BLOCK": "constexpr"},
+                               constexprs={"HAS_BIAS": has_bias, "HAS_SCALE": has_scale, "BLOCK": residual_add.BLOCK})
+            assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        source = ASTSource(residual_add._scaled_backward_kernel,
+                           {**pointers("grad", "x", "bias", "scale", "dx"), "scale_sums": "*fp32",
+                            "bias_sums": "*fp32", "rows": "i32", "width": "i32", "HAS_BIAS": "constexpr",
+                            "ROWS": "constexpr", "COLUMNS": "constexpr"},
+                           constexprs={"HAS_BIAS": has_bias, "ROWS": residual_add.ROWS,
+                                       "COLUMNS": residual_add.COLUMNS})
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
@@ -70,6 +80,41 @@ def test_the_kernel_where_it_takes_the_call_unless_the_torch_mode_asks(monkeypat
     evaluate((x, bias), residual, 0.5)  # evaluation drops nothing
     assert [c[0] for c in calls] == ["upstream", "kernel", "upstream", "kernel"]
     assert calls[1][1][0] is x and calls[1][1][1] is bias and calls[1][1][2] is residual
+
+
+def test_which_adds_run_on_the_kernel_by_mode(monkeypatch):
+    """Not under torch; not where training drops something; the layer-scale add under triton only (auto
+    keeps its compiled function); only tensors the kernel takes."""
+    monkeypatch.setattr(residual_add, "takes", lambda *tensors: True)
+    x, scale = torch.zeros(2, 1, 4), torch.ones(4)
+    adds = lambda mode, training=True, prob=0.0, scale=None: residual_add.kernel_adds(  # noqa: E731
+        mode, training, prob, x, None, x, scale)
+    assert adds("auto") and adds("triton") and not adds("torch")
+    assert not adds("auto", prob=0.1) and adds("auto", training=False, prob=0.1)
+    assert adds("triton", scale=scale) and not adds("auto", scale=scale) and not adds("torch", scale=scale)
+    monkeypatch.setattr(residual_add, "takes", lambda *tensors: False)
+    assert not adds("triton") and not adds("triton", scale=scale)
+
+
+@pytest.mark.parametrize("mode", ["auto", "triton", "torch"])
+def test_internvit_layer_scale_add_on_the_kernel_under_triton(monkeypatch, mode):
+    """InternViT's layer-scale bias-dropout-add: under triton, fused, the kernel with the layer's scale;
+    otherwise its compiled function (fused) or the eager one."""
+    from megatron_hetero.families.internvl import vision
+
+    monkeypatch.setenv(RESIDUAL_ADD_ENV, mode)
+    monkeypatch.setattr(residual_add, "takes", lambda *tensors: True)
+    calls = []
+    monkeypatch.setattr(residual_add, "residual_add", lambda *tensors: calls.append(("kernel", tensors)))
+    monkeypatch.setattr(vision, "_scaled_bias_dropout_add_fused", lambda *args: calls.append(("compiled", args)))
+    monkeypatch.setattr(vision, "_scaled_bias_dropout_add_func", lambda *args: calls.append(("eager", args)))
+    x, residual, bias, scale = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(8), torch.rand(8)
+    build = vision._scaled_bias_dropout_add(scale)
+    build(True, True)((x, bias), residual, 0.0)
+    build(True, False)((x, bias), residual, 0.0)
+    assert [c[0] for c in calls] == [("kernel" if mode == "triton" else "compiled"), "eager"]
+    if mode == "triton":
+        assert all(a is b for a, b in zip(calls[0][1], (x, bias, residual, scale), strict=True))
 
 
 def test_takes_contiguous_tensors_of_one_shape_and_dtype_only(monkeypatch):
@@ -120,3 +165,29 @@ def test_on_a_gpu_the_kernel_is_the_compiled_function_bit_for_bit():
         assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][2], grads[1][2])
         assert torch.equal(grads[0][1], grad.reshape(-1, shape[-1]).sum(0))
         torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and residual_add.HAVE_TRITON), reason="needs a GPU with Triton")
+def test_on_a_gpu_the_layer_scale_add_matches_the_compiled_function():
+    """On a GPU: with InternViT's layer scale, the kernel's output, x's and the residual's gradients equal
+    the compiled layer-scale add's (families/internvl/vision.py, dropout 0) bit for bit; the bias's and
+    the scale's gradients (fp32 sums in another order) within bf16 rounding of them."""
+    from megatron_hetero.families.internvl.vision import _scaled_bias_dropout_add_fused
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape in ((1025 * 12, 1, 1024), (1000, 2, 3200)):
+        x, residual, grad = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+        bias = torch.randn(shape[-1:], device="cuda", generator=gen, dtype=torch.bfloat16)
+        scale = torch.rand(shape[-1:], device="cuda", generator=gen, dtype=torch.bfloat16)
+        outs, grads = [], []
+        compiled = lambda x, b, r, s: _scaled_bias_dropout_add_fused(x, b, r, s, 0.0, True)  # noqa: E731
+        for add in (residual_add.residual_add, compiled):
+            inputs = [t.clone().requires_grad_() for t in (x, bias, residual, scale)]
+            out = add(*inputs)
+            out.backward(grad)
+            outs.append(out)
+            grads.append([t.grad for t in inputs])
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][2], grads[1][2])
+        for ours, theirs in zip(grads[0][1::2], grads[1][1::2], strict=True):
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-7, atol=1e-3)

@@ -1,5 +1,5 @@
-"""A layer's residual add after its attention and its MLP (megatron-core's bias-dropout-add) with no
-dropout, as one Triton kernel called at an eager op's host cost.
+"""A layer's residual add after its attention and its MLP (megatron-core's bias-dropout-add, or
+InternViT's with layer scale) with no dropout, as one Triton kernel called at an eager op's host cost.
 
 Why: under `--bias-dropout-fusion` (Megatron's default) megatron-core compiles its bias-dropout-add
 (torch.compile): one kernel each way, but each call costs the host about 0.2 ms forward and 0.3 ms
@@ -7,13 +7,18 @@ backward in the compiled function's wrappers, five times its kernel's time where
 few (one H100: docs/results.md, "Where the step waits on the host"), and the GPU waits for them.
 Here out = residual + (x + bias) in fp32, rounded once, as the compiled kernel computes it, in one
 pass; the backward hands the output's gradient to x and the residual and sums it over the tokens for
-the bias (torch's sum).
+the bias (torch's sum). With a layer scale (InternViT: families/internvl/vision.py) out = residual +
+(x + bias) * scale, the same way; its backward is one more kernel: x's gradient (the output's times the
+scale, rounded once) and each block of rows' fp32 sums for the scale's and the bias's gradients, which
+torch adds up.
 
 `MEGATRON_HETERO_RESIDUAL_ADD` (kernel_policy.RESIDUAL_ADD_ENV): auto (the default) or triton: this
 kernel where the fusion is asked for and the add has no dropout (evaluation, or a dropout of 0), on a
 GPU with Triton, x, bias and residual of one dtype and shape; megatron-core's elsewhere. torch:
-megatron-core's bias-dropout-add always. On an H100 its output and input gradients equal the compiled
-function's bit for bit, and the step of Qwen2.5-VL-7B at 6 images took 0.6% less time (docs/results.md).
+megatron-core's bias-dropout-add always. The layer-scale add runs on the kernel under triton only (auto
+keeps its compiled function: not measured on a GPU yet). On an H100 the plain add's output and input
+gradients equal the compiled function's bit for bit, and the step of Qwen2.5-VL-7B at 6 images took
+0.6% less time (docs/results.md).
 The layers call the builder (`bias_dropout_add`, megatron-core's signature: no config to take the
 policy from) at each forward, and it reads the mode then; the arguments' check (kernel_policy.build)
 stops a bad value before training.
@@ -26,53 +31,118 @@ from megatron_hetero.models.accelerators import has_triton
 from megatron_hetero.models.kernel_policy import RESIDUAL_ADD_ENV, RESIDUAL_ADD_MODES, kernel_mode
 
 HAVE_TRITON = has_triton()
-BLOCK = 1024  # elements per program of the kernel below
+BLOCK = 1024  # elements per program of the forward kernel
+ROWS, COLUMNS = 64, 128  # a program's tile of the layer-scale backward
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _residual_add_kernel(x, bias, residual, out, n, width, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        """out = residual + (x + bias) over n elements of rows `width` long, in fp32."""
+    def _residual_add_kernel(x, bias, scale, residual, out, n, width, HAS_BIAS: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        """out = residual + (x + bias) [* scale] over n elements of rows `width` long, in fp32."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
         total = tl.load(x + offsets, mask=mask).to(tl.float32)
         if HAS_BIAS:
             total += tl.load(bias + offsets % width, mask=mask).to(tl.float32)
-        total = tl.load(residual + offsets, mask=mask).to(tl.float32) + total
+        if HAS_SCALE:
+            total = tl.load(residual + offsets, mask=mask).to(tl.float32) + total * tl.load(
+                scale + offsets % width, mask=mask).to(tl.float32)
+        else:
+            total = tl.load(residual + offsets, mask=mask).to(tl.float32) + total
         tl.store(out + offsets, total.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _scaled_backward_kernel(grad, x, bias, scale, dx, scale_sums, bias_sums, rows, width,
+                                HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+        """dx = grad * scale; this block of rows' fp32 sums of grad * (x + bias) and (with a bias) of
+        grad * scale."""
+        row_block = tl.program_id(0)
+        row = row_block.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        column = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
+        in_width = column < width
+        mask = (row < rows)[:, None] & in_width[None, :]
+        offsets = row[:, None] * width + column[None, :]
+        g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
+        scaled = g * tl.load(scale + column, mask=in_width, other=0.0).to(tl.float32)[None, :]
+        tl.store(dx + offsets, scaled.to(dx.dtype.element_ty), mask=mask)
+        total = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            total += tl.load(bias + column, mask=in_width, other=0.0).to(tl.float32)[None, :]
+        sums = row_block.to(tl.int64) * width + column
+        tl.store(scale_sums + sums, tl.sum(g * total, axis=0), mask=in_width)
+        if HAS_BIAS:
+            tl.store(bias_sums + sums, tl.sum(scaled, axis=0), mask=in_width)
 
 
 class _ResidualAdd(torch.autograd.Function):
-    """forward: residual + (x + bias) (bias None: residual + x), one kernel;
-    backward: the gradient to x and to the residual as it is, summed over the tokens for the bias."""
+    """forward: residual + (x + bias) [* scale] (bias None: no bias; scale None: no scale), one kernel;
+    backward: the gradient to the residual as it is; to x as it is, or times the scale, with the scale's
+    and the bias's sums over the tokens (one more kernel with the scale; torch's sum without)."""
 
     @staticmethod
-    def forward(ctx, x, bias, residual):
+    def forward(ctx, x, bias, residual, scale):
         out = torch.empty_like(residual)
         n = out.numel()
-        _residual_add_kernel[(triton.cdiv(n, BLOCK),)](x, x if bias is None else bias, residual, out, n,
-                                                       out.shape[-1], HAS_BIAS=bias is not None, BLOCK=BLOCK)
+        _residual_add_kernel[(triton.cdiv(n, BLOCK),)](
+            x, x if bias is None else bias, x if scale is None else scale, residual, out, n, out.shape[-1],
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK=BLOCK)
+        ctx.scaled = scale is not None
+        if ctx.scaled:
+            ctx.save_for_backward(x, bias, scale)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        bias_grad = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        return grad, bias_grad, grad
+        if not ctx.scaled:
+            bias_grad = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+            return grad, bias_grad, grad, None
+        x, bias, scale = ctx.saved_tensors
+        grad = grad.contiguous()
+        width = grad.shape[-1]
+        rows = grad.numel() // width
+        dx = torch.empty_like(grad)
+        row_blocks = triton.cdiv(rows, ROWS)
+        scale_sums = torch.empty(row_blocks, width, device=grad.device, dtype=torch.float32)
+        bias_sums = scale_sums if bias is None else torch.empty_like(scale_sums)  # unwritten without a bias
+        _scaled_backward_kernel[(row_blocks, triton.cdiv(width, COLUMNS))](
+            grad, x, scale if bias is None else bias, scale, dx, scale_sums, bias_sums, rows, width,
+            HAS_BIAS=bias is not None, ROWS=ROWS, COLUMNS=COLUMNS)
+        bias_grad = bias_sums.sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
+        return dx, bias_grad, grad, scale_sums.sum(0).to(scale.dtype) if ctx.needs_input_grad[3] else None
 
 
-def residual_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
-    """residual + (x + bias) on the kernel (tensors that `takes`)."""
-    return _ResidualAdd.apply(x, bias, residual)
+def residual_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + (x + bias) [* scale] on the kernel (tensors that `takes`)."""
+    return _ResidualAdd.apply(x, bias, residual, scale)
 
 
-def takes(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> bool:
+def _per_column(t: torch.Tensor | None, x: torch.Tensor) -> bool:
+    return t is None or (t.shape == x.shape[-1:] and t.dtype == x.dtype and t.is_contiguous())
+
+
+def takes(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+          scale: torch.Tensor | None = None) -> bool:
     """Whether the kernel adds these: contiguous x and residual of one shape and dtype on a GPU, the bias
-    (if any) one value per column in that dtype."""
+    and the scale (if any) one value per column in that dtype."""
     return (HAVE_TRITON and x.is_cuda and x.shape == residual.shape and x.dtype == residual.dtype
-            and x.is_contiguous() and residual.is_contiguous()
-            and (bias is None or (bias.shape == x.shape[-1:] and bias.dtype == x.dtype and bias.is_contiguous())))
+            and x.is_contiguous() and residual.is_contiguous() and _per_column(bias, x) and _per_column(scale, x))
+
+
+def mode() -> str:
+    """MEGATRON_HETERO_RESIDUAL_ADD's mode, read when a layer's forward builds its add."""
+    return kernel_mode(RESIDUAL_ADD_ENV, modes=RESIDUAL_ADD_MODES)
+
+
+def kernel_adds(mode: str, training: bool, prob: float, x: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Whether the fused add of these runs on the kernel under `mode`: not under torch; nothing dropped
+    (evaluation, or a dropout of 0); a layer scale under triton only; tensors the kernel `takes`."""
+    return (mode != "torch" and not (training and prob > 0) and (scale is None or mode == "triton")
+            and takes(x, bias, residual, scale))
 
 
 def bias_dropout_add(training: bool, fused: bool):
@@ -80,12 +150,13 @@ def bias_dropout_add(training: bool, fused: bool):
     `training` and --bias-dropout-fusion), with the fused add on this kernel where it takes the call,
     unless the torch mode asks for megatron-core's."""
     upstream = get_bias_dropout_add(training, fused)
-    if not fused or kernel_mode(RESIDUAL_ADD_ENV, modes=RESIDUAL_ADD_MODES) == "torch":
+    chosen = mode()
+    if not fused or chosen == "torch":
         return upstream
 
     def add(x_with_bias, residual, prob):
         x, bias = x_with_bias
-        if (training and prob > 0) or not takes(x, bias, residual):
+        if not kernel_adds(chosen, training, prob, x, bias, residual):
             return upstream(x_with_bias, residual, prob)
         return residual_add(x, bias, residual)
     return add

@@ -40,6 +40,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
+from megatron_hetero.models import residual_add
 from megatron_hetero.models.encoder import StageEncoder
 from megatron_hetero.models.norm import SequenceParallelNorm
 from megatron_hetero.models.specs import block_spec, with_our_layers
@@ -142,13 +143,18 @@ _scaled_bias_dropout_add_fused = jit_fuser(_scaled_bias_dropout_add_func)
 
 def _scaled_bias_dropout_add(scale: torch.nn.Parameter):
     """megatron's bias-dropout-add (a builder taking training, fused: --bias-dropout-fusion) with layer
-    scale: residual + dropout(x + bias) * scale."""
+    scale: residual + dropout(x + bias) * scale; fused, on our Triton kernel where the residual-add
+    mode runs it there (models/residual_add.py)."""
 
     def build(training: bool, fused: bool):
         func = _scaled_bias_dropout_add_fused if fused else _scaled_bias_dropout_add_func
+        mode = residual_add.mode() if fused else "torch"
 
         def bias_dropout_add(x_with_bias, residual, prob):
-            return func(*x_with_bias, residual, scale, prob, training)
+            x, bias = x_with_bias
+            if residual_add.kernel_adds(mode, training, prob, x, bias, residual, scale):
+                return residual_add.residual_add(x, bias, residual, scale)
+            return func(x, bias, residual, scale, prob, training)
         return bias_dropout_add
     return build
 
