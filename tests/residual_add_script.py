@@ -10,7 +10,8 @@ import json
 
 import torch
 
-from megatron_hetero.models.residual_add import BLOCK, COLUMNS, ROWS, residual_add
+from megatron_hetero.models.column_sums import COLUMNS, ROWS
+from megatron_hetero.models.residual_add import BLOCK, residual_add
 
 # [s, b, h]: a masked last block, one element a row, a whole number of blocks; with a scale, rows and
 # columns past one tile (masked) and exactly one

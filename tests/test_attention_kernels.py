@@ -12,10 +12,6 @@
 import collections
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +53,7 @@ from megatron_hetero.models.kernel_policy import (
 )
 from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
+from tests.interpreter import run_on_interpreter
 from tests.test_fa4_backward import Patched, Release
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0))
@@ -404,10 +401,7 @@ def test_short_attention_kernel_matches_fp64_attention():
     backward, fp32 and fp16, causal or not, against fp64 attention; and varlen_attention's Triton path
     against its SDPA path."""
     pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-m", "tests.short_attention_script"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout.splitlines()[-1])  # after the import-time lines
+    errors = run_on_interpreter("short_attention_script", timeout=600)
     assert len(errors) == 10
     for case, errs in errors.items():
         tolerance = 2e-3 if "float16" in case else 1e-5

@@ -11,11 +11,7 @@
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +37,7 @@ from megatron_hetero.models.mlp_kernels import (
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choose_quack
 from megatron_hetero.spec.sizes import MLP_MIN_MACS
 from tests.compiling import assert_compiled_equals_eager
+from tests.interpreter import run_on_interpreter
 from tests.quack_stand_in import STAND_IN
 
 
@@ -381,10 +378,7 @@ def test_halves_kernel_is_torchs_copy_bit_for_bit():
     Triton's CPU interpreter (tests/mlp_triton_script.py, in a process of its own: the interpreter must be
     on before Triton is imported): torch's strided copy, bit for bit, bf16 and fp16, a masked last block."""
     pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-m", "tests.mlp_triton_script"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    equal = json.loads(done.stdout.splitlines()[-1])
+    equal = run_on_interpreter("mlp_triton_script")
     assert len(equal) == 6 and all(equal.values()), equal
 
 

@@ -2,18 +2,15 @@
 scale: the kernels on Triton's CPU interpreter against fp32 arithmetic rounded once, and on a GPU
 against the compiled functions; which calls they take, under which mode; the layers call them."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from megatron_hetero.models import residual_add
+from megatron_hetero.models import column_sums, residual_add
 from megatron_hetero.models.kernel_policy import RESIDUAL_ADD_ENV, KernelPolicyError, build
+from tests.compiling import outputs_and_gradients
+from tests.interpreter import run_on_interpreter
 
 
 def test_kernel_adds_in_fp32_rounded_once_and_hands_back_the_gradients():
@@ -21,10 +18,7 @@ def test_kernel_adds_in_fp32_rounded_once_and_hands_back_the_gradients():
     must be on before Triton is imported): bf16, fp16 and fp32, with and without the bias and the scale,
     a masked last block, rows of one element, tiles of the scaled backward masked and whole."""
     pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-m", "tests.residual_add_script"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    equal = json.loads(done.stdout.splitlines()[-1])
+    equal = run_on_interpreter("residual_add_script")
     assert len(equal) == 60 and all(all(checks) for checks in equal.values()), equal
 
 
@@ -47,8 +41,8 @@ def test_kernels_compile_for_hopper():
                            {**pointers("grad", "x", "bias", "scale", "dx"), "scale_sums": "*fp32",
                             "bias_sums": "*fp32", "rows": "i32", "width": "i32", "HAS_BIAS": "constexpr",
                             "ROWS": "constexpr", "COLUMNS": "constexpr"},
-                           constexprs={"HAS_BIAS": has_bias, "ROWS": residual_add.ROWS,
-                                       "COLUMNS": residual_add.COLUMNS})
+                           constexprs={"HAS_BIAS": has_bias, "ROWS": column_sums.ROWS,
+                                       "COLUMNS": column_sums.COLUMNS})
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
@@ -146,32 +140,27 @@ def test_our_layers_call_it_and_a_bad_mode_is_one_line():
 @pytest.mark.skipif(not (torch.cuda.is_available() and residual_add.HAVE_TRITON), reason="needs a GPU with Triton")
 def test_on_a_gpu_the_kernel_is_the_compiled_function_bit_for_bit():
     """On a GPU: the kernel's output and the input gradients equal megatron-core's compiled
-    bias-dropout-add's (dropout 0) bit for bit; the bias gradient is torch's sum of the same gradient."""
+    bias-dropout-add's (dropout 0; torch.compile on, as GPU runs have it) bit for bit; the bias gradient is
+    torch's sum of the same gradient."""
     from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape in ((4096, 1, 1280), (1000, 2, 3584)):
         x, residual, grad = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
         bias = torch.randn(shape[-1:], device="cuda", generator=gen, dtype=torch.bfloat16)
-        outs, grads = [], []
-        compiled = lambda x, b, r: bias_dropout_add_fused_train((x, b), r, 0.0)  # noqa: E731
-        for add in (residual_add.residual_add, compiled):
-            inputs = [t.clone().requires_grad_() for t in (x, bias, residual)]
-            out = add(*inputs)
-            out.backward(grad)
-            outs.append(out)
-            grads.append([t.grad for t in inputs])
-        assert torch.equal(outs[0], outs[1])
-        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][2], grads[1][2])
-        assert torch.equal(grads[0][1], grad.reshape(-1, shape[-1]).sum(0))
-        torch.testing.assert_close(grads[0][1], grads[1][1])
+        ours = outputs_and_gradients(residual_add.residual_add, (x, bias, residual), grad)
+        theirs = outputs_and_gradients(lambda x, b, r: bias_dropout_add_fused_train((x, b), r, 0.0),
+                                       (x, bias, residual), grad, compiled=True)
+        assert all(torch.equal(ours[i], theirs[i]) for i in (0, 1, 3))  # the output, x's and residual's gradients
+        assert torch.equal(ours[2], grad.reshape(-1, shape[-1]).sum(0))
+        torch.testing.assert_close(ours[2], theirs[2])
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and residual_add.HAVE_TRITON), reason="needs a GPU with Triton")
 def test_on_a_gpu_the_layer_scale_add_matches_the_compiled_function():
     """On a GPU: with InternViT's layer scale, the kernel's output, x's and the residual's gradients equal
-    the compiled layer-scale add's (families/internvl/vision.py, dropout 0) bit for bit; the bias's and
-    the scale's gradients (fp32 sums in another order) within bf16 rounding of them."""
+    the compiled layer-scale add's (families/internvl/vision.py, dropout 0, torch.compile on) bit for bit;
+    the bias's and the scale's gradients (fp32 sums in another order) within bf16 rounding of them."""
     from megatron_hetero.families.internvl.vision import _scaled_bias_dropout_add_fused
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -179,15 +168,10 @@ def test_on_a_gpu_the_layer_scale_add_matches_the_compiled_function():
         x, residual, grad = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
         bias = torch.randn(shape[-1:], device="cuda", generator=gen, dtype=torch.bfloat16)
         scale = torch.rand(shape[-1:], device="cuda", generator=gen, dtype=torch.bfloat16)
-        outs, grads = [], []
-        compiled = lambda x, b, r, s: _scaled_bias_dropout_add_fused(x, b, r, s, 0.0, True)  # noqa: E731
-        for add in (residual_add.residual_add, compiled):
-            inputs = [t.clone().requires_grad_() for t in (x, bias, residual, scale)]
-            out = add(*inputs)
-            out.backward(grad)
-            outs.append(out)
-            grads.append([t.grad for t in inputs])
-        assert torch.equal(outs[0], outs[1])
-        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][2], grads[1][2])
-        for ours, theirs in zip(grads[0][1::2], grads[1][1::2], strict=True):
-            torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-7, atol=1e-3)
+        leaves = (x, bias, residual, scale)
+        ours = outputs_and_gradients(residual_add.residual_add, leaves, grad)
+        theirs = outputs_and_gradients(lambda x, b, r, s: _scaled_bias_dropout_add_fused(x, b, r, s, 0.0, True),
+                                       leaves, grad, compiled=True)
+        assert all(torch.equal(ours[i], theirs[i]) for i in (0, 1, 3))  # the output, x's and residual's gradients
+        for i in (2, 4):  # the bias's and the scale's
+            torch.testing.assert_close(ours[i].float(), theirs[i].float(), rtol=2**-7, atol=1e-3)

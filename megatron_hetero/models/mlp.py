@@ -2,7 +2,8 @@
 (mlp_kernels.py: why, where, and how to pin torch's); a SwiGLU MLP with a per-rank ffn whose bf16
 rows are not 16-byte aligned on GEMMs of the ffn zero-padded to alignment, quack's or, where quack
 does not run it, torch's (padded_swiglu_mlp); megatron-core's own forward everywhere else, with fc1's
-bias and a plain activation as one compiled kernel where megatron-core has none (fuses_bias_activation).
+bias and a plain activation as one compiled kernel where megatron-core has none (fuses_bias_activation;
+erf GELU's on our Triton kernel under MEGATRON_HETERO_BIAS_GELU=triton: bias_gelu.py).
 
 The same module as megatron-core's MLP (its linear_fc1 / linear_fc2 parameters, names, checkpoints
 and TP sharding unchanged); only the forward differs where the epilogue path runs. Its communication
@@ -30,7 +31,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.mlp import MLP
 
-from megatron_hetero.models import kernel_policy
+from megatron_hetero.models import bias_gelu, kernel_policy
 from megatron_hetero.models.attention_kernels import current_device
 from megatron_hetero.models.kernel_policy import GATED_BIAS_MLP_CHECKED, MLP_KERNEL_ENV
 from megatron_hetero.models.mlp_kernels import (
@@ -145,6 +146,8 @@ class EpilogueMLP(MLP):
         if (not (quack or self.pad) or per_token_scale is not None or not epilogue_input(hidden_states)):
             if self.fused_bias_activation and per_token_scale is None:
                 intermediate, bias = fc1(hidden_states)
+                if bias_gelu.runs_kernel(intermediate, bias, self.config.activation_func):
+                    return fc2(bias_gelu.bias_gelu(intermediate, bias))
                 return fc2(_bias_activation_fused(intermediate, bias, self.config.activation_func))
             return super().forward(hidden_states, per_token_scale, **kwargs)
         if fc1.sequence_parallel:
@@ -163,9 +166,12 @@ class EpilogueMLP(MLP):
 
 def mlp_summary(module: torch.nn.Module) -> str:
     """The kernels a model part's MLPs run (e.g. "quack (gelu_erf)", "torch (no GPU)", and where megatron-core's
-    forward runs them, whether fc1's bias and activation are compiled), for the start-up line and benchmark
-    records; "none" for a part without our MLPs."""
-    compiled = "; torch's path: fc1 bias and activation compiled"
-    found = [str(sub.epilogue) + (compiled if sub.fused_bias_activation else "")
-             for sub in module.modules() if isinstance(sub, EpilogueMLP)]
+    forward runs them, whether fc1's bias and activation are compiled or on Triton), for the start-up line
+    and benchmark records; "none" for a part without our MLPs."""
+    def fused(sub) -> str:
+        if not sub.fused_bias_activation:
+            return ""
+        how = "GELU on Triton" if bias_gelu.chosen(sub.config.activation_func) else "activation compiled"
+        return f"; torch's path: fc1 bias and {how}"
+    found = [str(sub.epilogue) + fused(sub) for sub in module.modules() if isinstance(sub, EpilogueMLP)]
     return "; ".join(dict.fromkeys(found)) or "none"

@@ -10,7 +10,7 @@ pass; the backward hands the output's gradient to x and the residual and sums it
 the bias (torch's sum). With a layer scale (InternViT: families/internvl/vision.py) out = residual +
 (x + bias) * scale, the same way; its backward is one more kernel: x's gradient (the output's times the
 scale, rounded once) and each block of rows' fp32 sums for the scale's and the bias's gradients, which
-torch adds up.
+torch adds up (models/column_sums.py).
 
 `MEGATRON_HETERO_RESIDUAL_ADD` (kernel_policy.RESIDUAL_ADD_ENV): auto (the default) or triton: this
 kernel where the fusion is asked for and the add has no dropout (evaluation, or a dropout of 0), on a
@@ -27,16 +27,18 @@ stops a bad value before training.
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from megatron_hetero.models import column_sums
 from megatron_hetero.models.accelerators import has_triton
 from megatron_hetero.models.kernel_policy import RESIDUAL_ADD_ENV, RESIDUAL_ADD_MODES, kernel_mode
 
 HAVE_TRITON = has_triton()
 BLOCK = 1024  # elements per program of the forward kernel
-ROWS, COLUMNS = 64, 128  # a program's tile of the layer-scale backward
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from megatron_hetero.models.column_sums import tile
 
     @triton.jit
     def _residual_add_kernel(x, bias, scale, residual, out, n, width, HAS_BIAS: tl.constexpr,
@@ -57,24 +59,17 @@ if HAVE_TRITON:
     @triton.jit
     def _scaled_backward_kernel(grad, x, bias, scale, dx, scale_sums, bias_sums, rows, width,
                                 HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-        """dx = grad * scale; this block of rows' fp32 sums of grad * (x + bias) and (with a bias) of
-        grad * scale."""
-        row_block = tl.program_id(0)
-        row = row_block.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        column = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)
-        in_width = column < width
-        mask = (row < rows)[:, None] & in_width[None, :]
-        offsets = row[:, None] * width + column[None, :]
+        """dx = grad * scale; this tile's fp32 sums over its rows of grad * (x + bias) and of grad * scale
+        (column_sums)."""
+        offsets, mask, column, in_width, sums = tile(rows, width, ROWS, COLUMNS)
         g = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
         scaled = g * tl.load(scale + column, mask=in_width, other=0.0).to(tl.float32)[None, :]
         tl.store(dx + offsets, scaled.to(dx.dtype.element_ty), mask=mask)
         total = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             total += tl.load(bias + column, mask=in_width, other=0.0).to(tl.float32)[None, :]
-        sums = row_block.to(tl.int64) * width + column
         tl.store(scale_sums + sums, tl.sum(g * total, axis=0), mask=in_width)
-        if HAS_BIAS:
-            tl.store(bias_sums + sums, tl.sum(scaled, axis=0), mask=in_width)
+        tl.store(bias_sums + sums, tl.sum(scaled, axis=0), mask=in_width)
 
 
 class _ResidualAdd(torch.autograd.Function):
@@ -100,18 +95,11 @@ class _ResidualAdd(torch.autograd.Function):
             bias_grad = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
             return grad, bias_grad, grad, None
         x, bias, scale = ctx.saved_tensors
-        grad = grad.contiguous()
-        width = grad.shape[-1]
-        rows = grad.numel() // width
-        dx = torch.empty_like(grad)
-        row_blocks = triton.cdiv(rows, ROWS)
-        scale_sums = torch.empty(row_blocks, width, device=grad.device, dtype=torch.float32)
-        bias_sums = scale_sums if bias is None else torch.empty_like(scale_sums)  # unwritten without a bias
-        _scaled_backward_kernel[(row_blocks, triton.cdiv(width, COLUMNS))](
-            grad, x, scale if bias is None else bias, scale, dx, scale_sums, bias_sums, rows, width,
-            HAS_BIAS=bias is not None, ROWS=ROWS, COLUMNS=COLUMNS)
-        bias_grad = bias_sums.sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
-        return dx, bias_grad, grad, scale_sums.sum(0).to(scale.dtype) if ctx.needs_input_grad[3] else None
+        dx, (scale_sum, bias_sum) = column_sums.backward(
+            _scaled_backward_kernel, grad, (x, scale if bias is None else bias, scale), sums=2,
+            HAS_BIAS=bias is not None)
+        bias_grad = bias_sum.to(bias.dtype) if ctx.needs_input_grad[1] else None
+        return dx, bias_grad, grad, scale_sum.to(scale.dtype) if ctx.needs_input_grad[3] else None
 
 
 def residual_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

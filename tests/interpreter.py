@@ -1,0 +1,17 @@
+"""Our Triton kernels' test scripts on Triton's CPU interpreter: each script runs as a process of its own
+(`python -m tests.<script>` from the repository), since the interpreter must be on before anything imports
+Triton, and prints, last, one JSON object of its results."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_on_interpreter(script: str, timeout: int = 300) -> dict:
+    """tests/<script>.py under TRITON_INTERPRET=1: its last line's JSON object (the script must exit 0)."""
+    done = subprocess.run([sys.executable, "-m", f"tests.{script}"], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])  # after the import-time lines
