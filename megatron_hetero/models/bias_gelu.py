@@ -3,8 +3,8 @@ below quack's minimum, e.g. InternViT's), as one Triton kernel each way called a
 
 Why: under `--bias-dropout-fusion` models/mlp.py compiles the bias add and activation (torch.compile):
 one kernel each way, but each call costs the host about 0.27 ms forward and 0.39 ms backward in the
-compiled function's wrappers, where InternViT-300M's kernel takes under 0.1 ms (one H100: docs/results.md,
-"InternVL3-8B with the residual add on the kernel"). Here y = gelu(x + bias) in fp32, rounded once, in
+compiled function's wrappers, where InternViT-300M's kernels take 0.09 and 0.13 ms (one H100:
+docs/results.md, "InternVL3-8B with the residual add on the kernel"). Here y = gelu(x + bias) in fp32, rounded once, in
 the arithmetic of torch's own decomposition (0.5 v (1 + erf(v / sqrt 2))); the backward recomputes
 v = x + bias and gives x's gradient, grad (cdf(v) + v pdf(v)) rounded once, and each block of rows' fp32
 sums of it for the bias, which torch adds up (models/column_sums.py).

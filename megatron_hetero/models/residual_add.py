@@ -18,10 +18,9 @@ GPU with Triton, x, bias and residual of one dtype and shape; megatron-core's el
 megatron-core's bias-dropout-add always. The layer-scale add runs on the kernel under triton only (auto
 keeps its compiled function: not measured on a GPU yet). On an H100 the plain add's output and input
 gradients equal the compiled function's bit for bit, and the step of Qwen2.5-VL-7B at 6 images took
-0.6% less time (docs/results.md).
-The layers call the builder (`bias_dropout_add`, megatron-core's signature: no config to take the
-policy from) at each forward, and it reads the mode then; the arguments' check (kernel_policy.build)
-stops a bad value before training.
+0.6% less time (docs/results.md). The layers call the builders (`bias_dropout_add` here, megatron-core's
+signature: no config to take the policy from) at each forward, and they read the mode then; the
+arguments' check (kernel_policy.build) stops a bad value before training.
 """
 
 import torch
