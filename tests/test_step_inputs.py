@@ -1,5 +1,5 @@
 """The encoders' first-stage inputs made a pass ahead (schedules/step.py EncoderInputs): each pass's
-made once, before the pass before it runs, and taken by its own pass; on a GPU, on a stream of
+made once, as the pass before it is launched, and taken by its own pass; on a GPU, on a stream of
 their own that the compute stream waits for. (That the step's results are unchanged: the parity
 tests, whose steps run this path.)"""
 
@@ -90,12 +90,13 @@ def _step_order(rank, world_size):
 
 
 def test_a_step_makes_each_pass_inputs_once_before_the_pass_ahead_of_it(tmp_path):
-    """Pass 0's inputs while the step plans, pass i+1's as pass i begins, none left at the end."""
+    """Pass 0's inputs while the step plans, pass i+1's once pass i's forward is launched, none left at
+    the end."""
     from tests.distributed import collect_distributed
 
     ((events, left),) = collect_distributed(_step_order, 1, tmp_path)
-    assert events == [("inputs", 0), ("inputs", 1), ("forward", 0), ("inputs", 2), ("forward", 1),
-                      ("inputs", 3), ("forward", 2), ("forward", 3)]
+    assert events == [("inputs", 0), ("forward", 0), ("inputs", 1), ("forward", 1), ("inputs", 2),
+                      ("forward", 2), ("inputs", 3), ("forward", 3)]
     assert left == [{}]
 
 

@@ -264,18 +264,20 @@ class StepContext:
         still runs its exchange."""
         share = self._pass(module, i, k)
         trainable = module.ddp is not None and torch.is_grad_enabled()
+        first = hidden is None
         with self.timers("encoder-forward", module.name):
-            if hidden is None:  # the first stage: the next pass's inputs begun
-                self._start_inputs(module, i + k)
             encoded = self._encoded(share)
             if not encoded:
-                if module.last_stage:
-                    return self.adapter.boundary_like().requires_grad_(trainable)
-                return self.adapter.stage_hidden_like(module, *share[0])
-            if hidden is None:
-                hidden = self.inputs.take(module, (i, k), encoded)
-            with torch.set_grad_enabled(trainable):
-                return self.adapter.encoder_forward(module, encoded, hidden)
+                output = (self.adapter.boundary_like().requires_grad_(trainable) if module.last_stage
+                          else self.adapter.stage_hidden_like(module, *share[0]))
+            else:
+                if first:
+                    hidden = self.inputs.take(module, (i, k), encoded)
+                with torch.set_grad_enabled(trainable):
+                    output = self.adapter.encoder_forward(module, encoded, hidden)
+            if first:  # the next pass's inputs, once this pass's kernels are queued (the GPU not held up)
+                self._start_inputs(module, i + k)
+            return output
 
     def llm_forward_step(self, i: int, view: "LLMView") -> list:
         """Megatron's forward_step on microbatch i, the script's forward step replayed with `view` as
