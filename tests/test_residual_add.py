@@ -2,7 +2,6 @@
 scale: the kernels on Triton's CPU interpreter against fp32 arithmetic rounded once, and on a GPU
 against the compiled functions; which calls they take, under which mode; the layers call them."""
 
-
 import pytest
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -120,6 +119,9 @@ def test_takes_contiguous_tensors_of_one_shape_and_dtype_only(monkeypatch):
     assert not residual_add.takes(x, None, x)  # on the CPU
     assert not residual_add.takes(fake, torch.zeros(4), fake)  # not one value per column
     assert not residual_add.takes(fake, torch.zeros(8).half(), fake)  # another dtype
+    assert residual_add.takes(fake, None, fake, torch.ones(8))  # a layer scale: one value per column
+    assert not residual_add.takes(fake, None, fake, torch.ones(4)) and not residual_add.takes(
+        fake, None, fake, torch.ones(8).half())
     other = cuda()
     other.shape = torch.Size([4, 1, 8])
     assert not residual_add.takes(fake, None, other)
