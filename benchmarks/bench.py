@@ -855,36 +855,37 @@ def op_lines(events, top: int = 40) -> list[str]:
                     for (op, caller, shapes), (n, ms) in ranked]
 
 
-def idle_gaps(kernels, top: int = 20) -> list[tuple[str, int, float, float]]:
-    """The GPU's idle time between kernels, each gap charged to the kernel that ends it: what the host
-    was late to launch. kernels: (start, end, label) on the device's clock, every stream together
-    (a kernel overlapping another on another stream leaves no gap). Per label: (label, gaps, total,
-    largest), the `top` by total."""
-    totals: dict[str, list] = {}
-    busy_until = None
+def _gaps(kernels):
+    """Each gap in which the GPU ran no kernel, in time order: (when: from the first kernel's start, how
+    long, the label of the kernel that ran until it, of the kernel that ends it). kernels: (start, end,
+    label) on the device's clock, every stream together (a kernel overlapping another on another stream
+    leaves no gap)."""
+    busy_until = last = first = None
     for start, end, label in sorted(kernels):
+        first = start if first is None else first
         if busy_until is not None and start > busy_until:
-            row = totals.setdefault(label, [0, 0.0, 0.0])
-            row[0] += 1
-            row[1] += start - busy_until
-            row[2] = max(row[2], start - busy_until)
-        busy_until = end if busy_until is None else max(busy_until, end)
+            yield busy_until - first, start - busy_until, last, label
+        if busy_until is None or end >= busy_until:
+            busy_until, last = end, label
+
+
+def idle_gaps(kernels, top: int = 20) -> list[tuple[str, int, float, float]]:
+    """The GPU's idle time between kernels (_gaps), each gap charged to the kernel that ends it: what the
+    host was late to launch. Per label: (label, gaps, total, largest), the `top` by total."""
+    totals: dict[str, list] = {}
+    for _, gap, _, label in _gaps(kernels):
+        row = totals.setdefault(label, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += gap
+        row[2] = max(row[2], gap)
     ranked = sorted(totals.items(), key=lambda item: item[1][1], reverse=True)[:top]
     return [(label, n, total, largest) for label, (n, total, largest) in ranked]
 
 
 def largest_gaps(kernels, top: int = 10) -> list[tuple[float, float, str, str]]:
-    """The `top` longest single gaps of idle_gaps as (when: from the first kernel's start, how long,
-    the label of the kernel before it, of the kernel after it), longest first: where in the step the
-    host fell behind, which the totals per label do not say."""
-    gaps, busy_until, last, first = [], None, None, None
-    for start, end, label in sorted(kernels):
-        first = start if first is None else first
-        if busy_until is not None and start > busy_until:
-            gaps.append((busy_until - first, start - busy_until, last, label))
-        if busy_until is None or end >= busy_until:
-            busy_until, last = end, label
-    return sorted(gaps, key=lambda gap: gap[1], reverse=True)[:top]
+    """The `top` longest single gaps (_gaps), longest first: where in the step the host fell behind, which
+    the totals per label of idle_gaps do not say."""
+    return sorted(_gaps(kernels), key=lambda gap: gap[1], reverse=True)[:top]
 
 
 def _launcher(op) -> str:

@@ -92,8 +92,7 @@ def chosen(activation) -> bool:
 def takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the kernel takes these: contiguous x on a GPU, the bias one contiguous value per column in
     x's dtype."""
-    return (x.is_cuda and x.is_contiguous() and bias is not None and bias.shape == x.shape[-1:]
-            and bias.dtype == x.dtype and bias.is_contiguous())
+    return x.is_cuda and x.is_contiguous() and bias is not None and column_sums.per_column(bias, x)
 
 
 def runs_kernel(x: torch.Tensor, bias: torch.Tensor | None, activation) -> bool:

@@ -26,6 +26,11 @@ if has_triton():
         return row[:, None] * width + column[None, :], mask, column, in_width, row_block * width + column
 
 
+def per_column(t: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether `t` is one contiguous value per column of `x` in x's dtype (or None: no such input)."""
+    return t is None or (t.shape == x.shape[-1:] and t.dtype == x.dtype and t.is_contiguous())
+
+
 def backward(kernel, grad: torch.Tensor, inputs: tuple, sums: int, **constexprs):
     """Runs `kernel(grad, *inputs, dx, *sums' tensors, rows, width, **constexprs, ROWS, COLUMNS)` over the
     tiles of `grad` (its last dimension the width); returns dx (grad's shape and dtype) and the `sums`

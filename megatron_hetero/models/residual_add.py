@@ -107,16 +107,13 @@ def residual_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Ten
     return _ResidualAdd.apply(x, bias, residual, scale)
 
 
-def _per_column(t: torch.Tensor | None, x: torch.Tensor) -> bool:
-    return t is None or (t.shape == x.shape[-1:] and t.dtype == x.dtype and t.is_contiguous())
-
-
 def takes(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
           scale: torch.Tensor | None = None) -> bool:
     """Whether the kernel adds these: contiguous x and residual of one shape and dtype on a GPU, the bias
     and the scale (if any) one value per column in that dtype."""
     return (HAVE_TRITON and x.is_cuda and x.shape == residual.shape and x.dtype == residual.dtype
-            and x.is_contiguous() and residual.is_contiguous() and _per_column(bias, x) and _per_column(scale, x))
+            and x.is_contiguous() and residual.is_contiguous() and column_sums.per_column(bias, x)
+            and column_sums.per_column(scale, x))
 
 
 def mode() -> str:
