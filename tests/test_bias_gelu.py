@@ -42,13 +42,17 @@ def test_kernels_compile_for_hopper():
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 
 
-def test_erf_gelu_under_triton_of_contiguous_gpu_tensors_only(monkeypatch):
+def test_erf_gelu_unless_torch_of_contiguous_gpu_tensors_only(monkeypatch):
     monkeypatch.setattr(bias_gelu, "HAVE_TRITON", True)
-    monkeypatch.setenv(BIAS_GELU_ENV, "triton")
-    assert bias_gelu.chosen(F.gelu) and not bias_gelu.chosen(F.silu)
-    for mode in ("auto", "torch"):
+    for mode in ("auto", "triton"):
         monkeypatch.setenv(BIAS_GELU_ENV, mode)
-        assert not bias_gelu.chosen(F.gelu)
+        assert bias_gelu.chosen(F.gelu) and not bias_gelu.chosen(F.silu)
+    monkeypatch.setenv(BIAS_GELU_ENV, "torch")
+    assert not bias_gelu.chosen(F.gelu)
+    monkeypatch.setattr(bias_gelu, "HAVE_TRITON", False)
+    monkeypatch.setenv(BIAS_GELU_ENV, "auto")
+    assert not bias_gelu.chosen(F.gelu)
+    monkeypatch.setattr(bias_gelu, "HAVE_TRITON", True)
     x = torch.randn(4, 2, 8)
     cuda = type("Cuda", (), {"is_cuda": True, "shape": x.shape, "dtype": x.dtype, "is_contiguous": lambda self: True})
     fake, bias = cuda(), torch.zeros(8)
@@ -69,9 +73,9 @@ class _Linear:
 
 
 @pytest.mark.parametrize("mode", [None, "auto", "torch", "triton"])
-def test_the_mlp_runs_the_kernel_under_triton_only(monkeypatch, mode):
+def test_the_mlp_runs_the_kernel_unless_torch(monkeypatch, mode):
     """megatron-core's forward path of our MLP with fc1's bias and activation fused: the kernel under
-    triton where it takes the call; the compiled function under auto (the default) and torch; the
+    auto (the default) and triton where it takes the call; the compiled function under torch; the
     summary says which."""
     from megatron_hetero.models import mlp as mlp_module
 
@@ -94,10 +98,13 @@ def test_the_mlp_runs_the_kernel_under_triton_only(monkeypatch, mode):
     module.pad, module.fused_bias_activation = 0, True
     out, out_bias = module(torch.randn(4, 3, 8))
     assert out is x and out_bias is None
-    assert len(ran) == 1 and ran[0][0] == ("kernel" if mode == "triton" else "compiled")
+    assert len(ran) == 1 and ran[0][0] == ("compiled" if mode == "torch" else "kernel")
     assert ran[0][1] is x and ran[0][2] is bias
-    said = "GELU on Triton" if mode == "triton" else "activation compiled"
+    said = "activation compiled" if mode == "torch" else "GELU on Triton"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert mlp_module.mlp_summary(module).endswith(f"; torch's path: fc1 bias and {said}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU: compiled, whatever the mode
+    assert mlp_module.mlp_summary(module).endswith("; torch's path: fc1 bias and activation compiled")
 
 
 def test_a_bad_mode_is_one_line():

@@ -76,23 +76,23 @@ def test_the_kernel_where_it_takes_the_call_unless_the_torch_mode_asks(monkeypat
 
 
 def test_which_adds_run_on_the_kernel_by_mode(monkeypatch):
-    """Not under torch; not where training drops something; the layer-scale add under triton only (auto
-    keeps its compiled function); only tensors the kernel takes."""
+    """Not under torch; not where training drops something; with or without a layer scale; only
+    tensors the kernel takes."""
     monkeypatch.setattr(residual_add, "takes", lambda *tensors: True)
     x, scale = torch.zeros(2, 1, 4), torch.ones(4)
     adds = lambda mode, training=True, prob=0.0, scale=None: residual_add.kernel_adds(  # noqa: E731
         mode, training, prob, x, None, x, scale)
     assert adds("auto") and adds("triton") and not adds("torch")
     assert not adds("auto", prob=0.1) and adds("auto", training=False, prob=0.1)
-    assert adds("triton", scale=scale) and not adds("auto", scale=scale) and not adds("torch", scale=scale)
+    assert adds("triton", scale=scale) and adds("auto", scale=scale) and not adds("torch", scale=scale)
     monkeypatch.setattr(residual_add, "takes", lambda *tensors: False)
     assert not adds("triton") and not adds("triton", scale=scale)
 
 
 @pytest.mark.parametrize("mode", ["auto", "triton", "torch"])
-def test_internvit_layer_scale_add_on_the_kernel_under_triton(monkeypatch, mode):
-    """InternViT's layer-scale bias-dropout-add: under triton, fused, the kernel with the layer's scale;
-    otherwise its compiled function (fused) or the eager one."""
+def test_internvit_layer_scale_add_on_the_kernel_unless_torch(monkeypatch, mode):
+    """InternViT's layer-scale bias-dropout-add: under auto and triton, fused, the kernel with the layer's
+    scale; under torch its compiled function (fused); unfused the eager one."""
     from megatron_hetero.families.internvl import vision
 
     monkeypatch.setenv(RESIDUAL_ADD_ENV, mode)
@@ -105,8 +105,8 @@ def test_internvit_layer_scale_add_on_the_kernel_under_triton(monkeypatch, mode)
     build = vision._scaled_bias_dropout_add(scale)
     build(True, True)((x, bias), residual, 0.0)
     build(True, False)((x, bias), residual, 0.0)
-    assert [c[0] for c in calls] == [("kernel" if mode == "triton" else "compiled"), "eager"]
-    if mode == "triton":
+    assert [c[0] for c in calls] == [("compiled" if mode == "torch" else "kernel"), "eager"]
+    if mode != "torch":
         assert all(a is b for a, b in zip(calls[0][1], (x, bias, residual, scale), strict=True))
 
 

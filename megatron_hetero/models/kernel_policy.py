@@ -17,11 +17,11 @@ Overrides (environment variables):
   short (Qwen2.5-VL's windows) on our Triton kernel (models/short_attention.py; auto: on GPUs whose
   `megatron-hetero kernels check attention` passed it) or torch's varlen flash-attention;
 - MEGATRON_HETERO_RESIDUAL_ADD: auto (default), triton or torch: a layer's fused bias-dropout-add
-  without dropout on our Triton kernel (models/residual_add.py; auto and triton, on GPUs with Triton;
-  InternViT's with layer scale under triton only) or the compiled function (torch);
+  without dropout, InternViT's with layer scale too, on our Triton kernel (models/residual_add.py; auto
+  and triton, on GPUs with Triton) or the compiled function (torch);
 - MEGATRON_HETERO_BIAS_GELU: auto (default), torch or triton: a dense MLP's fc1 bias and erf GELU where
-  megatron-core's forward runs the MLP on our Triton kernel (models/bias_gelu.py; triton, on GPUs with
-  Triton) or the compiled function (auto, torch);
+  megatron-core's forward runs the MLP on our Triton kernel (models/bias_gelu.py; auto and triton, on
+  GPUs with Triton) or the compiled function (torch);
 - MEGATRON_HETERO_EMBEDDING_GRAD: auto (default) or torch: the input embedding's weight gradient added
   into main_grad by its backward on GPUs, or upstream's dense gradient (models/embedding.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by

@@ -171,7 +171,8 @@ def mlp_summary(module: torch.nn.Module) -> str:
     def fused(sub) -> str:
         if not sub.fused_bias_activation:
             return ""
-        how = "GELU on Triton" if bias_gelu.chosen(sub.config.activation_func) else "activation compiled"
+        on_kernel = bias_gelu.chosen(sub.config.activation_func) and torch.cuda.is_available()
+        how = "GELU on Triton" if on_kernel else "activation compiled"
         return f"; torch's path: fc1 bias and {how}"
     found = [str(sub.epilogue) + fused(sub) for sub in module.modules() if isinstance(sub, EpilogueMLP)]
     return "; ".join(dict.fromkeys(found)) or "none"
