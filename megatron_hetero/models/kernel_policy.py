@@ -22,6 +22,9 @@ Overrides (environment variables):
 - MEGATRON_HETERO_BIAS_GELU: auto (default), torch or triton: a dense MLP's fc1 bias and erf GELU where
   megatron-core's forward runs the MLP on our Triton kernel (models/bias_gelu.py; auto and triton, on
   GPUs with Triton) or the compiled function (torch);
+- MEGATRON_HETERO_ATTENTION_INPUT: auto (default), torch or triton: the packed ViTs' attention input (QKV
+  bias, split, RoPE, padding) and the padding's cut after the attention on our Triton kernels
+  (models/attention_input.py; triton, on GPUs with Triton) or the compiled functions (auto, torch);
 - MEGATRON_HETERO_EMBEDDING_GRAD: auto (default) or torch: the input embedding's weight gradient added
   into main_grad by its backward on GPUs, or upstream's dense gradient (models/embedding.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
@@ -57,6 +60,7 @@ EMBEDDING_GRAD_ENV = "MEGATRON_HETERO_EMBEDDING_GRAD"
 SHORT_ATTENTION_ENV = "MEGATRON_HETERO_SHORT_ATTENTION"
 RESIDUAL_ADD_ENV = "MEGATRON_HETERO_RESIDUAL_ADD"
 BIAS_GELU_ENV = "MEGATRON_HETERO_BIAS_GELU"
+ATTENTION_INPUT_ENV = "MEGATRON_HETERO_ATTENTION_INPUT"
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
@@ -66,6 +70,7 @@ EMBEDDING_GRAD_MODES = ("auto", "torch")
 SHORT_ATTENTION_MODES = ("auto", "torch", "triton")
 RESIDUAL_ADD_MODES = ("auto", "torch", "triton")
 BIAS_GELU_MODES = ("auto", "torch", "triton")
+ATTENTION_INPUT_MODES = ("auto", "torch", "triton")
 
 
 class KernelPolicyError(ValueError):
@@ -192,7 +197,8 @@ class KernelPolicy:
     even where it imports); norm, mlp: KERNEL_MODES; fa4_head_dims: head dims added to CHECKED_HEAD_DIMS;
     cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
     EXPERTS_MODES; loss: KERNEL_MODES; embedding_grad: EMBEDDING_GRAD_MODES; short_attention:
-    SHORT_ATTENTION_MODES; residual_add: RESIDUAL_ADD_MODES; bias_gelu: BIAS_GELU_MODES."""
+    SHORT_ATTENTION_MODES; residual_add: RESIDUAL_ADD_MODES; bias_gelu: BIAS_GELU_MODES; attention_input:
+    ATTENTION_INPUT_MODES."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -208,6 +214,7 @@ class KernelPolicy:
     short_attention: str = "auto"
     residual_add: str = "auto"
     bias_gelu: str = "auto"
+    attention_input: str = "auto"
 
     @property
     def te(self) -> bool:
@@ -218,11 +225,13 @@ class KernelPolicy:
         return (f"attention {self.attention}, norms {self.norm}, MLPs {self.mlp}, "
                 f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
                 f"experts {self.experts}, loss {self.loss}, embedding gradient {self.embedding_grad}, "
-                f"short segments {self.short_attention}, residual add {self.residual_add}, bias GELU {self.bias_gelu}")
+                f"short segments {self.short_attention}, residual add {self.residual_add}, bias GELU {self.bias_gelu}, "
+                f"attention input {self.attention_input}")
 
 
 OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV,
-                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV, SHORT_ATTENTION_ENV, RESIDUAL_ADD_ENV, BIAS_GELU_ENV)
+                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV, SHORT_ATTENTION_ENV, RESIDUAL_ADD_ENV, BIAS_GELU_ENV,
+                 ATTENTION_INPUT_ENV)
 
 
 @functools.lru_cache(maxsize=64)
@@ -238,7 +247,8 @@ def _policy(attention_backend, flash_attention_version, transformer_impl, overri
                         embedding_grad=kernel_mode(EMBEDDING_GRAD_ENV, environ, EMBEDDING_GRAD_MODES),
                         short_attention=kernel_mode(SHORT_ATTENTION_ENV, environ, SHORT_ATTENTION_MODES),
                         residual_add=kernel_mode(RESIDUAL_ADD_ENV, environ, RESIDUAL_ADD_MODES),
-                        bias_gelu=kernel_mode(BIAS_GELU_ENV, environ, BIAS_GELU_MODES))
+                        bias_gelu=kernel_mode(BIAS_GELU_ENV, environ, BIAS_GELU_MODES),
+                        attention_input=kernel_mode(ATTENTION_INPUT_ENV, environ, ATTENTION_INPUT_MODES))
 
 
 def of(config, environ=os.environ) -> KernelPolicy:

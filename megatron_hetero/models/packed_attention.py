@@ -12,6 +12,8 @@ took 32 ms, the concatenation 35 ms and RoPE 27 ms. Here the bias, the split, th
 padding are one function compiled on GPUs (torch.compile; on an H200 three kernels each way, the QKV
 gradient written directly, the bias gradient's reduction among them), and the cut another: together
 70 ms of that step with flash-attn-4 at head dim 80 padded to 96 (the A/B: docs/results.md, section 3).
+Under MEGATRON_HETERO_ATTENTION_INPUT=triton both run on our Triton kernels instead, one each way at an
+eager op's host cost (models/attention_input.py).
 
 The module is SelfAttention (same parameters, names, checkpoints, TP and sequence-parallel layout):
 the QKV linear leaves its bias to the fused function (skip_bias_add; the bias gradient is the same
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
 
-from megatron_hetero.models import kernel_policy
+from megatron_hetero.models import attention_input, kernel_policy
 from megatron_hetero.models.rope import cached_cos_sin, rotate
 
 
@@ -81,6 +83,7 @@ class PackedSelfAttention(SelfAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fused = fuses_heads(self.config)
+        self.on_triton = kernel_policy.of(self.config).attention_input == "triton"  # attention_input.py
         if self.fused:
             self.linear_qkv.skip_bias_add = True  # packed_heads adds it
 
@@ -105,13 +108,19 @@ class PackedSelfAttention(SelfAttention):
         groups = self.num_query_groups_per_partition
         run_dim = self.core_attention.plan(packed_seq_params)[1].run_head_dim  # the kernel of this call's segments
         shape = (groups, self.num_attention_heads_per_partition // groups, head_dim, run_dim)
-        heads = _compiled(packed_heads) if mixed.is_cuda else packed_heads
+        if self.on_triton and attention_input.takes(mixed, bias, rotary, head_dim):
+            heads = attention_input.packed_heads
+        else:
+            heads = _compiled(packed_heads) if mixed.is_cuda else packed_heads
         q, k, v = (t[:, None] for t in heads(mixed, bias, rotary, *shape))
         if self.checkpoint_core_attention and self.training:
             out = self._checkpointed_attention_forward(q, k, v, attention_mask, packed_seq_params=packed_seq_params)
         else:
             out = self.core_attention(q, k, v, attention_mask, packed_seq_params=packed_seq_params)
         if run_dim > head_dim:
-            cut = _compiled(cut_heads) if out.is_cuda else cut_heads
+            if self.on_triton and attention_input.cuts(out):
+                cut = attention_input.cut_heads
+            else:
+                cut = _compiled(cut_heads) if out.is_cuda else cut_heads
             out = cut(out, self.num_attention_heads_per_partition, head_dim)
         return self.linear_proj(out)
