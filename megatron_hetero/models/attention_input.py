@@ -15,9 +15,12 @@ gradient is [g1 c1 + g2 s2, g2 c2 - g1 s1] of the heads' gradients (their padded
 each block of tokens' fp32 sums of it give the bias's gradient, which torch adds up.
 
 `MEGATRON_HETERO_ATTENTION_INPUT` (kernel_policy.ATTENTION_INPUT_ENV, the layer's policy): auto (the
-default: the compiled functions, until these kernels' speed is measured on a GPU), torch (the same) or
-triton: these kernels on a GPU with Triton where the call `takes` (one token a row, an even head dim,
-contiguous tensors of one dtype, tables without gradients); the compiled functions elsewhere.
+default) and torch: the compiled functions; triton: these kernels on a GPU with Triton where the call
+`takes` (one token a row, an even head dim, contiguous tensors of one dtype, tables without gradients),
+the compiled functions elsewhere. On an H100 they cost the host less a call (0.62 against 0.96 ms forward
+and backward at Qwen2.5-VL-7B's shape) but made its step no faster there, where the GPU seldom waited
+for the attention input (docs/results.md, "The packed ViTs' attention input on one Triton kernel"): a
+choice for a host that falls behind.
 """
 
 import torch
