@@ -9,7 +9,7 @@ on the host"), 32 layers x 4 microbatches a step in Qwen2.5-VL-7B, and where the
 GPU waits for it (the windows' attention launched after the attention input: 41.5 ms of idle a step
 there). Here each program takes a block of tokens and one head of the QKV output ([tokens, 1, groups x
 (per_group + 2) x head_dim], megatron-core's layout: each query group's query heads, then its key and its
-value head): v = x + bias, and for a query or key head [v1 c1 - v2 s1, v2 c2 + v1 s2] (rope.rotate's
+value head): y = x + bias, and for a query or key head [y1 c1 - y2 s1, y2 c2 + y1 s2] (rope.rotate's
 arithmetic) in fp32, rounded once, and zeros to the run dim. The backward needs only the tables: x's
 gradient is [g1 c1 + g2 s2, g2 c2 - g1 s1] of the heads' gradients (their padded columns dropped), and
 each block of tokens' fp32 sums of it give the bias's gradient, which torch adds up.
@@ -52,6 +52,15 @@ if HAVE_TRITON:
         return out, head, heads, cos, sin, j <= per_group
 
     @triton.jit
+    def _tables(cos, sin, row, column, mask, HEAD_DIM: tl.constexpr):
+        """The rows' RoPE tables ([tokens, head_dim] each) by halves, in fp32: cos's and then sin's."""
+        table = row[:, None] * HEAD_DIM + column[None, :]
+        return (tl.load(cos + table, mask=mask, other=0.0).to(tl.float32),
+                tl.load(cos + table + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32),
+                tl.load(sin + table, mask=mask, other=0.0).to(tl.float32),
+                tl.load(sin + table + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32))
+
+    @triton.jit
     def _heads_kernel(mixed, bias, cos_q, sin_q, cos_k, sin_k, q, k, v, rows, per_group, HEAD_DIM: tl.constexpr,
                       RUN_DIM: tl.constexpr, HALF: tl.constexpr, PAD: tl.constexpr, ROWS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_ROPE: tl.constexpr):
@@ -72,11 +81,7 @@ if HAVE_TRITON:
         y1, y2 = x1, x2
         if HAS_ROPE:
             if rotates:
-                table = row[:, None] * HEAD_DIM + column[None, :]
-                c1 = tl.load(cos + table, mask=mask).to(tl.float32)
-                c2 = tl.load(cos + table + HEAD_DIM // 2, mask=mask).to(tl.float32)
-                s1 = tl.load(sin + table, mask=mask).to(tl.float32)
-                s2 = tl.load(sin + table + HEAD_DIM // 2, mask=mask).to(tl.float32)
+                c1, c2, s1, s2 = _tables(cos, sin, row, column, mask, HEAD_DIM)
                 y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
         to = out + row[:, None] * (heads * RUN_DIM) + head * RUN_DIM + column[None, :]
         tl.store(to, y1.to(out.dtype.element_ty), mask=mask)
@@ -107,11 +112,7 @@ if HAVE_TRITON:
         d1, d2 = g1, g2
         if HAS_ROPE:
             if rotates:
-                table = row[:, None] * HEAD_DIM + column[None, :]
-                c1 = tl.load(cos + table, mask=mask, other=0.0).to(tl.float32)
-                c2 = tl.load(cos + table + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
-                s1 = tl.load(sin + table, mask=mask, other=0.0).to(tl.float32)
-                s2 = tl.load(sin + table + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+                c1, c2, s1, s2 = _tables(cos, sin, row, column, mask, HEAD_DIM)
                 d1, d2 = g1 * c1 + g2 * s2, g2 * c2 - g1 * s1
         width = tl.num_programs(1) * HEAD_DIM
         first = row[:, None] * width + slot * HEAD_DIM + column[None, :]
