@@ -25,6 +25,9 @@ Overrides (environment variables):
 - MEGATRON_HETERO_ATTENTION_INPUT: auto (default), torch or triton: the packed ViTs' attention input (QKV
   bias, split, RoPE, padding) and the padding's cut after the attention on our Triton kernels
   (models/attention_input.py; triton, on GPUs with Triton) or the compiled functions (auto, torch);
+- MEGATRON_HETERO_SMALL_NORM: auto (default), torch or triton: the norm calls quack does not take (below
+  its minimum, or quack absent) on our Triton kernels (models/small_norm.py; triton, on GPUs with Triton)
+  or torch's (auto, torch);
 - MEGATRON_HETERO_EMBEDDING_GRAD: auto (default) or torch: the input embedding's weight gradient added
   into main_grad by its backward on GPUs, or upstream's dense gradient (models/embedding.py);
 - MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS: head dims ("64,96,128") just checked on this GPU by
@@ -61,6 +64,7 @@ SHORT_ATTENTION_ENV = "MEGATRON_HETERO_SHORT_ATTENTION"
 RESIDUAL_ADD_ENV = "MEGATRON_HETERO_RESIDUAL_ADD"
 BIAS_GELU_ENV = "MEGATRON_HETERO_BIAS_GELU"
 ATTENTION_INPUT_ENV = "MEGATRON_HETERO_ATTENTION_INPUT"
+SMALL_NORM_ENV = "MEGATRON_HETERO_SMALL_NORM"
 CHECKED_ENV = "MEGATRON_HETERO_FA4_CHECKED_HEAD_DIMS"
 CUDNN_MERGE_ENV = "MEGATRON_HETERO_CUDNN_MERGE_CHECKED"
 EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
@@ -71,6 +75,7 @@ SHORT_ATTENTION_MODES = ("auto", "torch", "triton")
 RESIDUAL_ADD_MODES = ("auto", "torch", "triton")
 BIAS_GELU_MODES = ("auto", "torch", "triton")
 ATTENTION_INPUT_MODES = ("auto", "torch", "triton")
+SMALL_NORM_MODES = ("auto", "torch", "triton")
 
 
 class KernelPolicyError(ValueError):
@@ -198,7 +203,7 @@ class KernelPolicy:
     cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
     EXPERTS_MODES; loss: KERNEL_MODES; embedding_grad: EMBEDDING_GRAD_MODES; short_attention:
     SHORT_ATTENTION_MODES; residual_add: RESIDUAL_ADD_MODES; bias_gelu: BIAS_GELU_MODES; attention_input:
-    ATTENTION_INPUT_MODES."""
+    ATTENTION_INPUT_MODES; small_norm: SMALL_NORM_MODES."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -215,6 +220,7 @@ class KernelPolicy:
     residual_add: str = "auto"
     bias_gelu: str = "auto"
     attention_input: str = "auto"
+    small_norm: str = "auto"
 
     @property
     def te(self) -> bool:
@@ -226,12 +232,12 @@ class KernelPolicy:
                 f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
                 f"experts {self.experts}, loss {self.loss}, embedding gradient {self.embedding_grad}, "
                 f"short segments {self.short_attention}, residual add {self.residual_add}, bias GELU {self.bias_gelu}, "
-                f"attention input {self.attention_input}")
+                f"attention input {self.attention_input}, small norms {self.small_norm}")
 
 
 OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV,
                  LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV, SHORT_ATTENTION_ENV, RESIDUAL_ADD_ENV, BIAS_GELU_ENV,
-                 ATTENTION_INPUT_ENV)
+                 ATTENTION_INPUT_ENV, SMALL_NORM_ENV)
 
 
 @functools.lru_cache(maxsize=64)
@@ -248,7 +254,8 @@ def _policy(attention_backend, flash_attention_version, transformer_impl, overri
                         short_attention=kernel_mode(SHORT_ATTENTION_ENV, environ, SHORT_ATTENTION_MODES),
                         residual_add=kernel_mode(RESIDUAL_ADD_ENV, environ, RESIDUAL_ADD_MODES),
                         bias_gelu=kernel_mode(BIAS_GELU_ENV, environ, BIAS_GELU_MODES),
-                        attention_input=kernel_mode(ATTENTION_INPUT_ENV, environ, ATTENTION_INPUT_MODES))
+                        attention_input=kernel_mode(ATTENTION_INPUT_ENV, environ, ATTENTION_INPUT_MODES),
+                        small_norm=kernel_mode(SMALL_NORM_ENV, environ, SMALL_NORM_MODES))
 
 
 def of(config, environ=os.environ) -> KernelPolicy:

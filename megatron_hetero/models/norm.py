@@ -19,7 +19,8 @@ megatron's `finalize_model_grads` sums their partial (per-head-slice) gradients 
 (`q_layernorm`, `k_layernorm`), as it does for Transformer Engine's.
 
 The kernels: quack's fused forward and backward on Hopper/Blackwell GPUs where it imports, torch's
-elsewhere (norm_kernels.py: why, and how to pin torch's).
+elsewhere (norm_kernels.py: why, and how to pin torch's), or for the calls quack does not take our Triton
+kernels under MEGATRON_HETERO_SMALL_NORM=triton (small_norm.py).
 
 A layer's norms (has_residual, megatron-core's convention for Transformer Engine's fused residual
 RMSNorm: TransformerLayer unpacks (output, residual)) hand their input back as the residual, so that
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.models import kernel_policy
+from megatron_hetero.models import kernel_policy, small_norm
 from megatron_hetero.models.norm_kernels import load_quack, norm_kernel_for, quack_norm
 
 
@@ -73,7 +74,9 @@ class SequenceParallelNorm(torch.nn.Module):
         self.bias = None
         if not self.rms:
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        self.kernel = norm_kernel_for(kernel_policy.of(config))
+        policy = kernel_policy.of(config)
+        self.kernel = norm_kernel_for(policy)
+        self.small_on_triton = policy.small_norm == "triton"  # the calls quack does not take: small_norm.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         params = [self.weight] if self.rms else [self.weight, self.bias]
@@ -83,13 +86,15 @@ class SequenceParallelNorm(torch.nn.Module):
             params = list(stacked.unbind(0))
         if self.zero_centered_gamma:
             params[0] = params[0] + 1
+        weight, bias = params[0], None if self.rms else params[1]
         if self.kernel.runs_quack(x.numel()):
-            return quack_norm(x, params[0], None if self.rms else params[1], self.eps, self.rms, load_quack()[0],
-                              self.has_residual)
+            return quack_norm(x, weight, bias, self.eps, self.rms, load_quack()[0], self.has_residual)
+        if self.small_on_triton and small_norm.takes(x, weight, bias):
+            return small_norm.small_norm(x, weight, bias, self.eps, self.rms, self.has_residual)
         if self.rms:
-            out = F.rms_norm(x, x.shape[-1:], params[0], self.eps)
+            out = F.rms_norm(x, x.shape[-1:], weight, self.eps)
         else:
-            out = F.layer_norm(x, x.shape[-1:], params[0], params[1], self.eps)
+            out = F.layer_norm(x, x.shape[-1:], weight, bias, self.eps)
         return (out, x) if self.has_residual else out
 
 
@@ -104,5 +109,8 @@ def passes_residual(config: TransformerConfig) -> bool:
 def norm_summary(module: torch.nn.Module) -> str:
     """The kernels a model part's norms run (e.g. "quack", "torch (no GPU)"), for the start-up line and
     benchmark records; "none" for a part without our norms."""
-    found = [str(sub.kernel) for sub in module.modules() if isinstance(sub, SequenceParallelNorm)]
+    def smaller(sub) -> str:
+        on_triton = sub.small_on_triton and small_norm.HAVE_TRITON and torch.cuda.is_available()
+        return "; the calls quack does not take on Triton" if on_triton else ""
+    found = [str(sub.kernel) + smaller(sub) for sub in module.modules() if isinstance(sub, SequenceParallelNorm)]
     return "; ".join(dict.fromkeys(found)) or "none"

@@ -13,7 +13,8 @@ Engine's fused norms do, neither of which is here). The statistics are fp32 in b
 NORM_MIN_ELEMENTS or more, torch elsewhere), torch (torch's kernels on every device: A/B runs, or a
 suspected kernel) or quack (every call where it can run); the rule is
 quack_kernels.py's, shared with the MLP's GEMMs; norm_kernel_for(policy) feeds it the layer's kernel
-policy (kernel_policy.of(config)) and this process's GPU.
+policy (kernel_policy.of(config)) and this process's GPU. The calls quack does not take run torch's
+kernels, or ours under MEGATRON_HETERO_SMALL_NORM=triton (small_norm.py).
 `megatron-hetero kernels check norms` checks quack's outputs and gradients against fp32 at the workloads' widths on
 a GPU.
 """
