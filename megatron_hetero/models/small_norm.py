@@ -27,7 +27,7 @@ import torch
 from megatron_hetero.models.accelerators import has_triton
 
 HAVE_TRITON = has_triton()
-ROWS = 32  # rows a backward program sums the parameters' gradients over
+ROWS = 8  # rows a backward program sums the parameters' gradients over: a few programs an SM at a ViT's rows
 MAX_HIDDEN = 16384
 
 if HAVE_TRITON:
