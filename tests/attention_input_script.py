@@ -11,18 +11,14 @@ import json
 import torch
 
 from megatron_hetero.models import attention_input, packed_attention
+from tests.interpreter import close
 
 # (tokens, groups, per_group, head_dim, run_dim): Qwen2.5-VL's padding with a masked last block of tokens;
 # grouped queries, no padding, a whole block; three query heads a group; a masked half and a padding
 # shorter than its block
 SHAPES = ((attention_input.ROWS * 2 + 5, 2, 1, 80, 96), (attention_input.ROWS, 2, 2, 8, 8), (5, 1, 3, 72, 72),
           (20, 1, 1, 6, 16))
-# a unit in the last place (the interpreter casts fp32 to bf16 toward zero: two such units)
-ULP = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}
 
-
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return bool(((got.double() - want).abs() <= 2 * ULP[got.dtype] * want.abs() + 1e-5).all())
 
 
 def main():

@@ -11,15 +11,11 @@ import torch.nn.functional as F
 
 from megatron_hetero.models.bias_gelu import BLOCK, bias_gelu
 from megatron_hetero.models.column_sums import COLUMNS, ROWS
+from tests.interpreter import close
 
 # [s, b, h]: a masked last block, one element a row; rows and columns past one backward tile, and one
 SHAPES = ((3, 2, BLOCK // 2 + 7), (5, 1, 1), (ROWS + 3, 2, COLUMNS + 5), (ROWS, 1, COLUMNS))
-# a unit in the last place (the interpreter casts fp32 to bf16 toward zero: two such units)
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
 
-
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return bool(((got.double() - want).abs() <= 2 * ULP[got.dtype] * want.abs() + 1e-5).all())
 
 
 def main():

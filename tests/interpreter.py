@@ -8,6 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+# a unit in the last place of each dtype (the interpreter casts fp32 to bf16 toward zero: the scripts allow
+# two such units)
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
+
 
 def run_on_interpreter(script: str, timeout: int = 300) -> dict:
     """tests/<script>.py under TRITON_INTERPRET=1: its last line's JSON object (the script must exit 0)."""
@@ -15,3 +21,9 @@ def run_on_interpreter(script: str, timeout: int = 300) -> dict:
                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])  # after the import-time lines
+
+
+def close(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-5) -> bool:
+    """A kernel's result against the fp64 reference: within one rounding of `got`'s dtype (two units in its
+    last place, for the interpreter's truncation) and fp32's reordering, `floor` absolute near zero."""
+    return bool(((got.double() - want).abs() <= 2 * ULP[got.dtype] * want.abs() + floor).all())

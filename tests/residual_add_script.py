@@ -12,6 +12,7 @@ import torch
 
 from megatron_hetero.models.column_sums import COLUMNS, ROWS
 from megatron_hetero.models.residual_add import BLOCK, residual_add
+from tests.interpreter import close
 
 # [s, b, h]: a masked last block, one element a row, a whole number of blocks; with a scale, rows and
 # columns past one tile (masked) and exactly one
@@ -25,12 +26,6 @@ def rounded(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         total = (total.view(torch.int32) & ~0xFFFF).view(torch.float32)
     return total.to(dtype)
 
-
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """A sum over the tokens in fp32, then in `got`'s dtype, against the fp64 sum: within one rounding of
-    that dtype (two units in its last place for the interpreter's truncation) and fp32's reordering."""
-    ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}[got.dtype]
-    return bool(((got.double() - want).abs() <= 2 * ulp * want.abs() + 1e-5).all())
 
 
 def main():

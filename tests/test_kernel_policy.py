@@ -3,6 +3,7 @@ value one line naming it and the fix; the checked tables read from and written t
 The same line from both entry scripts: tests/test_megatron_lm.py (it runs Megatron-LM's)."""
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from megatron_hetero.models.kernel_policy import (
     CUDNN_MERGE_ENV,
     EAGER_ROPE_ENV,
     MLP_KERNEL_ENV,
+    MODE_OVERRIDES,
     NORM_KERNEL_ENV,
     OVERRIDE_ENVS,
     AttentionKernelError,
@@ -33,7 +35,10 @@ from megatron_hetero.models.quack_kernels import QuackChoice
 
 def test_defaults_and_flags():
     assert build(environ={}) == KernelPolicy()
-    assert str(KernelPolicy()).startswith("attention auto, norms auto, MLPs auto, RoPE fused, Transformer Engine ")
+    assert str(KernelPolicy()).startswith("attention auto, RoPE fused, Transformer Engine ")
+    assert str(KernelPolicy()).endswith(", norms auto, MLPs auto, experts auto, loss auto, embedding gradient auto, "
+                                        "short segments auto, residual add auto, bias GELU auto, attention input "
+                                        "auto, small norms auto")
     assert [build(b, environ={}).attention for b in AttnBackend if b.name != "local"] == \
         ["flash", "sdpa", "sdpa", "auto"]
     policy = build("flash", 4, "local", environ={})
@@ -46,6 +51,20 @@ def test_overrides():
     assert policy == KernelPolicy(norm="torch", mlp="quack", fa4_head_dims=(80, 128), cudnn_merge=True,
                                   eager_rope=True)
     assert build(environ={NORM_KERNEL_ENV: "", CUDNN_MERGE_ENV: "0"}) == KernelPolicy()
+
+
+def test_mode_overrides_table():
+    """Each row's variable sets its own field to each of its modes and nothing else, says its modes for
+    another value; the policy's mode fields are the table's rows."""
+    modes = {name for name, field in KernelPolicy.__dataclass_fields__.items() if field.default == "auto"}
+    assert modes - {"attention"} == {row.field for row in MODE_OVERRIDES}
+    assert len({row.env for row in MODE_OVERRIDES}) == len(MODE_OVERRIDES)
+    for row in MODE_OVERRIDES:
+        for mode in row.modes:
+            assert build(environ={row.env: mode}) == replace(KernelPolicy(), **{row.field: mode})
+        assert f"{row.label} {row.modes[-1]}" in str(build(environ={row.env: row.modes[-1]}))
+        with pytest.raises(KernelPolicyError, match=f"^{row.env}=fast: use one of {', '.join(row.modes)}$"):
+            build(environ={row.env: "fast"})
 
 
 @pytest.mark.parametrize("backend, environ, line", [

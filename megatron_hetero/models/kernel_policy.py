@@ -196,14 +196,39 @@ def _flag(environ, env: str) -> bool:
 
 
 @dataclass(frozen=True)
+class ModeOverride:
+    """One environment variable choosing among `modes` for KernelPolicy's field `field`; `label` names it
+    in the policy's one-line summary."""
+
+    field: str
+    env: str
+    modes: tuple[str, ...]
+    label: str
+
+
+# The kernel modes' variables, one row each: KernelPolicy has a field of each row's name, read by _policy
+# and written by __str__ in this order.
+MODE_OVERRIDES = (
+    ModeOverride("norm", NORM_KERNEL_ENV, KERNEL_MODES, "norms"),
+    ModeOverride("mlp", MLP_KERNEL_ENV, KERNEL_MODES, "MLPs"),
+    ModeOverride("experts", EXPERTS_KERNEL_ENV, EXPERTS_MODES, "experts"),
+    ModeOverride("loss", LOSS_KERNEL_ENV, KERNEL_MODES, "loss"),
+    ModeOverride("embedding_grad", EMBEDDING_GRAD_ENV, EMBEDDING_GRAD_MODES, "embedding gradient"),
+    ModeOverride("short_attention", SHORT_ATTENTION_ENV, SHORT_ATTENTION_MODES, "short segments"),
+    ModeOverride("residual_add", RESIDUAL_ADD_ENV, RESIDUAL_ADD_MODES, "residual add"),
+    ModeOverride("bias_gelu", BIAS_GELU_ENV, BIAS_GELU_MODES, "bias GELU"),
+    ModeOverride("attention_input", ATTENTION_INPUT_ENV, ATTENTION_INPUT_MODES, "attention input"),
+    ModeOverride("small_norm", SMALL_NORM_ENV, SMALL_NORM_MODES, "small norms"),
+)
+
+
+@dataclass(frozen=True)
 class KernelPolicy:
     """attention: backend_mode of --attention-backend; flash_attention_version: Megatron's flag (FA4
     only where None or 4); transformer_impl: Megatron's flag (local: no Transformer Engine layers
-    even where it imports); norm, mlp: KERNEL_MODES; fa4_head_dims: head dims added to CHECKED_HEAD_DIMS;
-    cudnn_merge: merged chunks count as checked on this GPU; eager_rope: upstream's RoPE; experts:
-    EXPERTS_MODES; loss: KERNEL_MODES; embedding_grad: EMBEDDING_GRAD_MODES; short_attention:
-    SHORT_ATTENTION_MODES; residual_add: RESIDUAL_ADD_MODES; bias_gelu: BIAS_GELU_MODES; attention_input:
-    ATTENTION_INPUT_MODES; small_norm: SMALL_NORM_MODES."""
+    even where it imports); fa4_head_dims: head dims added to CHECKED_HEAD_DIMS; cudnn_merge: merged
+    chunks count as checked on this GPU; eager_rope: upstream's RoPE; each MODE_OVERRIDES row's field:
+    one of that row's modes."""
 
     attention: str = "auto"
     flash_attention_version: int | None = None
@@ -228,34 +253,22 @@ class KernelPolicy:
         return HAVE_TE and self.transformer_impl != "local"
 
     def __str__(self) -> str:
-        return (f"attention {self.attention}, norms {self.norm}, MLPs {self.mlp}, "
-                f"RoPE {'eager' if self.eager_rope else 'fused'}, Transformer Engine {'on' if self.te else 'off'}, "
-                f"experts {self.experts}, loss {self.loss}, embedding gradient {self.embedding_grad}, "
-                f"short segments {self.short_attention}, residual add {self.residual_add}, bias GELU {self.bias_gelu}, "
-                f"attention input {self.attention_input}, small norms {self.small_norm}")
+        modes = ", ".join(f"{row.label} {getattr(self, row.field)}" for row in MODE_OVERRIDES)
+        return (f"attention {self.attention}, RoPE {'eager' if self.eager_rope else 'fused'}, "
+                f"Transformer Engine {'on' if self.te else 'off'}, {modes}")
 
 
-OVERRIDE_ENVS = (NORM_KERNEL_ENV, MLP_KERNEL_ENV, CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, EXPERTS_KERNEL_ENV,
-                 LOSS_KERNEL_ENV, EMBEDDING_GRAD_ENV, SHORT_ATTENTION_ENV, RESIDUAL_ADD_ENV, BIAS_GELU_ENV,
-                 ATTENTION_INPUT_ENV, SMALL_NORM_ENV)
+OVERRIDE_ENVS = (CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, *(row.env for row in MODE_OVERRIDES))
 
 
 @functools.lru_cache(maxsize=64)
 def _policy(attention_backend, flash_attention_version, transformer_impl, overrides: tuple) -> KernelPolicy:
     # `overrides`: OVERRIDE_ENVS' values (None where unset), so that the cache key is the environment's.
     environ = {env: value for env, value in zip(OVERRIDE_ENVS, overrides) if value is not None}
-    return KernelPolicy(backend_mode(attention_backend), flash_attention_version,
-                        transformer_impl, kernel_mode(NORM_KERNEL_ENV, environ),
-                        kernel_mode(MLP_KERNEL_ENV, environ), extra_head_dims(environ),
-                        _flag(environ, CUDNN_MERGE_ENV), _flag(environ, EAGER_ROPE_ENV),
-                        experts=kernel_mode(EXPERTS_KERNEL_ENV, environ, EXPERTS_MODES),
-                        loss=kernel_mode(LOSS_KERNEL_ENV, environ),
-                        embedding_grad=kernel_mode(EMBEDDING_GRAD_ENV, environ, EMBEDDING_GRAD_MODES),
-                        short_attention=kernel_mode(SHORT_ATTENTION_ENV, environ, SHORT_ATTENTION_MODES),
-                        residual_add=kernel_mode(RESIDUAL_ADD_ENV, environ, RESIDUAL_ADD_MODES),
-                        bias_gelu=kernel_mode(BIAS_GELU_ENV, environ, BIAS_GELU_MODES),
-                        attention_input=kernel_mode(ATTENTION_INPUT_ENV, environ, ATTENTION_INPUT_MODES),
-                        small_norm=kernel_mode(SMALL_NORM_ENV, environ, SMALL_NORM_MODES))
+    return KernelPolicy(backend_mode(attention_backend), flash_attention_version, transformer_impl,
+                        fa4_head_dims=extra_head_dims(environ), cudnn_merge=_flag(environ, CUDNN_MERGE_ENV),
+                        eager_rope=_flag(environ, EAGER_ROPE_ENV),
+                        **{row.field: kernel_mode(row.env, environ, row.modes) for row in MODE_OVERRIDES})
 
 
 def of(config, environ=os.environ) -> KernelPolicy:
