@@ -28,6 +28,7 @@ from megatron_hetero.models.kernel_policy import (
     KernelPolicy,
     KernelPolicyError,
     build,
+    mode_now,
 )
 from megatron_hetero.models.norm import SequenceParallelNorm
 from megatron_hetero.models.quack_kernels import QuackChoice
@@ -62,6 +63,7 @@ def test_mode_overrides_table():
     for row in MODE_OVERRIDES:
         for mode in row.modes:
             assert build(environ={row.env: mode}) == replace(KernelPolicy(), **{row.field: mode})
+            assert mode_now(row.field, {row.env: mode}) == mode
         assert f"{row.label} {row.modes[-1]}" in str(build(environ={row.env: row.modes[-1]}))
         with pytest.raises(KernelPolicyError, match=f"^{row.env}=fast: use one of {', '.join(row.modes)}$"):
             build(environ={row.env: "fast"})

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from megatron_hetero.models import column_sums
 from megatron_hetero.models.accelerators import has_triton
-from megatron_hetero.models.kernel_policy import BIAS_GELU_ENV, BIAS_GELU_MODES, kernel_mode
+from megatron_hetero.models.kernel_policy import mode_now
 
 HAVE_TRITON = has_triton()
 BLOCK = 1024  # elements per program of the forward kernel
@@ -89,7 +89,7 @@ def chosen(activation) -> bool:
     """Whether the mode puts this activation's fused bias add on the kernel: erf GELU unless the mode is
     torch, where Triton imports (the mode is read at each call, a dictionary lookup)."""
     return (HAVE_TRITON and activation is F.gelu
-            and kernel_mode(BIAS_GELU_ENV, modes=BIAS_GELU_MODES) != "torch")
+            and mode_now("bias_gelu") != "torch")
 
 
 def takes(x: torch.Tensor, bias: torch.Tensor | None) -> bool:

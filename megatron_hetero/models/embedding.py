@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron_hetero.models import kernel_policy
-from megatron_hetero.models.kernel_policy import EMBEDDING_GRAD_ENV, EMBEDDING_GRAD_MODES
 from megatron_hetero.models.mlp_kernels import main_grad_placeholder
 
 
@@ -28,7 +27,7 @@ def into_main_grad(weight: torch.Tensor) -> bool:
     """Whether a lookup in `weight` adds its gradient into the weight's main_grad itself."""
     return (weight.is_cuda and weight.requires_grad and torch.is_grad_enabled()
             and getattr(weight, "main_grad", None) is not None and hasattr(weight, "grad_added_to_main_grad")
-            and kernel_policy.kernel_mode(EMBEDDING_GRAD_ENV, modes=EMBEDDING_GRAD_MODES) == "auto")
+            and kernel_policy.mode_now("embedding_grad") == "auto")
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):

@@ -29,7 +29,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_hetero.models import column_sums
 from megatron_hetero.models.accelerators import has_triton
-from megatron_hetero.models.kernel_policy import RESIDUAL_ADD_ENV, RESIDUAL_ADD_MODES, kernel_mode
+from megatron_hetero.models.kernel_policy import mode_now
 
 HAVE_TRITON = has_triton()
 BLOCK = 1024  # elements per program of the forward kernel
@@ -119,7 +119,7 @@ def takes(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
 
 def mode() -> str:
     """MEGATRON_HETERO_RESIDUAL_ADD's mode, read when a layer's forward builds its add."""
-    return kernel_mode(RESIDUAL_ADD_ENV, modes=RESIDUAL_ADD_MODES)
+    return mode_now("residual_add")
 
 
 def kernel_adds(mode: str, training: bool, prob: float, x: torch.Tensor, bias: torch.Tensor | None,
