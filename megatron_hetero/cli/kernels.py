@@ -1,6 +1,7 @@
 """`megatron-hetero kernels check`: is each fast kernel the layers may choose right on this GPU?
 
-    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|loss|all] [--quick] [--record] [--out DIR]
+    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|loss|triton|all] [--quick] [--record]
+                                  [--out DIR]
 
 The layers run flash-attn-4 only at head dims checked on that GPU model, and context parallelism's
 merged-chunk cuDNN attention, quack's cross entropy for the loss, our Triton kernel for short segments
@@ -12,7 +13,8 @@ MEGATRON_HETERO_LOSS_KERNEL=quack, ...), or with --record writes it into the use
 (~/.cache/megatron_hetero/kernel_checks.json, or the file MEGATRON_HETERO_KERNEL_CHECKS names),
 which the kernel policy reads from then on. The norms and MLP checks judge quack's kernels, which
 the default runs on sm90 and sm100 GPUs; the experts check torch's grouped GEMMs for MoE experts,
-which the default runs on sm90 GPUs. Each check's module docstring (cli/checks/) says what it
+which the default runs on sm90 GPUs; the triton check our Triton kernels for the layers' elementwise work
+against the paths they stand in for. Each check's module docstring (cli/checks/) says what it
 measures. Exit status: 0 PASS, 1 FAIL, 2 no GPU or the kernels do not load (one line saying which).
 """
 
@@ -32,6 +34,8 @@ CHECKS = {
     "mlp": ("megatron_hetero.cli.checks.mlp", "the MLP's fused GEMMs (quack's epilogues)"),
     "experts": ("megatron_hetero.cli.checks.experts", "an MoE layer's grouped expert GEMMs and its host syncs"),
     "loss": ("megatron_hetero.cli.checks.loss", "quack's cross entropy for the LLM's loss"),
+    "triton": ("megatron_hetero.cli.checks.triton", "our Triton kernels for the adds, the bias-GELU, the attention "
+               "input and the small norms"),
 }
 
 

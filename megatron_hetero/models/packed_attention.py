@@ -68,6 +68,16 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True)
 
 
+def torch_heads(mixed: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+    """packed_heads as the layer runs it off our kernels: compiled on GPUs."""
+    return (_compiled(packed_heads) if mixed.is_cuda else packed_heads)(mixed, *args)
+
+
+def torch_cut(out: torch.Tensor, *args) -> torch.Tensor:
+    """cut_heads as the layer runs it off our kernel: compiled on GPUs."""
+    return (_compiled(cut_heads) if out.is_cuda else cut_heads)(out, *args)
+
+
 def fuses_heads(config) -> bool:
     """Whether the packed encoder layers of `config` take the fused path: no query/key norms or output
     gate between the GEMMs (packed_heads has none), RoPE neither interleaved nor Transformer Engine's,
@@ -111,7 +121,7 @@ class PackedSelfAttention(SelfAttention):
         if self.on_triton and attention_input.takes(mixed, bias, rotary, head_dim):
             heads = attention_input.packed_heads
         else:
-            heads = _compiled(packed_heads) if mixed.is_cuda else packed_heads
+            heads = torch_heads
         q, k, v = (t[:, None] for t in heads(mixed, bias, rotary, *shape))
         if self.checkpoint_core_attention and self.training:
             out = self._checkpointed_attention_forward(q, k, v, attention_mask, packed_seq_params=packed_seq_params)
@@ -121,6 +131,6 @@ class PackedSelfAttention(SelfAttention):
             if self.on_triton and attention_input.cuts(out):
                 cut = attention_input.cut_heads
             else:
-                cut = _compiled(cut_heads) if out.is_cuda else cut_heads
+                cut = torch_cut
             out = cut(out, self.num_attention_heads_per_partition, head_dim)
         return self.linear_proj(out)

@@ -1,10 +1,11 @@
 """What the GPU kernel checks share: CUDA-event timing; a case's record of two paths' errors against
-fp32 and their times (measure_paths: norms.py, mlp.py, experts.py, loss.py); for the quack checks
-(norms.py, mlp.py, loss.py) the table of those records, the records' file and the verdict.
+fp32 and their times (measure_paths: norms.py, mlp.py, experts.py, loss.py, triton.py); for the checks of
+one kernel path against torch's (the quack checks norms.py, mlp.py, loss.py; triton.py) the table of those
+records, the records' file and the verdict.
 
-A quack check's `measure(case, iters)` returns a record with `case`, a size field, `torch_*_err` and
-`quack_*_err` (max |diff| / max |ref| against fp32), with iters `torch_fwd_ms`, `torch_fwd_bwd_ms`,
-`quack_fwd_ms`, `quack_fwd_bwd_ms`, and `ok`.
+Such a check's `measure(case, iters)` returns a record with `case`, a size field, `torch_*_err` and
+`<judged>_*_err` (max |diff| / max |ref| against fp32; `judged`: "quack" or "triton"), with iters
+`torch_fwd_ms`, `torch_fwd_bwd_ms`, `<judged>_fwd_ms`, `<judged>_fwd_bwd_ms`, and `ok`.
 """
 
 import json
@@ -46,19 +47,20 @@ def _errs(record: dict, label: str) -> str:
     return " / ".join(f"{record[k]:.4f}" for k in record if k.startswith(label) and k.endswith("_err"))
 
 
-def line(record: dict, size: str) -> str:
+def line(record: dict, size: str, judged: str = "quack") -> str:
     """One table row: case, the record's `size` field, both paths' errors and times, the verdict."""
     r = record
-    times = (f" | {r['torch_fwd_ms']:.3f} / {r['torch_fwd_bwd_ms']:.3f} | {r['quack_fwd_ms']:.3f} / "
-             f"{r['quack_fwd_bwd_ms']:.3f}" if "quack_fwd_ms" in r else " | | ")
+    times = (f" | {r['torch_fwd_ms']:.3f} / {r['torch_fwd_bwd_ms']:.3f} | {r[f'{judged}_fwd_ms']:.3f} / "
+             f"{r[f'{judged}_fwd_bwd_ms']:.3f}" if f"{judged}_fwd_ms" in r else " | | ")
     verdict = "ok" if r["ok"] else "FAIL"
-    return f"| {r['case']} | {r[size]} | {_errs(r, 'torch')} | {_errs(r, 'quack')}{times} | {verdict} |"
+    return f"| {r['case']} | {r[size]} | {_errs(r, 'torch')} | {_errs(r, judged)}{times} | {verdict} |"
 
 
-class QuackCheck(NamedTuple):
-    """A quack check: `problem()` (why the kernels do not load, or None), `cases(quick)`, `measure`;
-    the table's `size` field and error `header`, the records' `file_name`, what a failure means, and
-    the environment line that keeps the layers on torch's kernels, what a pass means."""
+class KernelCheck(NamedTuple):
+    """A check of one kernel path (`judged`) against torch's: `problem()` (why the kernels do not load, or
+    None), `cases(quick)`, `measure`; the table's `size` field and error `header`, the records' `file_name`,
+    what a failure means, the environment assignments that keep the layers on torch's kernels, what a
+    pass means."""
 
     problem: Callable
     cases: Callable
@@ -67,11 +69,12 @@ class QuackCheck(NamedTuple):
     header: str
     file_name: str
     failure: str
-    torch_env: str
+    fallback: str
     passed: str = "quack's kernels are right here (the default, auto, runs them on sm90 and sm100 GPUs)"
+    judged: str = "quack"
 
 
-def run_table(check: QuackCheck, quick: bool, out: str) -> int:
+def run_table(check: KernelCheck, quick: bool, out: str) -> int:
     """Exit 2 with one line where the kernels do not load, else each case measured, printed and
     appended to out/file_name, PASS (0) or FAIL (1), and what to do with the result."""
     problem = check.problem()
@@ -79,11 +82,11 @@ def run_table(check: QuackCheck, quick: bool, out: str) -> int:
         print(f"error: {problem}")
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"| case | {check.size} | {check.header} | torch ms (fwd / fwd+bwd) | quack ms | |\n"
+    print(f"| case | {check.size} | {check.header} | torch ms (fwd / fwd+bwd) | {check.judged} ms | |\n"
           "| --- | --- | --- | --- | --- | --- | --- |")
     records = [check.measure(case, 5 if quick else 20) for case in check.cases(quick)]
     for r in records:
-        print(line(r, check.size), flush=True)
+        print(line(r, check.size, check.judged), flush=True)
     Path(out).mkdir(parents=True, exist_ok=True)
     with open(Path(out) / check.file_name, "a") as f:
         for r in records:
@@ -91,5 +94,5 @@ def run_table(check: QuackCheck, quick: bool, out: str) -> int:
     if all(r["ok"] for r in records):
         print(f"PASS: {check.passed}")
         return 0
-    print(f"FAIL: {check.failure}; keep the layers on torch's kernels: export {check.torch_env}=torch")
+    print(f"FAIL: {check.failure}; keep the layers on torch's kernels: export {check.fallback}")
     return 1

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
+from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import LOSS_KERNEL_ENV, record_check
 from megatron_hetero.models.loss_kernels import cross_entropy, load_quack_cross_entropy
 
@@ -102,9 +102,9 @@ def measure(case: Case, iters: int) -> dict:
 def main(quick: bool, out: str, record: bool) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
-        status = run_table(QuackCheck(lambda: load_quack_cross_entropy()[1], cases, measure, "vocab",
+        status = run_table(KernelCheck(lambda: load_quack_cross_entropy()[1], cases, measure, "vocab",
                                       "megatron-core fused err (loss / dlogits) | quack err", "loss_check.jsonl",
-                                      f"quack's loss above {TOLERANCE} of fp32", LOSS_KERNEL_ENV,
+                                      f"quack's loss above {TOLERANCE} of fp32", f"{LOSS_KERNEL_ENV}=torch",
                                       passed="quack's cross entropy is right here"), quick, out)
     finally:
         dist.destroy_process_group()

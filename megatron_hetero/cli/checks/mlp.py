@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
+from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import GATED_BIAS_MLP_CHECKED, MLP_KERNEL_ENV, record_check
 from megatron_hetero.models.mlp import gated_ffn_padding
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
@@ -128,9 +128,9 @@ def main(quick: bool, out: str, record: bool = False) -> int:
     """The table, PASS or FAIL; with `record`, a pass writes this GPU model into the user's table of GPUs
     where a gated MLP with fc1 biases (Qwen2.5-VL's ViT, among the cases) runs on quack's epilogues."""
     grad_accum_fusion.apply()  # main_grad accumulation without apex, as in training
-    status = run_table(QuackCheck(lambda: load_quack_gemm()[1], cases, measure, "tokens",
+    status = run_table(KernelCheck(lambda: load_quack_gemm()[1], cases, measure, "tokens",
                                   "torch bf16 err (out / dx / dw1 / [db1 /] dw2) | quack err", "mlp_check.jsonl",
-                                  f"the fused path above {TOLERANCE} of fp32", MLP_KERNEL_ENV), quick, out)
+                                  f"the fused path above {TOLERANCE} of fp32", f"{MLP_KERNEL_ENV}=torch"), quick, out)
     if status != 0:
         return status
     name = torch.cuda.get_device_name()

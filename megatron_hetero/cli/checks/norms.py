@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from megatron_hetero.cli.checks.common import QuackCheck, measure_paths, run_table, timed
+from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table, timed
 from megatron_hetero.models.kernel_policy import NORM_KERNEL_ENV
 from megatron_hetero.models.norm_kernels import load_quack, quack_norm
 
@@ -98,6 +98,6 @@ def measure(case: Case, iters: int) -> dict:
 
 
 def main(quick: bool, out: str) -> int:
-    return run_table(QuackCheck(lambda: load_quack()[1], cases, measure, "rows",
+    return run_table(KernelCheck(lambda: load_quack()[1], cases, measure, "rows",
                                 "torch bf16 err (out / dx / dw / db) | quack err", "norm_check.jsonl",
-                                f"quack above {TOLERANCE} of fp32", NORM_KERNEL_ENV), quick, out)
+                                f"quack above {TOLERANCE} of fp32", f"{NORM_KERNEL_ENV}=torch"), quick, out)
