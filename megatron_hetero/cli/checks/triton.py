@@ -66,11 +66,10 @@ def _rotary(case: Case, dtype) -> tuple[torch.Tensor, ...]:
     return tuple(f(a).to(dtype) for a in angles for f in (torch.cos, torch.sin))
 
 
-def _heads(heads_fn, case: Case, mixed, bias) -> torch.Tensor:
-    """An attention input's query, key and value heads, flattened into one tensor."""
-    q, k, v = heads_fn(mixed, bias, _rotary(case, mixed.dtype), case.hidden // case.head_dim, 1, case.head_dim,
-                       case.run_dim)
-    return torch.cat([t.flatten() for t in (q, k, v)])
+def _heads(heads_fn, case: Case, mixed, bias) -> tuple[torch.Tensor, ...]:
+    """An attention input's query, key and value heads."""
+    return heads_fn(mixed, bias, _rotary(case, mixed.dtype), case.hidden // case.head_dim, 1, case.head_dim,
+                    case.run_dim)
 
 
 def _norm(case: Case, x, weight, bias=None):
@@ -81,8 +80,9 @@ def _norm(case: Case, x, weight, bias=None):
 
 class Kind(NamedTuple):
     """A kernel's inputs (names; 'scale' and 'weight' near 1, 'bias' small, the rest N(0, 1)), the
-    variable choosing it, and three functions of (case, *inputs): our kernel, the path it stands in for
-    (as GPUs run it), and that path's function as eager torch (run in fp32 for the reference)."""
+    variable choosing it, and three functions of (case, *inputs) -> a tensor or a tuple of them: our
+    kernel, the path it stands in for (as GPUs run it), and that path's function as eager torch (run in
+    fp32 for the reference)."""
 
     inputs: tuple[str, ...]
     env: str
@@ -131,11 +131,16 @@ def inputs(case: Case, seed: int = 0) -> list[torch.Tensor]:
     return made
 
 
+def _one(out) -> torch.Tensor:
+    """A path's output; several (the attention input's heads) flattened into one."""
+    return torch.cat([t.flatten() for t in out]) if isinstance(out, tuple) else out
+
+
 def _outputs_and_grads(path, case: Case, leaves, dtype) -> list[torch.Tensor]:
     """path's output and every input's gradient in fp32, the inputs cast to dtype, for a fixed random
     gradient of the output."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in leaves]
-    out = path(case, *leaves)
+    out = _one(path(case, *leaves))
     g = torch.Generator(device=DEVICE).manual_seed(2)
     out.backward(torch.randn(out.shape, device=DEVICE, generator=g).to(dtype))
     return [out.float()] + [t.grad.float() for t in leaves]
@@ -154,8 +159,9 @@ def errors(path, case: Case) -> dict[str, float]:
 def speed(path, case: Case, iters: int) -> tuple[float, float]:
     """Forward and forward+backward ms of path in bf16."""
     leaves = [t.bfloat16().requires_grad_() for t in inputs(case)]
-    dout = path(case, *leaves).detach().clone().normal_()
-    return timed(lambda: path(case, *leaves), iters), timed(lambda: path(case, *leaves).backward(dout), iters)
+    douts = [t.detach().clone().normal_() for t in torch.utils._pytree.tree_leaves(path(case, *leaves))]
+    return (timed(lambda: path(case, *leaves), iters),
+            timed(lambda: torch.autograd.backward(path(case, *leaves), douts), iters))
 
 
 def measure(case: Case, iters: int) -> dict:
