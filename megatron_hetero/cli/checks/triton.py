@@ -14,6 +14,7 @@ times say whether that pays on this GPU. A Triton error above TOLERANCE: FAIL, e
 object per line) go to DIR/triton_check.jsonl; DIR defaults to $OUT or out/.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -59,8 +60,10 @@ def cases(quick: bool) -> list[Case]:
             Case("InternViT-300M LayerNorm (1024)", "LayerNorm", 12300 // cut, 1024)]
 
 
+@functools.cache
 def _rotary(case: Case, dtype) -> tuple[torch.Tensor, ...]:
-    """RoPE tables (cos_q, sin_q, cos_k, sin_k) [tokens, 1, 1, head_dim] of random angles, in `dtype`."""
+    """RoPE tables (cos_q, sin_q, cos_k, sin_k) [tokens, 1, 1, head_dim] of random angles, in `dtype`
+    (made once: not part of the timed calls)."""
     g = torch.Generator(device=DEVICE).manual_seed(1)
     angles = torch.rand(2, case.tokens, 1, 1, case.head_dim, device=DEVICE, generator=g) * 6.3
     return tuple(f(a).to(dtype) for a in angles for f in (torch.cos, torch.sin))
