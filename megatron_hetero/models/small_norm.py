@@ -119,9 +119,9 @@ class _SmallNorm(torch.autograd.Function):
         dout = torch.zeros_like(x) if dout is None else dout.contiguous()
         dx = torch.empty_like(x)
         blocks = triton.cdiv(rows, ROWS)
-        weight_sums = torch.zeros(blocks, hidden, device=x.device, dtype=torch.float32)
+        weight_sums = torch.empty(blocks, hidden, device=x.device, dtype=torch.float32)
         has_bias = ctx.bias_dtype is not None
-        bias_sums = torch.zeros_like(weight_sums) if has_bias else weight_sums
+        bias_sums = torch.empty_like(weight_sums) if has_bias else weight_sums  # every block writes its row
         residual = dx if dresidual is None else dresidual.contiguous()
         _norm_backward_kernel[(blocks,)](x, weight, dout, residual, rstd, mean, dx, weight_sums, bias_sums, rows,
                                          hidden, BLOCK=triton.next_power_of_2(hidden), ROWS=ROWS, RMS=ctx.rms,
