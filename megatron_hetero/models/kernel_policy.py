@@ -259,12 +259,13 @@ class KernelPolicy:
 
 
 OVERRIDE_ENVS = (CHECKED_ENV, CUDNN_MERGE_ENV, EAGER_ROPE_ENV, *(row.env for row in MODE_OVERRIDES))
+_ROW_OF = {row.field: row for row in MODE_OVERRIDES}
 
 
 def mode_now(field: str, environ=os.environ) -> str:
     """The mode of MODE_OVERRIDES' row for KernelPolicy's `field` in `environ`: for calls that have no
     config at hand to take the policy of (read at each call, a dictionary lookup)."""
-    row = next(row for row in MODE_OVERRIDES if row.field == field)
+    row = _ROW_OF[field]
     return kernel_mode(row.env, environ, row.modes)
 
 
