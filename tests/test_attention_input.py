@@ -11,6 +11,7 @@ from megatron_hetero.models import attention_input
 from megatron_hetero.models.kernel_policy import ATTENTION_INPUT_ENV, KernelPolicyError, build
 from tests.compiling import outputs_and_gradients
 from tests.distributed import run_distributed
+from tests.hopper import hopper_cubin
 from tests.interpreter import run_on_interpreter
 
 
@@ -22,30 +23,21 @@ def test_kernels_match_the_functions_within_rounding():
 def test_kernels_compile_for_hopper():
     """The three kernels compile to sm90 code with and without the bias and RoPE, padded and not (Triton's
     own ptxas, no GPU needed)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     def pointers(*names):
         return {name: "*bf16" for name in names}
 
     tables = ("cos_q", "sin_q", "cos_k", "sin_k")
-    sources = []
     for has_bias, has_rope, run_dim in ((True, True, 96), (False, False, 80)):
         dims = {"HEAD_DIM": 80, "RUN_DIM": run_dim, "HALF": 64, "ROWS": attention_input.ROWS,
                 "HAS_BIAS": has_bias, "HAS_ROPE": has_rope}
-        sources.append(ASTSource(attention_input._heads_kernel, {
-            **pointers("mixed", "bias", *tables, "q", "k", "v"), "rows": "i32", "per_group": "i32",
-            **dict.fromkeys((*dims, "PAD"), "constexpr")}, constexprs={**dims, "PAD": 16}))
-        sources.append(ASTSource(attention_input._heads_backward_kernel, {
+        assert hopper_cubin(attention_input._heads_kernel, {
+            **pointers("mixed", "bias", *tables, "q", "k", "v"), "rows": "i32", "per_group": "i32"},
+            {**dims, "PAD": 16})
+        assert hopper_cubin(attention_input._heads_backward_kernel, {
             **pointers("dq", "dk", "dv", *tables, "dmixed"), "bias_sums": "*fp32", "rows": "i32",
-            "per_group": "i32", **dict.fromkeys(dims, "constexpr")}, constexprs=dims))
-    copy = {"SRC_DIM": 96, "DST_DIM": 80, "BLOCK": 128, "ROWS": attention_input.ROWS}
-    sources.append(ASTSource(attention_input._copy_heads_kernel, {
-        **pointers("src", "dst"), "rows": "i32", "heads": "i32", **dict.fromkeys(copy, "constexpr")},
-        constexprs=copy))
-    for source in sources:
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+            "per_group": "i32"}, dims)
+    assert hopper_cubin(attention_input._copy_heads_kernel, {**pointers("src", "dst"), "rows": "i32", "heads": "i32"},
+                        {"SRC_DIM": 96, "DST_DIM": 80, "BLOCK": 128, "ROWS": attention_input.ROWS})
 
 
 def test_takes_gpu_calls_of_one_token_a_row_and_an_even_head_dim(monkeypatch):

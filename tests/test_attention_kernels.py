@@ -53,6 +53,7 @@ from megatron_hetero.models.kernel_policy import (
 )
 from megatron_hetero.models.transfer import to_device
 from megatron_hetero.models.varlen import VarlenPlan, plans_to, varlen_attention
+from tests.hopper import hopper_cubin
 from tests.interpreter import run_on_interpreter
 from tests.test_fa4_backward import Patched, Release
 
@@ -412,20 +413,14 @@ def test_short_attention_kernel_matches_fp64_attention():
 def test_short_attention_kernels_compile_for_hopper(causal):
     """Both Triton kernels compile to sm90 code (Triton's own ptxas, no GPU needed) at the windows' tile
     (64 tokens x head dims up to 128) in bf16: what the CPU interpreter cannot see."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from megatron_hetero.models import short_attention
 
     constexprs = {"BLOCK": 64, "BLOCK_D": 128, "CAUSAL": causal}
     for kernel in (short_attention._forward_kernel, short_attention._backward_kernel):
-        signature = {name: "constexpr" if name in constexprs else "*fp32" if name == "lse_ptr" else "*bf16"
-                     if name.endswith("_ptr") else "*i32" if name.startswith("cu_") else "fp32" if name == "scale"
-                     else "i32" for name in kernel.arg_names}
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": short_attention.WARPS[0]})
-        assert compiled.asm["cubin"], kernel
+        signature = {name: "*fp32" if name == "lse_ptr" else "*bf16" if name.endswith("_ptr") else "*i32"
+                     if name.startswith("cu_") else "fp32" if name == "scale" else "i32"
+                     for name in kernel.arg_names if name not in constexprs}
+        assert hopper_cubin(kernel, signature, constexprs, num_warps=short_attention.WARPS[0]), kernel
 
 
 # ---- varlen_attention (packed images of a native-resolution ViT) -----------------------------------

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron_hetero.models import bias_gelu, column_sums
 from megatron_hetero.models.kernel_policy import BIAS_GELU_ENV, KernelPolicyError, build
 from tests.compiling import outputs_and_gradients
+from tests.hopper import hopper_cubin
 from tests.interpreter import run_on_interpreter
 
 
@@ -25,21 +26,13 @@ def test_kernels_match_torch_gelu_within_rounding():
 
 def test_kernels_compile_for_hopper():
     """Both kernels compile to sm90 code (Triton's own ptxas, no GPU needed)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sources = (
-        ASTSource(bias_gelu._bias_gelu_kernel,
-                  {"x": "*bf16", "bias": "*bf16", "out": "*bf16", "n": "i64", "width": "i32", "BLOCK": "constexpr"},
-                  constexprs={"BLOCK": bias_gelu.BLOCK}),
-        ASTSource(bias_gelu._bias_gelu_backward_kernel,
-                  {"grad": "*bf16", "x": "*bf16", "bias": "*bf16", "dx": "*bf16", "bias_sums": "*fp32",
-                   "rows": "i32", "width": "i32", "ROWS": "constexpr", "COLUMNS": "constexpr"},
-                  constexprs={"ROWS": column_sums.ROWS, "COLUMNS": column_sums.COLUMNS}),
-    )
-    for source in sources:
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    assert hopper_cubin(bias_gelu._bias_gelu_kernel,
+                        {"x": "*bf16", "bias": "*bf16", "out": "*bf16", "n": "i64", "width": "i32"},
+                        {"BLOCK": bias_gelu.BLOCK})
+    assert hopper_cubin(bias_gelu._bias_gelu_backward_kernel,
+                        {"grad": "*bf16", "x": "*bf16", "bias": "*bf16", "dx": "*bf16", "bias_sums": "*fp32",
+                         "rows": "i32", "width": "i32"},
+                        {"ROWS": column_sums.ROWS, "COLUMNS": column_sums.COLUMNS})
 
 
 def test_erf_gelu_unless_torch_of_contiguous_gpu_tensors_only(monkeypatch):

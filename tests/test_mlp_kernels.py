@@ -37,6 +37,7 @@ from megatron_hetero.models.mlp_kernels import (
 from megatron_hetero.models.quack_kernels import QUACK, TORCH, QuackChoice, choose_quack
 from megatron_hetero.spec.sizes import MLP_MIN_MACS
 from tests.compiling import assert_compiled_equals_eager
+from tests.hopper import hopper_cubin
 from tests.interpreter import run_on_interpreter
 from tests.quack_stand_in import STAND_IN
 
@@ -384,15 +385,10 @@ def test_halves_kernel_is_torchs_copy_bit_for_bit():
 
 def test_halves_kernel_compiles_for_hopper():
     """The halves kernel compiles to sm90 code (Triton's own ptxas, no GPU needed)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from megatron_hetero.models import mlp_kernels
 
-    source = ASTSource(mlp_kernels._halves_kernel, {"pairs": "*i32", "out": "*i16", "n": "i32", "BLOCK": "constexpr"},
-                       constexprs={"BLOCK": mlp_kernels.PAIRS_BLOCK})
-    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    assert hopper_cubin(mlp_kernels._halves_kernel, {"pairs": "*i32", "out": "*i16", "n": "i32"},
+                        {"BLOCK": mlp_kernels.PAIRS_BLOCK})
 
 
 def test_halves_takes_words_only_where_they_are_aligned_pairs():

@@ -9,6 +9,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_hetero.models import column_sums, residual_add
 from megatron_hetero.models.kernel_policy import RESIDUAL_ADD_ENV, KernelPolicyError, build
 from tests.compiling import outputs_and_gradients
+from tests.hopper import hopper_cubin
 from tests.interpreter import run_on_interpreter
 
 
@@ -24,25 +25,16 @@ def test_kernel_adds_in_fp32_rounded_once_and_hands_back_the_gradients():
 def test_kernels_compile_for_hopper():
     """Both kernels compile to sm90 code with and without the bias and the scale (Triton's own ptxas, no
     GPU needed)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     pointers = lambda *names: {name: "*bf16" for name in names}  # noqa: E731
     for has_bias in (True, False):
         for has_scale in (True, False):
-            source = ASTSource(residual_add._residual_add_kernel,
-                               {**pointers("x", "bias", "scale", "residual", "out"), "n": "i64", "width": "i32",
-                                "HAS_BIAS": "constexpr", "HAS_SCALE": "constexpr", "BLOCK": "constexpr"},
-                               constexprs={"HAS_BIAS": has_bias, "HAS_SCALE": has_scale, "BLOCK": residual_add.BLOCK})
-            assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-        source = ASTSource(residual_add._scaled_backward_kernel,
-                           {**pointers("grad", "x", "bias", "scale", "dx"), "scale_sums": "*fp32",
-                            "bias_sums": "*fp32", "rows": "i32", "width": "i32", "HAS_BIAS": "constexpr",
-                            "ROWS": "constexpr", "COLUMNS": "constexpr"},
-                           constexprs={"HAS_BIAS": has_bias, "ROWS": column_sums.ROWS,
-                                       "COLUMNS": column_sums.COLUMNS})
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+            assert hopper_cubin(residual_add._residual_add_kernel,
+                                {**pointers("x", "bias", "scale", "residual", "out"), "n": "i64", "width": "i32"},
+                                {"HAS_BIAS": has_bias, "HAS_SCALE": has_scale, "BLOCK": residual_add.BLOCK})
+        assert hopper_cubin(residual_add._scaled_backward_kernel,
+                            {**pointers("grad", "x", "bias", "scale", "dx"), "scale_sums": "*fp32",
+                             "bias_sums": "*fp32", "rows": "i32", "width": "i32"},
+                            {"HAS_BIAS": has_bias, "ROWS": column_sums.ROWS, "COLUMNS": column_sums.COLUMNS})
 
 
 @pytest.mark.parametrize("mode", [None, "auto", "triton"])
