@@ -15,7 +15,7 @@ object per line) go to DIR/triton_check.jsonl; DIR defaults to $OUT or out/.
 """
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +89,9 @@ class Kind(NamedTuple):
 
     inputs: tuple[str, ...]
     env: str
-    triton: object
-    torch: object
-    eager: object
+    triton: Callable
+    torch: Callable
+    eager: Callable
 
 
 KINDS = {
