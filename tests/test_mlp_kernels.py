@@ -273,25 +273,34 @@ def test_fused_path_equals_torch(bias, activation, frozen):
         torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-12, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("fusion", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_padded_fused_path_equals_torch(monkeypatch, bias):
+def test_padded_fused_path_equals_torch(monkeypatch, bias, fusion):
     """A gated unit's ffn zero-padded in quack's GEMMs (Qwen2.5-VL's ViT: 3420 -> 3424): output and every
     gradient as torch's unpadded MLP, at the parameters' shapes; under gradient-accumulation fusion the
-    padded copies' weight gradients reach the parameters' .grad (DDP adds it to main_grad), main_grad
-    untouched."""
+    weight gradients added to main_grad (twice: two microbatches) as without padding, else in .grad."""
     _accumulating(monkeypatch)
     leaves = _leaves(bias, gated=True)
     for weight in (leaves["w1"], leaves["w2"]):
-        weight.main_grad = torch.zeros_like(weight)
-    fused = lambda x, w1, b1, w2, activation: epilogue_mlp(x, w1, b1, w2, activation, True, STAND_IN, 5)  # noqa: E731
-    got = _run(fused, leaves, "swiglu")
+        weight.main_grad = torch.full_like(weight, 0.5)
+    fused = lambda x, w1, b1, w2, activation: epilogue_mlp(x, w1, b1, w2, activation, fusion, STAND_IN, 5)  # noqa: E731
+    out, grads = _run(fused, leaves, "swiglu")
+    got = out, {name: grad.clone() for name, grad in grads.items() if grad is not None}
+    got_main = {name: leaves[name].main_grad.clone() for name in ("w1", "w2")}
+    if fusion:
+        _run(fused, leaves, "swiglu")
     want = _run(_torch_mlp, _leaves(bias, gated=True), "swiglu")
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
-    assert got[1].keys() == want[1].keys()
     for name in want[1]:
-        assert got[1][name].shape == want[1][name].shape
-        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-12, atol=1e-12, msg=name)
-    assert not leaves["w1"].main_grad.any() and not leaves["w2"].main_grad.any()
+        if fusion and name in ("w1", "w2"):
+            assert got[1].get(name) is None
+            torch.testing.assert_close(got_main[name], 0.5 + want[1][name], rtol=1e-12, atol=1e-12, msg=name)
+            torch.testing.assert_close(leaves[name].main_grad, 0.5 + 2 * want[1][name], rtol=1e-12, atol=1e-12)
+        else:
+            assert got[1][name].shape == want[1][name].shape
+            torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-12, atol=1e-12, msg=name)
+    if not fusion:
+        assert (leaves["w1"].main_grad == 0.5).all() and (leaves["w2"].main_grad == 0.5).all()
 
 
 def _accumulating(monkeypatch):

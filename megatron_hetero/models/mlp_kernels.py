@@ -183,6 +183,35 @@ def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: to
     return main_grad_placeholder(weight, total_input.dtype, total_input.device)
 
 
+def accumulate_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """main_grad [out, in] += grad_output [tokens, out]^T @ total_input [tokens, in], accumulated by
+    torch's GEMM in main_grad's dtype (apex's wgrad_gemm_accum_fp32 / _fp16, on strided inputs too)."""
+    if total_input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+    elif main_grad.is_cuda:
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
+    else:  # torch has no such GEMM on CPUs: the inputs upcast, whose products are as exact
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
+def cut_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor, blocks: int,
+                    accumulation_fusion: bool) -> torch.Tensor | None:
+    """weight_grad of a weight that ran zero-padded (pad_ffn), at the weight's shape [rows, cols]: the
+    GEMMs read grad_output's columns of each of `blocks` blocks of rows (fc1's gate and up) and
+    total_input's first cols columns (fc2's unpadded ffn) as strided views, so no activation and no
+    padded gradient is copied; under gradient-accumulation fusion added to main_grad in place
+    (accumulate_wgrad: apex's kernel reads contiguous inputs only)."""
+    rows, cols = weight.shape
+    per, stride = rows // blocks, grad_output.shape[1] // blocks
+    total_input = total_input[:, :cols]
+    pieces = [grad_output[:, block * stride:block * stride + per] for block in range(blocks)]
+    if not accumulation_fusion:
+        return torch.cat([piece.t().matmul(total_input) for piece in pieces])
+    for block, piece in enumerate(pieces):
+        accumulate_wgrad(total_input, piece, weight.main_grad[block * per:(block + 1) * per])
+    return main_grad_placeholder(weight, total_input.dtype, total_input.device)
+
+
 def main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """What a linear layer returns as `weight`'s gradient once it has added it to weight.main_grad
     itself: a placeholder where megatron's DDP expects one (grad_added_to_main_grad), else None."""
@@ -199,55 +228,73 @@ class _LinearAct(torch.autograd.Function):
 
     forward: preact = x @ w^T (+ b), act = activation(preact), one GEMM writing both; act is not
     differentiable (its gradient comes back as preact's, from _DActLinear's backward); a gated
-    unit's preact interleaved (GATED);
+    unit's preact interleaved (GATED); `padded`: the weight and bias zero-padded (pad_ffn), which the
+    GEMMs run instead;
     backward: dx = dpreact @ w, dw = dpreact^T @ x, db = sum of dpreact over tokens (a gated unit's
-    dpreact first back in [gate; up] halves: one copy of it, so that both GEMMs stay cuBLAS's)."""
+    dpreact first back in [gate; up] halves: one copy of it, so that both GEMMs stay cuBLAS's), dw and
+    db at the parameters' shapes."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, accumulation_fusion, gemm):
+    def forward(ctx, x, weight, bias, padded, activation, accumulation_fusion, gemm):
+        run_weight, run_bias = padded or (weight, bias)
         # A gated unit's fc1 bias is [gate; up] as its weight's rows: quack interleaves it too ("bias").
         layout = {"concat_layout": ("B",) if bias is None else ("B", "bias")} if activation in GATED else {}
-        preact, act = gemm.act(x, weight.t(), bias=bias, activation=activation, tuned=False, **layout)
-        ctx.save_for_backward(x, weight)
+        preact, act = gemm.act(x, run_weight.t(), bias=run_bias, activation=activation, tuned=False, **layout)
+        ctx.save_for_backward(x, weight, run_weight)
         ctx.has_bias, ctx.accumulation_fusion, ctx.gated = bias is not None, accumulation_fusion, bool(layout)
+        ctx.padded = padded is not None
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
         return preact, act
 
     @staticmethod
     def backward(ctx, dpreact, _):
-        x, weight = ctx.saved_tensors
+        x, weight, run_weight = ctx.saved_tensors
         if ctx.gated:  # [gate; up] as the weight's rows, for cuBLAS and the fused weight gradient
             dpreact = halves(dpreact)
-        dx = dpreact.matmul(weight) if ctx.needs_input_grad[0] else None
-        dw = weight_grad(weight, x, dpreact, ctx.accumulation_fusion) if ctx.needs_input_grad[1] else None
-        db = dpreact.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
+        dx = dpreact.matmul(run_weight) if ctx.needs_input_grad[0] else None
+        dw = db = None
+        blocks = 2 if ctx.gated else 1
+        if ctx.needs_input_grad[1]:
+            dw = (cut_weight_grad(weight, x, dpreact, blocks, ctx.accumulation_fusion) if ctx.padded
+                  else weight_grad(weight, x, dpreact, ctx.accumulation_fusion))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dpreact.sum(0)
+            if ctx.padded:
+                db = db.view(blocks, -1)[:, :weight.shape[0] // blocks].flatten()
+        return dx, dw, db, None, None, None, None
 
 
 class _DActLinear(torch.autograd.Function):
     """fc2 whose input-gradient GEMM applies the activation's derivative in its epilogue.
 
-    forward: out = act @ w^T; preact is kept for the backward, act is not;
+    forward: out = act @ w^T, with `padded` (the weight zero-padded, pad_ffn) for w where given;
+    preact is kept for the backward, act is not;
     backward: one GEMM gives dpreact = (dout @ w) * activation'(preact) and act again, recomputed
-    from preact, for dw = dout^T @ act (torch's activation recomputes it where dpreact is not needed)."""
+    from preact, for dw = dout^T @ act (torch's activation recomputes it where dpreact is not needed),
+    dw at the parameter's shape."""
 
     @staticmethod
-    def forward(ctx, preact, act, weight, activation, accumulation_fusion, gemm):
-        ctx.save_for_backward(preact, weight)
+    def forward(ctx, preact, act, weight, padded, activation, accumulation_fusion, gemm):
+        run_weight = weight if padded is None else padded
+        ctx.save_for_backward(preact, weight, run_weight)
         ctx.activation, ctx.accumulation_fusion, ctx.gemm = activation, accumulation_fusion, gemm
-        return act.matmul(weight.t())
+        ctx.padded = padded is not None
+        return act.matmul(run_weight.t())
 
     @staticmethod
     def backward(ctx, dout):
-        preact, weight = ctx.saved_tensors
+        preact, weight, run_weight = ctx.saved_tensors
         dout = dout.contiguous()
         if ctx.needs_input_grad[0]:
-            dpreact, act = ctx.gemm.dact(dout, weight, preact, activation=ctx.activation, tuned=False)
+            dpreact, act = ctx.gemm.dact(dout, run_weight, preact, activation=ctx.activation, tuned=False)
         else:
             dpreact, act = None, ACTIVATIONS[ctx.activation](halves(preact) if ctx.activation in GATED else preact)
-        dw = weight_grad(weight, act, dout, ctx.accumulation_fusion) if ctx.needs_input_grad[2] else None
-        return dpreact, None, dw, None, None, None
+        dw = None
+        if ctx.needs_input_grad[2]:
+            dw = (cut_weight_grad(weight, act, dout, 1, ctx.accumulation_fusion) if ctx.padded
+                  else weight_grad(weight, act, dout, ctx.accumulation_fusion))
+        return dpreact, None, dw, None, None, None, None
 
 
 def epilogue_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None,
@@ -255,14 +302,18 @@ def epilogue_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tens
                  gemm: QuackGemm, pad: int = 0) -> torch.Tensor:
     """fc2(activation(fc1(x))) of one TP rank's weights (fc1 [ffn, in], fc2 [out, ffn]), fc2's bias
     left to the caller, on x of any leading shape; the activation in the GEMMs' epilogues; a gated
-    unit's ffn zero-padded by `pad` (pad_ffn: quack's GEMMs take 16-byte-aligned rows only), whose
-    weight gradients then reach the parameters through the pads' backward, not main_grad."""
+    unit's ffn zero-padded by `pad` (pad_ffn: quack's GEMMs take 16-byte-aligned rows only): the GEMMs
+    run on padded copies made outside autograd, the weight gradients come back at the parameters'
+    shapes (cut_weight_grad), into main_grad under gradient-accumulation fusion as without padding."""
+    fc1_padded = fc2_padded = None
     if pad:
-        fc1_weight, fc1_bias, fc2_weight = pad_ffn(fc1_weight, fc1_bias, fc2_weight, pad)
-        accumulation_fusion = False
+        with torch.no_grad():
+            w1, b1, fc2_padded = pad_ffn(fc1_weight, fc1_bias, fc2_weight, pad)
+        fc1_padded = (w1, b1)
     flat = x.reshape(-1, x.shape[-1])
-    preact, act = _LinearAct.apply(flat.contiguous(), fc1_weight, fc1_bias, activation, accumulation_fusion, gemm)
-    out = _DActLinear.apply(preact, act, fc2_weight, activation, accumulation_fusion, gemm)
+    preact, act = _LinearAct.apply(flat.contiguous(), fc1_weight, fc1_bias, fc1_padded, activation,
+                                   accumulation_fusion, gemm)
+    out = _DActLinear.apply(preact, act, fc2_weight, fc2_padded, activation, accumulation_fusion, gemm)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -270,7 +321,8 @@ def pad_ffn(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight:
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A gated MLP's weights (fc1 [2 ffn, in] as [gate; up], its bias, fc2 [out, ffn]) with `pad` zero
     rows after each of gate and up and as many zero columns in fc2: the same function, whose padded
-    activations and weight gradients are zero (the pads' backward slices them off)."""
+    activations and weight gradients are zero (under autograd the pads' backward slices them off;
+    epilogue_mlp's GEMMs skip them: cut_weight_grad)."""
     ffn = fc2_weight.shape[1]
     w1 = F.pad(fc1_weight.unflatten(0, (2, ffn)), (0, 0, 0, pad)).flatten(0, 1)
     b1 = None if fc1_bias is None else F.pad(fc1_bias.unflatten(0, (2, ffn)), (0, pad)).flatten()
