@@ -183,32 +183,18 @@ def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: to
     return main_grad_placeholder(weight, total_input.dtype, total_input.device)
 
 
-def accumulate_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """main_grad [out, in] += grad_output [tokens, out]^T @ total_input [tokens, in], accumulated by
-    torch's GEMM in main_grad's dtype (apex's wgrad_gemm_accum_fp32 / _fp16, on strided inputs too)."""
-    if total_input.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), total_input)
-    elif main_grad.is_cuda:
-        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
-    else:  # torch has no such GEMM on CPUs: the inputs upcast, whose products are as exact
-        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
-
-
 def cut_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor, blocks: int,
                     accumulation_fusion: bool) -> torch.Tensor | None:
     """weight_grad of a weight that ran zero-padded (pad_ffn), at the weight's shape [rows, cols]: the
-    GEMMs read grad_output's columns of each of `blocks` blocks of rows (fc1's gate and up) and
-    total_input's first cols columns (fc2's unpadded ffn) as strided views, so no activation and no
-    padded gradient is copied; under gradient-accumulation fusion added to main_grad in place
-    (accumulate_wgrad: apex's kernel reads contiguous inputs only)."""
+    GEMM at the padded shape (at the unaligned one cuBLAS takes its slow 2-element-aligned kernels),
+    then the padded rows of each of `blocks` blocks (fc1's gate and up) and the padded columns (fc2's)
+    dropped through a view: under gradient-accumulation fusion added to main_grad in that one pass."""
     rows, cols = weight.shape
-    per, stride = rows // blocks, grad_output.shape[1] // blocks
-    total_input = total_input[:, :cols]
-    pieces = [grad_output[:, block * stride:block * stride + per] for block in range(blocks)]
+    padded = grad_output.t().matmul(total_input)
+    cut = padded.view(blocks, -1, padded.shape[1])[:, :rows // blocks, :cols]
     if not accumulation_fusion:
-        return torch.cat([piece.t().matmul(total_input) for piece in pieces])
-    for block, piece in enumerate(pieces):
-        accumulate_wgrad(total_input, piece, weight.main_grad[block * per:(block + 1) * per])
+        return cut.reshape(rows, cols)
+    weight.main_grad.view(blocks, rows // blocks, cols).add_(cut)
     return main_grad_placeholder(weight, total_input.dtype, total_input.device)
 
 

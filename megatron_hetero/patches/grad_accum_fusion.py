@@ -12,10 +12,21 @@ imports, where apex is missing. W1 on one H200: docs/runs/benchmarks.md.
 
 import types
 
-from megatron_hetero.models.mlp_kernels import accumulate_wgrad
+import torch
+
 from megatron_hetero.patches._patch import provide_module, set_value
 
 MODULE = "fused_weight_gradient_mlp_cuda"
+
+
+def accumulate_wgrad(input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """main_grad [out, in] += grad_output [tokens, out]^T @ input [tokens, in], accumulated by the
+    GEMM in main_grad's dtype (apex's wgrad_gemm_accum_fp32 / _fp16)."""
+    if input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), input)
+    else:
+        # torch has this GEMM on GPUs only; --bf16 (the only mixed case) is refused on CPUs.
+        torch.addmm(main_grad, grad_output.t(), input, out_dtype=main_grad.dtype, out=main_grad)
 
 
 def apply() -> None:
