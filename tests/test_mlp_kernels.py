@@ -85,6 +85,9 @@ def test_which_mlps_take_the_fused_path(monkeypatch):
         assert str(epilogue_choice(_config(**bf16), fc1, fc2, quack)) == expected
     # SwiGLU: fc1 biases under MLP_KERNEL_ENV=quack, or on a GPU model where `kernels check mlp` passed; an
     # unaligned ffn padded (Qwen2.5-VL's ViT: 3420).
+    from megatron_hetero.models import mlp as mlp_module
+
+    monkeypatch.setattr(mlp_module, "current_device", lambda: Device("cpu"))  # a GPU's name may be in the table
     monkeypatch.delenv(MLP_KERNEL_ENV, raising=False)
     swiglu = _config(activation_func=F.silu, gated_linear_unit=True, **bf16)
     biased = ("torch (a gated MLP with fc1 biases (quack's gated bias layout not checked on cpu: megatron-hetero "
@@ -99,8 +102,6 @@ def test_which_mlps_take_the_fused_path(monkeypatch):
         object.__setattr__(fc1, "weight", torch.empty(rows, hidden))
         object.__setattr__(fc1, "bias", bias)
         assert str(epilogue_choice(swiglu, fc1, fc2, quack)) == expected
-    from megatron_hetero.models import mlp as mlp_module
-
     monkeypatch.setenv(MLP_KERNEL_ENV, "auto")
     object.__setattr__(fc1, "weight", torch.empty(2 * 1024, 1152))
     object.__setattr__(fc1, "bias", torch.empty(2048))
@@ -217,6 +218,7 @@ def test_compiled_bias_activation_equals_eager(activation):
         leaves, dout, tol=1e-6)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rule without a GPU")
 def test_cpu_runs_torch():
     assert mlp_kernel_for(KernelPolicy()) == QuackChoice(TORCH, "no GPU")
 
