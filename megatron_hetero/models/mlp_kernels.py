@@ -308,7 +308,7 @@ def pad_ffn(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight:
     """A gated MLP's weights (fc1 [2 ffn, in] as [gate; up], its bias, fc2 [out, ffn]) with `pad` zero
     rows after each of gate and up and as many zero columns in fc2: the same function, whose padded
     activations and weight gradients are zero (under autograd the pads' backward slices them off;
-    epilogue_mlp's GEMMs skip them: cut_weight_grad)."""
+    in epilogue_mlp cut_weight_grad drops them)."""
     ffn = fc2_weight.shape[1]
     w1 = F.pad(fc1_weight.unflatten(0, (2, ffn)), (0, 0, 0, pad)).flatten(0, 1)
     b1 = None if fc1_bias is None else F.pad(fc1_bias.unflatten(0, (2, ffn)), (0, pad)).flatten()
