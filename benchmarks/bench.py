@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.boundary.transfer import ANNOTATION
+from megatron_hetero.cli.checks.common import device_work
 from megatron_hetero.cli.plan import gpu_model
 from megatron_hetero.data.sample_batch import Media, Sample, SampleBatch
 from megatron_hetero.data.tokenizer import CaptionTokenizer
@@ -679,14 +680,6 @@ KERNEL_FAMILIES = (
 def kernel_family(name: str) -> str:
     lower = name.lower()
     return next((family for family, keys in KERNEL_FAMILIES if any(k in lower for k in keys)), "other")
-
-
-def device_work(events) -> list:
-    """The events of kernels, copies and fills on the GPU: not the device-side copies of annotated ranges
-    (record_function's, the optimizer's step), which span the kernels inside them (as torch's own
-    tables leave them out)."""
-    return [e for e in events if e.device_type.name == "CUDA" and e.self_device_time_total > 0
-            and not getattr(e, "is_user_annotation", False)]
 
 
 def profile_step(trainer: Trainer, path: str, forward_backward_func=None, trace: str | None = None) -> dict:

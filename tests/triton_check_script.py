@@ -9,6 +9,7 @@ import json
 
 import torch
 
+from megatron_hetero.cli.checks import common
 from megatron_hetero.cli.checks import triton as check
 from megatron_hetero.models import residual_add
 
@@ -22,7 +23,8 @@ SMALL = [check.Case("add", "add", 37, 80), check.Case("add without bias", "add w
 def main():
     torch._dynamo.config.disable = True  # the torch paths eager: compiling on CPU is the tests' minutes
     check.DEVICE = "cpu"
-    check.timed = lambda fn, iters: [fn() for _ in range(iters)] and 0.0  # CUDA events: the calls, no times
+    # CUDA events and the profiler's GPU times: the calls, no times
+    common.timed = common.gpu_ms = lambda fn, iters: [fn() for _ in range(iters)] and 0.0
     cases = list(SMALL)
     # a kernel whose bias gradient is twice the right one: the check must fail it
     right = check.KINDS["add"]

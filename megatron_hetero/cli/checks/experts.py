@@ -4,16 +4,16 @@ of host syncs?
 
     megatron-hetero kernels check experts [--quick] [--out DIR]   (one GPU)
 
-Per case (tokens routed top-8 to 128 experts of hidden 2048 and ffn 768, two experts receiving no
-token; an EP2 rank's 64 experts; expert TP2's halves): the output, the token and probability
-gradients and every expert's weight gradient (accumulated into fp32 main_grad, as megatron's
-gradient-accumulation fusion does in training) of SequentialMLP and of GroupedExperts in bf16 against
-SequentialMLP in fp32 on the same weights, as max |diff| / max |ref|; both paths' forward and
-forward+backward ms (CUDA events). Then the whole MoE layer (router, all-to-all dispatcher, experts)
-forward and backward under torch.cuda.set_sync_debug_mode: the synchronizing calls counted, with each
-experts kind, with and without patches/moe_dispatch.py. A grouped error above TOLERANCE, or in the
-grouped layer with the patch a sync or no fewer waits than without it: FAIL, exit 1. Records (one
-JSON object per line) go to DIR/experts_check.jsonl; DIR defaults to $OUT or out/.
+Per case (tokens routed top-8 to 128 experts of hidden 2048 and ffn 768, two experts receiving no token; an EP2
+rank's 64 experts; expert TP2's halves): the output, the token and probability gradients and every expert's
+weight gradient (accumulated into fp32 main_grad, as megatron's gradient-accumulation fusion does in training)
+of SequentialMLP and of GroupedExperts in bf16 against SequentialMLP in fp32 on the same weights, as max |diff|
+/ max |ref|; both paths' forward and forward+backward ms (CUDA events, calls back to back) and the GPU's work
+alone (common.gpu_ms). Then the whole MoE layer (router, all-to-all dispatcher, experts) forward and backward
+under torch.cuda.set_sync_debug_mode: the synchronizing calls counted, with each experts kind, with and without
+patches/moe_dispatch.py. A grouped error above TOLERANCE, or in the grouped layer with the patch a sync or no
+fewer waits than without it: FAIL, exit 1. Records (one JSON object per line) go to DIR/experts_check.jsonl; DIR
+defaults to $OUT or out/.
 """
 
 import functools
@@ -21,14 +21,14 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_hetero.cli.checks.common import measure_paths, timed
+from megatron_hetero.cli.checks.common import measure_paths
 from megatron_hetero.models.kernel_policy import EXPERTS_KERNEL_ENV
 
 TOLERANCE = 0.02  # SequentialMLP's own bf16 error against fp32 is ~0.005-0.01
@@ -112,13 +112,12 @@ def errors(cls, case: Case) -> dict[str, float]:
     return {name: float((a - r).abs().max() / r.abs().max()) for name, a, r in zip(GRADS, got, reference)}
 
 
-def speed(cls, case: Case, iters: int) -> tuple[float, float]:
+def calls(cls, case: Case) -> tuple[Callable, Callable]:
+    """A forward call and a forward and backward call of experts of `cls` at bf16, to be timed."""
     experts = _experts(cls, case, torch.bfloat16)
     x, counts, probs, dout = (t.bfloat16() if t.is_floating_point() else t for t in inputs(case))
     x.requires_grad_(), probs.requires_grad_()
-    forward = timed(lambda: experts(x, counts, probs), iters)
-    both = timed(lambda: experts(x, counts, probs)[0].backward(dout), iters)
-    return forward, both
+    return lambda: experts(x, counts, probs), lambda: experts(x, counts, probs)[0].backward(dout)
 
 
 def host_syncs(kind: str, case: Case) -> tuple[int, int]:
@@ -160,7 +159,7 @@ def measure(case: Case, iters: int) -> dict:
 
     os.environ[EXPERTS_KERNEL_ENV] = "grouped"
     record = dict(case=case.name, tokens=case.tokens, experts=case.experts, ffn=case.ffn, topk=case.topk)
-    return measure_paths(record, case, {"sequential": SequentialMLP, "grouped": GroupedExperts}, errors, speed,
+    return measure_paths(record, case, {"sequential": SequentialMLP, "grouped": GroupedExperts}, errors, calls,
                          iters, "grouped", TOLERANCE)
 
 

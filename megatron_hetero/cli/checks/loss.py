@@ -3,23 +3,22 @@ native fused one, which it replaces for the loss (models/loss_kernels.py)?
 
     megatron-hetero kernels check loss [--quick] [--record] [--out DIR]   (one GPU, quack importable)
 
-Per case (tokens of one microbatch, vocabulary width; bf16 logits as the output layer gives them):
-each token's loss and the logits' gradient (for a random gradient of the losses, as the loss mask
-and the averaging give) of megatron-core's fused cross entropy and of quack's against fp32 math on
-the same bf16 logits, as max |diff| / max |ref|; then both paths' forward and forward+backward ms
-(CUDA events). A quack error above TOLERANCE: FAIL, exit 1. Where every case passes, the kernel
-policy's auto runs quack's loss on this GPU model once it is in the table of checked GPUs: --record
-writes it into the user's table. Records (one JSON object per line) go to DIR/loss_check.jsonl;
-DIR defaults to $OUT or out/.
+Per case (tokens of one microbatch, vocabulary width; bf16 logits as the output layer gives them): each token's
+loss and the logits' gradient (for a random gradient of the losses, as the loss mask and the averaging give) of
+megatron-core's fused cross entropy and of quack's against fp32 math on the same bf16 logits, as max |diff| /
+max |ref|; then both paths' forward and forward+backward ms (CUDA events, calls back to back) and the GPU's work
+alone (common.gpu_ms). A quack error above TOLERANCE: FAIL, exit 1. Where every case passes, the kernel policy's
+auto runs quack's loss on this GPU model once it is in the table of checked GPUs: --record writes it into the
+user's table. Records (one JSON object per line) go to DIR/loss_check.jsonl; DIR defaults to $OUT or out/.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table, timed
+from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table
 from megatron_hetero.models.kernel_policy import LOSS_KERNEL_ENV, record_check
 from megatron_hetero.models.loss_kernels import cross_entropy, load_quack_cross_entropy
 
@@ -85,18 +84,17 @@ def errors(loss_fn, case: Case) -> dict[str, float]:
             for name, a, r in zip(ERRORS, _grads(loss_fn, case), want)}
 
 
-def speed(loss_fn, case: Case, iters: int) -> tuple[float, float]:
+def calls(loss_fn, case: Case) -> tuple[Callable, Callable]:
+    """A forward call and a forward and backward call of loss_fn, to be timed."""
     logits, labels, dloss = inputs(case)
     logits.requires_grad_()
-    forward = timed(lambda: loss_fn(logits, labels), iters)
-    both = timed(lambda: loss_fn(logits, labels).backward(dloss), iters)
-    return forward, both
+    return lambda: loss_fn(logits, labels), lambda: loss_fn(logits, labels).backward(dloss)
 
 
 def measure(case: Case, iters: int) -> dict:
     """Both paths' errors and times; ok: quack's errors within TOLERANCE."""
     return measure_paths(dict(case=case.name, tokens=case.tokens, vocab=case.vocab), case,
-                         {"torch": megatron_loss, "quack": quack_loss}, errors, speed, iters, "quack", TOLERANCE)
+                         {"torch": megatron_loss, "quack": quack_loss}, errors, calls, iters, "quack", TOLERANCE)
 
 
 def main(quick: bool, out: str, record: bool) -> int:

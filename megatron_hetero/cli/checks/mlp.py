@@ -3,22 +3,22 @@ shapes, and faster than cuBLAS plus torch's activation?
 
     megatron-hetero kernels check mlp [--quick] [--record] [--out DIR]   (one GPU, quack importable: the fa4 extra)
 
-Per case (tokens, hidden, ffn, fc1 bias or not, activation, SwiGLU's among them; bf16 as the models
-train): the output, the input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
-`epilogue_mlp`, weight gradients accumulated into fp32 main_grad as megatron's gradient-accumulation
-fusion does in training) and of torch's bf16 path (x @ w1^T + b1, the activation, @ w2^T: what
-megatron-core's MLP runs) against fp32 autograd of the same inputs, as max |diff| / max |ref|; then
-both paths' forward and forward+backward ms (CUDA events). A fused error above TOLERANCE: FAIL, exit 1.
-Records (one JSON object per line) go to DIR/mlp_check.jsonl; DIR defaults to $OUT or out/. The policy's
-auto runs a gated MLP with fc1 biases (Qwen2.5-VL's ViT) on quack's epilogues only on GPU models where
-this check passed: --record adds this one to the user's table.
+Per case (tokens, hidden, ffn, fc1 bias or not, activation, SwiGLU's among them; bf16 as the models train): the
+output, the input gradient and every weight / bias gradient of our fused path (models/mlp_kernels.py
+`epilogue_mlp`, weight gradients accumulated into fp32 main_grad as megatron's gradient-accumulation fusion does
+in training) and of torch's bf16 path (x @ w1^T + b1, the activation, @ w2^T: what megatron-core's MLP runs)
+against fp32 autograd of the same inputs, as max |diff| / max |ref|; then both paths' forward and
+forward+backward ms (CUDA events, calls back to back) and the GPU's work alone (common.gpu_ms). A fused error
+above TOLERANCE: FAIL, exit 1. Records (one JSON object per line) go to DIR/mlp_check.jsonl; DIR defaults to
+$OUT or out/. The policy's auto runs a gated MLP with fc1 biases (Qwen2.5-VL's ViT) on quack's epilogues only on
+GPU models where this check passed: --record adds this one to the user's table.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
-from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table, timed
+from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table
 from megatron_hetero.models.kernel_policy import GATED_BIAS_MLP_CHECKED, MLP_KERNEL_ENV, record_check
 from megatron_hetero.models.mlp import gated_ffn_padding
 from megatron_hetero.models.mlp_kernels import ACTIVATIONS, GATED, epilogue_mlp, load_quack_gemm
@@ -106,21 +106,20 @@ def errors(mlp, case: Case) -> dict[str, float]:
             for name, a, r in zip(GRADS, got, reference) if r is not None}
 
 
-def speed(mlp, case: Case, iters: int) -> tuple[float, float]:
-    """Forward and forward+backward ms of mlp at bf16 (plain weight gradients for both paths)."""
+def calls(mlp, case: Case) -> tuple[Callable, Callable]:
+    """A forward call and a forward and backward call of mlp at bf16, to be timed (the weight gradients
+    into fp32 main_grad for both paths)."""
     x, w1, b1, w2, dout = (t.bfloat16().requires_grad_() if t is not None else None for t in inputs(case))
     for weight in (w1, w2):
         weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
-    forward = timed(lambda: mlp(case, x, w1, b1, w2), iters)
-    both = timed(lambda: mlp(case, x, w1, b1, w2).backward(dout), iters)
-    return forward, both
+    return lambda: mlp(case, x, w1, b1, w2), lambda: mlp(case, x, w1, b1, w2).backward(dout)
 
 
 def measure(case: Case, iters: int) -> dict:
     """Both paths' errors and times; ok: the fused path's errors within TOLERANCE."""
     record = dict(case=case.name, tokens=case.tokens, hidden=case.hidden, ffn=case.ffn, bias=case.bias,
                   activation=case.activation)
-    return measure_paths(record, case, {"torch": torch_mlp, "quack": fused_mlp}, errors, speed, iters, "quack",
+    return measure_paths(record, case, {"torch": torch_mlp, "quack": fused_mlp}, errors, calls, iters, "quack",
                          TOLERANCE)
 
 

@@ -2,20 +2,20 @@
 
     megatron-hetero kernels check norms [--quick] [--out DIR]   (one GPU, quack importable: the fa4 extra)
 
-Per case (LayerNorm or RMSNorm, hidden width, rows; bf16 activations and parameters as the models
-train them): output, input gradient and weight / bias gradients of our quack path
-(models/norm_kernels.py `quack_norm`) and of torch's bf16 kernels (F.layer_norm / F.rms_norm, what
-the norms ran before) against fp32 autograd of the same inputs, as max |diff| / max |ref|; then both
-paths' forward and forward+backward ms (CUDA events). A quack error above TOLERANCE: FAIL, exit 1.
-Records (one JSON object per line) go to DIR/norm_check.jsonl; DIR defaults to $OUT or out/.
+Per case (LayerNorm or RMSNorm, hidden width, rows; bf16 activations and parameters as the models train them):
+output, input gradient and weight / bias gradients of our quack path (models/norm_kernels.py `quack_norm`) and
+of torch's bf16 kernels (F.layer_norm / F.rms_norm, what the norms ran before) against fp32 autograd of the same
+inputs, as max |diff| / max |ref|; then both paths' forward and forward+backward ms (CUDA events, calls back to
+back) and the GPU's work alone (common.gpu_ms). A quack error above TOLERANCE: FAIL, exit 1. Records (one JSON
+object per line) go to DIR/norm_check.jsonl; DIR defaults to $OUT or out/.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table, timed
+from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table
 from megatron_hetero.models.kernel_policy import NORM_KERNEL_ENV
 from megatron_hetero.models.norm_kernels import load_quack, quack_norm
 
@@ -81,19 +81,17 @@ def errors(norm, case: Case) -> dict[str, float]:
     return {name: float((a - r).abs().max() / r.abs().max()) for name, a, r in zip(names, got, reference)}
 
 
-def speed(norm, case: Case, iters: int) -> tuple[float, float]:
-    """Forward and forward+backward ms of norm at bf16."""
+def calls(norm, case: Case) -> tuple[Callable, Callable]:
+    """A forward call and a forward and backward call of norm at bf16, to be timed."""
     x, weight, bias, dout = (t.bfloat16() if t is not None else None for t in inputs(case))
     leaves = [t.requires_grad_() if t is not None else None for t in (x, weight, bias)]
-    forward = timed(lambda: norm(case, *leaves), iters)
-    both = timed(lambda: norm(case, *leaves).backward(dout), iters)
-    return forward, both
+    return lambda: norm(case, *leaves), lambda: norm(case, *leaves).backward(dout)
 
 
 def measure(case: Case, iters: int) -> dict:
     """Both paths' errors and times; ok: quack's errors within TOLERANCE."""
     record = dict(case=case.name, rms=case.rms, hidden=case.hidden, rows=case.rows)
-    return measure_paths(record, case, {"torch": _torch_norm, "quack": _quack_norm}, errors, speed, iters, "quack",
+    return measure_paths(record, case, {"torch": _torch_norm, "quack": _quack_norm}, errors, calls, iters, "quack",
                          TOLERANCE)
 
 

@@ -3,15 +3,15 @@ layers run without them?
 
     megatron-hetero kernels check triton [--quick] [--out DIR]   (one GPU, Triton importable)
 
-Per case (the families' shapes at one micro batch, bf16): the output and every input's gradient of our
-kernel and of the path it stands in for (the compiled function or torch's kernel that the variable's
-`torch` mode runs) against fp32 autograd of that path's function on the same inputs, as max |diff| /
-max |ref|; then both paths' forward and forward+backward ms (CUDA events). The kernels: the bias and
-residual add, with InternViT's layer scale too (models/residual_add.py) and an MLP's bias and erf GELU
-(bias_gelu.py), which the default (auto) runs; the packed ViTs' attention input (attention_input.py) and
-the norms quack does not take (small_norm.py), which run under their variables' `triton` mode only: the
-times say whether that pays on this GPU. A Triton error above TOLERANCE: FAIL, exit 1. Records (one JSON
-object per line) go to DIR/triton_check.jsonl; DIR defaults to $OUT or out/.
+Per case (the families' shapes at one micro batch, bf16): the output and every input's gradient of our kernel
+and of the path it stands in for (the compiled function or torch's kernel that the variable's `torch` mode runs)
+against fp32 autograd of that path's function on the same inputs, as max |diff| / max |ref|; then both paths'
+forward and forward+backward ms (CUDA events, calls back to back) and the GPU's work alone (common.gpu_ms). The
+kernels: the bias and residual add, with InternViT's layer scale too (models/residual_add.py) and an MLP's bias
+and erf GELU (bias_gelu.py), which the default (auto) runs; the packed ViTs' attention input
+(attention_input.py) and the norms quack does not take (small_norm.py), which run under their variables'
+`triton` mode only: the times say whether that pays on this GPU. A Triton error above TOLERANCE: FAIL, exit 1.
+Records (one JSON object per line) go to DIR/triton_check.jsonl; DIR defaults to $OUT or out/.
 """
 
 import functools
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
 
-from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table, timed
+from megatron_hetero.cli.checks.common import KernelCheck, measure_paths, run_table
 from megatron_hetero.families.internvl.vision import _scaled_bias_dropout_add_func, _scaled_bias_dropout_add_fused
 from megatron_hetero.models import attention_input, bias_gelu, packed_attention, residual_add, small_norm
 from megatron_hetero.models.kernel_policy import ATTENTION_INPUT_ENV, BIAS_GELU_ENV, RESIDUAL_ADD_ENV, SMALL_NORM_ENV
@@ -159,19 +159,18 @@ def errors(path, case: Case) -> dict[str, float]:
     return {name: float((a - r).abs().max() / r.abs().max()) for name, a, r in zip(names, got, reference)}
 
 
-def speed(path, case: Case, iters: int) -> tuple[float, float]:
-    """Forward and forward+backward ms of path in bf16."""
+def calls(path, case: Case) -> tuple[Callable, Callable]:
+    """A forward call and a forward and backward call of path in bf16, to be timed."""
     leaves = [t.bfloat16().requires_grad_() for t in inputs(case)]
     douts = [t.detach().clone().normal_() for t in torch.utils._pytree.tree_leaves(path(case, *leaves))]
-    return (timed(lambda: path(case, *leaves), iters),
-            timed(lambda: torch.autograd.backward(path(case, *leaves), douts), iters))
+    return lambda: path(case, *leaves), lambda: torch.autograd.backward(path(case, *leaves), douts)
 
 
 def measure(case: Case, iters: int) -> dict:
     """Both paths' errors and times; ok: the Triton kernel's errors within TOLERANCE."""
     kind = KINDS[case.kind]
     record = dict(case=case.name, kind=case.kind, tokens=case.tokens, hidden=case.hidden, env=kind.env)
-    return measure_paths(record, case, {"torch": kind.torch, "triton": kind.triton}, errors, speed, iters, "triton",
+    return measure_paths(record, case, {"torch": kind.torch, "triton": kind.triton}, errors, calls, iters, "triton",
                          TOLERANCE)
 
 
