@@ -1,11 +1,11 @@
-"""What the GPU kernel checks share: CUDA-event timing and the GPU's own time (device_work); a case's
+"""What the GPU kernel checks share: CUDA-event timing and the GPU's own time (gpu_ms); a case's
 record of two paths' errors against fp32 and their times (measure_paths: norms.py, mlp.py, experts.py,
 loss.py, triton.py); for the checks of one kernel path against torch's (the quack checks norms.py,
 mlp.py, loss.py; triton.py) the table of those records, the records' file and the verdict.
 
 Such a check's `measure(case, iters)` returns a record with `case`, a size field, `torch_*_err` and
 `<judged>_*_err` (max |diff| / max |ref| against fp32; `judged`: "quack" or "triton"), with iters
-`torch_fwd_ms`, `torch_fwd_bwd_ms`, `torch_gpu_ms`, the same of `<judged>`, and `ok`. The `fwd` times
+`torch_fwd_ms`, `torch_fwd_bwd_ms`, `torch_gpu_ms`, the same of `<judged>`, and `ok`. The `fwd*` times
 are of calls back to back, whose pace the host's launches set where a call's kernels take less time
 than its launch; `gpu_ms`, the forward and backward's kernels, copies and fills on the GPU alone, tells
 the two apart.
