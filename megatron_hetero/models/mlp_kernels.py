@@ -185,11 +185,14 @@ def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: to
 
 def cut_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor, blocks: int,
                     accumulation_fusion: bool) -> torch.Tensor | None:
-    """weight_grad of a weight that ran zero-padded (pad_ffn), at the weight's shape [rows, cols]: the
-    GEMM at the padded shape (at the unaligned one cuBLAS takes its slow 2-element-aligned kernels),
-    then the padded rows of each of `blocks` blocks (fc1's gate and up) and the padded columns (fc2's)
-    dropped through a view: under gradient-accumulation fusion added to main_grad in that one pass."""
+    """weight_grad at the weight's shape [rows, cols] where it may have run zero-padded (pad_ffn: the
+    operands wider than the weight): the GEMM at the padded shape (at the unaligned one cuBLAS takes its
+    slow 2-element-aligned kernels), then the padded rows of each of `blocks` blocks (fc1's gate and up)
+    and the padded columns (fc2's) dropped through a view: under gradient-accumulation fusion added to
+    main_grad in that one pass."""
     rows, cols = weight.shape
+    if (grad_output.shape[1], total_input.shape[1]) == (rows, cols):
+        return weight_grad(weight, total_input, grad_output, accumulation_fusion)
     padded = grad_output.t().matmul(total_input)
     cut = padded.view(blocks, -1, padded.shape[1])[:, :rows // blocks, :cols]
     if not accumulation_fusion:
@@ -228,7 +231,6 @@ class _LinearAct(torch.autograd.Function):
         preact, act = gemm.act(x, run_weight.t(), bias=run_bias, activation=activation, tuned=False, **layout)
         ctx.save_for_backward(x, weight, run_weight)
         ctx.has_bias, ctx.accumulation_fusion, ctx.gated = bias is not None, accumulation_fusion, bool(layout)
-        ctx.padded = padded is not None
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
         return preact, act
@@ -239,15 +241,11 @@ class _LinearAct(torch.autograd.Function):
         if ctx.gated:  # [gate; up] as the weight's rows, for cuBLAS and the fused weight gradient
             dpreact = halves(dpreact)
         dx = dpreact.matmul(run_weight) if ctx.needs_input_grad[0] else None
-        dw = db = None
         blocks = 2 if ctx.gated else 1
-        if ctx.needs_input_grad[1]:
-            dw = (cut_weight_grad(weight, x, dpreact, blocks, ctx.accumulation_fusion) if ctx.padded
-                  else weight_grad(weight, x, dpreact, ctx.accumulation_fusion))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dpreact.sum(0)
-            if ctx.padded:
-                db = db.view(blocks, -1)[:, :weight.shape[0] // blocks].flatten()
+        dw = cut_weight_grad(weight, x, dpreact, blocks, ctx.accumulation_fusion) if ctx.needs_input_grad[1] else None
+        db = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:  # the padded rows' sums dropped, as the weight's
+            db = dpreact.sum(0).view(blocks, -1)[:, :weight.shape[0] // blocks].flatten()
         return dx, dw, db, None, None, None, None
 
 
@@ -265,7 +263,6 @@ class _DActLinear(torch.autograd.Function):
         run_weight = weight if padded is None else padded
         ctx.save_for_backward(preact, weight, run_weight)
         ctx.activation, ctx.accumulation_fusion, ctx.gemm = activation, accumulation_fusion, gemm
-        ctx.padded = padded is not None
         return act.matmul(run_weight.t())
 
     @staticmethod
@@ -276,10 +273,7 @@ class _DActLinear(torch.autograd.Function):
             dpreact, act = ctx.gemm.dact(dout, run_weight, preact, activation=ctx.activation, tuned=False)
         else:
             dpreact, act = None, ACTIVATIONS[ctx.activation](halves(preact) if ctx.activation in GATED else preact)
-        dw = None
-        if ctx.needs_input_grad[2]:
-            dw = (cut_weight_grad(weight, act, dout, 1, ctx.accumulation_fusion) if ctx.padded
-                  else weight_grad(weight, act, dout, ctx.accumulation_fusion))
+        dw = cut_weight_grad(weight, act, dout, 1, ctx.accumulation_fusion) if ctx.needs_input_grad[2] else None
         return dpreact, None, dw, None, None, None, None
 
 
