@@ -221,7 +221,7 @@ def choose_kernel(mode: str, head_dim: int, device: Device, *, import_problem: s
     """The kernel of a module with this head dim under `mode` (backend_mode); `checked`: the head dims
     checked on `device` (checked_head_dims); packed: the module attends within the segments of a
     packed sequence (varlen: padded under auto too), `longest` of them at most (None: unbounded;
-    SHORT_SEGMENTS or fewer: under auto short_kernel's, with `short_mode` (SHORT_ATTENTION_MODES),
+    SHORT_SEGMENTS or fewer: under auto short_kernel's, with `short_mode` (kernel_policy.TRITON_MODES),
     `short_checked` (this GPU passed the Triton kernel's check), `triton` (Triton imports) and
     `torch_flash` (torch's varlen flash-attention is built in)); merge_checked: merged chunks were
     checked on this GPU at this dtype and head dim (chunk_attention.cudnn_merge_checked). Raises

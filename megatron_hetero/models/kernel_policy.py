@@ -71,11 +71,7 @@ EAGER_ROPE_ENV = "MEGATRON_HETERO_EAGER_ROPE"
 KERNEL_MODES = ("auto", "torch", "quack")
 EXPERTS_MODES = ("auto", "grouped", "sequential")
 EMBEDDING_GRAD_MODES = ("auto", "torch")
-SHORT_ATTENTION_MODES = ("auto", "torch", "triton")
-RESIDUAL_ADD_MODES = ("auto", "torch", "triton")
-BIAS_GELU_MODES = ("auto", "torch", "triton")
-ATTENTION_INPUT_MODES = ("auto", "torch", "triton")
-SMALL_NORM_MODES = ("auto", "torch", "triton")
+TRITON_MODES = ("auto", "torch", "triton")  # a choice between torch's (or compiled) functions and our Triton kernels
 
 
 class KernelPolicyError(ValueError):
@@ -214,11 +210,11 @@ MODE_OVERRIDES = (
     ModeOverride("experts", EXPERTS_KERNEL_ENV, EXPERTS_MODES, "experts"),
     ModeOverride("loss", LOSS_KERNEL_ENV, KERNEL_MODES, "loss"),
     ModeOverride("embedding_grad", EMBEDDING_GRAD_ENV, EMBEDDING_GRAD_MODES, "embedding gradient"),
-    ModeOverride("short_attention", SHORT_ATTENTION_ENV, SHORT_ATTENTION_MODES, "short segments"),
-    ModeOverride("residual_add", RESIDUAL_ADD_ENV, RESIDUAL_ADD_MODES, "residual add"),
-    ModeOverride("bias_gelu", BIAS_GELU_ENV, BIAS_GELU_MODES, "bias GELU"),
-    ModeOverride("attention_input", ATTENTION_INPUT_ENV, ATTENTION_INPUT_MODES, "attention input"),
-    ModeOverride("small_norm", SMALL_NORM_ENV, SMALL_NORM_MODES, "small norms"),
+    ModeOverride("short_attention", SHORT_ATTENTION_ENV, TRITON_MODES, "short segments"),
+    ModeOverride("residual_add", RESIDUAL_ADD_ENV, TRITON_MODES, "residual add"),
+    ModeOverride("bias_gelu", BIAS_GELU_ENV, TRITON_MODES, "bias GELU"),
+    ModeOverride("attention_input", ATTENTION_INPUT_ENV, TRITON_MODES, "attention input"),
+    ModeOverride("small_norm", SMALL_NORM_ENV, TRITON_MODES, "small norms"),
 )
 
 
