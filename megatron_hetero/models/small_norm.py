@@ -20,7 +20,7 @@ gradients, which torch adds up.
 `MEGATRON_HETERO_SMALL_NORM` (kernel_policy.SMALL_NORM_ENV, the layer's policy): auto (the default) and
 torch: torch's kernels for the calls quack does not take; triton: these kernels for them on a GPU with
 Triton where the call `takes` (a contiguous x, parameters of one dtype, hidden up to MAX_HIDDEN). On an
-H100 these do 28-30% less GPU work than torch's at such calls, but cost the host more than twice as much a
+H100 these do 28% less GPU work than torch's at such calls, but cost the host more than twice as much a
 call (an autograd Function, allocations and a Triton launch each way, the blocks' sums after it), and
 InternVL3-8B's step, whose ViT norms are all such calls, ran 2.7% slower on them (docs/results.md, "Our
 Triton kernels checked on an H100"): auto keeps torch's.
