@@ -8,7 +8,7 @@
     torchrun --nproc-per-node N --no-python megatron-hetero launch SCRIPT.py <its flags> --hetero-layout L.yaml
     megatron-hetero breakdown RECORDS.jsonl --png F      # a benchmark record's step per rank
     megatron-hetero timeline METRICS.jsonl --png F       # a run's step per rank on a time axis
-    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|loss|all] [--record]   # on a GPU
+    megatron-hetero kernels check [attention|cp-chunks|norms|mlp|experts|loss|triton|all] [--record]   # on a GPU
 
 `megatron-hetero COMMAND --help` describes each. The `python -m megatron_hetero.layout|hf|launch`
 forms and `python -m megatron_hetero.cli` run the same code.
