@@ -3,6 +3,7 @@ groups, `layout check --model-sizes` refusing what training refuses, the planner
 names (old names as deprecated aliases) and its calibration by GPU model, printed."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +25,18 @@ def test_usage_lists_every_command(capsys):
     assert main(["trian"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown command 'trian'; commands: layout, plan")
     assert main([]) == 2
+
+
+def test_every_usage_line_names_every_kernel_check():
+    """The hand-written `kernels check [a|b|...]` lines (both commands' usage, the commands reference)
+    name exactly the checks `kernels check` runs."""
+    from megatron_hetero.cli import kernels
+    from megatron_hetero.cli import main as main_module
+
+    texts = [main_module.__doc__, kernels.__doc__, (ROOT / "docs" / "reference" / "commands.md").read_text()]
+    for text in texts:
+        (names,) = re.findall(r"kernels check \[([a-z|\\-]+)\]", text)
+        assert names.replace("\\", "").split("|") == [*kernels.CHECKS, "all"]
 
 
 @pytest.mark.parametrize("command", [["layout", "check"], ["layout", "show"], ["plan"], ["verify"], ["hf", "import"],
