@@ -12,10 +12,12 @@
 # wins), B_ENV and then these assignments, e.g. C_FLAGS="--no-bias-dropout-fusion" to tell one change of B
 # from the rest; ARMS: the arms each round runs (default "A B", "A B C" with C_FLAGS or C_ENV).
 # BENCH_ARGS: bench_e2e arguments for every arm's runs, e.g. "--items-per-sample 6".
-# Out ($OUT): hardware.txt, A.jsonl, B.jsonl (C.jsonl), ab.log, summary.md, profile_B_<workload>.md (not with PROFILE=0).
+# Out ($OUT): hardware.txt, A.jsonl, B.jsonl (C.jsonl), ab.log, summary.md, profile_B_<workload>.md (not with PROFILE=0;
+# PROFILE=all: each arm's last run profiled, profile_<arm>_<workload>.md, each one's kernel time in summary.md).
 # Usage: BASE_REV=REV [BASE_DIR=.base] | A_ENV="VAR=VALUE ..." B_ENV="VAR=VALUE ..." [CARD=0] [C_FLAGS="..."] [C_ENV="..."]
 #        [ARMS="A B C"]
 #        [WORKLOADS="qwen2_5_vl_7b"] [FLAGS="..."] [BENCH_ARGS="..."] [LLM_LAYERS=4] [STEPS=5] [ROUNDS=2] [RUN_S=300] [BUDGET_S=480] [FA4_SITE=DIR]
+#        [PROFILE=0|1|all]
 #        benchmarks/gpu_ab_run.sh
 set -uo pipefail
 start=$SECONDS
@@ -49,7 +51,10 @@ flags=(); [ -n "${FLAGS:-}" ] && flags=("--flags=$FLAGS")
 for ((round = 1; round <= ${ROUNDS:-2}; round++)); do
   for w in "${workloads[@]}"; do
     for arm in "${arms[@]}"; do
-      extra=(); [ "$arm" = B ] && [ "$round" = "${ROUNDS:-2}" ] && [ "${PROFILE:-1}" = 1 ] && extra=(--profile "$out/profile_B_$w.md")
+      extra=()
+      if [ "$round" = "${ROUNDS:-2}" ] && { [ "${PROFILE:-1}" = all ] || { [ "$arm" = B ] && [ "${PROFILE:-1}" = 1 ]; }; }; then
+        extra=(--profile "$out/profile_${arm}_$w.md")
+      fi
       arm_flags=("${flags[@]}"); [ "$arm" = C ] && arm_flags=("--flags=${FLAGS:-} ${C_FLAGS:-}")
       e2e "$arm" "$w" "${arm_flags[@]}" "${extra[@]}"
     done
@@ -61,4 +66,7 @@ summary=(); for arm in $(printf '%s\n' "${arms[@]}" | awk '!seen[$0]++'); do
   [ -f "$out/$arm.jsonl" ] && summary+=("$arm=$out/$arm.jsonl"); done
 if [ ${#summary[@]} = 0 ]; then echo "no record: every run stopped (the lines above; $out/ab.log)" | tee "$out/summary.md"
 else python3 benchmarks/ab_summary.py "${summary[@]}" | tee "$out/summary.md"; fi
+# The profiled steps' GPU work beside their wall time: where the host sets the pace, the arms' kernels
+# tell apart what the step times cannot.
+for f in "$out"/profile_*.md; do [ -f "$f" ] && echo "$(basename "$f" .md): $(head -1 "$f")" | tee -a "$out/summary.md"; done
 echo "done at $((SECONDS - start)) s"
