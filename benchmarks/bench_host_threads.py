@@ -7,8 +7,8 @@ busy cores.
 torchrun sets OMP_NUM_THREADS=1 where it starts more than one process and leaves it unset for one, where
 torch takes a thread per core. These ops are small: parallel regions gain nothing, and wait for every
 thread of the region, which a core busy with other work (a data loader worker, another process)
-holds back. The images are the Qwen2.5-VL-7B preset's (224-1344 px, resized as its processor does to
-multiples of 28 px; 6 images: the first six), one microbatch's layout per call.
+holds back. The images are the Qwen2.5-VL-7B preset's (224-1344 px at the sizes its processor gives them;
+6 images: the first six), one microbatch's layout per call.
 """
 
 import argparse
@@ -18,20 +18,23 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
+from bench import family_batch
 
 from megatron_hetero.families.qwen2_5_vl.vision import QwenVisionArch, grid_layout
-from megatron_hetero.planner.families import FAMILY_BENCHES
+from megatron_hetero.planner.presets import FAMILY_BENCH_WORKLOADS, resized_workload
 
-PATCH, MERGE_PIXELS = 14, 28
+WORKLOAD = "qwen2_5_vl_7b"
 
 
 def preset_grids(images: int) -> torch.Tensor:
-    """[images, 3] patch grids (t, h, w) of the preset's first `images` images."""
-    side = lambda px: max(MERGE_PIXELS, round(px / MERGE_PIXELS) * MERGE_PIXELS) // PATCH  # noqa: E731
-    sizes = FAMILY_BENCHES["qwen2_5_vl_7b"].sample_images(images)
-    return torch.tensor([[1, side(h), side(w)] for w, h in sizes])
+    """[images, 3] patch grids (t, h, w) of a sample of the preset's first `images` images, as bench_e2e's
+    step makes them (the family's processor)."""
+    workload = resized_workload(FAMILY_BENCH_WORKLOADS[WORKLOAD], items_per_sample=images)
+    sample = family_batch(replace(workload, global_batch=1))[0]
+    return sample.media["vision"].grids
 
 
 def time_layout(grids: torch.Tensor, repeats: int) -> float:
