@@ -2,7 +2,7 @@
 index, positions and segments, our varlen plans) under N intra-op threads, with and without other
 busy cores.
 
-    python benchmarks/bench_host_threads.py [--threads 1 2] [--busy 0 1] [--out FILE.jsonl]
+    python benchmarks/bench_host_threads.py [--threads 1 N] [--busy 0 1] [--out FILE.jsonl]
 
 torchrun sets OMP_NUM_THREADS=1 where it starts more than one process and leaves it unset for one, where
 torch takes a thread per core. These ops are small: parallel regions gain nothing, and wait for every
@@ -52,7 +52,8 @@ def time_layout(grids: torch.Tensor, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count()])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count()],
+                        help="intra-op thread counts (default: 1 and one per core)")
     parser.add_argument("--busy", type=int, nargs="+", default=[0, 1], help="cores kept busy by spinning processes")
     parser.add_argument("--images", type=int, nargs="+", default=[6, 8])
     parser.add_argument("--repeats", type=int, default=30)
