@@ -30,6 +30,8 @@ from megatron_hetero.models.mlp_kernels import (
     _dsl_location_problem,
     epilogue_mlp,
     mlp_kernel_for,
+    pad_ffn,
+    padded_fc1,
     padded_swiglu_mlp,
     pairs_as_words,
     quack_activation,
@@ -39,7 +41,7 @@ from megatron_hetero.spec.sizes import MLP_MIN_MACS
 from tests.compiling import assert_compiled_equals_eager
 from tests.hopper import hopper_cubin
 from tests.interpreter import run_on_interpreter
-from tests.quack_stand_in import STAND_IN
+from tests.quack_stand_in import STAND_IN, interleave
 
 
 def _config(**fields) -> TransformerConfig:
@@ -303,6 +305,18 @@ def test_padded_fused_path_equals_torch(monkeypatch, bias, fusion):
             torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-12, atol=1e-12, msg=name)
     if not fusion:
         assert (leaves["w1"].main_grad == 0.5).all() and (leaves["w2"].main_grad == 0.5).all()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_padded_fc1_is_quacks_interleave_of_the_padded_halves(bias):
+    """padded_fc1's weight and bias are what quack's concat layout would make of the zero-padded [gate; up]
+    ones (its _concat_interleave, as the stand-in follows it): the GEMM without the concat layout on them
+    computes what it computed with it on the [gate; up] ones."""
+    leaves = _leaves(bias, gated=True)
+    w1, b1, _ = pad_ffn(leaves["w1"].detach(), leaves["b1"], leaves["w2"].detach(), 5)
+    got_w, got_b = padded_fc1(leaves["w1"].detach(), leaves["b1"], 5)
+    assert torch.equal(got_w, interleave(w1.t()).t())
+    assert got_b is None if not bias else torch.equal(got_b, b1.detach().unflatten(0, (2, -1)).t().flatten())
 
 
 def _accumulating(monkeypatch):

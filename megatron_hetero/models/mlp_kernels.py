@@ -55,8 +55,9 @@ ACTIVATIONS: dict[str, Callable] = {
     "swiglu": _swiglu,
 }
 # Gated units: fc1's weight is [gate; up] (megatron-core's layout, kept); quack's GEMM reads it so
-# (concat_layout) and writes the pre-activation interleaved, [g0, u0, g1, u1, ...], so that its epilogue
-# pairs each gate with its up; torch sees it through halves().
+# (concat_layout), or a padded copy laid out interleaved (padded_fc1), and writes the pre-activation
+# interleaved, [g0, u0, g1, u1, ...], so that its epilogue pairs each gate with its up; torch sees it
+# through halves().
 GATED = ("swiglu",)
 EPILOGUE_DTYPES = (torch.bfloat16, torch.float16)
 HAVE_TRITON = has_triton()
@@ -184,21 +185,28 @@ def weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: to
 
 
 def cut_weight_grad(weight: torch.Tensor, total_input: torch.Tensor, grad_output: torch.Tensor, blocks: int,
-                    accumulation_fusion: bool) -> torch.Tensor | None:
-    """weight_grad at the weight's shape [rows, cols] where it may have run zero-padded (pad_ffn: the
-    operands wider than the weight): the GEMM at the padded shape (at the unaligned one cuBLAS takes its
-    slow 2-element-aligned kernels), then the padded rows of each of `blocks` blocks (fc1's gate and up)
-    and the padded columns (fc2's) dropped through a view: under gradient-accumulation fusion added to
-    main_grad in that one pass."""
+                    accumulation_fusion: bool, interleaved: bool = False) -> torch.Tensor | None:
+    """weight_grad at the weight's shape [rows, cols] where it may have run zero-padded (the operands wider
+    than the weight: padded_fc1, fc2's pad): the GEMM at the padded shape (at the unaligned one cuBLAS
+    takes its slow 2-element-aligned kernels), then the padded rows of each of `blocks` blocks (fc1's gate
+    and up, `interleaved` as padded_fc1 lays them out) and the padded columns (fc2's) dropped through a
+    view (cut_rows): under gradient-accumulation fusion added to main_grad in that one pass."""
     rows, cols = weight.shape
-    if (grad_output.shape[1], total_input.shape[1]) == (rows, cols):
+    if not interleaved and (grad_output.shape[1], total_input.shape[1]) == (rows, cols):
         return weight_grad(weight, total_input, grad_output, accumulation_fusion)
-    padded = grad_output.t().matmul(total_input)
-    cut = padded.view(blocks, -1, padded.shape[1])[:, :rows // blocks, :cols]
+    cut = cut_rows(grad_output.t().matmul(total_input), rows, blocks, interleaved)[..., :cols]
     if not accumulation_fusion:
         return cut.reshape(rows, cols)
     weight.main_grad.view(blocks, rows // blocks, cols).add_(cut)
     return main_grad_placeholder(weight, total_input.dtype, total_input.device)
+
+
+def cut_rows(padded: torch.Tensor, rows: int, blocks: int, interleaved: bool) -> torch.Tensor:
+    """A view [blocks, rows // blocks, ...] of the first rows // blocks of each of `blocks` blocks of
+    `padded`'s rows: blocks one after another ([gate; up]), or `interleaved` row by row ([g0, u0, g1, ...])."""
+    if interleaved:
+        return padded.unflatten(0, (-1, blocks)).transpose(0, 1)[:, :rows // blocks]
+    return padded.unflatten(0, (blocks, -1))[:, :rows // blocks]
 
 
 def main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -217,20 +225,23 @@ class _LinearAct(torch.autograd.Function):
 
     forward: preact = x @ w^T (+ b), act = activation(preact), one GEMM writing both; act is not
     differentiable (its gradient comes back as preact's, from _DActLinear's backward); a gated
-    unit's preact interleaved (GATED); `padded`: the weight and bias zero-padded (pad_ffn), which the
-    GEMMs run instead;
-    backward: dx = dpreact @ w, dw = dpreact^T @ x, db = sum of dpreact over tokens (a gated unit's
-    dpreact first back in [gate; up] halves: one copy of it, so that both GEMMs stay cuBLAS's), dw and
-    db at the parameters' shapes."""
+    unit's preact interleaved (GATED); `padded`: the weight and bias zero-padded and, for a gated unit,
+    their rows interleaved as the preact (padded_fc1), which the GEMMs run instead;
+    backward: dx = dpreact @ w, dw = dpreact^T @ x, db = sum of dpreact over tokens, dw and db at the
+    parameters' shapes; a gated unit's dpreact against its [gate; up] weight first back in halves (one
+    copy of it, so that both GEMMs stay cuBLAS's and dw goes into main_grad inside its GEMM), against
+    padded_fc1's interleaved weight as it is (dw and db cut out of the interleaved rows)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, padded, activation, accumulation_fusion, gemm):
         run_weight, run_bias = padded or (weight, bias)
-        # A gated unit's fc1 bias is [gate; up] as its weight's rows: quack interleaves it too ("bias").
-        layout = {"concat_layout": ("B",) if bias is None else ("B", "bias")} if activation in GATED else {}
+        gated, interleaved = activation in GATED, padded is not None and activation in GATED
+        # A [gate; up] weight is read so by quack's GEMM (concat_layout), its fc1 bias too ("bias").
+        layout = {"concat_layout": ("B",) if bias is None else ("B", "bias")} if gated and not interleaved else {}
         preact, act = gemm.act(x, run_weight.t(), bias=run_bias, activation=activation, tuned=False, **layout)
         ctx.save_for_backward(x, weight, run_weight)
-        ctx.has_bias, ctx.accumulation_fusion, ctx.gated = bias is not None, accumulation_fusion, bool(layout)
+        ctx.has_bias, ctx.accumulation_fusion = bias is not None, accumulation_fusion
+        ctx.gated, ctx.interleaved = gated, interleaved
         ctx.mark_non_differentiable(act)
         ctx.set_materialize_grads(False)
         return preact, act
@@ -238,21 +249,23 @@ class _LinearAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dpreact, _):
         x, weight, run_weight = ctx.saved_tensors
-        if ctx.gated:  # [gate; up] as the weight's rows, for cuBLAS and the fused weight gradient
+        if ctx.gated and not ctx.interleaved:  # [gate; up] as the weight's rows
             dpreact = halves(dpreact)
         dx = dpreact.matmul(run_weight) if ctx.needs_input_grad[0] else None
         blocks = 2 if ctx.gated else 1
-        dw = cut_weight_grad(weight, x, dpreact, blocks, ctx.accumulation_fusion) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = cut_weight_grad(weight, x, dpreact, blocks, ctx.accumulation_fusion, ctx.interleaved)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:  # the padded rows' sums dropped, as the weight's
-            db = dpreact.sum(0).view(blocks, -1)[:, :weight.shape[0] // blocks].flatten()
+            db = cut_rows(dpreact.sum(0), weight.shape[0], blocks, ctx.interleaved).reshape(-1)
         return dx, dw, db, None, None, None, None
 
 
 class _DActLinear(torch.autograd.Function):
     """fc2 whose input-gradient GEMM applies the activation's derivative in its epilogue.
 
-    forward: out = act @ w^T, with `padded` (the weight zero-padded, pad_ffn) for w where given;
+    forward: out = act @ w^T, with `padded` (the weight's ffn columns zero-padded) for w where given;
     preact is kept for the backward, act is not;
     backward: one GEMM gives dpreact = (dout @ w) * activation'(preact) and act again, recomputed
     from preact, for dw = dout^T @ act (torch's activation recomputes it where dpreact is not needed),
@@ -282,14 +295,14 @@ def epilogue_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tens
                  gemm: QuackGemm, pad: int = 0) -> torch.Tensor:
     """fc2(activation(fc1(x))) of one TP rank's weights (fc1 [ffn, in], fc2 [out, ffn]), fc2's bias
     left to the caller, on x of any leading shape; the activation in the GEMMs' epilogues; a gated
-    unit's ffn zero-padded by `pad` (pad_ffn: quack's GEMMs take 16-byte-aligned rows only): the GEMMs
-    run on padded copies made outside autograd, the weight gradients come back at the parameters'
-    shapes (cut_weight_grad), into main_grad under gradient-accumulation fusion as without padding."""
+    unit's ffn zero-padded by `pad` (quack's GEMMs take 16-byte-aligned rows only): the GEMMs run on
+    padded copies made outside autograd (padded_fc1, fc2's columns), the weight gradients come back at
+    the parameters' shapes (cut_weight_grad), into main_grad under gradient-accumulation fusion as
+    without padding."""
     fc1_padded = fc2_padded = None
     if pad:
         with torch.no_grad():
-            w1, b1, fc2_padded = pad_ffn(fc1_weight, fc1_bias, fc2_weight, pad)
-        fc1_padded = (w1, b1)
+            fc1_padded, fc2_padded = padded_fc1(fc1_weight, fc1_bias, pad), F.pad(fc2_weight, (0, pad))
     flat = x.reshape(-1, x.shape[-1])
     preact, act = _LinearAct.apply(flat.contiguous(), fc1_weight, fc1_bias, fc1_padded, activation,
                                    accumulation_fusion, gemm)
@@ -297,12 +310,27 @@ def epilogue_mlp(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tens
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def padded_fc1(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, pad: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A gated fc1's weight [2 ffn, in] and bias as [gate; up], zero-padded by `pad` rows after each of
+    gate and up, in quack's interleaved layout ([g0, u0, g1, u1, ...]): in one copy, as the pad itself
+    takes, so that quack's GEMM reads it without its concat layout and fc1's backward takes the
+    pre-activation's gradient as quack writes it, interleaved, without the halves() copy of it."""
+    ffn = fc1_weight.shape[0] // 2
+
+    def interleaved(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros(ffn + pad, 2, *t.shape[1:])
+        out[:ffn].copy_(t.unflatten(0, (2, ffn)).transpose(0, 1))
+        return out.flatten(0, 1)
+
+    return interleaved(fc1_weight), None if fc1_bias is None else interleaved(fc1_bias)
+
+
 def pad_ffn(fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, fc2_weight: torch.Tensor, pad: int
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A gated MLP's weights (fc1 [2 ffn, in] as [gate; up], its bias, fc2 [out, ffn]) with `pad` zero
     rows after each of gate and up and as many zero columns in fc2: the same function, whose padded
-    activations and weight gradients are zero (under autograd the pads' backward slices them off;
-    in epilogue_mlp cut_weight_grad drops them)."""
+    activations and weight gradients are zero (the pads' backward slices them off)."""
     ffn = fc2_weight.shape[1]
     w1 = F.pad(fc1_weight.unflatten(0, (2, ffn)), (0, 0, 0, pad)).flatten(0, 1)
     b1 = None if fc1_bias is None else F.pad(fc1_bias.unflatten(0, (2, ffn)), (0, pad)).flatten()
