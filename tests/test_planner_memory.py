@@ -35,17 +35,26 @@ def _calibration(record: dict) -> Calibration:
     return Calibration.measured(record_gpu(record))
 
 
-def _band():
+def _band(paths=None):
     return [(path.relative_to(RUNS).as_posix(), record) for path, record in
-            band_records(list(RUNS.rglob("*.jsonl")), LAYOUTS)]
+            band_records(list(paths or RUNS.rglob("*.jsonl")), LAYOUTS)]
+
+
+def _known_gaps():
+    """KNOWN_GAPS' records, each from its own file: band_records keeps the latest record of a
+    configuration, and a later record of the default kernels takes the place of an opt-in variant that
+    its record does not name (the Triton attention input)."""
+    return [(path, record) for (path, workload) in KNOWN_GAPS for _, record in _band([RUNS / path])
+            if record["workload"] == workload]
 
 
 def test_recorded_peaks_within_the_band():
-    records = _band()
-    assert {(path, r["workload"]) for path, r in records} >= set(KNOWN_GAPS)
+    gaps = _known_gaps()
+    assert {(path, r["workload"]) for path, r in gaps} == set(KNOWN_GAPS)
+    records = [(path, r) for path, r in _band() if (path, r["workload"]) not in KNOWN_GAPS]
     assert any(path.startswith("families_h200/") for path, _ in records)
     wrong = []
-    for path, record in records:
+    for path, record in records + gaps:
         _, predicted = predict_record_memory(record, LAYOUTS, _calibration(record))
         measured = record["peak_gb_max"] * GIB
         inside = in_memory_band(predicted, measured)
