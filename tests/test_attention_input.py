@@ -3,6 +3,7 @@ on Triton's CPU interpreter against packed_attention's functions in fp64, compil
 against the compiled functions; the layer calls them under triton only, with the same results."""
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -66,6 +67,7 @@ def test_a_bad_mode_is_one_line():
 
 def _check_the_layer_calls_them_under_triton(rank, world_size):
     from megatron_hetero.models import packed_attention
+    from megatron_hetero.models.attention import attention_summary
     from tests.test_attention_kernels import FAKE
     from tests.test_packed_attention import _env, _outputs_and_grads, _pad_heads, _tower
 
@@ -82,6 +84,10 @@ def _check_the_layer_calls_them_under_triton(rank, world_size):
         _pad_heads(tower, FAKE, 0)  # padded: the cut runs
         layers = [m for m in tower.modules() if isinstance(m, packed_attention.PackedSelfAttention)]
         assert [m.on_triton for m in layers] == [mode == "triton"] * len(layers)
+        with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+                mock.patch.object(attention_input, "HAVE_TRITON", True):  # as on a GPU with Triton
+            said = attention_summary(tower)
+        assert said.endswith(f"; {attention_input.SUMMARY}") == (mode == "triton"), said
         calls.clear()
         results[mode] = _outputs_and_grads(tower, *batch)
         assert calls == (["packed_heads", "cut_heads"] * len(layers) if mode == "triton" else [])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from planner_fit import band_records, in_memory_band, predict_record_memory, record_attention, record_gpu
 
+from megatron_hetero.models.attention_input import SUMMARY as TRITON_INPUT
 from megatron_hetero.planner import Calibration
 from megatron_hetero.planner.counts import activation_bytes_per_token_layer
 from megatron_hetero.planner.presets import FAMILY_BENCHES
@@ -71,6 +72,19 @@ def test_band_records_are_the_current_trainers():
     paths = {path for path, _ in records}
     assert "families_h200/qwen2_5_vl_7b_fa4.jsonl" in paths
     assert "families_h200/qwen2_5_vl_7b_fa4_unpadded_mlp.jsonl" not in paths
+
+
+def test_a_record_naming_the_triton_attention_input_is_its_own_configuration(tmp_path):
+    """Of two records alike but for the attention input their `attention` names, both are kept; of two
+    alike in every field, the later one."""
+    record = json.loads((RUNS / "h100_one_card/interleaved_fc1/second/ab1/C.jsonl").read_text().splitlines()[0])
+    triton = {**record, "date": "2020-01-01",
+              "attention": {**record["attention"], "vision": f"{record['attention']['vision']}; {TRITON_INPUT}"}}
+    for name, other in (("named", triton), ("alike", {**record, "date": "2020-01-01"})):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(other) + "\n")
+    kept = {path.name for path, _ in band_records([RUNS / "h100_one_card/interleaved_fc1/second/ab1/C.jsonl",
+                                                    tmp_path / "named.jsonl", tmp_path / "alike.jsonl"], LAYOUTS)}
+    assert kept == {"C.jsonl", "named.jsonl"}
 
 
 def test_record_kernels_reach_the_memory_model():

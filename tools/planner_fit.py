@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatron_hetero.models.attention_input import SUMMARY as TRITON_ATTENTION_INPUT
 from megatron_hetero.planner.calibration import Calibration, LayerKey
 from megatron_hetero.planner.candidates import Recompute, candidate_from_layout
 from megatron_hetero.planner.cost import CostModel, Prediction, encoder_forward_reruns, layer_key, split_cp
@@ -441,8 +442,9 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
     with the files they came from: bf16 weights, kernels named (the records of the current trainer),
     a layout the planner models; not an A/B pair's baseline (`*_A.jsonl`: the older checkout), nor a
     Qwen2.5-VL record whose ViT MLP ran megatron-core's unfused gated path (before its padded MLP);
-    of one configuration (workload, depth, batch sizes, layout and flags, GPU model, kernels, loss) the
-    latest record (its date, then the files' sorted paths: the answer does not depend on the order given)."""
+    of one configuration (workload, depth, batch sizes, layout and flags, GPU model, kernels, loss, the
+    packed ViT's attention input where its record names it on Triton) the latest record (its date, then
+    the files' sorted paths: the answer does not depend on the order given)."""
     latest = {}
     for path in sorted(paths):
         if path.name.endswith("_A.jsonl"):
@@ -460,7 +462,8 @@ def band_records(paths: list[Path], layouts: Path) -> list[tuple[Path, dict]]:
                 continue
             key = (record["workload"], record["llm_layers"], record.get("global_batch"), record.get("micro_batch"),
                    run.name, record.get("device"), run.attention, run.fused_mlp, run.fused_gated_bias_mlp,
-                   run.grouped_experts, run.fused_cross_entropy, run.quack_loss)
+                   run.grouped_experts, run.fused_cross_entropy, run.quack_loss,
+                   TRITON_ATTENTION_INPUT in json.dumps(record.get("attention")))
             if key not in latest or latest[key][1].get("date", "") <= record.get("date", ""):
                 latest[key] = (path, record)
     return list(latest.values())

@@ -41,7 +41,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention.bias import causal_lower_right
 
-from megatron_hetero.models import kernel_policy
+from megatron_hetero.models import attention_input, kernel_policy
 from megatron_hetero.models.attention_kernels import (
     FA4,
     Fa4,
@@ -53,6 +53,7 @@ from megatron_hetero.models.attention_kernels import (
 )
 from megatron_hetero.models.chunk_attention import chunk_kernel, prefix_causal_attention
 from megatron_hetero.models.context_parallel import cp_gathered_to_sequence_order, cp_positions
+from megatron_hetero.models.packed_attention import PackedSelfAttention
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _MASK_OPTIONAL = (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.arbitrary)
@@ -274,9 +275,12 @@ class SDPAttention(MegatronModule):
 def attention_summary(module: torch.nn.Module) -> str:
     """What a model part's core attention runs, for the start-up line and benchmark records: our
     kernel choices (e.g. "fa4 (head dim 128)"; under CP on SDPA, how the later chunks run), or the
-    class of another core attention (Transformer Engine's); "none" for a part without attention."""
-    found = []
+    class of another core attention (Transformer Engine's); "none" for a part without attention; the
+    packed layers' attention input where it runs on Triton (attention_input.SUMMARY, last)."""
+    found, input_on_triton = [], False
     for name, sub in module.named_modules():
+        if isinstance(sub, PackedSelfAttention):
+            input_on_triton |= sub.fused and sub.on_triton
         if name.endswith("core_attention"):
             if hasattr(sub, "kernel"):  # ours; a packed encoder's (varlen.SegmentAttention) runs no CP
                 found.append(sub.kernel.describe(getattr(sub, "cp", 1)))
@@ -285,4 +289,6 @@ def attention_summary(module: torch.nn.Module) -> str:
                     found.append(f"windows: {short}")
             else:
                 found.append(type(sub).__name__)
+    if input_on_triton and attention_input.HAVE_TRITON and torch.cuda.is_available():
+        found.append(attention_input.SUMMARY)
     return "; ".join(dict.fromkeys(found)) or "none"

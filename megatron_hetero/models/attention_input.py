@@ -30,6 +30,7 @@ from megatron_hetero.models import column_sums
 from megatron_hetero.models.accelerators import has_triton
 
 HAVE_TRITON = has_triton()
+SUMMARY = "attention input: triton"  # attention_summary's words where these kernels run (start-up line, records)
 ROWS = 16  # tokens a program
 MAX_HEAD_DIM = 256
 
