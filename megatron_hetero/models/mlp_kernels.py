@@ -235,7 +235,8 @@ class _LinearAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, padded, activation, accumulation_fusion, gemm):
         run_weight, run_bias = padded or (weight, bias)
-        gated, interleaved = activation in GATED, padded is not None and activation in GATED
+        gated = activation in GATED
+        interleaved = gated and padded is not None  # padded_fc1's layout
         # A [gate; up] weight is read so by quack's GEMM (concat_layout), its fc1 bias too ("bias").
         layout = {"concat_layout": ("B",) if bias is None else ("B", "bias")} if gated and not interleaved else {}
         preact, act = gemm.act(x, run_weight.t(), bias=run_bias, activation=activation, tuned=False, **layout)
