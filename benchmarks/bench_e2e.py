@@ -112,6 +112,9 @@ def run(opts) -> dict:
     if opts.flags:
         name = f"{name} [{opts.flags}]"
     megatron_hetero.patches.apply()
+    if opts.sdpa == "efficient":  # without the flash and cuDNN kernels torch runs its memory-efficient one
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if opts.gpu_memory_gib:
         cap_memory(opts.gpu_memory_gib)
     with megatron_trainer(w, opts.hetero_layout, bf16, extra) as trainer:
@@ -231,6 +234,9 @@ def main() -> int:
     parser.add_argument("--fp32", action="store_true",
                         help="fp32 weights and compute (default on GPUs: Megatron's --bf16, bf16 weights with "
                              "fp32 main params in the optimizer)")
+    parser.add_argument("--sdpa", choices=("auto", "efficient"), default="auto",
+                        help="the kernels torch's scaled_dot_product_attention may pick: auto (torch's choice) or "
+                             "efficient (its memory-efficient kernel alone: the same attention rounded otherwise)")
     parser.add_argument("--gpu-memory-gib", type=float, default=0,
                         help="cap each rank's GPU allocator at this many GiB (e.g. 79.6: an 80 GB H100's) to "
                              "see which layouts fit a smaller card; in the record as memory_cap_gib")

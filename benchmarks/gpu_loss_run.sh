@@ -18,7 +18,9 @@
 # (the fused path under --attention-backend flash: the windows on flash-attn-4 too), fused-quack (the fused
 # path with the loss on quack's cross entropy, checked or not: MEGATRON_HETERO_LOSS_KERNEL=quack), fp32 (the
 # unfused path in fp32 weights and compute, bench_e2e --fp32: the reference both bf16 paths are judged
-# against; it needs about twice a bf16 run's activations, so give it the card alone: CARDS="0"). E.g.
+# against; it needs about twice a bf16 run's activations, so give it the card alone: CARDS="0"),
+# unfused-efficient (the unfused path with torch's attention on its memory-efficient kernel alone,
+# bench_e2e --sdpa efficient: what another rounding of one unfused kernel makes of the curve). E.g.
 # RUNS="fused_s1 fused_s2" after a change of the fused path only (put the unfused runs' records beside them
 # in $OUT: compare.md reads every <run>.jsonl there), or "fused_s1_b fused-nobda_s1 fused-flash_s1" to tell
 # which change moves a seed's curve.
@@ -37,11 +39,13 @@ run() {  # lane, card, name <arm>_s<seed>[_<repeat>]
   case $arm in
     fp32) precision=(--fp32) ;&  # the unfused path in fp32
     unfused) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion ;;
+    unfused-efficient) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion
+                       precision=(--sdpa efficient) ;;
     fused) ;;
     fused-nobda) fused="$fused --no-bias-dropout-fusion" ;;
     fused-flash) backend=flash ;;
     fused-quack) prefix=(env MEGATRON_HETERO_LOSS_KERNEL=quack) ;;
-    *) echo "$name: no arm $arm (unfused, fused, fused-nobda, fused-flash, fused-quack, fp32)" | tee -a "$out/loss.log"; return ;;
+    *) echo "$name: no arm $arm (unfused, fused, fused-nobda, fused-flash, fused-quack, fp32, unfused-efficient)" | tee -a "$out/loss.log"; return ;;
   esac
   CUDA_VISIBLE_DEVICES=$card "${prefix[@]}" timeout -s KILL "${RUN_S:-280}" torchrun --nproc-per-node 1 \
     --master-port $((29800 + lane)) benchmarks/bench_e2e.py --workload "$W" --llm-layers "${LLM_LAYERS:-2}" \
