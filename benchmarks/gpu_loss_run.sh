@@ -35,12 +35,12 @@ unfused=(env MEGATRON_HETERO_MLP_KERNEL=torch MEGATRON_HETERO_NORM_KERNEL=torch 
 run() {  # lane, card, name <arm>_s<seed>[_<repeat>]
   local lane=$1 card=$2 name=$3 arm=${3%%_s*} seed=${3#*_s} backend=auto
   seed=${seed%%_*}
-  local prefix=(env) fused=--cross-entropy-loss-fusion precision=()
+  local prefix=(env) fused=--cross-entropy-loss-fusion args=()
   case $arm in
-    fp32) precision=(--fp32) ;&  # the unfused path in fp32
+    fp32) args=(--fp32) ;&  # the unfused path in fp32
     unfused) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion ;;
     unfused-efficient) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion
-                       precision=(--sdpa efficient) ;;
+                       args=(--sdpa efficient) ;;
     fused) ;;
     fused-nobda) fused="$fused --no-bias-dropout-fusion" ;;
     fused-flash) backend=flash ;;
@@ -50,7 +50,7 @@ run() {  # lane, card, name <arm>_s<seed>[_<repeat>]
   CUDA_VISIBLE_DEVICES=$card "${prefix[@]}" timeout -s KILL "${RUN_S:-280}" torchrun --nproc-per-node 1 \
     --master-port $((29800 + lane)) benchmarks/bench_e2e.py --workload "$W" --llm-layers "${LLM_LAYERS:-2}" \
     --items-per-sample "${ITEMS:-4}" --global-batch "${GB:-2}" --hetero-layout examples/layouts/single.yaml \
-    --warmup 0 --steps "${STEPS:-200}" --out "$out/$name.jsonl" "${precision[@]}" \
+    --warmup 0 --steps "${STEPS:-200}" --out "$out/$name.jsonl" "${args[@]}" \
     --flags="--seed $seed --lr ${LR:-2e-5} --attention-backend $backend $fused" > "/tmp/loss_$name.log" 2>&1
   echo "$name on card $card: exit $?; $(grep -E '^(attention|mlp|norms|loss):' "/tmp/loss_$name.log" | sort -u | tr '\n' ' ')" \
     | tee -a "$out/loss.log"
