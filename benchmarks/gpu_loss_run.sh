@@ -38,9 +38,8 @@ run() {  # lane, card, name <arm>_s<seed>[_<repeat>]
   local prefix=(env) fused=--cross-entropy-loss-fusion args=()
   case $arm in
     fp32) args=(--fp32) ;&  # the unfused path in fp32
-    unfused) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion ;;
-    unfused-efficient) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion
-                       args=(--sdpa efficient) ;;
+    unfused | unfused-efficient) prefix=("${unfused[@]}") backend=unfused fused=--no-bias-dropout-fusion
+      if [ "$arm" = unfused-efficient ]; then args=(--sdpa efficient); fi ;;
     fused) ;;
     fused-nobda) fused="$fused --no-bias-dropout-fusion" ;;
     fused-flash) backend=flash ;;
