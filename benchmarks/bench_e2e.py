@@ -111,6 +111,8 @@ def run(opts) -> dict:
             f"{name} ({opts.colocated_schedule})"
     if opts.flags:
         name = f"{name} [{opts.flags}]"
+    if opts.sdpa != "auto":
+        name = f"{name} (SDPA {opts.sdpa})"
     megatron_hetero.patches.apply()
     if opts.sdpa == "efficient":  # without the flash and cuDNN kernels torch runs its memory-efficient one
         torch.backends.cuda.enable_flash_sdp(False)
@@ -236,7 +238,8 @@ def main() -> int:
                              "fp32 main params in the optimizer)")
     parser.add_argument("--sdpa", choices=("auto", "efficient"), default="auto",
                         help="the kernels torch's scaled_dot_product_attention may pick: auto (torch's choice) or "
-                             "efficient (its memory-efficient kernel alone: the same attention rounded otherwise)")
+                             "efficient (its memory-efficient kernel alone: the same attention rounded otherwise; "
+                             "named in the record's layout)")
     parser.add_argument("--gpu-memory-gib", type=float, default=0,
                         help="cap each rank's GPU allocator at this many GiB (e.g. 79.6: an 80 GB H100's) to "
                              "see which layouts fit a smaller card; in the record as memory_cap_gib")
