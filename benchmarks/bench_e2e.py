@@ -111,10 +111,9 @@ def run(opts) -> dict:
             f"{name} ({opts.colocated_schedule})"
     if opts.flags:
         name = f"{name} [{opts.flags}]"
-    if opts.sdpa != "auto":
-        name = f"{name} (SDPA {opts.sdpa})"
     megatron_hetero.patches.apply()
     if opts.sdpa == "efficient":  # without the flash and cuDNN kernels torch runs its memory-efficient one
+        name = f"{name} (SDPA efficient)"
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     if opts.gpu_memory_gib:
